@@ -1,0 +1,126 @@
+"""Library entry points: `load()` a target with a drafter, then `generate()` text.
+
+    from moaspec import load
+    from transformers import TextStreamer
+    lm = load()                                   # smollm2-135m + the default drafter
+    out = lm.generate("Name three colours.", streamer=TextStreamer(lm.tokenizer, skip_prompt=True))
+    print(out.stats.tau, out.stats.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters import DEFAULT_DRAFTER, Drafter, make_drafter
+from moaspec.engine import Engine, GenerationResult
+from moaspec.errors import MoaspecError
+from moaspec.metrics import SpecStats
+from moaspec.model_store import DEFAULT_TARGET, resolve_target
+from moaspec.target import HFTarget
+
+# Measured on the 2-core machine (assets.md §2): eager attention is 10-30 % faster than sdpa here.
+DEFAULT_ATTN_IMPLEMENTATION = "eager"
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """text: decoded new tokens (special tokens skipped); token_ids: new tokens only."""
+
+    text: str
+    token_ids: list[int]
+    stats: SpecStats
+    stop_reason: str
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "stop_reason": self.stop_reason, **self.stats.to_dict()}
+
+
+class SpeculativeLM:
+    """A target, its tokenizer and a drafter, ready to generate."""
+
+    def __init__(self, target: HFTarget, drafter: Drafter) -> None:
+        if target.tokenizer is None:
+            raise MoaspecError("the target has no tokenizer")
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.drafter = drafter
+        self.engine = Engine(target, drafter)
+
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids of `prompt`, through the chat template unless `raw`."""
+        if not prompt or not prompt.strip():
+            raise MoaspecError("the prompt is empty")
+        if raw or not getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer(prompt, add_special_tokens=raw is False)["input_ids"])
+        encoded = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(encoded["input_ids"])
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int = 0,
+        raw: bool = False,
+        streamer=None,
+    ) -> GenerationOutput:
+        """Generate from a text prompt (chat template applied unless `raw`) or from token ids.
+
+        streamer: any transformers streamer (`TextStreamer`, `TextIteratorStreamer`): it gets
+        `put(prompt_ids)` first, then the new tokens as they are verified, then `end()`.
+        """
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
+        prompt_ids = prompt if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
+        result = GenerationResult()
+        if streamer is not None:
+            streamer.put(torch.tensor([prompt_ids]))
+        try:
+            for new_ids in self.engine.stream(prompt_ids, sampling, generation, result=result):
+                if streamer is not None and new_ids:
+                    streamer.put(torch.tensor(new_ids))
+        finally:
+            if streamer is not None:
+                streamer.end()
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return GenerationOutput(text, result.token_ids, result.stats, result.stop_reason)
+
+
+def load_target(
+    target: str = DEFAULT_TARGET,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+) -> HFTarget:
+    """Load a target by built-in name, HF directory or .gguf path (offline only)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, model_dir = resolve_target(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise MoaspecError(f"cannot load target {target}: {str(exc).splitlines()[0]}") from exc
+    return HFTarget(model, tokenizer, name)
+
+
+def load(
+    target: str = DEFAULT_TARGET,
+    drafter: str = DEFAULT_DRAFTER,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+) -> SpeculativeLM:
+    """Load a target and a drafter for it."""
+    loaded = load_target(target, dtype, attn_implementation)
+    return SpeculativeLM(loaded, make_drafter(drafter, loaded))

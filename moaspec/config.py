@@ -1,0 +1,47 @@
+"""Frozen configuration dataclasses shared by the engine, the drafters and the CLI.
+
+Validation lives in `__post_init__` and raises `MoaspecError`, so a bad value from any entry
+point (CLI flag, library call, server request) gets the same one-line message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moaspec.errors import MoaspecError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the target distribution.
+
+    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1 disable those filters.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise MoaspecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise MoaspecError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise MoaspecError(f"top-k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Limits of one generation request."""
+
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise MoaspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")

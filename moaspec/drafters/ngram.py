@@ -1,0 +1,106 @@
+"""Model-free n-gram (prompt-lookup) drafter.
+
+The context often repeats itself (code, quotes, lists, names). Take the last n tokens of the
+context (root included), find earlier places where the same n tokens occurred, most recent first,
+and propose what followed them. Several continuations are merged into a trie, so one verification
+checks a few alternatives. Longer n-grams are tried first; with no match the drafter proposes
+the root alone (a plain decoding step costs less than a useless tree).
+
+Drafts are deterministic (no `draft_probs`), which the stochastic verifier handles losslessly.
+An index from n-gram to the positions where it ends is updated incrementally, so a proposal
+costs O(branches * depth), not a scan of the context.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.config import SamplingConfig
+from moaspec.drafters.base import VerifiedUpdate
+from moaspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """min_ngram..max_ngram: n-gram lengths tried (longest first); the rest bounds the tree."""
+
+    min_ngram: int = 2
+    max_ngram: int = 4
+    max_depth: int = 8
+    max_branches: int = 3
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if self.max_depth < 1 or self.max_branches < 1 or self.max_nodes < 2:
+            raise ValueError("max_depth and max_branches must be >= 1, max_nodes >= 2")
+
+
+class NgramDrafter:
+    """Prompt-lookup drafter proposing a small trie of earlier continuations."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config or NgramConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: list[int] = []
+        # ends[n][ngram] = positions (ascending) of the last token of each occurrence
+        self.ends: dict[int, defaultdict[tuple[int, ...], list[int]]] = {
+            n: defaultdict(list) for n in range(self.config.min_ngram, self.config.max_ngram + 1)
+        }
+
+    def accept(self, update: VerifiedUpdate) -> None:
+        for token in update.token_ids.tolist():
+            self.history.append(token)
+            end = len(self.history) - 1
+            for n, index in self.ends.items():
+                if end + 1 >= n:
+                    index[tuple(self.history[end + 1 - n : end + 1])].append(end)
+
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        context = [*self.history, root_id]
+        continuations = self._continuations(context)
+        return _trie(root_id, continuations, self.config.max_nodes)
+
+    def _continuations(self, context: list[int]) -> list[list[int]]:
+        """Up to max_branches distinct continuations, longest n-gram and most recent match first."""
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            if len(context) < n:
+                continue
+            for end in reversed(self.ends[n].get(tuple(context[-n:]), ())):
+                continuation = context[end + 1 : end + 1 + self.config.max_depth]
+                key = tuple(continuation)
+                if continuation and key not in seen:
+                    seen.add(key)
+                    found.append(continuation)
+                    if len(found) == self.config.max_branches:
+                        return found
+        return found
+
+
+def _trie(root_id: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
+    """Merge continuations into a tree under the root, in order, until max_nodes nodes."""
+    token_ids, parents = [root_id], [-1]
+    child_of: dict[tuple[int, int], int] = {}
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            existing = child_of.get((node, token))
+            if existing is None:
+                if len(token_ids) == max_nodes:
+                    break
+                existing = len(token_ids)
+                token_ids.append(token)
+                parents.append(node)
+                child_of[(node, token)] = existing
+            node = existing
+    return DraftTree(torch.tensor(token_ids), torch.tensor(parents))

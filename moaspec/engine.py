@@ -1,0 +1,165 @@
+"""The decode loop: prefill -> (propose -> verify -> accept -> commit)*.
+
+Invariants between steps:
+- the target's cache holds exactly the verified tokens (prompt + emitted tokens except the last);
+- the last emitted token is the root of the next draft tree (position target.num_cached);
+- the drafter has been told (`accept`) about every verified token, in order.
+
+Greedy decoding emits exactly the target's argmax sequence; sampling emits exactly the target's
+warped distribution (verify.py). No I/O here: tokens are yielded as they are decided.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.base import Drafter, VerifiedUpdate
+from moaspec.errors import MoaspecError
+from moaspec.metrics import SpecStats
+from moaspec.sampling import sample, target_probs
+from moaspec.target import HFTarget
+from moaspec.tree import DraftTree, depths, prune_to_depth
+from moaspec.verify import Accepted, verify_greedy, verify_stochastic
+
+
+@dataclass
+class GenerationResult:
+    """token_ids: new tokens only (a stop token, when hit, is the last one)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    stop_reason: str = "length"  # "stop_token" | "length" | "context"
+
+
+class Engine:
+    """Speculative generation with one target and one drafter (batch size 1)."""
+
+    def __init__(self, target: HFTarget, drafter: Drafter) -> None:
+        self.target = target
+        self.drafter = drafter
+
+    def generate(
+        self,
+        prompt_ids: list[int] | torch.Tensor,
+        sampling: SamplingConfig = SamplingConfig(),
+        generation: GenerationConfig = GenerationConfig(),
+        stop_ids: frozenset[int] | None = None,
+    ) -> GenerationResult:
+        """Run to completion; see `stream` for the arguments."""
+        result = GenerationResult()
+        for _ in self.stream(prompt_ids, sampling, generation, stop_ids, result):
+            pass
+        return result
+
+    def stream(
+        self,
+        prompt_ids: list[int] | torch.Tensor,
+        sampling: SamplingConfig = SamplingConfig(),
+        generation: GenerationConfig = GenerationConfig(),
+        stop_ids: frozenset[int] | None = None,
+        result: GenerationResult | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the new tokens of each step; fill `result` (token ids, stats) as it goes.
+
+        prompt_ids: [T] token ids, T >= 1. stop_ids: default = the target's end-of-sequence ids.
+        """
+        result = result if result is not None else GenerationResult()
+        stats = result.stats
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+        if prompt.numel() == 0:
+            raise MoaspecError("the prompt is empty")
+        room = self.target.max_positions - prompt.numel()
+        if room < 1:
+            raise MoaspecError(
+                f"the prompt has {prompt.numel()} tokens but the target's context holds "
+                f"{self.target.max_positions}"
+            )
+        stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
+        max_new = min(generation.max_new_tokens, room)
+        generator = torch.Generator().manual_seed(generation.seed)
+        started = time.perf_counter()
+
+        # 0. prefill: the prompt becomes verified context; its last logits give the first token.
+        tick = time.perf_counter()
+        self.target.reset()
+        out = self.target.prefill(prompt, self.drafter.hidden_layers)
+        root = _pick(out.logits[-1], sampling, generator)
+        stats.record_prefill(time.perf_counter() - tick)
+        tick = time.perf_counter()
+        self.drafter.reset()
+        self.drafter.accept(VerifiedUpdate(prompt, 0, out.hidden, self.target))
+        stats.draft_s += time.perf_counter() - tick
+
+        emitted = [root]
+        while True:
+            num_before = len(result.token_ids)
+            done = self._emit(emitted, result, stop_ids, max_new)
+            stats.wall_s = time.perf_counter() - started
+            yield result.token_ids[num_before:]
+            stats.wall_s = time.perf_counter() - started
+            if done:
+                if result.stop_reason == "length" and generation.max_new_tokens > room:
+                    result.stop_reason = "context"
+                return
+            remaining = max_new - len(result.token_ids)
+
+            # 1. propose a tree rooted at the last emitted token, no deeper than still useful.
+            tick = time.perf_counter()
+            tree = self.drafter.propose(root, sampling, generator)
+            tree = prune_to_depth(tree, remaining - 1)
+            stats.draft_s += time.perf_counter() - tick
+
+            # 2. verify: one target forward over the tree, then the verifier picks the path.
+            tick = time.perf_counter()
+            start_pos = self.target.num_cached
+            out = self.target.verify(tree, self.drafter.hidden_layers)
+            accepted = self._verify(tree, out.logits, sampling, generator)
+
+            # 3. commit the accepted path in the target's cache.
+            self.target.commit(accepted.path_node_idx)
+            stats.verify_s += time.perf_counter() - tick
+            stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, accepted.num_accepted)
+
+            # 4. tell the drafter what was verified (root + accepted drafts).
+            tick = time.perf_counter()
+            path = torch.tensor(accepted.path_node_idx)
+            hidden = None if out.hidden is None else out.hidden[path]
+            self.drafter.accept(VerifiedUpdate(tree.token_ids[path], start_pos, hidden, self.target))
+            stats.draft_s += time.perf_counter() - tick
+
+            emitted = accepted.emitted_ids
+            root = accepted.next_token
+
+    @staticmethod
+    def _verify(
+        tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+    ) -> Accepted:
+        if sampling.greedy:
+            return verify_greedy(tree, logits)
+        return verify_stochastic(tree, target_probs(logits.double(), sampling), generator)
+
+    @staticmethod
+    def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new: int) -> bool:
+        """Append emitted tokens up to a stop token or the limit; True when generation is over."""
+        for token in emitted:
+            result.token_ids.append(token)
+            result.stats.new_tokens += 1
+            if token in stop_ids:
+                result.stop_reason = "stop_token"
+                return True
+            if len(result.token_ids) >= max_new:
+                result.stop_reason = "length"
+                return True
+        return False
+
+
+def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """The first token, from the prefill's last logits [V]."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sample(target_probs(logits.double(), sampling), generator)

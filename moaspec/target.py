@@ -1,0 +1,190 @@
+"""The target LLM: a transformers causal LM behind prefill / verify / commit / rollback.
+
+State: one KV cache holding exactly `num_cached` verified tokens (positions 0..num_cached-1).
+- `prefill(ids)` appends ids to the verified context.
+- `verify(tree)` runs the tree's nodes in one forward at positions `num_cached + depth` with an
+  additive tree mask; their keys/values are appended *after* the verified context, pending.
+- `commit(path_node_idx)` keeps the pending entries of the accepted path (KV compaction: the
+  keys were rotated at `num_cached + depth`, which is exactly their final position, so no
+  re-rotation is needed) and drops the rest.
+- `rollback(length)` forgets verified tokens beyond `length`.
+
+Drafters read activations through `hidden_states` in the outputs (layer index as in transformers'
+`output_hidden_states`: 0 = embeddings, l = output of layer l, num_layers = after the final norm),
+`layer_kv()` (per-layer keys/values of verified positions) and the frozen modules exposed below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from moaspec.errors import MoaspecError
+from moaspec.tree import DraftTree, depths, tree_attention_bias
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """logits: [N, V] (float32 or the model dtype). hidden: [N, H, D] at the requested layers, or None."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+class HFTarget:
+    """Adapter over a transformers Llama/Qwen2-style `*ForCausalLM` (batch size 1)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.cache = DynamicCache(config=self.config)
+        self.num_cached = 0
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """End-of-sequence ids from the generation config (and the tokenizer as a fallback)."""
+        ids: set[int] = set()
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        for source in (gen_eos, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source is not None:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    # -- frozen modules drafters may share ----------------------------------------------------
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self.model.model.norm
+
+    @property
+    def rotary_emb(self) -> torch.nn.Module:
+        return self.model.model.rotary_emb
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget everything: an empty verified context."""
+        self.cache = DynamicCache(config=self.config)
+        self.num_cached = 0
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, H, D]."""
+        count = input_ids.numel()
+        if self.num_cached + count > self.max_positions:
+            raise MoaspecError(
+                f"the prompt has {count} tokens but the target's context holds {self.max_positions}"
+            )
+        positions = torch.arange(self.num_cached, self.num_cached + count)
+        out = self._forward(input_ids, positions, None, hidden_layers, logits_to_keep=1)
+        self.num_cached += count
+        return out
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Score every node of `tree` in one forward.  -> logits [N, V], hidden [N, H, D].
+
+        The nodes' keys/values stay pending in the cache until `commit`.
+        """
+        node_depths = depths(tree.parents)
+        positions = self.num_cached + node_depths
+        is_chain = bool((node_depths == torch.arange(tree.num_nodes)).all())
+        # A chain is plain causal attention: let transformers build its own mask.
+        bias = None if is_chain else tree_attention_bias(tree.parents, self.num_cached, self.dtype)
+        return self._forward(tree.token_ids, positions, bias, hidden_layers, logits_to_keep=0)
+
+    def commit(self, path_node_idx: list[int]) -> None:
+        """Keep the pending entries of the accepted path (root first), drop the other nodes."""
+        pending = self.cache.get_seq_length() - self.num_cached
+        num_keep = len(path_node_idx)
+        if path_node_idx != list(range(num_keep)):
+            keep = torch.cat([torch.arange(self.num_cached), self.num_cached + torch.tensor(path_node_idx)])
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(-2, keep)
+                layer.values = layer.values.index_select(-2, keep)
+        elif pending > num_keep:
+            self.cache.crop(num_keep - pending)
+        self.num_cached += num_keep
+
+    def rollback(self, length: int) -> None:
+        """Forget verified tokens at positions >= length (and anything pending)."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot roll back to {length} with {self.num_cached} verified tokens")
+        excess = self.cache.get_seq_length() - length
+        if excess > 0:
+            self.cache.crop(-excess)
+        self.num_cached = length
+
+    def layer_kv(self, start: int, end: int) -> torch.Tensor:
+        """Per-layer keys (post-RoPE) and values of verified positions start..end-1.
+
+        -> [end - start, L, 2 * n_kv * head_dim], laid out per KV head as [k_h, v_h]
+        (the MoA Layer-Self-Attention input, moa_reference.md §1.2).
+        """
+        if not 0 <= start <= end <= self.num_cached:
+            raise ValueError(f"positions {start}..{end} are not all verified ({self.num_cached})")
+        per_layer = []
+        for layer in self.cache.layers:
+            kv = torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]], dim=2)
+            per_layer.append(kv.permute(1, 0, 2, 3).flatten(1))  # [n, n_kv * 2 * head_dim]
+        return torch.stack(per_layer, dim=1)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_bias: torch.Tensor | None,
+        hidden_layers: tuple[int, ...],
+        logits_to_keep: int,
+    ) -> TargetOutput:
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            attention_mask=attention_bias,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+            logits_to_keep=logits_to_keep,
+        )
+        hidden = None
+        if hidden_layers:
+            hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers], dim=1)
+        return TargetOutput(out.logits[0], hidden)

@@ -1,0 +1,129 @@
+"""Draft trees: token ids plus parent indices, and pure functions over them.
+
+Invariants of a `DraftTree` with N nodes:
+- node 0 is the root: the last emitted token, which the target has not processed yet;
+- `parents[0] == -1` and `0 <= parents[i] < i` for i >= 1 (parents come before children);
+- a chain (every parent is its predecessor) is a tree like any other, with one code path.
+
+The root sits at absolute position `pos0` (the target's cache length); node i sits at
+`pos0 + depth[i]`. A node attends to the verified context and to its own ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A tree of drafted tokens to verify in one target forward.
+
+    token_ids:   [N] long, node 0 is the root.
+    parents:     [N] long, -1 for the root.
+    draft_probs: optional [N, V]: row i is the drafter distribution node i's token was drawn from,
+                 given its ancestors and its earlier siblings (row 0 unused). None means the
+                 drafts are deterministic (each proposal is a point mass on its own token).
+    """
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_ids.dim() != 1 or self.parents.shape != self.token_ids.shape:
+            raise ValueError("token_ids and parents must be 1-D tensors of the same length")
+        if self.token_ids.numel() == 0 or int(self.parents[0]) != -1:
+            raise ValueError("a draft tree needs a root (node 0) with parent -1")
+        n = self.token_ids.numel()
+        if n > 1:
+            rest = self.parents[1:]
+            if bool((rest < 0).any()) or bool((rest >= torch.arange(1, n)).any()):
+                raise ValueError("every parent index must point to an earlier node")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != n:
+            raise ValueError("draft_probs must have one row per node")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.token_ids.numel()
+
+    @staticmethod
+    def chain(token_ids: list[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A chain: root followed by drafts, each the child of the previous one."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        return DraftTree(ids, torch.arange(-1, ids.numel() - 1), draft_probs)
+
+    @staticmethod
+    def root_only(root_id: int) -> DraftTree:
+        """The tree of plain decoding: the root and no drafts."""
+        return DraftTree.chain([root_id])
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """mask[i, j] is True iff j is i or an ancestor of i.  parents: [N] -> [N, N] bool."""
+    n = parents.numel()
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each node, root = 0.  parents: [N] -> [N] long."""
+    return ancestor_mask(parents).sum(-1) - 1
+
+
+def children(parents: torch.Tensor) -> list[list[int]]:
+    """children[i] = the child node indices of node i, in node order."""
+    kids: list[list[int]] = [[] for _ in range(parents.numel())]
+    for i, parent in enumerate(parents.tolist()):
+        if parent >= 0:
+            kids[parent].append(i)
+    return kids
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    """Node indices from the root down to `node`, both included."""
+    path = []
+    parent_list = parents.tolist()
+    while node >= 0:
+        path.append(node)
+        node = parent_list[node]
+    return path[::-1]
+
+
+def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
+    """All root-to-leaf paths (node indices), leaves in node order."""
+    kids = children(parents)
+    return [path_to(parents, i) for i in range(parents.numel()) if not kids[i]]
+
+
+def tree_attention_bias(parents: torch.Tensor, num_cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention mask for verifying a tree after `num_cached` verified tokens.
+
+    Returns [1, 1, N, num_cached + N]: 0 where a node may attend (the whole verified context,
+    its ancestors, itself), the dtype's minimum elsewhere. Additive float masks, because a bool
+    mask is silently misread by transformers' eager attention.
+    """
+    n = parents.numel()
+    visible = torch.ones(n, num_cached + n, dtype=torch.bool)
+    visible[:, num_cached:] = ancestor_mask(parents)
+    bias = torch.zeros(n, num_cached + n, dtype=dtype)
+    bias.masked_fill_(~visible, torch.finfo(dtype).min)
+    return bias[None, None]
+
+
+def prune_to_depth(tree: DraftTree, max_depth: int) -> DraftTree:
+    """The subtree of nodes at depth <= max_depth (node order and draft_probs rows kept)."""
+    keep = depths(tree.parents) <= max_depth
+    if bool(keep.all()):
+        return tree
+    kept_idx = keep.nonzero().flatten()  # ascending, so parents stay before children
+    new_index = torch.full((tree.num_nodes,), -1, dtype=torch.long)
+    new_index[kept_idx] = torch.arange(kept_idx.numel())
+    old_parents = tree.parents[kept_idx]
+    new_parents = torch.where(old_parents >= 0, new_index[old_parents.clamp_min(0)], -1)
+    draft_probs = None if tree.draft_probs is None else tree.draft_probs[kept_idx]
+    return DraftTree(tree.token_ids[kept_idx], new_parents, draft_probs)

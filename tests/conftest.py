@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random Llama and Qwen2 targets (float64 where exactness is claimed).
+
+The tiny targets have no tokenizer; tests drive the engine with token ids. Random weights give
+near-uniform but deterministic distributions, which is all losslessness tests need.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from moaspec.target import HFTarget
+
+TINY_VOCAB = 97
+
+
+def _tiny_config(config_cls, **overrides):
+    base = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    base.update(overrides)
+    return config_cls(**base)
+
+
+def make_tiny_target(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> HFTarget:
+    """A random 2-layer target of the given family ("llama" or "qwen2"), eager attention."""
+    torch.manual_seed(seed)
+    if family == "llama":
+        model = LlamaForCausalLM(_tiny_config(LlamaConfig, **overrides))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(_tiny_config(Qwen2Config, **overrides))
+    else:
+        raise ValueError(family)
+    model.config._attn_implementation = "eager"
+    # Random init gives tiny logits (near-uniform, many near-ties); scale the head so argmax is
+    # well separated and greedy comparisons are meaningful.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return HFTarget(model.to(dtype).eval(), None, f"tiny-{family}")
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_target(request) -> HFTarget:
+    return make_tiny_target(request.param)
+
+
+@pytest.fixture
+def tiny_llama() -> HFTarget:
+    return make_tiny_target("llama")
