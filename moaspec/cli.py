@@ -53,6 +53,11 @@ def _generate(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
     if not args.prompt.strip():
         raise MoaspecError("the prompt is empty")
+    from moaspec.drafters import check_drafter_spec
+    from moaspec.model_store import resolve_target
+
+    check_drafter_spec(args.drafter)
+    resolve_target(args.target)  # unknown name / bad path: fail before torch loads
 
     from moaspec.api import load
 

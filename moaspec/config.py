@@ -45,3 +45,5 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise MoaspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if not -(2**63) <= self.seed < 2**64:  # the range torch.Generator.manual_seed accepts
+            raise MoaspecError(f"seed must fit in 64 bits, got {self.seed}")

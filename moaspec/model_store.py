@@ -92,6 +92,9 @@ def ensure_converted(gguf: Path, label: str) -> Path:
     final = cache_root() / "targets" / f"{gguf.stem}-{_gguf_key(gguf)}"
     if (final / "config.json").is_file():
         return final
+    with gguf.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise MoaspecError(f"target {gguf} is not a GGUF file (no GGUF magic bytes)")
     final.parent.mkdir(parents=True, exist_ok=True)
     print(
         f"moaspec: first use of {label}: converting {gguf.name} to a float32 cache in {final} "
@@ -101,7 +104,11 @@ def ensure_converted(gguf: Path, label: str) -> Path:
     )
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=final.parent))
     try:
-        _write_dequantized(gguf, staging)
+        try:
+            _write_dequantized(gguf, staging)
+        except Exception as exc:  # a corrupt or unsupported file fails in many ways
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise MoaspecError(f"cannot convert target {gguf.name}: {reason}") from exc
         try:
             os.rename(staging, final)
         except OSError:

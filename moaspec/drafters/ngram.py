@@ -16,11 +16,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
         self.reset()
+
+    @classmethod
+    def for_target(cls, target: HFTarget) -> NgramDrafter:
+        """The registry's factory; this drafter does not depend on the target."""
+        return cls()
 
     def reset(self) -> None:
         self.history: list[int] = []

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
 
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
+
 
 class NoDrafter:
     """Proposes the root alone; the baseline every speedup is measured against."""
 
     hidden_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def for_target(cls, target: HFTarget) -> NoDrafter:
+        """The registry's factory; this drafter does not depend on the target."""
+        return cls()
 
     def reset(self) -> None:
         pass

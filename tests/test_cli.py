@@ -1,0 +1,153 @@
+"""The CLI's error contract: bad input -> one line `moaspec: error: ...` on stderr, exit 2.
+
+No model loads here: every error must be caught before torch is even imported (checked in a
+fresh interpreter, since this test process already imports torch through conftest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from moaspec.cli import EXIT_USAGE, main
+
+PREFIX = "moaspec: error: "
+
+# name -> (argv builder given a scratch directory, substring expected in the message)
+Case = tuple[Callable[[Path], list[str]], str]
+
+
+def _gen(*extra: str) -> list[str]:
+    return ["generate", "--prompt", "hi", *extra]
+
+
+def _plain_file(tmp: Path) -> list[str]:
+    notes = tmp / "notes.txt"
+    notes.write_text("hello")
+    return _gen("--target", str(notes))
+
+
+def _not_gguf(tmp: Path) -> list[str]:
+    fake = tmp / "fake.gguf"
+    fake.write_bytes(b"\x00not a gguf file" * 8)
+    return _gen("--target", str(fake))
+
+
+BAD_INPUTS: dict[str, Case] = {
+    "unknown target name": (lambda tmp: _gen("--target", "no-such-model"), "unknown target 'no-such-model'"),
+    "missing path": (lambda tmp: _gen("--target", str(tmp / "missing" / "model")), "unknown target"),
+    "dir without config.json": (lambda tmp: _gen("--target", str(tmp)), "has no config.json"),
+    "file that is not a model": (_plain_file, "neither a model directory nor a .gguf file"),
+    ".gguf without GGUF magic": (_not_gguf, "not a GGUF file"),
+    "empty prompt": (lambda tmp: ["generate", "--prompt", ""], "the prompt is empty"),
+    "whitespace prompt": (lambda tmp: ["generate", "--prompt", " \n\t  "], "the prompt is empty"),
+    "negative temperature": (lambda tmp: _gen("--temperature", "-0.5"), "temperature must be >= 0"),
+    "nan temperature": (lambda tmp: _gen("--temperature", "nan"), "temperature must be >= 0"),
+    "top-p 0": (lambda tmp: _gen("--top-p", "0"), "top-p must be in (0, 1]"),
+    "top-p 1.5": (lambda tmp: _gen("--top-p", "1.5"), "top-p must be in (0, 1]"),
+    "negative top-k": (lambda tmp: _gen("--top-k", "-1"), "top-k must be >= 0"),
+    "max-new-tokens 0": (lambda tmp: _gen("--max-new-tokens", "0"), "max-new-tokens must be >= 1"),
+    "seed beyond 64 bits": (lambda tmp: _gen("--seed", str(2**64)), "seed must fit in 64 bits"),
+    "unknown drafter": (lambda tmp: _gen("--drafter", "no-such-drafter"), "unknown drafter 'no-such-drafter'"),
+    "missing --prompt": (lambda tmp: ["generate"], "--prompt"),
+    "non-integer flag value": (lambda tmp: _gen("--max-new-tokens", "ten"), "invalid int value: 'ten'"),
+    "non-float flag value": (lambda tmp: _gen("--temperature", "warm"), "invalid float value: 'warm'"),
+    "unknown flag": (lambda tmp: _gen("--beam-width", "4"), "unrecognized arguments"),
+    "no subcommand": (lambda tmp: [], "command"),
+    "unknown subcommand": (lambda tmp: ["train"], "invalid choice"),
+}
+
+
+def _subprocess_env(tmp: Path) -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MOASPEC_CACHE=str(tmp / "cache"))
+    env.pop("PYTHONWARNINGS", None)
+    return env
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test here may touch the user's model cache."""
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_in_process(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build, expected = BAD_INPUTS[name]
+    rc = main(build(tmp_path))
+    captured = capsys.readouterr()
+    assert rc == EXIT_USAGE
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(PREFIX)
+    assert expected in lines[0]
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_bad_input_as_a_process(name: str, tmp_path: Path) -> None:
+    """The real entry point: exit status 2, one stderr line, no traceback, empty stdout."""
+    build, expected = BAD_INPUTS[name]
+    proc = subprocess.run(
+        [sys.executable, "-m", "moaspec.cli", *build(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(tmp_path),
+        timeout=120,
+    )
+    assert proc.returncode == EXIT_USAGE, proc.stderr
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.endswith("\n")
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(PREFIX)
+    assert expected in lines[0]
+
+
+_TORCH_PROBE = """
+import json, sys
+from moaspec.cli import main
+cases = json.loads(sys.argv[1])
+report = {}
+for name, argv in cases.items():
+    rc = main(argv)
+    report[name] = [rc, "torch" in sys.modules, "transformers" in sys.modules]
+print(json.dumps(report))
+"""
+
+
+def test_errors_are_caught_before_torch_loads(tmp_path: Path) -> None:
+    """All error paths run in one fresh interpreter; none may import torch or transformers.
+
+    Cases run in order, so a case that imported torch shows up as the first one reporting it.
+    """
+    cases = {name: build(tmp_path) for name, (build, _) in BAD_INPUTS.items()}
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_PROBE, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=_subprocess_env(tmp_path),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report == {name: [EXIT_USAGE, False, False] for name in BAD_INPUTS}
+    assert len(proc.stderr.splitlines()) == len(BAD_INPUTS)
+
+
+def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    flags = ("--prompt", "--target", "--drafter", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed")
+    for flag in (*flags, "--json", "--raw"):
+        assert flag in out

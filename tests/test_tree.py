@@ -1,0 +1,109 @@
+"""Draft tree structure: masks, depths, paths, pruning, validation (random trees + golden cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moaspec.tree import (
+    DraftTree,
+    ancestor_mask,
+    children,
+    depths,
+    leaf_paths,
+    path_to,
+    prune_to_depth,
+    tree_attention_bias,
+)
+
+
+def random_parents(num_nodes: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, num_nodes)]
+    return torch.tensor(parents)
+
+
+def naive_ancestors(parents: list[int], node: int) -> set[int]:
+    found = {node}
+    while parents[node] >= 0:
+        node = parents[node]
+        found.add(node)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_mask_depth_paths_properties(seed: int) -> None:
+    num_nodes = 1 + seed % 17
+    parents = random_parents(num_nodes, seed)
+    mask = ancestor_mask(parents)
+    plist = parents.tolist()
+    for i in range(num_nodes):
+        expected = naive_ancestors(plist, i)
+        assert {j for j in range(num_nodes) if mask[i, j]} == expected
+    assert torch.equal(depths(parents), mask.sum(-1) - 1)
+    paths = leaf_paths(parents)
+    on_some_path = {node for path in paths for node in path}
+    assert on_some_path == set(range(num_nodes))
+    node_depth = depths(parents).tolist()
+    for path in paths:
+        assert path[0] == 0
+        assert [node_depth[n] for n in path] == list(range(len(path)))
+        assert not children(parents)[path[-1]]
+        assert path_to(parents, path[-1]) == path
+
+
+def test_golden_chain_and_binary_tree() -> None:
+    chain = DraftTree.chain([5, 6, 7, 8])
+    assert torch.equal(ancestor_mask(chain.parents), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert depths(chain.parents).tolist() == [0, 1, 2, 3]
+    # root -> (1, 2); 1 -> (3, 4); 2 -> (5, 6)
+    binary = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 0, 1, 0, 0, 0, 0],
+            [1, 1, 0, 1, 0, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0],
+            [1, 0, 1, 0, 0, 1, 0],
+            [1, 0, 1, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(ancestor_mask(binary), expected)
+    assert leaf_paths(binary) == [[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]]
+    assert children(binary) == [[1, 2], [3, 4], [5, 6], [], [], [], []]
+
+
+def test_attention_bias_layout() -> None:
+    parents = torch.tensor([-1, 0, 0, 1])
+    bias = tree_attention_bias(parents, num_cached=3, dtype=torch.float32)
+    assert bias.shape == (1, 1, 4, 7)
+    visible = bias[0, 0] == 0
+    assert visible[:, :3].all()  # the verified context is visible to every node
+    assert torch.equal(visible[:, 3:], ancestor_mask(parents))
+    assert (bias[0, 0][~visible] == torch.finfo(torch.float32).min).all()
+
+
+def test_prune_to_depth_keeps_ancestor_closed_subtree() -> None:
+    parents = torch.tensor([-1, 0, 1, 0, 2, 3, 1])
+    probs = torch.rand(7, 5)
+    tree = DraftTree(torch.arange(10, 17), parents, probs)
+    pruned = prune_to_depth(tree, 1)
+    assert pruned.token_ids.tolist() == [10, 11, 13]
+    assert pruned.parents.tolist() == [-1, 0, 0]
+    assert torch.equal(pruned.draft_probs, probs[[0, 1, 3]])
+    pruned2 = prune_to_depth(tree, 2)
+    assert pruned2.token_ids.tolist() == [10, 11, 12, 13, 15, 16]
+    assert pruned2.parents.tolist() == [-1, 0, 1, 0, 3, 1]
+    assert prune_to_depth(tree, 0).token_ids.tolist() == [10]
+    assert prune_to_depth(tree, 5) is tree
+
+
+@pytest.mark.parametrize(
+    "token_ids, parents",
+    [([1, 2], [0, -1]), ([1, 2], [-1, 1]), ([1, 2, 3], [-1, 2, 0]), ([], []), ([1, 2], [-1])],
+)
+def test_invalid_trees_are_rejected(token_ids: list[int], parents: list[int]) -> None:
+    with pytest.raises(ValueError):
+        DraftTree(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
