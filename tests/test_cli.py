@@ -65,9 +65,7 @@ BAD_INPUTS: dict[str, Case] = {
 
 
 def _subprocess_env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", MOASPEC_CACHE=str(tmp / "cache"))
-    env.pop("PYTHONWARNINGS", None)
-    return env
+    return dict(os.environ, HF_HUB_OFFLINE="1", MOASPEC_CACHE=str(tmp / "cache"))
 
 
 @pytest.fixture(autouse=True)

@@ -24,6 +24,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 from moaspec.api import GenerationOutput, SpeculativeLM, load
 from moaspec.cli import EXIT_USAGE
 from moaspec.drafters import make_drafter
+from moaspec.errors import MoaspecError
 
 pytestmark = pytest.mark.slow
 
@@ -196,9 +197,14 @@ def test_raw_skips_the_chat_template(lm: SpeculativeLM) -> None:
     assert record["token_ids"] != lm.generate(prompt, max_new_tokens=8).token_ids
 
 
-def test_prompt_longer_than_the_context(lm: SpeculativeLM) -> None:
+def test_prompt_longer_than_the_context(lm: SpeculativeLM, capsys: pytest.CaptureFixture[str]) -> None:
     prompt = "word " * 9000
     assert len(lm.encode_prompt(prompt, raw=True)) > lm.target.max_positions == 8192
+    streamer = TextStreamer(lm.tokenizer, skip_prompt=True)
+    with pytest.raises(MoaspecError, match="context holds 8192"):
+        lm.generate(prompt, raw=True, max_new_tokens=4, streamer=streamer)
+    assert capsys.readouterr().out == ""  # the streamer was never started
+
     proc = _run_cli("--prompt", prompt, "--raw", "--max-new-tokens", "4")
     assert proc.returncode == EXIT_USAGE
     assert proc.stdout == ""
