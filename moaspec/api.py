@@ -82,20 +82,14 @@ class SpeculativeLM:
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
         prompt_ids = prompt if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
-        # Reject a prompt the engine would refuse before the streamer sees anything: a streamer's
-        # end() prints, and a failed request must leave stdout empty.
-        if not prompt_ids:
-            raise MoaspecError("the prompt is empty")
-        if len(prompt_ids) >= self.target.max_positions:
-            raise MoaspecError(
-                f"the prompt has {len(prompt_ids)} tokens but the target's context holds "
-                f"{self.target.max_positions}"
-            )
         result = GenerationResult()
+        # stream() checks the prompt before returning, so a refused request never reaches the
+        # streamer (whose end() would print).
+        steps = self.engine.stream(prompt_ids, sampling, generation, result=result)
         if streamer is not None:
             streamer.put(torch.tensor([prompt_ids]))
         try:
-            for new_ids in self.engine.stream(prompt_ids, sampling, generation, result=result):
+            for new_ids in steps:
                 if streamer is not None and new_ids:
                     streamer.put(torch.tensor(new_ids))
         finally:

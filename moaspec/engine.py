@@ -67,19 +67,30 @@ class Engine:
         """Yield the new tokens of each step; fill `result` (token ids, stats) as it goes.
 
         prompt_ids: [T] token ids, T >= 1. stop_ids: default = the target's end-of-sequence ids.
+        The prompt is checked here, eagerly, so a bad request fails before anything is streamed.
         """
-        result = result if result is not None else GenerationResult()
-        stats = result.stats
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt.numel() == 0:
             raise MoaspecError("the prompt is empty")
-        room = self.target.max_positions - prompt.numel()
-        if room < 1:
+        if prompt.numel() >= self.target.max_positions:
             raise MoaspecError(
                 f"the prompt has {prompt.numel()} tokens but the target's context holds "
                 f"{self.target.max_positions}"
             )
+        result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
+        return self._run(prompt, sampling, generation, stop_ids, result)
+
+    def _run(
+        self,
+        prompt: torch.Tensor,
+        sampling: SamplingConfig,
+        generation: GenerationConfig,
+        stop_ids: frozenset[int],
+        result: GenerationResult,
+    ) -> Iterator[list[int]]:
+        stats = result.stats
+        room = self.target.max_positions - prompt.numel()
         max_new = min(generation.max_new_tokens, room)
         generator = torch.Generator().manual_seed(generation.seed)
         started = time.perf_counter()

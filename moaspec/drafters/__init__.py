@@ -1,4 +1,9 @@
-"""Drafter registry: map a `--drafter` name to a drafter for a given target.
+"""Drafter registry: map a `--drafter` value (a name or a checkpoint directory) to a drafter.
+
+- `none`, `ngram`: model-free, for any target;
+- `moa`, `eagle`, `moa-tli1`: the shipped checkpoints for the target, in
+  `moaspec/checkpoints/<target name>/<drafter name>/`;
+- anything else that is a directory: a drafter checkpoint (config.json says which method).
 
 Kept free of heavy imports so the CLI can reject an unknown drafter before torch loads.
 """
@@ -6,6 +11,8 @@ Kept free of heavy imports so the CLI can reject an unknown drafter before torch
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError
@@ -14,27 +21,60 @@ if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
     from moaspec.target import HFTarget
 
-# name -> "module:factory"; a factory takes the target and returns a Drafter.
-DRAFTERS: dict[str, str] = {
+# model-free drafters: name -> "module:factory(target)"
+MODEL_FREE: dict[str, str] = {
     "none": "moaspec.drafters.none:NoDrafter.for_target",
     "ngram": "moaspec.drafters.ngram:NgramDrafter.for_target",
 }
+# checkpoint methods: config.json "method" -> "module:Class.from_pretrained(directory, target)"
+METHODS: dict[str, str] = {
+    "moa": "moaspec.drafters.moa:MoADrafter.from_pretrained",
+    "eagle": "moaspec.drafters.eagle:EagleDrafter.from_pretrained",
+}
+SHIPPED = ("moa", "moa-tli1", "eagle")
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 DEFAULT_DRAFTER = "ngram"
 
 
 def check_drafter_spec(spec: str) -> None:
     """Fail fast (before any model loads) on a drafter that does not exist."""
-    if spec not in DRAFTERS:
-        known = ", ".join(DRAFTERS)
-        raise MoaspecError(f"unknown drafter '{spec}' (known: {known})")
+    if spec in MODEL_FREE or spec in SHIPPED:
+        return
+    if Path(spec).expanduser().is_dir():
+        return
+    known = ", ".join([*MODEL_FREE, *SHIPPED])
+    raise MoaspecError(f"unknown drafter '{spec}' (known: {known}, or a checkpoint directory)")
 
 
 def make_drafter(spec: str, target: HFTarget) -> Drafter:
-    """Build the drafter named `spec` for `target`; MoaspecError for an unknown name."""
+    """Build the drafter `spec` names for `target`; MoaspecError when it cannot."""
     check_drafter_spec(spec)
-    module_name, _, attr_path = DRAFTERS[spec].partition(":")
-    factory = importlib.import_module(module_name)
+    if spec in MODEL_FREE:
+        return _resolve(MODEL_FREE[spec])(target)
+    if spec in SHIPPED:
+        directory = SHIPPED_DIR / target.name / spec
+        if not directory.is_dir():
+            raise MoaspecError(f"no shipped '{spec}' drafter for target '{target.name}'; pass a checkpoint directory")
+    else:
+        directory = Path(spec).expanduser()
+    return load_drafter(directory, target)
+
+
+def load_drafter(directory: Path, target: HFTarget) -> Drafter:
+    """Load a drafter checkpoint directory, dispatching on its recorded method."""
+    try:
+        method = json.loads((directory / "config.json").read_text())["method"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
+    if method not in METHODS:
+        raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
+    return _resolve(METHODS[method])(directory, target)
+
+
+def _resolve(reference: str):
+    module_name, _, attr_path = reference.partition(":")
+    found = importlib.import_module(module_name)
     for attr in attr_path.split("."):
-        factory = getattr(factory, attr)
-    return factory(target)
+        found = getattr(found, attr)
+    return found

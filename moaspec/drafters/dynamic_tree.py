@@ -1,0 +1,100 @@
+"""EAGLE-2 dynamic draft tree (Li et al. 2024, §4), shared by every model-based drafter.
+
+Level 1: the top-k tokens after the root. Level d > 1: the k beams with the best cumulative
+log-probability are expanded (one drafter call over all k beams), each proposing its top-k
+children; all k*k children enter the candidate pool. Finally the `budget` best candidates of the
+whole pool by cumulative log-probability become the tree. A child's cumulative score is never
+above its parent's, and ties are broken by pool order (parents first), so the selection is
+ancestor-closed. Sorting the chosen pool indices keeps parents before children.
+
+The drafter supplies two callables over *draft-vocabulary* log-probabilities:
+    start()                                   -> [Vd]     after the root
+    expand(token_ids [k], parent [k], d)      -> [k, Vd]  for the beams at depth d (target ids);
+                                                          parent = index in the previous expand
+                                                          call's batch, -1 for the root
+Selection is deterministic given the drafter, so the verifier treats drafts as point masses
+(lossless for sampling too; see verify.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """depth: drafted levels; top_k: beams per level and children per beam; budget: drafted nodes kept."""
+
+    depth: int = 5
+    top_k: int = 4
+    budget: int = 16
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.top_k < 1 or self.budget < 1:
+            raise ValueError("tree depth, top_k and budget must be >= 1")
+
+
+def build_dynamic_tree(
+    root_id: int,
+    start: Callable[[], torch.Tensor],
+    expand: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    config: TreeConfig,
+    draft_vocab_ids: torch.Tensor | None = None,
+) -> DraftTree:
+    """Build the tree; token ids are mapped from the draft vocabulary to target ids."""
+    to_target = (lambda ids: ids) if draft_vocab_ids is None else (lambda ids: draft_vocab_ids[ids])
+    log_probs = start()  # [Vd]
+    k = min(config.top_k, log_probs.shape[-1])
+    scores, draft_ids = torch.topk(log_probs.float(), k)
+    pool_tokens = [to_target(draft_ids)]  # per level: [n_level]
+    pool_parents = [torch.full((k,), 0, dtype=torch.long)]  # tree-node index of the parent (root = 0)
+    pool_scores = [scores]
+    beam_nodes = torch.arange(1, k + 1)  # pool node indices of the current beams (root = node 0)
+    beam_scores, beam_tokens = scores, to_target(draft_ids)
+    beam_parent = torch.full((k,), -1, dtype=torch.long)  # depth-1 beams hang off the root
+    next_node = k + 1
+    for depth in range(2, config.depth + 1):
+        log_probs = expand(beam_tokens, beam_parent, depth - 1)  # [k_beams, Vd]
+        child_scores, child_ids = torch.topk(log_probs.float(), k, dim=-1)  # [k_beams, k]
+        cumulative = (beam_scores[:, None] + child_scores).flatten()
+        tokens = to_target(child_ids.flatten())
+        pool_tokens.append(tokens)
+        pool_parents.append(beam_nodes[:, None].expand(-1, k).flatten())
+        pool_scores.append(cumulative)
+        level_nodes = torch.arange(next_node, next_node + cumulative.numel())
+        next_node += cumulative.numel()
+        best = torch.topk(cumulative, min(k, cumulative.numel())).indices
+        beam_nodes, beam_scores, beam_tokens = level_nodes[best], cumulative[best], tokens[best]
+        beam_parent = best // k  # index of each new beam's parent in the batch just expanded
+    return _select(root_id, pool_tokens, pool_parents, pool_scores, config.budget)
+
+
+def _select(
+    root_id: int,
+    pool_tokens: list[torch.Tensor],
+    pool_parents: list[torch.Tensor],
+    pool_scores: list[torch.Tensor],
+    budget: int,
+) -> DraftTree:
+    tokens = torch.cat(pool_tokens)
+    parents = torch.cat(pool_parents)  # pool node numbering: root = 0, candidates 1..
+    scores = torch.cat(pool_scores)
+    count = min(budget, scores.numel())
+    # stable sort: equal scores keep pool order, so a parent precedes its equally-scored child
+    order = torch.sort(-scores, stable=True).indices[:count]
+    chosen = torch.sort(order).values  # candidate indices (pool node = index + 1)
+    new_index = torch.full((scores.numel() + 1,), -1, dtype=torch.long)
+    new_index[0] = 0
+    new_index[chosen + 1] = torch.arange(1, count + 1)
+    tree_parents = new_index[parents[chosen]]
+    if bool((tree_parents < 0).any()):
+        raise AssertionError("dynamic tree selection was not ancestor-closed")
+    return DraftTree(
+        torch.cat([torch.tensor([root_id]), tokens[chosen]]),
+        torch.cat([torch.tensor([-1]), tree_parents]),
+    )

@@ -1,0 +1,124 @@
+"""EAGLE-2 drafter at inference: a cache around `EagleDrafterNet`, driven by the dynamic tree builder.
+
+Positions follow moaspec/nn/eagle.py: the SA entry at position t is the pair (x_{t+1}, h_t), and
+its output f_{t+1} predicts the target feature at t + 1. With n verified tokens x_0..x_{n-1}
+and the root r = x_n (at position n, not yet seen by the target):
+- `accept` stores the true features h_t of the new verified tokens. The pair of a verified token
+  needs the *next* token, so the last feature stays unpaired until the next root is known;
+- `start(r)` feeds every unpaired pair, the last being (r, h_{n-1}) at position n - 1, all with
+  true features. Its output f_n is the root's predicted feature; its logits give depth 1;
+- `expand` feeds a depth-d beam y with parent node feature f_parent as fc([embed(y), f_parent])
+  at position n + d - 1, all beams of one level at the same position, under a tree mask. The
+  beam's output becomes the feature its own children use (EAGLE drafts on its own features).
+
+State between verifications: the SA cache's first `sa_valid` entries are the pairs of positions
+0..sa_valid-1, computed from true features only; tree nodes appended while drafting are dropped
+at the next `accept`. `unpaired_hidden` holds the true features of positions
+sa_valid..len(history)-1, waiting for their next token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moaspec.config import SamplingConfig
+from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.nn.eagle import EagleDrafterNet
+from moaspec.nn.layers import additive_mask, at_least_fp32
+from moaspec.nn.moa import TargetParts
+from moaspec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
+
+
+class EagleDrafter:
+    """Drafter protocol implementation for the EAGLE network."""
+
+    def __init__(self, net: EagleDrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
+        self.net = net.eval()
+        self.target = target
+        self.tree_config = tree or TreeConfig()
+        self.hidden_layers: tuple[int, ...] = (target.num_layers,)  # post-final-norm last hidden state
+        self.parts = TargetParts.from_target(target, 0)
+        self.dtype = net.fc.weight.dtype
+        self.head = self.net.head_weight(self.parts).to(self.dtype)  # [Vd, D], indexed once
+        self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: list[int] = []
+        kv_shape = (self.net.config.num_kv_heads, 0, self.net.config.head_dim)
+        self.sa_kv = (torch.zeros(kv_shape, dtype=self.dtype), torch.zeros(kv_shape, dtype=self.dtype))
+        self.sa_valid = 0
+        self.unpaired_hidden = torch.zeros(0, self.net.config.hidden_size, dtype=self.dtype)  # [n, D]
+
+    @torch.inference_mode()
+    def accept(self, update: VerifiedUpdate) -> None:
+        """New verified tokens: keep their true features unpaired; drop the SA cache's tree nodes."""
+        if update.hidden is None:
+            raise ValueError("the EAGLE drafter needs the target's last hidden state of verified tokens")
+        if update.start_pos != len(self.history):
+            raise ValueError(f"verified tokens start at {update.start_pos}, expected {len(self.history)}")
+        self.history.extend(update.token_ids.tolist())
+        self.unpaired_hidden = torch.cat([self.unpaired_hidden, update.hidden[:, 0].to(self.dtype)])
+        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
+
+    @torch.inference_mode()
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        return build_dynamic_tree(
+            root_id, lambda: self.start(root_id)[0], self.expand, self.tree_config, self.draft_vocab_ids
+        )
+
+    # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
+    def start(self, root_id: int) -> torch.Tensor:
+        """Feed the unpaired true features, the last paired with the root; -> log-probs of the
+        depth-1 tokens, [1, Vd]."""
+        root_pos = len(self.history)
+        if root_pos == 0:
+            raise ValueError("start() needs at least one verified token (its feature pairs with the root)")
+        feed = torch.tensor([*self.history[self.sa_valid + 1 :], root_id])  # x_{t+1}, t = sa_valid..root_pos-1
+        positions = torch.arange(self.sa_valid, root_pos)
+        visible = torch.ones(feed.numel(), self.sa_valid + feed.numel(), dtype=torch.bool)
+        visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
+        root_feature = self._decode(feed, self.unpaired_hidden, positions, visible)[-1:]  # f_{root_pos} [1, D]
+        self.sa_valid = root_pos
+        self.unpaired_hidden = self.unpaired_hidden[:0]
+        # drafted entries so far: [root pair]; tree_rows[i] = which drafted entries node i sees
+        self.tree_rows = torch.ones(1, 1, dtype=torch.bool)
+        self.level_slots = torch.zeros(1, dtype=torch.long)  # drafted-entry index of each beam
+        self.node_features = root_feature  # [num_drafted, D]: each drafted entry's output feature
+        return self._log_probs(root_feature)
+
+    def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        """Beams token_ids [k] at depth `depth` (>= 1); parent [k] indexes the previous call's
+        batch (-1 = the root). -> log-probs [k, Vd]."""
+        num_drafted, count = self.tree_rows.shape[0], token_ids.numel()
+        parent_slots = torch.where(parent >= 0, self.level_slots[parent.clamp_min(0)], 0)
+        rows = torch.cat([self.tree_rows[parent_slots], torch.eye(count, dtype=torch.bool)], dim=1)  # [k, n + k]
+        self.tree_rows = torch.cat([torch.nn.functional.pad(self.tree_rows, (0, count)), rows], 0)
+        self.level_slots = torch.arange(num_drafted, num_drafted + count)
+        # a depth-d beam pairs with its parent's feature, which stands for the parent's position
+        positions = torch.full((count,), self.sa_valid + depth - 1)
+        # SA sees all valid entries (the root pair is the last of them) and its own tree
+        # ancestors (drafted entries 1.. are the SA cache's tree part).
+        sa_visible = torch.cat([torch.ones(count, self.sa_valid, dtype=torch.bool), rows[:, 1:]], 1)
+        features = self._decode(token_ids, self.node_features[parent_slots], positions, sa_visible)
+        self.node_features = torch.cat([self.node_features, features])
+        return self._log_probs(features)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _decode(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Pairs (token_ids [n], features [n, D]) at positions [n] through the layer, appending
+        their keys/values to the SA cache; visible [n, cache + n]. -> output features [n, D]."""
+        inputs = self.net.pair_inputs(self.parts, token_ids, features)
+        out, (k, v) = self.net.decoder_layer(inputs, positions, additive_mask(visible, self.dtype), self.sa_kv)
+        self.sa_kv = (torch.cat([self.sa_kv[0], k], 1), torch.cat([self.sa_kv[1], v], 1))
+        return out
+
+    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
+        """The (reduced) LM head on predicted post-norm features [n, D] -> log-probs [n, Vd]."""
+        return torch.log_softmax(at_least_fp32(features @ self.head.T), dim=-1)

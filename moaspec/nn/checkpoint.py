@@ -1,0 +1,136 @@
+"""Drafter checkpoints: a directory with `config.json` + `model.safetensors`.
+
+The safetensors file holds only the drafter's own weights (and its draft-vocabulary id map); the
+target's embeddings, LM head and layers are borrowed at load time. `config.json` records:
+    format_version, method ("moa" | "eagle"), config (the net's dataclass), tree (TreeConfig),
+    target: {"name", "fingerprint"}, and free-form "training" provenance.
+Loading for a target with a different fingerprint is refused with a one-line MoaspecError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moaspec.errors import MoaspecError
+
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def target_fingerprint(target: HFTarget) -> str:
+    """Identify a target by its architecture and (a strided sample of) its token embeddings."""
+    config = target.config
+    shape = {
+        key: getattr(config, key, None)
+        for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    }
+    embeddings = target.embed_tokens.weight.detach()
+    stride = max(1, embeddings.shape[0] // 512)
+    sample = embeddings[::stride].to(torch.float32).contiguous().numpy().tobytes()
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + sample)
+    return digest.hexdigest()[:16]
+
+
+def save_checkpoint(
+    directory: str | Path,
+    method: str,
+    net: torch.nn.Module,
+    target: HFTarget,
+    tree: dict[str, Any],
+    training: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> Path:
+    """Write the checkpoint atomically (a staging directory renamed into place)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "format_version": FORMAT_VERSION,
+        "method": method,
+        "config": net.config.to_dict(),
+        "tree": tree,
+        "target": {"name": target.name, "fingerprint": target_fingerprint(target)},
+        "training": training or {},
+    }
+    tensors = {
+        name: (value.to(dtype) if value.is_floating_point() else value).contiguous()
+        for name, value in net.state_dict().items()
+    }
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        save_file(tensors, str(staging / WEIGHTS_FILE))
+        (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.rename(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def read_checkpoint(directory: str | Path, target: HFTarget) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """-> (config record, state dict). MoaspecError when unreadable or made for another target."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        record = json.loads(config_path.read_text())
+        method, recorded = record["method"], record["target"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MoaspecError(f"{config_path} is not a valid drafter config: {exc}") from exc
+    if record.get("format_version", 0) > FORMAT_VERSION:
+        raise MoaspecError(f"{directory} was written by a newer moaspec (format {record['format_version']})")
+    fingerprint = target_fingerprint(target)
+    if recorded.get("fingerprint") != fingerprint:
+        raise MoaspecError(
+            f"drafter {directory} ({method}) was trained for target '{recorded.get('name')}' "
+            f"(fingerprint {recorded.get('fingerprint')}), not for '{target.name}' ({fingerprint})"
+        )
+    return record, load_file(str(weights_path))
+
+
+class PretrainedDrafterNet:
+    """Mixin for drafter nets: `save_pretrained` / `from_pretrained` over the format above.
+
+    Subclasses set `method` (the checkpoint's method name) and `config_class` (a dataclass with
+    `to_dict`), and keep their dataclass in `self.config`.
+    """
+
+    method: str
+    config_class: type
+
+    def save_pretrained(
+        self,
+        directory: str | Path,
+        target: HFTarget,
+        tree: dict[str, Any] | None = None,
+        training: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float16,
+    ) -> Path:
+        return save_checkpoint(directory, self.method, self, target, tree or {}, training, dtype)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> tuple[Any, dict[str, Any]]:
+        """-> (net in the target's dtype, the checkpoint's config record)."""
+        record, state = read_checkpoint(directory, target)
+        if record["method"] != cls.method:
+            raise MoaspecError(f"{directory} holds a '{record['method']}' drafter, not '{cls.method}'")
+        try:
+            net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
+            net.load_state_dict(state)  # type: ignore[attr-defined]
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise MoaspecError(f"{directory}: weights do not match the recorded config ({str(exc).splitlines()[0]})") from exc
+        return net.to(target.dtype), record  # type: ignore[attr-defined]

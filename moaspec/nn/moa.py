@@ -1,0 +1,225 @@
+"""THE Mixture-of-Attentions drafter network (Zimmer et al. 2024, §3), used by training and inference.
+
+Per verified token t (once, when the target verifies it):
+    memory_t = Ekv2E(mean_l LSA([k_h, v_h] of t at every target layer l)),   LSA non-causal over
+    layers with RoPE over the layer index (moa_reference.md §1.3).
+Per drafted position i (root or tree node):
+    h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
+    c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
+          s(i) = the last verified position before the root: the CA never sees the root's memory
+    TLI k = 0:  logits_i = lm_head(c_i)        (c_i is trained to match the post-norm target state)
+    TLI k > 0:  c_i stands for the residual stream entering target layer L-k; the target's own last
+                k layers, its final norm and lm_head finish (target_layers.py).
+
+TLI attention context (a deliberate, tested deviation from the reference training code, which
+let earlier blocks' non-anchor positions use predicted states): query i sees the *true* target
+keys/values of positions j <= s(i) and the *predicted* ones of s(i) < j <= i. This is exactly
+what inference has (verified context = true cache, root + drafts = predictions), so training and
+inference compute the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from moaspec.nn.checkpoint import PretrainedDrafterNet
+from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
+from moaspec.nn.target_layers import target_layer_forward, target_rope
+
+LSA_HEAD_DIM = 64
+
+
+@dataclass(frozen=True)
+class MoAConfig:
+    """Sizes of the MoA drafter. `for_target` scales them with the target (moa_reference.md §1.1)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    kv_dim: int  # 2 * target kv heads * target head_dim: one token's [k_h, v_h] at one layer
+    num_target_layers: int
+    lsa_num_heads: int
+    lsa_num_kv_heads: int
+    lsa_intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    tli_layers: int = 0
+    draft_vocab_size: int = 0  # 0 = the target's full vocabulary
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tli_layers < self.num_target_layers:
+            raise ValueError(f"tli_layers must be in [0, {self.num_target_layers}), got {self.tli_layers}")
+        if self.kv_dim % self.lsa_num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("head counts must divide the dimensions")
+
+    @staticmethod
+    def for_target(target_config, tli_layers: int = 0, draft_vocab_size: int = 0) -> MoAConfig:
+        hidden = target_config.hidden_size
+        heads = target_config.num_attention_heads
+        kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+        kv_dim = 2 * kv_heads * head_dim
+        lsa_heads = max(1, kv_dim // LSA_HEAD_DIM)
+        lsa_kv_heads = next(h for h in (lsa_heads // 4, lsa_heads // 3, lsa_heads // 2, lsa_heads) if h and lsa_heads % h == 0)
+        return MoAConfig(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=3 * hidden // 2,
+            kv_dim=kv_dim,
+            num_target_layers=target_config.num_hidden_layers,
+            lsa_num_heads=lsa_heads,
+            lsa_num_kv_heads=lsa_kv_heads,
+            lsa_intermediate_size=3 * kv_dim // 2,
+            rope_theta=target_rope_theta(target_config),
+            rms_norm_eps=target_config.rms_norm_eps,
+            tli_layers=tli_layers,
+            draft_vocab_size=draft_vocab_size,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def target_rope_theta(target_config) -> float:
+    """rope theta of a transformers config (5.x keeps it in rope_parameters)."""
+    params = getattr(target_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+
+
+@dataclass
+class TargetParts:
+    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
+
+    embed_tokens: nn.Module
+    lm_head_weight: torch.Tensor  # [V, D]
+    final_norm: nn.Module
+    tli_layers: list[nn.Module]  # the target's last k decoder layers
+    rotary_emb: nn.Module
+
+    @staticmethod
+    def from_target(target, tli_layers: int) -> TargetParts:
+        layers = list(target.decoder_layers)
+        return TargetParts(
+            embed_tokens=target.embed_tokens,
+            lm_head_weight=target.lm_head.weight,
+            final_norm=target.final_norm,
+            tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
+            rotary_emb=target.rotary_emb,
+        )
+
+
+@dataclass(frozen=True)
+class MoATrainOutput:
+    """final: [T, D] the state the LM head reads (post-norm with TLI). pre_tli: [T, D] or None."""
+
+    final: torch.Tensor
+    pre_tli: torch.Tensor | None
+
+
+class MoADrafterNet(nn.Module, PretrainedDrafterNet):
+    """LSA + Ekv2E (memory encoder), SA, CA + MLP. See the module docstring."""
+
+    method = "moa"
+    config_class = MoAConfig
+
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.self_attention = DecoderLayer(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.rope_theta)
+        self.ca_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)  # shared by the query and memory sides
+        self.cross_attention = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+        self.ca_post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ca_mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.layer_self_attention = DecoderLayer(
+            c.kv_dim, c.lsa_num_heads, c.lsa_num_kv_heads, c.kv_dim // c.lsa_num_heads, c.lsa_intermediate_size, c.rms_norm_eps, c.rope_theta
+        )
+        self.ekv2e = nn.Linear(c.kv_dim, c.hidden_size, bias=True)
+        self.register_buffer("draft_vocab_ids", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Reference init: Linear weights and RMSNorm weights ~ N(0, std), biases 0 (§1.1)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.normal_(module.weight, std=std)
+
+    # -- memory of verified tokens -------------------------------------------------------------
+    def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
+        """layer_kv [n, L, kv_dim] (per-head [k_h, v_h], post-RoPE keys) -> memory [n, D]."""
+        layer_positions = torch.arange(layer_kv.shape[-2])
+        mixed, _ = self.layer_self_attention(layer_kv, layer_positions, None)
+        return self.ekv2e(mixed.mean(dim=-2))
+
+    def memory_keys_values(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """memory [n, D] of tokens at positions [n] -> CA keys/values [Hkv, n, d] (cacheable)."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, memory.dtype)
+        return self.cross_attention.keys_values(self.ca_norm(memory), cos, sin)
+
+    # -- drafting path ---------------------------------------------------------------------------
+    def cross_attend(
+        self, h: torch.Tensor, positions: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """SA outputs h [T, D] at positions [T] attend to memory keys/values -> c [T, D]."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        q = self.cross_attention.queries(self.ca_norm(h), cos, sin)
+        c = h + self.cross_attention.output(q, memory_kv[0], memory_kv[1], mask)
+        return c + self.ca_mlp(self.ca_post_norm(c))
+
+    def head_weight(self, parts: TargetParts) -> torch.Tensor:
+        """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
+        if self.config.draft_vocab_size:
+            return parts.lm_head_weight[self.draft_vocab_ids]
+        return parts.lm_head_weight
+
+    # -- training: one parallel pass simulating drafting from anchors (moa_reference.md §2.2) ---
+    def forward_train(
+        self,
+        parts: TargetParts,
+        input_ids: torch.Tensor,
+        layer_kv: torch.Tensor,
+        last_anchor: torch.Tensor,
+        staircase: bool = False,
+        tli_true_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        tli_true_hidden: torch.Tensor | None = None,
+    ) -> MoATrainOutput:
+        """input_ids [T]; layer_kv [T, L, kv_dim]; last_anchor [T] = s(i), the last anchor <= i.
+
+        staircase: SA query i sees only (s(i), i] (curriculum); otherwise plain causal.
+        TLI (k > 0): tli_true_kv = the target's cached keys/values [Hkv, T, d] of its last k
+        layers, tli_true_hidden [T, D] = the residual stream entering layer L-k.
+        """
+        n = input_ids.numel()
+        positions = torch.arange(n)
+        dtype = self.ekv2e.weight.dtype
+        embeds = parts.embed_tokens(input_ids).to(dtype)
+        causal = positions[None, :] <= positions[:, None]
+        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | torch.eye(n, dtype=torch.bool) if staircase else causal
+        h, _ = self.self_attention(embeds, positions, additive_mask(sa_visible, dtype))
+        memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype)), positions)
+        ca_visible = positions[None, :] <= last_anchor[:, None]
+        c = self.cross_attend(h, positions, memory_kv, additive_mask(ca_visible, dtype))
+        if self.config.tli_layers == 0:
+            return MoATrainOutput(c, None)
+        if tli_true_kv is None or tli_true_hidden is None:
+            raise ValueError("TLI training needs the target's true keys/values and hidden state")
+        is_anchor = last_anchor == positions
+        x = torch.where(is_anchor[:, None], tli_true_hidden.to(dtype), c)
+        # keys: [true states of all positions ; predicted states of all positions]
+        pred_visible = causal & (positions[None, :] > last_anchor[:, None])  # predictions in (s(i), i]
+        mask = additive_mask(torch.cat([ca_visible, pred_visible], dim=1), dtype)
+        cos, sin = target_rope(parts.rotary_emb, positions, x)
+        for layer, (true_k, true_v) in zip(parts.tli_layers, tli_true_kv):
+            x, _ = target_layer_forward(layer, x, cos, sin, (true_k.to(dtype), true_v.to(dtype)), mask)
+        return MoATrainOutput(parts.final_norm(x), c)

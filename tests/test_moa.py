@@ -1,0 +1,168 @@
+"""MoA drafter: training/inference equivalence (TLI 0..2), memory invariants, greedy losslessness
+(full and reduced vocabulary), checkpoints. Tiny random targets, float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from moaspec.config import GenerationConfig
+from moaspec.drafters import make_drafter
+from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.dynamic_tree import TreeConfig
+from moaspec.drafters.moa import MoADrafter
+from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
+from moaspec.nn.layers import RMSNorm
+from moaspec.nn.moa import MoAConfig, MoADrafterNet, TargetParts
+from moaspec.target import HFTarget
+from moaspec.tree import DraftTree, depths
+
+NO_STOP: frozenset[int] = frozenset()
+
+
+def random_moa(target: HFTarget, tli: int = 0, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> MoADrafterNet:
+    """A random MoA net with weights large enough that its outputs are far from uniform."""
+    torch.manual_seed(seed)
+    size = 0 if draft_vocab is None else draft_vocab.numel()
+    net = MoADrafterNet(MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size))
+    net.reset_parameters(std=0.2)
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        if draft_vocab is not None:
+            net.draft_vocab_ids.copy_(draft_vocab)
+    return net.to(target.dtype)
+
+
+def anchors_for(length: int, prompt_len: int, boundaries: list[int]) -> torch.Tensor:
+    """s(i): the last anchor <= i, anchors = every prompt position and each block boundary."""
+    anchor_set = set(range(prompt_len)) | set(boundaries)
+    last, current = torch.zeros(length, dtype=torch.long), 0
+    for i in range(length):
+        current = i if i in anchor_set else current
+        last[i] = current
+    return last
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("tli", [0, 1, 2])
+def test_training_forward_equals_step_by_step_drafting(family: str, tli: int) -> None:
+    """Drafting cycles through the real inference path (memory appended per verification, SA
+    cache cropped and re-fed, TLI caches rebuilt) give the same log-probs, position by position,
+    as the single-pass training forward with anchors at the verified boundaries."""
+    target = make_tiny_target(family, num_hidden_layers=3)
+    net = random_moa(target, tli)
+    length, prompt_len, boundaries = 26, 6, [5, 9, 14, 16, 22, 25]
+    tokens = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
+
+    target.prefill(tokens[:prompt_len])
+    drafter = MoADrafter(net, target)
+    drafter.accept(VerifiedUpdate(tokens[:prompt_len], 0, None, target))
+    inference: dict[int, torch.Tensor] = {}
+    for block_start, block_end in zip(boundaries[:-1], boundaries[1:]):
+        root = block_start + 1
+        inference[root] = drafter.start(int(tokens[root]))[0]
+        parent = torch.tensor([-1])
+        for depth in range(1, block_end - root):
+            inference[root + depth] = drafter.expand(tokens[root + depth : root + depth + 1], parent, depth)[0]
+            parent = torch.tensor([0])
+        committed = tokens[root : block_end + 1]
+        start = target.num_cached
+        target.verify(DraftTree.chain(committed))
+        target.commit(list(range(committed.numel())))
+        drafter.accept(VerifiedUpdate(committed, start, None, target))
+        assert drafter.memory_kv[0].shape[1] == target.num_cached  # memory: once per verified token
+
+    # The training pass reads the same target activations (the target's incremental cache).
+    true_kv = [(layer.keys[0], layer.values[0]) for layer in target.cache.layers[target.num_layers - tli :]] if tli else None
+    true_hidden = None
+    if tli:
+        full = target.model(tokens[None], output_hidden_states=True)
+        true_hidden = full.hidden_states[target.num_layers - tli][0]
+    parts = TargetParts.from_target(target, tli)
+    out = net.forward_train(
+        parts, tokens, target.layer_kv(0, length), anchors_for(length, prompt_len, boundaries), False, true_kv, true_hidden
+    )
+    training = torch.log_softmax(out.final @ net.head_weight(parts).T, dim=-1)
+    for position, log_probs in inference.items():
+        torch.testing.assert_close(log_probs, training[position], rtol=0, atol=1e-9)
+
+
+class MemorySpy(MoADrafter):
+    """Records, at every proposal, how many memory entries the CA can see and the root position."""
+
+    def start(self, root_id: int) -> torch.Tensor:
+        self.seen.append((self.memory_kv[0].shape[1], len(self.history), self.target.num_cached))
+        return super().start(root_id)
+
+
+def test_cross_attention_never_sees_the_root() -> None:
+    target = make_tiny_target("llama")
+    spy = MemorySpy(random_moa(target), target, TreeConfig(depth=3, top_k=2, budget=5))
+    spy.seen = []
+    Engine(target, spy).generate([1, 2, 3, 4], generation=GenerationConfig(max_new_tokens=20), stop_ids=NO_STOP)
+    assert spy.seen
+    for memory_len, root_pos, verified in spy.seen:
+        assert memory_len == root_pos == verified  # positions 0..root_pos-1 only
+
+
+def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("tli, reduced", [(0, False), (1, False), (0, True), (2, True)])
+def test_greedy_output_identical_with_moa(family: str, tli: int, reduced: bool) -> None:
+    target = make_tiny_target(family, num_hidden_layers=3)
+    prompt = [5, 17, 33, 2, 71, 5, 17]
+    expected = greedy_reference(target, prompt, 40)
+    draft_vocab = None
+    if reduced:  # half of the tokens the target emits, plus others: some drafts are impossible
+        draft_vocab = torch.tensor(sorted(set(expected[::2]) | set(range(0, 97, 3))))
+    net = random_moa(target, tli, draft_vocab)
+    tree = TreeConfig(depth=4, top_k=3, budget=8)
+    drafter = MoADrafter(net, target, tree)
+    proposals: list[DraftTree] = []
+    original_propose = drafter.propose
+
+    def recording_propose(*args):
+        proposals.append(original_propose(*args))
+        return proposals[-1]
+
+    drafter.propose = recording_propose  # type: ignore[method-assign]
+    result = Engine(target, drafter).generate(prompt, generation=GenerationConfig(max_new_tokens=40), stop_ids=NO_STOP)
+    assert result.token_ids == expected
+    for tree_proposed in proposals:
+        assert tree_proposed.num_nodes - 1 <= tree.budget
+        assert int(depths(tree_proposed.parents).max()) <= tree.depth
+        if draft_vocab is not None:
+            assert set(tree_proposed.token_ids[1:].tolist()) <= set(draft_vocab.tolist())
+
+
+def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    net = random_moa(target, tli=1, draft_vocab=torch.arange(0, 97, 2))
+    tree = TreeConfig(depth=3, top_k=2, budget=6)
+    path = net.save_pretrained(tmp_path / "moa", target, tree=tree.__dict__, dtype=torch.float64)
+    loaded = make_drafter(str(path), target)
+    assert isinstance(loaded, MoADrafter) and loaded.tree_config == tree
+    assert torch.equal(loaded.net.draft_vocab_ids, net.draft_vocab_ids)
+    original = MoADrafter(net, target, tree)
+    target.prefill(torch.tensor([4, 8, 15, 16, 23]))
+    update = VerifiedUpdate(torch.tensor([4, 8, 15, 16, 23]), 0, None, target)
+    for drafter in (original, loaded):
+        drafter.accept(update)
+    torch.testing.assert_close(loaded.start(42), original.start(42), rtol=0, atol=0)
+
+    half = net.save_pretrained(tmp_path / "half", target)  # default: float16 on disk
+    assert (half / "model.safetensors").stat().st_size < (path / "model.safetensors").stat().st_size / 3
+
+    other = make_tiny_target("llama", seed=1, num_hidden_layers=3)
+    with pytest.raises(MoaspecError, match="trained for target"):
+        make_drafter(str(path), other)
+    with pytest.raises(MoaspecError, match="not a drafter checkpoint"):
+        make_drafter(str(tmp_path), target)
