@@ -79,6 +79,16 @@ def test_top_p_handcrafted_boundaries() -> None:
         assert torch.allclose(probs[support], kept / kept.sum(), atol=1e-12)
 
 
+@pytest.mark.parametrize(("top_p", "support"), [(0.5, [1]), (0.75, [1, 3])])
+def test_top_p_stops_when_the_mass_is_reached_exactly(top_p: float, support: list[int]) -> None:
+    # Binary fractions make the masses of the most likely tokens exact, so the kept set must end
+    # exactly at top_p. (transformers sums the other way round, from the least likely token, and
+    # its rounding can keep one more token at such an exact boundary; no comparison here.)
+    logits = torch.tensor([[0.125, 0.5, 0.125, 0.25]], dtype=torch.float64).log()
+    probs = target_probs(logits, SamplingConfig(temperature=1.0, top_p=top_p))[0]
+    assert torch.nonzero(probs).flatten().tolist() == support
+
+
 def test_top_p_keeps_at_least_one_token() -> None:
     logits = random_logits(5, 9, seed=5, scale=0.1)  # near-uniform: top token far below top_p
     probs = target_probs(logits, SamplingConfig(temperature=1.0, top_p=1e-6))

@@ -4,8 +4,8 @@ State between verifications (moa_reference.md §3):
 - memory keys/values of every verified token (LSA -> mean -> Ekv2E -> CA norm -> k/v proj ->
   RoPE), appended once per verified token in `accept`; the CA never holds the current root;
 - the SA cache: its first `sa_valid` entries are causal states of verified tokens and the root;
-  tree nodes appended while drafting are dropped at the next `accept`, and verified tokens not yet
-  in it (accepted drafts) are fed again with the next root;
+  tree nodes appended while drafting are dropped when the next proposal starts, and verified
+  tokens not yet in it (accepted drafts) are fed again with the next root;
 - with TLI, per target layer L-k..L-1: the target's own cached keys/values of the verified context
   followed by the drafted states (root and tree nodes) of the current proposal only.
 """
@@ -60,14 +60,12 @@ class MoADrafter:
 
     @torch.inference_mode()
     def accept(self, update: VerifiedUpdate) -> None:
-        """New verified tokens: append their memory; drop the SA cache's tree nodes."""
+        """New verified tokens: append their memory (the SA cache is tidied by the next `start`)."""
         start, count = update.start_pos, update.token_ids.numel()
         self.history.extend(update.token_ids.tolist())
         layer_kv = update.target.layer_kv(start, start + count).to(self.dtype)
         keys, values = self.net.memory_keys_values(self.net.memory(layer_kv), torch.arange(start, start + count))
         self.memory_kv = (torch.cat([self.memory_kv[0], keys], 1), torch.cat([self.memory_kv[1], values], 1))
-        self.sa_valid = min(self.sa_valid, len(self.history))
-        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
 
     @torch.inference_mode()
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
@@ -77,8 +75,14 @@ class MoADrafter:
 
     # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
     def start(self, root_id: int) -> torch.Tensor:
-        """Feed pending verified tokens + the root; -> log-probs after the root, [1, Vd]."""
+        """Feed pending verified tokens + the root; -> log-probs after the root, [1, Vd].
+
+        First drops the SA entries of the previous proposal's tree nodes (and of its root, when
+        that root was not verified), so proposing twice in a row is safe.
+        """
         root_pos = len(self.history)
+        self.sa_valid = min(self.sa_valid, root_pos)
+        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
         feed = torch.tensor([*self.history[self.sa_valid :], root_id])
         positions = torch.arange(self.sa_valid, root_pos + 1)
         visible = torch.ones(feed.numel(), self.sa_valid + feed.numel(), dtype=torch.bool)

@@ -1,0 +1,90 @@
+"""EAGLE-2 dynamic tree builder with a scripted drafter: beams, global rerank, ancestor closure."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.tree import ancestor_mask, depths
+
+VOCAB = 7
+
+
+class FixedLogProbs:
+    """log p(next | path) from a seeded table keyed by the whole path: the tree must equal a
+    brute-force EAGLE-2 expansion computed independently below."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.batches: list[list[tuple[int, ...]]] = []
+
+    def table(self, path: tuple[int, ...]) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(hash((self.seed, path)) % (2**31))
+        return torch.log_softmax(3 * torch.randn(VOCAB, generator=gen, dtype=torch.float64), -1)
+
+    def start(self) -> torch.Tensor:
+        self.batches = [[()]]
+        return self.table(())
+
+    def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        previous = self.batches[-1]
+        paths = [(previous[int(p)] if p >= 0 else ()) + (int(t),) for t, p in zip(token_ids, parent)]
+        assert all(len(path) == depth for path in paths)
+        self.batches.append(paths)
+        return torch.stack([self.table(path) for path in paths])
+
+
+def brute_force(model: FixedLogProbs, config: TreeConfig) -> set[tuple[int, ...]]:
+    """Every candidate path with its score, EAGLE-2 style, then the global top `budget`."""
+    pool: dict[tuple[int, ...], float] = {}
+    root_lp = model.table(())
+    beams = []
+    for token in torch.topk(root_lp, config.top_k).indices.tolist():
+        pool[(token,)] = float(root_lp[token])
+        beams.append((token,))
+    for _ in range(2, config.depth + 1):
+        level = {}
+        for beam in beams:
+            lp = model.table(beam)
+            for token in torch.topk(lp, config.top_k).indices.tolist():
+                level[beam + (token,)] = pool[beam] + float(lp[token])
+        pool.update(level)
+        beams = sorted(level, key=lambda path: -level[path])[: config.top_k]
+    return set(sorted(pool, key=lambda path: -pool[path])[: config.budget])
+
+
+@pytest.mark.parametrize("seed, depth, top_k, budget", list(itertools.product([0, 1, 2], [1, 3, 5], [1, 2, 4], [3, 16])))
+def test_tree_matches_brute_force_and_is_well_formed(seed: int, depth: int, top_k: int, budget: int) -> None:
+    model = FixedLogProbs(seed)
+    config = TreeConfig(depth=depth, top_k=top_k, budget=budget)
+    tree = build_dynamic_tree(99, model.start, model.expand, config)
+    assert tree.token_ids[0] == 99 and tree.num_nodes - 1 == min(budget, len(brute_force(model, config)))
+    assert int(depths(tree.parents).max()) <= depth
+    mask = ancestor_mask(tree.parents)
+    paths = set()
+    for node in range(1, tree.num_nodes):
+        ancestors = mask[node].nonzero().flatten().tolist()[1:]  # without the root
+        paths.add(tuple(tree.token_ids[ancestors].tolist()))
+    assert paths == brute_force(model, config)
+
+
+def test_reduced_vocabulary_maps_to_target_ids() -> None:
+    model = FixedLogProbs(3)
+    vocab_map = torch.tensor([10, 20, 30, 40, 50, 60, 70])
+    seen_tokens: list[int] = []
+
+    def expand(token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        seen_tokens.extend(token_ids.tolist())
+        return model.expand(token_ids // 10 - 1, parent, depth)
+
+    tree = build_dynamic_tree(5, model.start, expand, TreeConfig(depth=3, top_k=2, budget=6), vocab_map)
+    assert set(tree.token_ids[1:].tolist()) <= set(vocab_map.tolist())
+    assert set(seen_tokens) <= set(vocab_map.tolist())  # the drafter is fed target ids
+
+
+def test_invalid_config() -> None:
+    with pytest.raises(ValueError):
+        TreeConfig(depth=0)
