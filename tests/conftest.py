@@ -14,6 +14,10 @@ from moaspec.target import HFTarget
 
 TINY_VOCAB = 97
 
+# Tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed
+# OpenMP pool makes small ops orders of magnitude slower.
+torch.set_num_threads(1)
+
 
 def _tiny_config(config_cls, **overrides):
     base = dict(

@@ -11,14 +11,17 @@ and the root r = x_n (at position n, not yet seen by the target):
   at position n + d - 1, all beams of one level at the same position, under a tree mask. The
   beam's output becomes the feature its own children use (EAGLE drafts on its own features).
 
-State between verifications: the SA cache's first `sa_valid` entries are the pairs of positions
-0..sa_valid-1, computed from true features only; tree nodes appended while drafting are dropped
-at the next `accept`. `unpaired_hidden` holds the true features of positions
-sa_valid..len(history)-1, waiting for their next token.
+State between verifications: the SA cache's first `sa_valid` entries are final: pairs of
+positions 0..sa_valid-1 whose token and feature are both verified, so computed from true features
+only. `unpaired_hidden` holds the true features of positions sa_valid..len(history)-1. `start`
+first drops whatever a previous proposal appended (its root pair and tree nodes), so proposing
+twice in a row is safe; `accept` keeps the proposal's root pair when that root was verified
+(always, under the engine) and drops the tree nodes.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,22 +52,35 @@ class EagleDrafter:
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> EagleDrafter:
+        """Load a checkpoint directory (refused for another target); its tree config is the default."""
+        net, record = EagleDrafterNet.from_pretrained(directory, target)
+        return cls(net, target, TreeConfig(**record.get("tree", {})))
+
     def reset(self) -> None:
         self.history: list[int] = []
         kv_shape = (self.net.config.num_kv_heads, 0, self.net.config.head_dim)
         self.sa_kv = (torch.zeros(kv_shape, dtype=self.dtype), torch.zeros(kv_shape, dtype=self.dtype))
         self.sa_valid = 0
         self.unpaired_hidden = torch.zeros(0, self.net.config.hidden_size, dtype=self.dtype)  # [n, D]
+        self.proposal_root: int | None = None  # the root of the pairs `start` appended
 
     @torch.inference_mode()
     def accept(self, update: VerifiedUpdate) -> None:
         """New verified tokens: keep their true features unpaired; drop the SA cache's tree nodes."""
         if update.hidden is None:
             raise ValueError("the EAGLE drafter needs the target's last hidden state of verified tokens")
-        if update.start_pos != len(self.history):
-            raise ValueError(f"verified tokens start at {update.start_pos}, expected {len(self.history)}")
+        start = update.start_pos
+        if start != len(self.history):
+            raise ValueError(f"verified tokens start at {start}, expected {len(self.history)}")
         self.history.extend(update.token_ids.tolist())
-        self.unpaired_hidden = torch.cat([self.unpaired_hidden, update.hidden[:, 0].to(self.dtype)])
+        # the pairs start() fed up to the root are final once that root is verified
+        root_verified = self.proposal_root is not None and self.history[start] == self.proposal_root
+        num_valid = start if root_verified else self.sa_valid
+        new_hidden = update.hidden[:, 0].to(self.dtype)
+        self.unpaired_hidden = torch.cat([self.unpaired_hidden[num_valid - self.sa_valid :], new_hidden])
+        self.sa_valid, self.proposal_root = num_valid, None
         self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
 
     @torch.inference_mode()
@@ -80,13 +96,13 @@ class EagleDrafter:
         root_pos = len(self.history)
         if root_pos == 0:
             raise ValueError("start() needs at least one verified token (its feature pairs with the root)")
+        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
         feed = torch.tensor([*self.history[self.sa_valid + 1 :], root_id])  # x_{t+1}, t = sa_valid..root_pos-1
         positions = torch.arange(self.sa_valid, root_pos)
-        visible = torch.ones(feed.numel(), self.sa_valid + feed.numel(), dtype=torch.bool)
+        visible = torch.ones(feed.numel(), root_pos, dtype=torch.bool)
         visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
         root_feature = self._decode(feed, self.unpaired_hidden, positions, visible)[-1:]  # f_{root_pos} [1, D]
-        self.sa_valid = root_pos
-        self.unpaired_hidden = self.unpaired_hidden[:0]
+        self.proposal_root = root_id
         # drafted entries so far: [root pair]; tree_rows[i] = which drafted entries node i sees
         self.tree_rows = torch.ones(1, 1, dtype=torch.bool)
         self.level_slots = torch.zeros(1, dtype=torch.long)  # drafted-entry index of each beam
@@ -96,22 +112,25 @@ class EagleDrafter:
     def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
         """Beams token_ids [k] at depth `depth` (>= 1); parent [k] indexes the previous call's
         batch (-1 = the root). -> log-probs [k, Vd]."""
+        root_pos = len(self.history)  # = the SA entries up to and including the root pair
         num_drafted, count = self.tree_rows.shape[0], token_ids.numel()
         parent_slots = torch.where(parent >= 0, self.level_slots[parent.clamp_min(0)], 0)
         rows = torch.cat([self.tree_rows[parent_slots], torch.eye(count, dtype=torch.bool)], dim=1)  # [k, n + k]
         self.tree_rows = torch.cat([torch.nn.functional.pad(self.tree_rows, (0, count)), rows], 0)
         self.level_slots = torch.arange(num_drafted, num_drafted + count)
         # a depth-d beam pairs with its parent's feature, which stands for the parent's position
-        positions = torch.full((count,), self.sa_valid + depth - 1)
-        # SA sees all valid entries (the root pair is the last of them) and its own tree
-        # ancestors (drafted entries 1.. are the SA cache's tree part).
-        sa_visible = torch.cat([torch.ones(count, self.sa_valid, dtype=torch.bool), rows[:, 1:]], 1)
+        positions = torch.full((count,), root_pos + depth - 1)
+        # SA sees every entry up to the root pair (drafted entry 0) and its own tree ancestors
+        # (drafted entries 1.. are the SA cache's tree part).
+        sa_visible = torch.cat([torch.ones(count, root_pos, dtype=torch.bool), rows[:, 1:]], 1)
         features = self._decode(token_ids, self.node_features[parent_slots], positions, sa_visible)
         self.node_features = torch.cat([self.node_features, features])
         return self._log_probs(features)
 
     # -- internals ------------------------------------------------------------------------------
-    def _decode(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """Pairs (token_ids [n], features [n, D]) at positions [n] through the layer, appending
         their keys/values to the SA cache; visible [n, cache + n]. -> output features [n, D]."""
         inputs = self.net.pair_inputs(self.parts, token_ids, features)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from moaspec.nn.checkpoint import PretrainedDrafterNet
 from moaspec.nn.layers import DecoderLayer, RMSNorm, additive_mask
 from moaspec.nn.moa import TargetParts, target_rope_theta
 
@@ -63,8 +64,11 @@ class EagleConfig:
         return asdict(self)
 
 
-class EagleDrafterNet(nn.Module):
+class EagleDrafterNet(nn.Module, PretrainedDrafterNet):
     """fc over [token embedding, feature], then one decoder layer. See the module docstring."""
+
+    method = "eagle"
+    config_class = EagleConfig
 
     def __init__(self, config: EagleConfig) -> None:
         super().__init__()

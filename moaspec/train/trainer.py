@@ -1,0 +1,265 @@
+"""Drafter training loop (nanoGPT-style): online target features, MoA anchors and staircase
+curriculum, AdamW with warm-up and decay, clipping, validation, checkpoints and resume.
+
+MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; every prompt
+position and every response position with index % T == 0 is an anchor; s(i) = the last anchor
+<= i; the CA at i sees memory up to s(i). Staircase SA curriculum: a sequence uses the staircase
+mask with probability 1 - min(1, step / (staircase_fraction * total_steps)), annealed by steps.
+EAGLE (§4.3): true features in, next feature out, U(-noise/2, noise/2) added to the input features.
+Loss on response positions only (a position predicts the token after it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from moaspec.nn.moa import TargetParts
+from moaspec.target import HFTarget
+from moaspec.train.features import target_features
+from moaspec.train.losses import LossParts, drafter_loss
+
+STATE_FILE = "train_state.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str = "moa"  # "moa" | "eagle"
+    tli_layers: int = 0
+    steps: int = 1000
+    batch_size: int = 8  # sequences per optimizer step
+    lr: float = 5e-4
+    min_lr: float = 5e-5
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    anchor_min: int = 6
+    anchor_max: int = 14
+    staircase_fraction: float = 0.5
+    eagle_noise: float = 0.2
+    max_seq_len: int = 768
+    val_every: int = 100
+    ckpt_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in ("moa", "eagle"):
+            raise ValueError(f"method must be moa or eagle, got {self.method}")
+        if not 1 <= self.anchor_min <= self.anchor_max:
+            raise ValueError("need 1 <= anchor_min <= anchor_max")
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """input_ids [T]: prompt then response; response_start: index of the first response token."""
+
+    input_ids: torch.Tensor
+    response_start: int
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to lr, then cosine decay to min_lr at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def last_anchors(length: int, response_start: int, every: int) -> torch.Tensor:
+    """s(i) for i < length: prompt positions and response positions i % every == 0 are anchors."""
+    positions = torch.arange(length)
+    is_anchor = (positions < response_start) | (positions % every == 0)
+    return torch.cummax(torch.where(is_anchor, positions, 0), dim=0).values
+
+
+def loss_mask(length: int, response_start: int) -> torch.Tensor:
+    """Positions predicting a response token that exists: response_start <= i <= length - 2."""
+    positions = torch.arange(length)
+    return ((positions >= response_start) & (positions <= length - 2)).float()
+
+
+def sequence_loss(
+    net: torch.nn.Module,
+    parts: TargetParts,
+    target: HFTarget,
+    sample: TrainSample,
+    config: TrainConfig,
+    staircase: bool,
+    every: int,
+    generator: torch.Generator,
+) -> LossParts:
+    """Loss of one sequence (MoA or EAGLE), features computed online."""
+    ids = sample.input_ids[: config.max_seq_len]
+    length = ids.numel()
+    is_moa = config.method == "moa"
+    features = target_features(target, ids, config.tli_layers, layer_kv=is_moa)
+    dtype = next(net.parameters()).dtype
+    head = net.head_weight(parts).to(dtype)
+    vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
+    teacher_logits = features.final_hidden @ parts.lm_head_weight.T  # [T, V]
+    mask = loss_mask(length, sample.response_start)
+    if is_moa:
+        anchors = last_anchors(length, sample.response_start, every)
+        out = net.forward_train(parts, ids, features.layer_kv, anchors, staircase, features.tli_kv, features.tli_hidden)
+        tli_mask = mask * (anchors != torch.arange(length)).float() if config.tli_layers else None
+        return drafter_loss(
+            out.final, features.final_hidden, head, teacher_logits, vocab_ids, mask,
+            out.pre_tli, features.tli_hidden, tli_mask,
+        )
+    noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
+    predicted = net.forward_train(parts, ids, features.final_hidden + noise.to(features.final_hidden.dtype))  # [T-1, D]
+    return drafter_loss(predicted, features.final_hidden[1:], head, teacher_logits[1:], vocab_ids, mask[1:])
+
+
+@torch.no_grad()
+def validate(net, parts, target, samples: list[TrainSample], config: TrainConfig, max_depth: int = 6) -> dict:
+    """Top-1 agreement with the target per draft depth (MoA: depth = i - s(i) on a fixed anchor
+    grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
+    net.eval()
+    hits = torch.zeros(max_depth + 1)
+    counts = torch.zeros(max_depth + 1)
+    losses = []
+    generator = torch.Generator().manual_seed(0)
+    for sample in samples:
+        ids = sample.input_ids[: config.max_seq_len]
+        length = ids.numel()
+        parts_loss = sequence_loss(net, parts, target, sample, config, False, max_depth + 1, generator)
+        losses.append(float(parts_loss.total))
+        features = target_features(target, ids, config.tli_layers, layer_kv=config.method == "moa")
+        head = net.head_weight(parts)
+        vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0])
+        mask = loss_mask(length, sample.response_start)
+        if config.method == "moa":
+            anchors = last_anchors(length, sample.response_start, max_depth + 1)
+            out = net.forward_train(parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden)
+            predicted = vocab[(out.final @ head.T).argmax(-1)]
+            depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
+            correct = predicted[:-1] == ids[1:]
+            for d in range(1, max_depth + 1):
+                selected = (depth[:-1] == d) & mask[:-1].bool()
+                hits[d] += correct[selected].sum()
+                counts[d] += selected.sum()
+        else:
+            out = net.forward_train(parts, ids, features.final_hidden)
+            predicted = vocab[(out @ head.T).argmax(-1)]  # row t predicts x_{t+2}
+            selected = mask[1:-1].bool()
+            hits[1] += (predicted[:-1] == ids[2:])[selected].sum()
+            counts[1] += selected.sum()
+    net.train()
+    accuracy = {f"acc_depth{d}": round(float(hits[d] / counts[d]), 4) for d in range(1, max_depth + 1) if counts[d] > 0}
+    return {"val_loss": round(sum(losses) / max(1, len(losses)), 5), **accuracy}
+
+
+def train(
+    net: torch.nn.Module,
+    target: HFTarget,
+    train_samples: list[TrainSample],
+    val_samples: list[TrainSample],
+    config: TrainConfig,
+    out_dir: Path,
+    tree: dict | None = None,
+    provenance: dict | None = None,
+    progress: bool = True,
+    stop_at_step: int | None = None,
+    stop_after_s: float | None = None,
+) -> TrainState:
+    """Train `net` in place; resume from out_dir/train_state.pt when it exists.
+
+    stop_at_step / stop_after_s end this call early (state saved), e.g. to fit a time box;
+    calling again with the same config continues exactly where it stopped.
+    """
+    from tqdm import tqdm
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts = TargetParts.from_target(target, config.tli_layers)
+    for param in target.model.parameters():
+        param.requires_grad_(False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
+    state = TrainState()
+    rng = random.Random(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    state_path = out_dir / STATE_FILE
+    if state_path.is_file():
+        saved = torch.load(state_path, weights_only=False)
+        if saved["config"] != asdict(config):
+            raise ValueError(f"{state_path} was written with another training config; use a new --out")
+        net.load_state_dict(saved["net"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = TrainState(saved["step"], saved["history"])
+        rng.setstate(saved["python_rng"])
+        generator.set_state(saved["torch_rng"])
+    net.train()
+    bar = tqdm(total=config.steps, initial=state.step, disable=not progress, desc=f"train {config.method}", unit="step")
+    run_started = time.perf_counter()
+    while state.step < min(config.steps, stop_at_step or config.steps):
+        if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
+            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+            break
+        started = time.perf_counter()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, state.step)
+        staircase_p = 1.0 - min(1.0, state.step / max(1, config.staircase_fraction * config.steps))
+        optimizer.zero_grad(set_to_none=True)
+        totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
+        num_tokens = 0
+        for _ in range(config.batch_size):
+            sample = train_samples[rng.randrange(len(train_samples))]
+            every = rng.randint(config.anchor_min, config.anchor_max)
+            parts_loss = sequence_loss(net, parts, target, sample, config, rng.random() < staircase_p, every, generator)
+            (parts_loss.total / config.batch_size).backward()
+            totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
+            totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
+            totals["feat"] += float(parts_loss.feature) / config.batch_size
+            totals["top1"] += float(parts_loss.top1) / config.batch_size
+            num_tokens += min(sample.input_ids.numel(), config.max_seq_len)
+        grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
+        optimizer.step()
+        state.step += 1
+        record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
+        record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
+        bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.update(1)
+        if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
+            record.update(validate(net, parts, target, val_samples, config))
+            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+        state.history.append(record)
+        if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
+            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+    bar.close()
+    return state
+
+
+def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, generator, out_dir: Path, target, tree, provenance) -> None:
+    """The resumable state (fp32) and a float16 drafter checkpoint with the full config."""
+    staging = out_dir / (STATE_FILE + ".tmp")
+    torch.save(
+        {
+            "config": asdict(config),
+            "net": net.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "step": state.step,
+            "history": state.history,
+            "python_rng": rng.getstate(),
+            "torch_rng": generator.get_state(),
+        },
+        staging,
+    )
+    staging.replace(out_dir / STATE_FILE)
+    training = {"train_config": asdict(config), "step": state.step, "last": state.history[-1] if state.history else {}, **(provenance or {})}
+    net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
+
+
+__all__ = ["TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask", "train", "validate"]
