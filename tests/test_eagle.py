@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.drafters.base import VerifiedUpdate
@@ -15,9 +15,9 @@ from moaspec.drafters.dynamic_tree import TreeConfig
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
+from moaspec.nn.drafter_net import TargetParts
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.layers import RMSNorm, additive_mask
-from moaspec.nn.moa import TargetParts
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
 

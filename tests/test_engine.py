@@ -7,9 +7,9 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_tiny_target
 from scipy.stats import chisquare
 
-from conftest import make_tiny_target
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.ngram import NgramDrafter

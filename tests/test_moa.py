@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from moaspec.config import GenerationConfig
 from moaspec.drafters import make_drafter
 from moaspec.drafters.base import VerifiedUpdate

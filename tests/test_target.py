@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, path_to
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
 from moaspec.train.trainer import TrainConfig, TrainSample, last_anchors, loss_mask, train

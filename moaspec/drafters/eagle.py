@@ -29,9 +29,9 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.nn.drafter_net import TargetParts
 from moaspec.nn.eagle import EagleDrafterNet
 from moaspec.nn.layers import additive_mask, at_least_fp32
-from moaspec.nn.moa import TargetParts
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:

@@ -20,8 +20,9 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
-from moaspec.nn.layers import at_least_fp32, additive_mask
-from moaspec.nn.moa import MoADrafterNet, TargetParts
+from moaspec.nn.drafter_net import TargetParts
+from moaspec.nn.layers import additive_mask, at_least_fp32
+from moaspec.nn.moa import MoADrafterNet
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 from moaspec.tree import DraftTree
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch

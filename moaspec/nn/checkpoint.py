@@ -100,37 +100,3 @@ def read_checkpoint(directory: str | Path, target: HFTarget) -> tuple[dict[str, 
             f"(fingerprint {recorded.get('fingerprint')}), not for '{target.name}' ({fingerprint})"
         )
     return record, load_file(str(weights_path))
-
-
-class PretrainedDrafterNet:
-    """Mixin for drafter nets: `save_pretrained` / `from_pretrained` over the format above.
-
-    Subclasses set `method` (the checkpoint's method name) and `config_class` (a dataclass with
-    `to_dict`), and keep their dataclass in `self.config`.
-    """
-
-    method: str
-    config_class: type
-
-    def save_pretrained(
-        self,
-        directory: str | Path,
-        target: HFTarget,
-        tree: dict[str, Any] | None = None,
-        training: dict[str, Any] | None = None,
-        dtype: torch.dtype = torch.float16,
-    ) -> Path:
-        return save_checkpoint(directory, self.method, self, target, tree or {}, training, dtype)  # type: ignore[arg-type]
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> tuple[Any, dict[str, Any]]:
-        """-> (net in the target's dtype, the checkpoint's config record)."""
-        record, state = read_checkpoint(directory, target)
-        if record["method"] != cls.method:
-            raise MoaspecError(f"{directory} holds a '{record['method']}' drafter, not '{cls.method}'")
-        try:
-            net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
-            net.load_state_dict(state)  # type: ignore[attr-defined]
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise MoaspecError(f"{directory}: weights do not match the recorded config ({str(exc).splitlines()[0]})") from exc
-        return net.to(target.dtype), record  # type: ignore[attr-defined]

@@ -21,9 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.checkpoint import PretrainedDrafterNet
-from moaspec.nn.layers import DecoderLayer, RMSNorm, additive_mask
-from moaspec.nn.moa import TargetParts, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet, TargetParts, target_rope_theta
+from moaspec.nn.layers import DecoderLayer, additive_mask
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class EagleConfig:
         return asdict(self)
 
 
-class EagleDrafterNet(nn.Module, PretrainedDrafterNet):
+class EagleDrafterNet(DrafterNet):
     """fc over [token embedding, feature], then one decoder layer. See the module docstring."""
 
     method = "eagle"
@@ -78,29 +77,13 @@ class EagleDrafterNet(nn.Module, PretrainedDrafterNet):
         self.decoder_layer = DecoderLayer(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps, c.rope_theta
         )
-        self.register_buffer("draft_vocab_ids", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self._register_draft_vocab()
         self.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """Same init as the MoA drafter: Linear and RMSNorm weights ~ N(0, std), biases 0."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                nn.init.normal_(module.weight, std=std)
 
     def pair_inputs(self, parts: TargetParts, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """token_ids [n] (x_{t+1}) and features [n, D] (h_t or a predicted f_t) -> inputs [n, D]."""
         embeds = parts.embed_tokens(token_ids).to(self.fc.weight.dtype)
         return self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
-
-    def head_weight(self, parts: TargetParts) -> torch.Tensor:
-        """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
-        if self.config.draft_vocab_size:
-            return parts.lm_head_weight[self.draft_vocab_ids]
-        return parts.lm_head_weight
 
     def forward_train(self, parts: TargetParts, input_ids: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
         """input_ids [T] = x_0..x_{T-1}; target_hidden [T, D] = the true h_0..h_{T-1} (post-norm).

@@ -8,7 +8,6 @@ the new post-RoPE keys/values so callers can cache them.
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 

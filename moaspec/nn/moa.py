@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.checkpoint import PretrainedDrafterNet
+from moaspec.nn.drafter_net import DrafterNet, TargetParts, target_rope_theta
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 
@@ -87,34 +87,6 @@ class MoAConfig:
         return asdict(self)
 
 
-def target_rope_theta(target_config) -> float:
-    """rope theta of a transformers config (5.x keeps it in rope_parameters)."""
-    params = getattr(target_config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
-
-
-@dataclass
-class TargetParts:
-    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
-
-    embed_tokens: nn.Module
-    lm_head_weight: torch.Tensor  # [V, D]
-    final_norm: nn.Module
-    tli_layers: list[nn.Module]  # the target's last k decoder layers
-    rotary_emb: nn.Module
-
-    @staticmethod
-    def from_target(target, tli_layers: int) -> TargetParts:
-        layers = list(target.decoder_layers)
-        return TargetParts(
-            embed_tokens=target.embed_tokens,
-            lm_head_weight=target.lm_head.weight,
-            final_norm=target.final_norm,
-            tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
-            rotary_emb=target.rotary_emb,
-        )
-
-
 @dataclass(frozen=True)
 class MoATrainOutput:
     """final: [T, D] the state the LM head reads (post-norm with TLI). pre_tli: [T, D] or None."""
@@ -123,7 +95,7 @@ class MoATrainOutput:
     pre_tli: torch.Tensor | None
 
 
-class MoADrafterNet(nn.Module, PretrainedDrafterNet):
+class MoADrafterNet(DrafterNet):
     """LSA + Ekv2E (memory encoder), SA, CA + MLP. See the module docstring."""
 
     method = "moa"
@@ -142,18 +114,8 @@ class MoADrafterNet(nn.Module, PretrainedDrafterNet):
             c.kv_dim, c.lsa_num_heads, c.lsa_num_kv_heads, c.kv_dim // c.lsa_num_heads, c.lsa_intermediate_size, c.rms_norm_eps, c.rope_theta
         )
         self.ekv2e = nn.Linear(c.kv_dim, c.hidden_size, bias=True)
-        self.register_buffer("draft_vocab_ids", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self._register_draft_vocab()
         self.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """Reference init: Linear weights and RMSNorm weights ~ N(0, std), biases 0 (§1.1)."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                nn.init.normal_(module.weight, std=std)
 
     # -- memory of verified tokens -------------------------------------------------------------
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
@@ -176,12 +138,6 @@ class MoADrafterNet(nn.Module, PretrainedDrafterNet):
         q = self.cross_attention.queries(self.ca_norm(h), cos, sin)
         c = h + self.cross_attention.output(q, memory_kv[0], memory_kv[1], mask)
         return c + self.ca_mlp(self.ca_post_norm(c))
-
-    def head_weight(self, parts: TargetParts) -> torch.Tensor:
-        """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
-        if self.config.draft_vocab_size:
-            return parts.lm_head_weight[self.draft_vocab_ids]
-        return parts.lm_head_weight
 
     # -- training: one parallel pass simulating drafting from anchors (moa_reference.md §2.2) ---
     def forward_train(

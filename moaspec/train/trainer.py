@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from moaspec.nn.moa import TargetParts
+from moaspec.nn.drafter_net import TargetParts
 from moaspec.target import HFTarget
 from moaspec.train.features import target_features
 from moaspec.train.losses import LossParts, drafter_loss

@@ -1,0 +1,102 @@
+"""What every drafter network shares: the target modules it borrows, the reduced-vocabulary LM
+head, the reference initialisation, and `save_pretrained` / `from_pretrained`.
+
+Subclasses (`MoADrafterNet`, `EagleDrafterNet`) set `method` (the checkpoint's method name) and
+`config_class` (a frozen dataclass with `draft_vocab_size` and `to_dict`), keep it in
+`self.config`, and call `_register_draft_vocab()` in their constructor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from moaspec.errors import MoaspecError
+from moaspec.nn.checkpoint import read_checkpoint, save_checkpoint
+from moaspec.nn.layers import RMSNorm
+
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
+
+
+def target_rope_theta(target_config) -> float:
+    """rope theta of a transformers config (5.x keeps it in rope_parameters)."""
+    params = getattr(target_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
+
+
+@dataclass
+class TargetParts:
+    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
+
+    embed_tokens: nn.Module
+    lm_head_weight: torch.Tensor  # [V, D]
+    final_norm: nn.Module
+    tli_layers: list[nn.Module]  # the target's last k decoder layers
+    rotary_emb: nn.Module
+
+    @staticmethod
+    def from_target(target, tli_layers: int) -> TargetParts:
+        layers = list(target.decoder_layers)
+        return TargetParts(
+            embed_tokens=target.embed_tokens,
+            lm_head_weight=target.lm_head.weight,
+            final_norm=target.final_norm,
+            tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
+            rotary_emb=target.rotary_emb,
+        )
+
+
+class DrafterNet(nn.Module):
+    """Base class of drafter networks (see the module docstring)."""
+
+    method: str
+    config_class: type
+
+    def _register_draft_vocab(self) -> None:
+        """`draft_vocab_ids` [Vd]: target ids of the draft vocabulary (empty = full vocabulary)."""
+        self.register_buffer("draft_vocab_ids", torch.zeros(self.config.draft_vocab_size, dtype=torch.long))
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Reference init: Linear weights and RMSNorm weights ~ N(0, std), biases 0 (§1.1)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.normal_(module.weight, std=std)
+
+    def head_weight(self, parts: TargetParts) -> torch.Tensor:
+        """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
+        if self.config.draft_vocab_size:
+            return parts.lm_head_weight[self.draft_vocab_ids]
+        return parts.lm_head_weight
+
+    def save_pretrained(
+        self,
+        directory: str | Path,
+        target: HFTarget,
+        tree: dict[str, Any] | None = None,
+        training: dict[str, Any] | None = None,
+        dtype: torch.dtype = torch.float16,
+    ) -> Path:
+        """Write `directory` (config.json + model.safetensors, float16 by default), atomically."""
+        return save_checkpoint(directory, self.method, self, target, tree or {}, training, dtype)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> tuple[Any, dict[str, Any]]:
+        """-> (net in the target's dtype, the checkpoint's config record)."""
+        record, state = read_checkpoint(directory, target)
+        if record["method"] != cls.method:
+            raise MoaspecError(f"{directory} holds a '{record['method']}' drafter, not '{cls.method}'")
+        try:
+            net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
+            net.load_state_dict(state)  # type: ignore[attr-defined]
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise MoaspecError(f"{directory}: weights do not match the recorded config ({str(exc).splitlines()[0]})") from exc
+        return net.to(target.dtype), record  # type: ignore[attr-defined]
