@@ -21,47 +21,32 @@ twice in a row is safe; `accept` keeps the proposal's root pair when that root w
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
-from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
-from moaspec.nn.drafter_net import TargetParts
+from moaspec.drafters.dynamic_tree import TreeConfig
+from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.nn.eagle import EagleDrafterNet
-from moaspec.nn.layers import additive_mask, at_least_fp32
-from moaspec.tree import DraftTree
+from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 
-class EagleDrafter:
+class EagleDrafter(TreeDrafter):
     """Drafter protocol implementation for the EAGLE network."""
 
-    def __init__(self, net: EagleDrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
-        self.net = net.eval()
-        self.target = target
-        self.tree_config = tree or TreeConfig()
-        self.hidden_layers: tuple[int, ...] = (target.num_layers,)  # post-final-norm last hidden state
-        self.parts = TargetParts.from_target(target, 0)
-        self.dtype = net.fc.weight.dtype
-        self.head = self.net.head_weight(self.parts).to(self.dtype)  # [Vd, D], indexed once
-        self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
-        self.reset()
+    net_class = EagleDrafterNet
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> EagleDrafter:
-        """Load a checkpoint directory (refused for another target); its tree config is the default."""
-        net, record = EagleDrafterNet.from_pretrained(directory, target)
-        return cls(net, target, TreeConfig(**record.get("tree", {})))
+    def __init__(self, net: EagleDrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
+        self.hidden_layers: tuple[int, ...] = (target.num_layers,)  # post-final-norm last hidden state
+        super().__init__(net, target, tree)
 
     def reset(self) -> None:
         self.history: list[int] = []
-        kv_shape = (self.net.config.num_kv_heads, 0, self.net.config.head_dim)
-        self.sa_kv = (torch.zeros(kv_shape, dtype=self.dtype), torch.zeros(kv_shape, dtype=self.dtype))
+        self.sa_kv = empty_kv(self.net.config.num_kv_heads, self.net.config.head_dim, self.dtype)
         self.sa_valid = 0
         self.unpaired_hidden = torch.zeros(0, self.net.config.hidden_size, dtype=self.dtype)  # [n, D]
         self.proposal_root: int | None = None  # the root of the pairs `start` appended
@@ -81,13 +66,7 @@ class EagleDrafter:
         new_hidden = update.hidden[:, 0].to(self.dtype)
         self.unpaired_hidden = torch.cat([self.unpaired_hidden[num_valid - self.sa_valid :], new_hidden])
         self.sa_valid, self.proposal_root = num_valid, None
-        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
-
-    @torch.inference_mode()
-    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        return build_dynamic_tree(
-            root_id, lambda: self.start(root_id)[0], self.expand, self.tree_config, self.draft_vocab_ids
-        )
+        self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
 
     # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
     def start(self, root_id: int) -> torch.Tensor:
@@ -96,16 +75,14 @@ class EagleDrafter:
         root_pos = len(self.history)
         if root_pos == 0:
             raise ValueError("start() needs at least one verified token (its feature pairs with the root)")
-        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
+        self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
         feed = torch.tensor([*self.history[self.sa_valid + 1 :], root_id])  # x_{t+1}, t = sa_valid..root_pos-1
         positions = torch.arange(self.sa_valid, root_pos)
         visible = torch.ones(feed.numel(), root_pos, dtype=torch.bool)
         visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
         root_feature = self._decode(feed, self.unpaired_hidden, positions, visible)[-1:]  # f_{root_pos} [1, D]
         self.proposal_root = root_id
-        # drafted entries so far: [root pair]; tree_rows[i] = which drafted entries node i sees
-        self.tree_rows = torch.ones(1, 1, dtype=torch.bool)
-        self.level_slots = torch.zeros(1, dtype=torch.long)  # drafted-entry index of each beam
+        self._begin_tree()  # drafted entry 0: the root pair
         self.node_features = root_feature  # [num_drafted, D]: each drafted entry's output feature
         return self._log_probs(root_feature)
 
@@ -113,11 +90,8 @@ class EagleDrafter:
         """Beams token_ids [k] at depth `depth` (>= 1); parent [k] indexes the previous call's
         batch (-1 = the root). -> log-probs [k, Vd]."""
         root_pos = len(self.history)  # = the SA entries up to and including the root pair
-        num_drafted, count = self.tree_rows.shape[0], token_ids.numel()
-        parent_slots = torch.where(parent >= 0, self.level_slots[parent.clamp_min(0)], 0)
-        rows = torch.cat([self.tree_rows[parent_slots], torch.eye(count, dtype=torch.bool)], dim=1)  # [k, n + k]
-        self.tree_rows = torch.cat([torch.nn.functional.pad(self.tree_rows, (0, count)), rows], 0)
-        self.level_slots = torch.arange(num_drafted, num_drafted + count)
+        count = token_ids.numel()
+        rows, parent_slots = self._add_level(parent)
         # a depth-d beam pairs with its parent's feature, which stands for the parent's position
         positions = torch.full((count,), root_pos + depth - 1)
         # SA sees every entry up to the root pair (drafted entry 0) and its own tree ancestors
@@ -134,10 +108,6 @@ class EagleDrafter:
         """Pairs (token_ids [n], features [n, D]) at positions [n] through the layer, appending
         their keys/values to the SA cache; visible [n, cache + n]. -> output features [n, D]."""
         inputs = self.net.pair_inputs(self.parts, token_ids, features)
-        out, (k, v) = self.net.decoder_layer(inputs, positions, additive_mask(visible, self.dtype), self.sa_kv)
-        self.sa_kv = (torch.cat([self.sa_kv[0], k], 1), torch.cat([self.sa_kv[1], v], 1))
+        out, new_kv = self.net.decoder_layer(inputs, positions, additive_mask(visible, self.dtype), self.sa_kv)
+        self.sa_kv = append_kv(self.sa_kv, new_kv)
         return out
-
-    def _log_probs(self, features: torch.Tensor) -> torch.Tensor:
-        """The (reduced) LM head on predicted post-norm features [n, D] -> log-probs [n, Vd]."""
-        return torch.log_softmax(at_least_fp32(features @ self.head.T), dim=-1)

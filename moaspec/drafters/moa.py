@@ -12,51 +12,36 @@ State between verifications (moa_reference.md §3):
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
-from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
-from moaspec.nn.drafter_net import TargetParts
-from moaspec.nn.layers import additive_mask, at_least_fp32
+from moaspec.drafters.dynamic_tree import TreeConfig
+from moaspec.drafters.tree_drafter import TreeDrafter
+from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 from moaspec.nn.moa import MoADrafterNet
 from moaspec.nn.target_layers import target_layer_forward, target_rope
-from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 
-class MoADrafter:
+class MoADrafter(TreeDrafter):
     """Drafter protocol implementation for the MoA network."""
 
+    net_class = MoADrafterNet
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, net: MoADrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
-        self.net = net.eval()
-        self.target = target
-        self.tree_config = tree or TreeConfig()
-        self.parts = TargetParts.from_target(target, net.config.tli_layers)
-        self.dtype = net.ekv2e.weight.dtype
-        self.head = self.net.head_weight(self.parts).to(self.dtype)  # [Vd, D], indexed once
-        self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.tli_start = target.num_layers - net.config.tli_layers
-        self.reset()
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> MoADrafter:
-        """Load a checkpoint directory (refused for another target); its tree config is the default."""
-        net, record = MoADrafterNet.from_pretrained(directory, target)
-        return cls(net, target, TreeConfig(**record.get("tree", {})))
+        super().__init__(net, target, tree, net.config.tli_layers)
 
     def reset(self) -> None:
         self.history: list[int] = []
-        kv_shape = (self.net.config.num_kv_heads, 0, self.net.config.head_dim)
-        self.memory_kv = (torch.zeros(kv_shape, dtype=self.dtype), torch.zeros(kv_shape, dtype=self.dtype))
-        self.sa_kv = (torch.zeros(kv_shape, dtype=self.dtype), torch.zeros(kv_shape, dtype=self.dtype))
+        config = self.net.config
+        self.memory_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
+        self.sa_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
         self.sa_valid = 0
 
     @torch.inference_mode()
@@ -65,14 +50,8 @@ class MoADrafter:
         start, count = update.start_pos, update.token_ids.numel()
         self.history.extend(update.token_ids.tolist())
         layer_kv = update.target.layer_kv(start, start + count).to(self.dtype)
-        keys, values = self.net.memory_keys_values(self.net.memory(layer_kv), torch.arange(start, start + count))
-        self.memory_kv = (torch.cat([self.memory_kv[0], keys], 1), torch.cat([self.memory_kv[1], values], 1))
-
-    @torch.inference_mode()
-    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        return build_dynamic_tree(
-            root_id, lambda: self.start(root_id)[0], self.expand, self.tree_config, self.draft_vocab_ids
-        )
+        positions = torch.arange(start, start + count)
+        self.memory_kv = append_kv(self.memory_kv, self.net.memory_keys_values(self.net.memory(layer_kv), positions))
 
     # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
     def start(self, root_id: int) -> torch.Tensor:
@@ -83,40 +62,33 @@ class MoADrafter:
         """
         root_pos = len(self.history)
         self.sa_valid = min(self.sa_valid, root_pos)
-        self.sa_kv = (self.sa_kv[0][:, : self.sa_valid], self.sa_kv[1][:, : self.sa_valid])
+        self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
         feed = torch.tensor([*self.history[self.sa_valid :], root_id])
         positions = torch.arange(self.sa_valid, root_pos + 1)
         visible = torch.ones(feed.numel(), self.sa_valid + feed.numel(), dtype=torch.bool)
         visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
         h = self._self_attend(feed, positions, visible)[-1:]
         self.sa_valid = root_pos + 1
-        # drafted entries so far: [root]; tree_rows[i] = which drafted entries node i sees
-        self.tree_rows = torch.ones(1, 1, dtype=torch.bool)
-        self.level_slots = torch.zeros(1, dtype=torch.long)  # drafted-entry index of each beam
+        self._begin_tree()
         self.tli_kv = self._tli_context(root_pos)
-        return self._finish(h, torch.tensor([root_pos]), torch.ones(1, 1, dtype=torch.bool))
+        return self._finish(h, torch.tensor([root_pos]), self.tree_rows)
 
     def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
         """Beams token_ids [k] at depth `depth` (>= 1); parent [k] indexes the previous call's
         batch (-1 = the root). -> log-probs [k, Vd]."""
-        root_pos = self.sa_valid - 1
-        num_drafted, count = self.tree_rows.shape[0], token_ids.numel()
-        parent_slots = torch.where(parent >= 0, self.level_slots[parent.clamp_min(0)], 0)
-        rows = torch.cat([self.tree_rows[parent_slots], torch.eye(count, dtype=torch.bool)], dim=1)  # [k, n + k]
-        self.tree_rows = torch.cat([torch.nn.functional.pad(self.tree_rows, (0, count)), rows], 0)
-        self.level_slots = torch.arange(num_drafted, num_drafted + count)
-        positions = torch.full((count,), root_pos + depth)
+        rows, _ = self._add_level(parent)
+        positions = torch.full((token_ids.numel(),), self.sa_valid - 1 + depth)
         # SA sees all valid entries (verified + root) and its own tree ancestors (drafted entries
         # 1.. are the SA cache's tree part; entry 0, the root, is already in the valid prefix).
-        sa_visible = torch.cat([torch.ones(count, self.sa_valid, dtype=torch.bool), rows[:, 1:]], 1)
+        sa_visible = torch.cat([torch.ones(token_ids.numel(), self.sa_valid, dtype=torch.bool), rows[:, 1:]], 1)
         h = self._self_attend(token_ids, positions, sa_visible)
         return self._finish(h, positions, rows)
 
     # -- internals ------------------------------------------------------------------------------
     def _self_attend(self, token_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         embeds = self.parts.embed_tokens(token_ids).to(self.dtype)
-        h, (k, v) = self.net.self_attention(embeds, positions, additive_mask(visible, self.dtype), self.sa_kv)
-        self.sa_kv = (torch.cat([self.sa_kv[0], k], 1), torch.cat([self.sa_kv[1], v], 1))
+        h, new_kv = self.net.self_attention(embeds, positions, additive_mask(visible, self.dtype), self.sa_kv)
+        self.sa_kv = append_kv(self.sa_kv, new_kv)
         return h
 
     def _finish(self, h: torch.Tensor, positions: torch.Tensor, drafted_visible: torch.Tensor) -> torch.Tensor:
@@ -124,7 +96,7 @@ class MoADrafter:
         final = self.net.cross_attend(h, positions, self.memory_kv, None)
         if self.tli_kv:
             final = self._target_layers(final, positions, drafted_visible)
-        return torch.log_softmax(at_least_fp32(final @ self.head.T), dim=-1)
+        return self._log_probs(final)
 
     def _tli_context(self, root_pos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The target's cached keys/values of the verified context, for its last k layers."""
@@ -138,7 +110,6 @@ class MoADrafter:
         mask = additive_mask(visible, self.dtype)
         cos, sin = target_rope(self.parts.rotary_emb, positions, x)
         for i, layer in enumerate(self.parts.tli_layers):
-            context = self.tli_kv[i]
-            x, (k, v) = target_layer_forward(layer, x, cos, sin, context, mask)
-            self.tli_kv[i] = (torch.cat([context[0], k], 1), torch.cat([context[1], v], 1))
+            x, new_kv = target_layer_forward(layer, x, cos, sin, self.tli_kv[i], mask)
+            self.tli_kv[i] = append_kv(self.tli_kv[i], new_kv)
         return self.parts.final_norm(x)

@@ -132,3 +132,21 @@ class DecoderLayer(nn.Module):
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool visibility [Tq, Tk] -> additive float mask (0 visible, dtype min hidden)."""
     return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def empty_kv(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCache:
+    """An empty keys/values pair, each [Hkv, 0, d]."""
+    return torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype), torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype)
+
+
+def append_kv(cache: KVCache, new: KVCache) -> KVCache:
+    """Concatenate new keys/values [Hkv, n, d] after the cached ones along the sequence axis."""
+    return torch.cat([cache[0], new[0]], -2), torch.cat([cache[1], new[1]], -2)
+
+
+def crop_kv(cache: KVCache, length: int) -> KVCache:
+    """The first `length` entries of a keys/values pair."""
+    return cache[0][..., :length, :], cache[1][..., :length, :]

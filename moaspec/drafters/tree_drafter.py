@@ -1,0 +1,81 @@
+"""Shared machinery of the model drafters (MoA, EAGLE-2) driven by the dynamic tree builder.
+
+A subclass provides `start(root_id) -> [1, Vd]` and `expand(token_ids, parent, depth) -> [k, Vd]`
+(draft-vocabulary log-probabilities, see dynamic_tree.py) plus `reset` and `accept`. This base
+holds the borrowed target modules, the (reduced) LM head, checkpoint loading, and the tree
+bookkeeping: the entries a proposal drafted (entry 0 = the root) and, for each, which drafted
+entries it may attend to (its ancestors and itself).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from moaspec.config import SamplingConfig
+from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.nn.drafter_net import DrafterNet, TargetParts
+from moaspec.nn.layers import at_least_fp32
+from moaspec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from moaspec.target import HFTarget
+
+
+class TreeDrafter:
+    """Base class; see the module docstring."""
+
+    net_class: type[DrafterNet]
+
+    def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
+        self.net = net.eval()
+        self.target = target
+        self.tree_config = tree or TreeConfig()
+        self.parts = TargetParts.from_target(target, tli_layers)
+        self.dtype = next(net.parameters()).dtype
+        self.head = net.head_weight(self.parts).to(self.dtype)  # [Vd, D], indexed once
+        self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
+        self.reset()
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> TreeDrafter:
+        """Load a checkpoint directory (refused for another target); its tree config is the default."""
+        net, record = cls.net_class.from_pretrained(directory, target)
+        return cls(net, target, TreeConfig(**record.get("tree", {})))
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def start(self, root_id: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        return build_dynamic_tree(root_id, lambda: self.start(root_id)[0], self.expand, self.tree_config, self.draft_vocab_ids)
+
+    # -- tree bookkeeping ----------------------------------------------------------------------
+    def _begin_tree(self) -> None:
+        """A new proposal: the only drafted entry is the root."""
+        self.tree_rows = torch.ones(1, 1, dtype=torch.bool)  # [n, n]: entry i sees entry j
+        self.level_slots = torch.zeros(1, dtype=torch.long)  # drafted-entry index of each last beam
+
+    def _add_level(self, parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Register k new beams whose parents index the previous level (-1 = the root).
+
+        -> (rows [k, n + k]: which drafted entries each new beam sees, parent_slots [k]).
+        """
+        num_drafted, count = self.tree_rows.shape[0], parent.numel()
+        parent_slots = torch.where(parent >= 0, self.level_slots[parent.clamp_min(0)], 0)
+        rows = torch.cat([self.tree_rows[parent_slots], torch.eye(count, dtype=torch.bool)], dim=1)
+        self.tree_rows = torch.cat([torch.nn.functional.pad(self.tree_rows, (0, count)), rows], 0)
+        self.level_slots = torch.arange(num_drafted, num_drafted + count)
+        return rows, parent_slots
+
+    def _log_probs(self, final: torch.Tensor) -> torch.Tensor:
+        """The (reduced) LM head on the drafter's final states [n, D] -> log-probs [n, Vd]."""
+        return torch.log_softmax(at_least_fp32(final @ self.head.T), dim=-1)
