@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
@@ -17,7 +17,7 @@ from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 from moaspec.nn.drafter_net import TargetParts
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
-from moaspec.nn.layers import RMSNorm, additive_mask
+from moaspec.nn.layers import additive_mask
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
 
@@ -36,18 +36,9 @@ def one_thread():
 
 
 def random_eagle(target: HFTarget, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> EagleDrafterNet:
-    """A random EAGLE net with weights large enough that its outputs are far from uniform."""
-    torch.manual_seed(seed)
     size = 0 if draft_vocab is None else draft_vocab.numel()
-    net = EagleDrafterNet(EagleConfig.for_target(target.config, draft_vocab_size=size))
-    net.reset_parameters(std=0.2)
-    with torch.no_grad():
-        for module in net.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        if draft_vocab is not None:
-            net.draft_vocab_ids.copy_(draft_vocab)
-    return net.to(target.dtype)
+    config = EagleConfig.for_target(target.config, draft_vocab_size=size)
+    return make_random_drafter_net(EagleDrafterNet, config, target, draft_vocab, seed)
 
 
 def causal_pass(net: EagleDrafterNet, inputs: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.config import GenerationConfig
 from moaspec.drafters import make_drafter
@@ -14,7 +14,6 @@ from moaspec.drafters.dynamic_tree import TreeConfig
 from moaspec.drafters.moa import MoADrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.nn.layers import RMSNorm
 from moaspec.nn.moa import MoAConfig, MoADrafterNet, TargetParts
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
@@ -23,18 +22,9 @@ NO_STOP: frozenset[int] = frozenset()
 
 
 def random_moa(target: HFTarget, tli: int = 0, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> MoADrafterNet:
-    """A random MoA net with weights large enough that its outputs are far from uniform."""
-    torch.manual_seed(seed)
     size = 0 if draft_vocab is None else draft_vocab.numel()
-    net = MoADrafterNet(MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size))
-    net.reset_parameters(std=0.2)
-    with torch.no_grad():
-        for module in net.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        if draft_vocab is not None:
-            net.draft_vocab_ids.copy_(draft_vocab)
-    return net.to(target.dtype)
+    config = MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size)
+    return make_random_drafter_net(MoADrafterNet, config, target, draft_vocab, seed)
 
 
 def anchors_for(length: int, prompt_len: int, boundaries: list[int]) -> torch.Tensor:
