@@ -187,11 +187,40 @@ def exact_joint(target: HFTarget, prompt: list[int], sampling: SamplingConfig, l
     return joint
 
 
+def far_sampled_drafter(target: HFTarget, later: torch.Tensor) -> SampledTreeDrafter:
+    """Peaked on the target's least likely token: it rejects often, so a verifier with a wrong
+    residual would visibly distort the output."""
+    vocab = later.shape[0]
+    q = torch.full((vocab,), 0.1 / (vocab - 1), dtype=torch.float64)
+    q[int(later.sum(1).argmin())] = 0.9
+    return SampledTreeDrafter(q)
+
+
+def random_model_drafter(method: str, target: HFTarget):
+    """An untrained MoA or EAGLE drafter (deterministic dynamic trees)."""
+    from conftest import make_random_drafter_net
+    from moaspec.drafters.dynamic_tree import TreeConfig
+    from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    tree = TreeConfig(depth=3, top_k=2, budget=5)
+    if method == "moa":
+        net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config, tli_layers=1), target)
+        return MoADrafter(net, target, tree)
+    net = make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(target.config), target)
+    return EagleDrafter(net, target, tree)
+
+
 @pytest.mark.statistical
-def test_sampled_joint_of_first_verified_tokens_matches_target() -> None:
+@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle"])
+def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str) -> None:
     """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
-    their joint law must be the target's. A broken residual fails this test (checked by hand:
-    monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint p-value of 1e-8)."""
+    their joint law must be the target's, with a sampled-tree drafter (draft_probs) and with the
+    MoA (TLI 1) and EAGLE drafters (deterministic trees). A broken residual fails this test
+    (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
+    p-value of 1e-8 with the sampled-tree drafter)."""
     vocab = 5
     target = make_tiny_target("llama", vocab_size=vocab)
     with torch.no_grad():
@@ -202,12 +231,9 @@ def test_sampled_joint_of_first_verified_tokens_matches_target() -> None:
     assert abs(float(exact.sum()) - 1.0) < 1e-12
     later = exact.sum(0)  # [V, V]: law of (token 2, token 3)
 
-    # A drafter far from the target (peaked on its least likely token) rejects often, so a
-    # verifier with a wrong residual would visibly distort the output.
-    q = torch.full((vocab,), 0.1 / (vocab - 1), dtype=torch.float64)
-    q[int(later.sum(1).argmin())] = 0.9
+    drafter = far_sampled_drafter(target, later) if drafter_kind == "sampled-tree" else random_model_drafter(drafter_kind, target)
     counts = torch.zeros(vocab, vocab)
-    engine = Engine(target, SampledTreeDrafter(q))
+    engine = Engine(target, drafter)
     num_samples = 1200
     for seed in range(num_samples):
         tokens = engine.generate(prompt, sampling, GenerationConfig(max_new_tokens=3, seed=seed), NO_STOP).token_ids
