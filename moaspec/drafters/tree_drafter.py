@@ -17,6 +17,7 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
+from moaspec.nn.fast_linear import column_major, use_column_major_weights
 from moaspec.nn.layers import at_least_fp32
 from moaspec.tree import DraftTree
 
@@ -30,12 +31,12 @@ class TreeDrafter:
     net_class: type[DrafterNet]
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
-        self.net = net.eval()
+        self.net = use_column_major_weights(net.eval())
         self.target = target
         self.tree_config = tree or TreeConfig()
         self.parts = TargetParts.from_target(target, tli_layers)
         self.dtype = next(net.parameters()).dtype
-        self.head = net.head_weight(self.parts).to(self.dtype)  # [Vd, D], indexed once
+        self.head = column_major(net.head_weight(self.parts).to(self.dtype))  # [Vd, D], indexed once
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 

@@ -1,0 +1,103 @@
+"""`moaspec train`: load distilled data, build the drafter, train, write the checkpoint.
+
+    moaspec train --method moa --data DIR --out RUN [--tli-layers K] [--draft-vocab N] [--steps S]
+                  [--batch-size B] [--lr LR] [--val-conversations V] [--time-limit-min M] ...
+
+Rerunning the same command resumes from RUN/train_state.pt. The float16 drafter checkpoint is
+written to RUN/checkpoint after every `--ckpt-every` steps and at the end; its config.json records
+the full training config, the data manifest, the exact command line and the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moaspec.drafters.dynamic_tree import TreeConfig
+from moaspec.drafters.vocab import coverage, most_frequent_token_ids
+from moaspec.errors import MoaspecError
+from moaspec.train.trainer import TrainConfig, TrainSample, train
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything `moaspec train` needs besides the TrainConfig."""
+
+    data_dir: Path
+    out_dir: Path
+    target: str
+    draft_vocab: int
+    val_conversations: int
+    time_limit_s: float | None
+    command: str
+
+
+def load_samples(data_dir: Path, max_seq_len: int) -> list[TrainSample]:
+    """Distilled records (prompt_ids + response_ids) -> TrainSamples, in file order."""
+    from moaspec.train.distill import read_shards
+
+    samples = []
+    for record in read_shards(data_dir):
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        if len(response) < 2 or len(prompt) >= max_seq_len - 2:
+            continue
+        samples.append(TrainSample(torch.tensor(prompt + response, dtype=torch.long), len(prompt)))
+    if not samples:
+        raise MoaspecError(f"{data_dir} has no usable distilled records (run `moaspec data distill` first)")
+    return samples
+
+
+def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tensor | None):
+    """A freshly initialised drafter for `target` (float32 master weights)."""
+    size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
+    if method == "moa":
+        from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+        net = MoADrafterNet(MoAConfig.for_target(target.config, tli_layers=tli_layers, draft_vocab_size=size))
+    else:
+        from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+
+        net = EagleDrafterNet(EagleConfig.for_target(target.config, draft_vocab_size=size))
+    if draft_vocab_ids is not None:
+        net.draft_vocab_ids.copy_(draft_vocab_ids)
+    return net.float()
+
+
+def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
+    """Train a drafter as `spec` says; returns the checkpoint directory."""
+    from moaspec.api import load_target
+
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    target = load_target(spec.target, dtype=torch.float32)
+    samples = load_samples(spec.data_dir, config.max_seq_len)
+    if len(samples) <= spec.val_conversations:
+        raise MoaspecError(f"{len(samples)} records cannot spare {spec.val_conversations} for validation")
+    val_samples, train_samples = samples[: spec.val_conversations], samples[spec.val_conversations :]
+    vocab_ids = None
+    responses = [s.input_ids[s.response_start :].tolist() for s in train_samples]
+    if spec.draft_vocab:
+        vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
+    manifest_path = spec.data_dir / "manifest.json"
+    provenance = {
+        "command": spec.command,
+        "data": str(spec.data_dir),
+        "data_manifest": json.loads(manifest_path.read_text()) if manifest_path.is_file() else {},
+        "num_train_sequences": len(train_samples),
+        "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
+        "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
+    }
+    net = build_net(config.method, target, config.tli_layers, vocab_ids)
+    state = train(
+        net, target, train_samples, val_samples, config, spec.out_dir,
+        tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s,
+    )
+    wall = time.perf_counter() - started
+    record_path = spec.out_dir / "runs.jsonl"
+    with record_path.open("a") as log:
+        log.write(json.dumps({"command": spec.command, "steps_done": state.step, "wall_s": round(wall, 1)}) + "\n")
+    return spec.out_dir / "checkpoint"
