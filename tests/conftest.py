@@ -37,8 +37,10 @@ def _tiny_config(config_cls, **overrides):
     return config_cls(**base)
 
 
-def make_tiny_target(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float64, **overrides) -> HFTarget:
-    """A random 2-layer target of the given family ("llama" or "qwen2"), eager attention."""
+def make_tiny_target(
+    family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float64, attn: str = "eager", **overrides
+) -> HFTarget:
+    """A random 2-layer target of the given family ("llama" or "qwen2"), eager or sdpa attention."""
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(_tiny_config(LlamaConfig, **overrides))
@@ -46,7 +48,7 @@ def make_tiny_target(family: str = "llama", seed: int = 0, dtype: torch.dtype = 
         model = Qwen2ForCausalLM(_tiny_config(Qwen2Config, **overrides))
     else:
         raise ValueError(family)
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = attn
     # Random init gives tiny logits (near-uniform, many near-ties); scale the head so argmax is
     # well separated and greedy comparisons are meaningful.
     with torch.no_grad():

@@ -22,10 +22,11 @@ def causal_logits(target: HFTarget, token_ids: torch.Tensor, hidden_layers: tupl
     return out.logits[-1], None if out.hidden is None else out.hidden[-1]
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_tree_forward_equals_causal_forward_of_each_path(family: str) -> None:
-    target = make_tiny_target(family)
-    reference = make_tiny_target(family)
+def test_tree_forward_equals_causal_forward_of_each_path(family: str, attn: str) -> None:
+    target = make_tiny_target(family, attn=attn)
+    reference = make_tiny_target(family, attn=attn)
     layers = (0, 1, 2)
     target.prefill(PREFIX)
     tree = DraftTree(TREE_TOKENS, TREE_PARENTS)
@@ -39,10 +40,11 @@ def test_tree_forward_equals_causal_forward_of_each_path(family: str) -> None:
         torch.testing.assert_close(out.hidden[node], hidden, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("path", [[0], [0, 1], [0, 1, 3, 5], [0, 2, 6, 7], [0, 1, 4]])
-def test_commit_equals_feeding_accepted_tokens_one_by_one(family: str, path: list[int]) -> None:
-    target = make_tiny_target(family)
+def test_commit_equals_feeding_accepted_tokens_one_by_one(family: str, path: list[int], attn: str) -> None:
+    target = make_tiny_target(family, attn=attn)
     target.prefill(PREFIX)
     target.verify(DraftTree(TREE_TOKENS, TREE_PARENTS))
     target.commit(path)
@@ -51,7 +53,7 @@ def test_commit_equals_feeding_accepted_tokens_one_by_one(family: str, path: lis
     next_token = torch.tensor([42])
     after_commit = target.verify(DraftTree.chain(next_token)).logits[-1]
 
-    reference = make_tiny_target(family)
+    reference = make_tiny_target(family, attn=attn)
     reference.prefill(PREFIX)
     for token in TREE_TOKENS[path]:
         reference.verify(DraftTree.chain(token.view(1)))
