@@ -7,6 +7,8 @@
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
                          [--shard-size N] [--seed S]
     moaspec data stats DIR
+    moaspec train --method moa|eagle --data DIR --out RUN [--tli-layers K] [--draft-vocab N]
+                  [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
 Text streams to stdout as it is verified; `--json` prints one JSON object at the end instead.
 `data distill` has the target regenerate ShareGPT responses into resumable jsonl shards (rerun the
@@ -50,7 +52,86 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_data_parser(commands, DEFAULT_TARGET)
+    _add_train_parser(commands, DEFAULT_TARGET)
     return parser
+
+
+def _add_train_parser(commands, default_target: str) -> None:
+    from moaspec.config import TreeConfig
+    from moaspec.train.config import TrainConfig
+
+    defaults = TrainConfig()
+    tree = TreeConfig()
+    train = commands.add_parser("train", help="train a MoA or EAGLE-2 drafter on distilled data (resumable)")
+    train.add_argument("--method", choices=["moa", "eagle"], required=True, help="drafter architecture")
+    train.add_argument("--data", required=True, help="directory written by `moaspec data distill`")
+    train.add_argument("--out", required=True, help="run directory (rerun the same command to resume)")
+    train.add_argument("--target", default=default_target, help=f"target the drafter serves (default {default_target})")
+    train.add_argument("--tli-layers", type=int, default=0, help="MoA Target Layer Inference depth k (default 0)")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192)")
+    train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
+    train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
+    train.add_argument("--min-lr", type=float, default=defaults.min_lr, help=f"final learning rate (default {defaults.min_lr})")
+    train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help=f"linear warm-up steps (default {defaults.warmup_steps})")
+    train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help=f"truncate sequences (default {defaults.max_seq_len})")
+    train.add_argument("--val-conversations", type=int, default=16, help="held-out conversations (default 16)")
+    train.add_argument("--val-every", type=int, default=defaults.val_every, help=f"validate every N steps (default {defaults.val_every})")
+    train.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help=f"checkpoint every N steps (default {defaults.ckpt_every})")
+    train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
+    train.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
+    train.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
+    train.add_argument("--tree-top-k", type=int, default=tree.top_k, help=f"default tree top-k (default {tree.top_k})")
+    train.add_argument("--tree-budget", type=int, default=tree.budget, help=f"default drafted nodes (default {tree.budget})")
+
+
+def _train(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from moaspec.config import TreeConfig
+    from moaspec.train.config import TrainConfig
+    from moaspec.train.distill import shard_files
+
+    for name in ("steps", "batch_size", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
+        if getattr(args, name) < 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.draft_vocab < 0 or args.tli_layers < 0 or not args.lr > 0:
+        raise MoaspecError("--draft-vocab and --tli-layers must be >= 0 and --lr > 0")
+    if args.method == "eagle" and args.tli_layers:
+        raise MoaspecError("--tli-layers applies to --method moa only")
+    data = Path(args.data).expanduser()
+    if not data.is_dir() or not shard_files(data):
+        raise MoaspecError(f"{data} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+    out = Path(args.out).expanduser()
+    if not out.absolute().parent.is_dir():
+        raise MoaspecError(f"the parent directory of --out {out} does not exist")
+    try:
+        config = TrainConfig(
+            method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
+            lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, max_seq_len=args.max_seq_len,
+            val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
+        )
+        tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
+    except ValueError as exc:
+        raise MoaspecError(str(exc)) from exc
+    from moaspec.model_store import resolve_target
+
+    resolve_target(args.target)
+    from moaspec.train.run import RunSpec, run_training
+
+    spec = RunSpec(
+        data_dir=data, out_dir=out, target=args.target, draft_vocab=args.draft_vocab,
+        val_conversations=args.val_conversations,
+        time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
+        command=shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)]),
+    )
+    try:
+        checkpoint = run_training(spec, config, tree)
+    except ValueError as exc:  # e.g. resuming with another config
+        raise MoaspecError(str(exc)) from exc
+    print(f"[moaspec] drafter checkpoint: {checkpoint}", file=sys.stderr)
+    return 0
 
 
 def _add_data_parser(commands, default_target: str) -> None:
@@ -190,9 +271,11 @@ def _data_stats(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _build_parser().parse_args(argv)
+        args.argv = argv
         if args.command == "data":
-            args.argv = argv
             return _data_distill(args) if args.data_command == "distill" else _data_stats(args)
+        if args.command == "train":
+            return _train(args)
         return _generate(args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)

@@ -60,7 +60,7 @@ BAD_INPUTS: dict[str, Case] = {
     "non-float flag value": (lambda tmp: _gen("--temperature", "warm"), "invalid float value: 'warm'"),
     "unknown flag": (lambda tmp: _gen("--beam-width", "4"), "unrecognized arguments"),
     "no subcommand": (lambda tmp: [], "command"),
-    "unknown subcommand": (lambda tmp: ["train"], "invalid choice"),
+    "unknown subcommand": (lambda tmp: ["no-such-command"], "invalid choice"),
 }
 
 
@@ -149,3 +149,23 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
     flags = ("--prompt", "--target", "--drafter", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed")
     for flag in (*flags, "--json", "--raw"):
         assert flag in out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--method", "moa", "--data", "/no/such/dir", "--out", "run"], "not a directory with shard"),
+        (["--method", "eagle", "--data", "/no/such/dir", "--out", "run", "--tli-layers", "1"], "--method moa only"),
+        (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--steps", "0"], "--steps must be >= 1"),
+        (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
+        (["--data", "d", "--out", "run"], "required: --method"),
+    ],
+)
+def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
+    from moaspec.cli import main
+
+    assert main(["train", *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moaspec: error:") and message in lines[0]
+    assert captured.out == ""

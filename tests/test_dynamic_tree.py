@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.config import TreeConfig
+from moaspec.drafters.dynamic_tree import build_dynamic_tree
 from moaspec.tree import ancestor_mask, depths
 
 VOCAB = 7

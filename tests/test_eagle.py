@@ -8,10 +8,9 @@ import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
-from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
 from moaspec.drafters import make_drafter
 from moaspec.drafters.base import VerifiedUpdate
-from moaspec.drafters.dynamic_tree import TreeConfig
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError

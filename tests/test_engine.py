@@ -199,7 +199,8 @@ def far_sampled_drafter(target: HFTarget, later: torch.Tensor) -> SampledTreeDra
 def random_model_drafter(method: str, target: HFTarget):
     """An untrained MoA or EAGLE drafter (deterministic dynamic trees)."""
     from conftest import make_random_drafter_net
-    from moaspec.drafters.dynamic_tree import TreeConfig
+
+    from moaspec.config import TreeConfig
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.moa import MoADrafter
     from moaspec.nn.eagle import EagleConfig, EagleDrafterNet

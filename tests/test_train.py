@@ -9,7 +9,8 @@ from conftest import make_tiny_target
 
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
-from moaspec.train.trainer import TrainConfig, TrainSample, last_anchors, loss_mask, train
+from moaspec.train.config import TrainConfig
+from moaspec.train.trainer import TrainSample, last_anchors, loss_mask, train
 
 
 def test_anchor_and_mask_conventions() -> None:
@@ -64,3 +65,35 @@ def test_resume_continues_from_the_same_state(tmp_path) -> None:
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     assert (tmp_path / "resumed" / "checkpoint" / "config.json").is_file()
+
+
+def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> None:
+    """`moaspec train`'s driver: distilled shards in, a loadable checkpoint out, provenance kept."""
+    import json
+
+    import moaspec.api
+    from moaspec.config import TreeConfig
+    from moaspec.drafters import make_drafter
+    from moaspec.train.run import RunSpec, run_training
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None: target)
+    data = tmp_path / "data"
+    data.mkdir()
+    gen = torch.Generator().manual_seed(3)
+    records = [
+        {"id": str(i), "prompt_ids": torch.randint(0, 97, (6,), generator=gen).tolist(),
+         "response_ids": torch.randint(0, 50, (12,), generator=gen).tolist(), "mode": "greedy", "seed": 0}
+        for i in range(6)
+    ]
+    (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    spec = RunSpec(data, tmp_path / "run", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None, command="moaspec train ...")
+    config = TrainConfig(method="moa", steps=3, batch_size=2, val_every=3, ckpt_every=3)
+    checkpoint = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+    record = json.loads((checkpoint / "config.json").read_text())
+    assert record["config"]["draft_vocab_size"] == 20
+    assert record["tree"] == {"depth": 2, "top_k": 2, "budget": 3}
+    assert record["training"]["command"] == "moaspec train ..." and record["training"]["num_train_sequences"] == 4
+    drafter = make_drafter(str(checkpoint), target)
+    assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
+    assert (tmp_path / "run" / "runs.jsonl").is_file()

@@ -19,29 +19,11 @@ Selection is deterministic given the drafter, so the verifier treats drafts as p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from moaspec.config import TreeConfig
 from moaspec.tree import DraftTree
-
-
-@dataclass(frozen=True)
-class TreeConfig:
-    """depth: drafted levels; top_k: beams per level and children per beam; budget: drafted nodes kept.
-
-    Defaults from costs measured on the 2-core CPU (SmolLM2-135M, sdpa, column-major weights,
-    256-token context): verifying 9 nodes costs ~1.7 decode steps, 17 nodes 2.1-2.5; one drafter
-    level costs ~0.1-0.15 of a step with a reduced vocabulary. So: 8 drafted nodes, 4 levels.
-    """
-
-    depth: int = 4
-    top_k: int = 3
-    budget: int = 8
-
-    def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.budget < 1:
-            raise ValueError("tree depth, top_k and budget must be >= 1")
 
 
 def build_dynamic_tree(

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from moaspec.config import TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
-from moaspec.drafters.dynamic_tree import TreeConfig
 from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.nn.eagle import EagleDrafterNet
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.config import SamplingConfig
-from moaspec.drafters.dynamic_tree import TreeConfig, build_dynamic_tree
+from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.drafters.dynamic_tree import build_dynamic_tree
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
 from moaspec.nn.fast_linear import column_major, use_column_major_weights
 from moaspec.nn.layers import at_least_fp32

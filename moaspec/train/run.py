@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
-from moaspec.drafters.dynamic_tree import TreeConfig
+from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 from moaspec.errors import MoaspecError
-from moaspec.train.trainer import TrainConfig, TrainSample, train
+from moaspec.train.config import TrainConfig
+from moaspec.train.trainer import TrainSample, train
 
 
 @dataclass(frozen=True)

@@ -22,38 +22,11 @@ import torch
 
 from moaspec.nn.drafter_net import TargetParts
 from moaspec.target import HFTarget
+from moaspec.train.config import TrainConfig
 from moaspec.train.features import target_features
 from moaspec.train.losses import LossParts, drafter_loss
 
 STATE_FILE = "train_state.pt"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    method: str = "moa"  # "moa" | "eagle"
-    tli_layers: int = 0
-    steps: int = 1000
-    batch_size: int = 8  # sequences per optimizer step
-    lr: float = 5e-4
-    min_lr: float = 5e-5
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    anchor_min: int = 6
-    anchor_max: int = 14
-    staircase_fraction: float = 0.5
-    eagle_noise: float = 0.2
-    max_seq_len: int = 768
-    val_every: int = 100
-    ckpt_every: int = 100
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.method not in ("moa", "eagle"):
-            raise ValueError(f"method must be moa or eagle, got {self.method}")
-        if not 1 <= self.anchor_min <= self.anchor_max:
-            raise ValueError("need 1 <= anchor_min <= anchor_max")
 
 
 @dataclass(frozen=True)
