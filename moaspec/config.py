@@ -56,11 +56,17 @@ class TreeConfig:
     Defaults from costs measured on the 2-core CPU (SmolLM2-135M, sdpa, column-major weights,
     256-token context): verifying 9 nodes costs ~1.7 decode steps, 17 nodes 2.1-2.5; one drafter
     level costs ~0.1-0.15 of a step with a reduced vocabulary. So: 8 drafted nodes, 4 levels.
+
+    sampled: when decoding with temperature > 0, draw the tree from the drafter's distribution
+    instead (top_k chains of `depth` tokens, first tokens drawn without replacement; fixed shape,
+    no rerank) and hand the drafter's probabilities to the verifier. Greedy decoding always
+    uses the deterministic dynamic tree.
     """
 
     depth: int = 4
     top_k: int = 3
     budget: int = 8
+    sampled: bool = False
 
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.budget < 1:

@@ -89,3 +89,31 @@ def test_reduced_vocabulary_maps_to_target_ids() -> None:
 def test_invalid_config() -> None:
     with pytest.raises(ValueError):
         TreeConfig(depth=0)
+
+
+def test_sampled_tree_shape_and_probabilities() -> None:
+    """top_k chains of `depth`; each row is the law the node was drawn from (siblings removed)."""
+    from moaspec.drafters.dynamic_tree import build_sampled_tree
+
+    model = FixedLogProbs(5)
+    vocab_map = torch.tensor([1, 3, 4, 6, 7, 8, 9])  # draft ids -> target ids, target vocab 10
+    config = TreeConfig(depth=3, top_k=2)
+
+    def expand(token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        draft_ids = torch.searchsorted(vocab_map, token_ids)
+        return model.expand(draft_ids, parent, depth)
+
+    tree = build_sampled_tree(0, model.start, expand, config, 10, 1.0, torch.Generator().manual_seed(0), vocab_map)
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2, 3, 4]
+    probs = tree.draft_probs
+    assert probs.shape == (7, 10) and torch.allclose(probs[1:].sum(-1), torch.ones(6, dtype=torch.float64))
+    assert (probs[:, [0, 2, 5]] == 0).all()  # outside the draft vocabulary
+    root_law = torch.softmax(model.table(()), -1)
+    torch.testing.assert_close(probs[1][vocab_map], root_law)
+    first = int(torch.searchsorted(vocab_map, tree.token_ids[1:2]))
+    expected_second = root_law.clone()
+    expected_second[first] = 0
+    torch.testing.assert_close(probs[2][vocab_map], expected_second / expected_second.sum())
+    assert probs[2][tree.token_ids[1]] == 0  # drawn without replacement
+    for node in range(1, 7):
+        assert probs[node][tree.token_ids[node]] > 0

@@ -197,7 +197,8 @@ def far_sampled_drafter(target: HFTarget, later: torch.Tensor) -> SampledTreeDra
 
 
 def random_model_drafter(method: str, target: HFTarget):
-    """An untrained MoA or EAGLE drafter (deterministic dynamic trees)."""
+    """An untrained MoA or EAGLE drafter: deterministic dynamic trees, or with "moa-sampled" a
+    tree drawn from the drafter over a reduced vocabulary, with its probabilities."""
     from conftest import make_random_drafter_net
 
     from moaspec.config import TreeConfig
@@ -207,6 +208,10 @@ def random_model_drafter(method: str, target: HFTarget):
     from moaspec.nn.moa import MoAConfig, MoADrafterNet
 
     tree = TreeConfig(depth=3, top_k=2, budget=5)
+    if method == "moa-sampled":
+        config = MoAConfig.for_target(target.config, draft_vocab_size=4)
+        net = make_random_drafter_net(MoADrafterNet, config, target, torch.tensor([0, 1, 3, 4]))
+        return MoADrafter(net, target, TreeConfig(depth=2, top_k=2, sampled=True))
     if method == "moa":
         net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config, tli_layers=1), target)
         return MoADrafter(net, target, tree)
@@ -215,7 +220,7 @@ def random_model_drafter(method: str, target: HFTarget):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle"])
+@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle", "moa-sampled"])
 def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str) -> None:
     """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
     their joint law must be the target's, with a sampled-tree drafter (draft_probs) and with the

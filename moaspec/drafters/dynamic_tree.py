@@ -85,3 +85,50 @@ def _select(
         torch.cat([torch.tensor([root_id]), tokens[chosen]]),
         torch.cat([torch.tensor([-1]), tree_parents]),
     )
+
+
+def build_sampled_tree(
+    root_id: int,
+    start: Callable[[], torch.Tensor],
+    expand: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    config: TreeConfig,
+    vocab_size: int,
+    temperature: float,
+    generator: torch.Generator,
+    draft_vocab_ids: torch.Tensor | None = None,
+) -> DraftTree:
+    """A fixed-shape tree drawn from the drafter, with the probabilities the verifier needs.
+
+    top_k first tokens are drawn without replacement from q(. | root); under each, a chain of
+    depth - 1 further tokens, each drawn from q(. | its path). The shape does not depend on the
+    drawn values (a value-dependent rerank would bias the draws and break losslessness), and
+    `draft_probs[i]` is exactly the distribution node i was drawn from: q for a chain node, q with
+    the earlier siblings removed and renormalised for the k-th first-level node. Rows are over
+    the target vocabulary (zero outside a reduced draft vocabulary).
+    """
+    to_target = (lambda ids: ids) if draft_vocab_ids is None else (lambda ids: draft_vocab_ids[ids])
+
+    def full_rows(draft_probs: torch.Tensor) -> torch.Tensor:  # [n, Vd] -> [n, V]
+        if draft_vocab_ids is None:
+            return draft_probs
+        return torch.zeros(draft_probs.shape[0], vocab_size, dtype=draft_probs.dtype).index_copy_(1, draft_vocab_ids, draft_probs)
+
+    q_root = torch.softmax(start().double() / temperature, dim=-1)  # [Vd]
+    k = min(config.top_k, int((q_root > 0).sum()))
+    remaining, firsts, rows = q_root.clone(), [], []
+    for _ in range(k):  # sequential draws without replacement, recording each conditional law
+        rows.append(remaining / remaining.sum())
+        firsts.append(int(torch.multinomial(rows[-1], 1, generator=generator)))
+        remaining[firsts[-1]] = 0.0
+    level_ids = torch.tensor(firsts)
+    token_ids, parents, prob_rows = [to_target(level_ids)], [torch.zeros(k, dtype=torch.long)], [full_rows(torch.stack(rows))]
+    parent = torch.full((k,), -1, dtype=torch.long)
+    for depth in range(2, config.depth + 1):
+        q = torch.softmax(expand(to_target(level_ids), parent, depth - 1).double() / temperature, dim=-1)  # [k, Vd]
+        level_ids = torch.multinomial(q, 1, generator=generator).flatten()
+        parents.append(torch.arange(1 + (depth - 2) * k, 1 + (depth - 1) * k))
+        token_ids.append(to_target(level_ids))
+        prob_rows.append(full_rows(q))
+        parent = torch.arange(k)
+    probs = torch.cat([torch.zeros(1, prob_rows[0].shape[1], dtype=torch.float64), *prob_rows])
+    return DraftTree(torch.cat([torch.tensor([root_id]), *token_ids]), torch.cat([torch.tensor([-1]), *parents]), probs)

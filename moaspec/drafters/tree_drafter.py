@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig, TreeConfig
-from moaspec.drafters.dynamic_tree import build_dynamic_tree
+from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
 from moaspec.nn.fast_linear import column_major, use_column_major_weights
 from moaspec.nn.layers import at_least_fp32
@@ -57,7 +57,13 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        return build_dynamic_tree(root_id, lambda: self.start(root_id)[0], self.expand, self.tree_config, self.draft_vocab_ids)
+        start = lambda: self.start(root_id)[0]  # noqa: E731
+        if self.tree_config.sampled and not sampling.greedy:
+            return build_sampled_tree(
+                root_id, start, self.expand, self.tree_config, self.target.vocab_size,
+                sampling.temperature, generator, self.draft_vocab_ids,
+            )
+        return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
 
     # -- tree bookkeeping ----------------------------------------------------------------------
     def _begin_tree(self) -> None:
