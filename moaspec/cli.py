@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from pathlib import Path
 
 from moaspec.errors import MoaspecError
 
@@ -86,9 +88,6 @@ def _add_train_parser(commands, default_target: str) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import shlex
-    from pathlib import Path
-
     from moaspec.config import TreeConfig
     from moaspec.train.config import TrainConfig
     from moaspec.train.distill import shard_files
@@ -103,9 +102,7 @@ def _train(args: argparse.Namespace) -> int:
     data = Path(args.data).expanduser()
     if not data.is_dir() or not shard_files(data):
         raise MoaspecError(f"{data} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
-    out = Path(args.out).expanduser()
-    if not out.absolute().parent.is_dir():
-        raise MoaspecError(f"the parent directory of --out {out} does not exist")
+    out = _output_dir(args.out)
     try:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
@@ -124,7 +121,7 @@ def _train(args: argparse.Namespace) -> int:
         data_dir=data, out_dir=out, target=args.target, draft_vocab=args.draft_vocab,
         val_conversations=args.val_conversations,
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
-        command=shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)]),
+        command=_command_line(args),
     )
     try:
         checkpoint = run_training(spec, config, tree)
@@ -205,10 +202,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_dir(value: str) -> Path:
+    """An --out directory that exists or can be created (its parent exists)."""
+    out = Path(value).expanduser()
+    if out.exists() and not out.is_dir():
+        raise MoaspecError(f"--out {out} exists and is not a directory")
+    if not out.absolute().parent.is_dir():
+        raise MoaspecError(f"the parent directory of --out {out} does not exist")
+    return out
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The exact command, recorded in manifests and checkpoints."""
+    return shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)])
+
+
 def _data_distill(args: argparse.Namespace) -> int:
-    import shlex
     from dataclasses import asdict
-    from pathlib import Path
 
     from moaspec.train.distill import DistillConfig, check_resume, run_distill
     from moaspec.train.sharegpt import sharegpt_path
@@ -223,19 +233,14 @@ def _data_distill(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_conversations=args.num_conversations,
     )
-    out = Path(args.out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise MoaspecError(f"--out {out} exists and is not a directory")
-    if not out.absolute().parent.is_dir():
-        raise MoaspecError(f"the parent directory of --out {out} does not exist")
+    out = _output_dir(args.out)
     if out.is_dir():
         check_resume(out, {"target": args.target, **asdict(config)})
     sharegpt_path()
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    command = shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)])
-    manifest = run_distill(args.target, out, config, command)
+    manifest = run_distill(args.target, out, config, _command_line(args))
     totals = manifest["totals"]
     print(
         f"[moaspec] {totals['num_records']} records, {totals['response_tokens']} response tokens "
@@ -246,8 +251,6 @@ def _data_distill(args: argparse.Namespace) -> int:
 
 
 def _data_stats(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from moaspec.train.distill import MANIFEST, read_shards, shard_files, summarize
 
     root = Path(args.dir)

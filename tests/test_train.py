@@ -7,9 +7,8 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
-from moaspec.nn.moa import MoAConfig, MoADrafterNet
 from moaspec.train.config import TrainConfig
+from moaspec.train.run import build_net
 from moaspec.train.trainer import TrainSample, last_anchors, loss_mask, train
 
 
@@ -21,14 +20,7 @@ def test_anchor_and_mask_conventions() -> None:
 
 
 def make_net(method: str, target, tli: int = 0, vocab: torch.Tensor | None = None):
-    size = 0 if vocab is None else vocab.numel()
-    if method == "moa":
-        net = MoADrafterNet(MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size))
-    else:
-        net = EagleDrafterNet(EagleConfig.for_target(target.config, draft_vocab_size=size))
-    if vocab is not None:
-        net.draft_vocab_ids.copy_(vocab)
-    return net.to(target.dtype)
+    return build_net(method, target, tli, vocab).to(target.dtype)
 
 
 def samples(count: int, seed: int) -> list[TrainSample]:
@@ -92,7 +84,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     checkpoint = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
     record = json.loads((checkpoint / "config.json").read_text())
     assert record["config"]["draft_vocab_size"] == 20
-    assert record["tree"] == {"depth": 2, "top_k": 2, "budget": 3}
+    assert record["tree"] == {"depth": 2, "top_k": 2, "budget": 3, "sampled": False}
     assert record["training"]["command"] == "moaspec train ..." and record["training"]["num_train_sequences"] == 4
     drafter = make_drafter(str(checkpoint), target)
     assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
