@@ -23,9 +23,8 @@ from pathlib import Path
 import torch
 
 from moaspec.api import load_target
-from moaspec.config import TreeConfig
+from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
-from moaspec.sampling import SamplingConfig
 from moaspec.tree import DraftTree
 
 CONTEXT = 256
