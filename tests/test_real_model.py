@@ -272,3 +272,37 @@ def test_text_streamer_prints_the_text(lms: dict[str, SpeculativeLM], capsys: py
     out = spec.generate(PROMPTS["fact"], max_new_tokens=MAX_NEW, streamer=streamer)
     assert capsys.readouterr().out == out.text + "\n"
     assert out.text.strip()
+
+
+@pytest.fixture(scope="module")
+def model_drafter_dirs(lm: SpeculativeLM, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Untrained MoA (TLI 1, reduced vocabulary) and EAGLE checkpoints for SmolLM2, saved and
+    loaded through the real checkpoint path: losslessness must not depend on drafter quality."""
+    from moaspec.config import TreeConfig
+    from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    torch.manual_seed(0)
+    vocab = torch.arange(0, 49152, 6)  # 8192 ids
+    moa = MoADrafterNet(MoAConfig.for_target(lm.target.config, tli_layers=1, draft_vocab_size=vocab.numel()))
+    moa.draft_vocab_ids.copy_(vocab)
+    eagle = EagleDrafterNet(EagleConfig.for_target(lm.target.config))
+    root = tmp_path_factory.mktemp("drafters")
+    tree = TreeConfig(depth=3, top_k=2, budget=6).__dict__
+    return {
+        "moa": str(moa.save_pretrained(root / "moa", lm.target, tree=tree)),
+        "eagle": str(eagle.save_pretrained(root / "eagle", lm.target, tree=tree)),
+    }
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_model_drafters_are_lossless_on_the_real_target(
+    method: str,
+    lm: SpeculativeLM,
+    model_drafter_dirs: dict[str, str],
+    hf_greedy: Callable[[str], list[int]],
+) -> None:
+    drafted = SpeculativeLM(lm.target, make_drafter(model_drafter_dirs[method], lm.target))
+    out = drafted.generate(PROMPTS["list"], max_new_tokens=MAX_NEW)
+    assert out.token_ids == hf_greedy("list")
+    assert out.stats.num_verifications > 0 and out.stats.drafted_nodes > 0  # trees were verified
