@@ -23,7 +23,7 @@ import torch
 from moaspec.nn.drafter_net import TargetParts
 from moaspec.target import HFTarget
 from moaspec.train.config import TrainConfig
-from moaspec.train.features import target_features
+from moaspec.train.features import TargetFeatures, target_features
 from moaspec.train.losses import LossParts, drafter_loss
 
 STATE_FILE = "train_state.pt"
@@ -73,12 +73,14 @@ def sequence_loss(
     staircase: bool,
     every: int,
     generator: torch.Generator,
+    features: TargetFeatures | None = None,
 ) -> LossParts:
-    """Loss of one sequence (MoA or EAGLE), features computed online."""
+    """Loss of one sequence (MoA or EAGLE); target features computed online unless given."""
     ids = sample.input_ids[: config.max_seq_len]
     length = ids.numel()
     is_moa = config.method == "moa"
-    features = target_features(target, ids, config.tli_layers, layer_kv=is_moa)
+    if features is None:
+        features = target_features(target, ids, config.tli_layers, layer_kv=is_moa)
     dtype = next(net.parameters()).dtype
     head = net.head_weight(parts).to(dtype)
     vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
@@ -109,9 +111,9 @@ def validate(net, parts, target, samples: list[TrainSample], config: TrainConfig
     for sample in samples:
         ids = sample.input_ids[: config.max_seq_len]
         length = ids.numel()
-        parts_loss = sequence_loss(net, parts, target, sample, config, False, max_depth + 1, generator)
-        losses.append(float(parts_loss.total))
         features = target_features(target, ids, config.tli_layers, layer_kv=config.method == "moa")
+        parts_loss = sequence_loss(net, parts, target, sample, config, False, max_depth + 1, generator, features)
+        losses.append(float(parts_loss.total))
         head = net.head_weight(parts)
         vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0])
         mask = loss_mask(length, sample.response_start)
