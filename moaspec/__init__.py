@@ -3,6 +3,7 @@
 Public API (imported lazily, so `import moaspec` and the CLI's error paths stay fast):
     load(target="smollm2-135m", drafter="ngram") -> SpeculativeLM
     SpeculativeLM.generate(prompt, ..., streamer=None) -> GenerationOutput
+    generate(prompt, target=..., drafter=..., streamer=None, ...) -> GenerationOutput (one-shot)
     Engine, SamplingConfig, GenerationConfig, DraftTree, verify_greedy, verify_stochastic, MoaspecError
 
 Glossary (shapes in comments use B batch, T tokens, N tree nodes, V vocabulary, D hidden size):
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "load": "moaspec.api",
+    "generate": "moaspec.api",
     "load_target": "moaspec.api",
     "SpeculativeLM": "moaspec.api",
     "GenerationOutput": "moaspec.api",

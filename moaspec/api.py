@@ -142,3 +142,9 @@ def load(
     """Load a target and a drafter for it."""
     loaded = load_target(target, dtype, attn_implementation)
     return SpeculativeLM(loaded, make_drafter(drafter, loaded))
+
+
+def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str = DEFAULT_DRAFTER, **kwargs) -> GenerationOutput:
+    """One-shot convenience: `load(target, drafter).generate(prompt, **kwargs)` (loads every call;
+    keep the `SpeculativeLM` from `load()` to generate repeatedly)."""
+    return load(target, drafter).generate(prompt, **kwargs)
