@@ -306,3 +306,13 @@ def test_model_drafters_are_lossless_on_the_real_target(
     out = drafted.generate(PROMPTS["list"], max_new_tokens=MAX_NEW)
     assert out.token_ids == hf_greedy("list")
     assert out.stats.num_verifications > 0 and out.stats.drafted_nodes > 0  # trees were verified
+
+
+def test_one_shot_generate_with_a_streamer(lm: SpeculativeLM, hf_greedy: Callable[[str], list[int]], capsys) -> None:
+    import moaspec
+
+    out = moaspec.generate(
+        PROMPTS["fact"], drafter="ngram", max_new_tokens=MAX_NEW, streamer=TextStreamer(lm.tokenizer, skip_prompt=True)
+    )
+    assert out.token_ids == hf_greedy("fact")
+    assert out.text.strip() and out.text.strip() in capsys.readouterr().out
