@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import DEFAULT_DRAFTER, make_drafter
 from moaspec.drafters.base import Drafter
@@ -57,12 +58,9 @@ class SpeculativeLM:
         """Token ids of `prompt`, through the chat template unless `raw`."""
         if not prompt or not prompt.strip():
             raise MoaspecError("the prompt is empty")
-        if raw or not getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer(prompt, add_special_tokens=raw is False)["input_ids"])
-        encoded = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        if raw:
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return encode_chat_prompt(self.tokenizer, prompt)
 
     def generate(
         self,

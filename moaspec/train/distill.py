@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from moaspec.chat import encode_chat_prompt
 from moaspec.errors import MoaspecError
 
 SHARD_PATTERN = "shard-{:05d}.jsonl"
@@ -80,16 +81,6 @@ class Batch:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts
-
-
-def encode_chat_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of one user message with the generation prompt (as `SpeculativeLM.encode_prompt`)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
-    return list(encoded["input_ids"])
 
 
 def select_prompts(conversations: Iterable, tokenizer, config: DistillConfig) -> tuple[list[Prompt], dict[str, int]]:
