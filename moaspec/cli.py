@@ -80,6 +80,11 @@ def _add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--val-conversations", type=int, default=16, help="held-out conversations (default 16)")
     train.add_argument("--val-every", type=int, default=defaults.val_every, help=f"validate every N steps (default {defaults.val_every})")
     train.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help=f"checkpoint every N steps (default {defaults.ckpt_every})")
+    train.add_argument(
+        "--feature-cache", default=None,
+        help="directory of memory-mapped fp16 target features, built on first use and shared by runs on the same data "
+        "(about 2x faster training; ~25 KB per token for SmolLM2); default: run the target online",
+    )
     train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
     train.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
     train.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
@@ -122,6 +127,7 @@ def _train(args: argparse.Namespace) -> int:
         val_conversations=args.val_conversations,
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
         command=_command_line(args),
+        feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
     )
     try:
         checkpoint = run_training(spec, config, tree)

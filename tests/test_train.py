@@ -9,7 +9,8 @@ from conftest import make_tiny_target
 
 from moaspec.train.config import TrainConfig
 from moaspec.train.run import build_net
-from moaspec.train.trainer import TrainSample, last_anchors, loss_mask, train
+from moaspec.train.features import OnlineFeatures, TrainSample
+from moaspec.train.trainer import last_anchors, loss_mask, train
 
 
 def test_anchor_and_mask_conventions() -> None:
@@ -25,7 +26,7 @@ def make_net(method: str, target, tli: int = 0, vocab: torch.Tensor | None = Non
 
 def samples(count: int, seed: int) -> list[TrainSample]:
     gen = torch.Generator().manual_seed(seed)
-    return [TrainSample(torch.randint(0, 97, (24,), generator=gen), 6) for _ in range(count)]
+    return [TrainSample(torch.randint(0, 97, (24,), generator=gen), 6, index) for index in range(count)]
 
 
 @pytest.mark.parametrize("method, tli, reduced", [("moa", 0, False), ("moa", 1, True), ("eagle", 0, False)])
@@ -89,3 +90,78 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     drafter = make_drafter(str(checkpoint), target)
     assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
     assert (tmp_path / "run" / "runs.jsonl").is_file()
+
+
+def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:
+    """The fp16 cache gives the online features to fp16 precision (TLI keys/values included),
+    an interrupted build resumes to the same arrays, and other data or depths are refused."""
+    import numpy as np
+
+    from moaspec.errors import MoaspecError
+    from moaspec.train import feature_cache
+    from moaspec.train.feature_cache import FeatureCache, build_feature_cache
+
+    target = make_tiny_target("qwen2", num_hidden_layers=3, dtype=torch.float32)
+    data = [TrainSample(sample.input_ids[: 10 + 3 * sample.index], 4, sample.index) for sample in samples(5, 7)]
+    monkeypatch.setattr(feature_cache, "SAVE_EVERY", 2)
+    cache = build_feature_cache(target, data, tmp_path / "full", "fp", tli_max=2, progress=False)
+    online = OnlineFeatures(target)
+    for sample in data:
+        for tli in (0, 1, 2):
+            expected, got = online.features(sample, tli, True), cache.features(sample, tli, True)
+            scale = dict(rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(got.layer_kv, expected.layer_kv, **scale)
+            torch.testing.assert_close(got.final_hidden, expected.final_hidden, **scale)
+            torch.testing.assert_close(got.teacher_logsumexp, expected.teacher_logsumexp, **scale)
+            assert len(got.tli_kv) == tli
+            for (k, v), (k_ref, v_ref) in zip(got.tli_kv, expected.tli_kv):
+                torch.testing.assert_close(k, k_ref, **scale)
+                torch.testing.assert_close(v, v_ref, **scale)
+            if tli:
+                torch.testing.assert_close(got.tli_hidden, expected.tli_hidden, **scale)
+
+    class Interrupt(Exception):
+        pass
+
+    calls = {"n": 0}
+    original = target.prefill
+
+    def failing_prefill(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise Interrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, "prefill", failing_prefill)
+    with pytest.raises(Interrupt):
+        build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, progress=False)
+    monkeypatch.setattr(target, "prefill", original)
+    with pytest.raises(MoaspecError, match="incomplete"):
+        FeatureCache(tmp_path / "resumed")
+    resumed = build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, progress=False)
+    for name in ("layer_kv", "hidden", "lse"):
+        assert np.array_equal(np.load(tmp_path / "full" / f"{name}.npy"), np.load(tmp_path / "resumed" / f"{name}.npy"))
+    resumed.check(data, "fp", 2)
+    with pytest.raises(MoaspecError, match="other data"):
+        resumed.check(data[:4], "fp", 0)
+    with pytest.raises(MoaspecError, match="another target"):
+        resumed.check(data, "other", 0)
+    with pytest.raises(MoaspecError, match="TLI depths up to 2"):
+        resumed.check(data, "fp", 3)
+
+
+@pytest.mark.parametrize("method, tli", [("moa", 1), ("eagle", 0)])
+def test_training_from_the_feature_cache_follows_online_training(tmp_path, method: str, tli: int) -> None:
+    """Same seeds, cached vs online features: the loss curves agree to fp16 feature precision."""
+    from moaspec.train.feature_cache import build_feature_cache
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data = samples(3, 4)
+    cache = build_feature_cache(target, data, tmp_path / "cache", "fp", tli_max=2, progress=False)
+    config = TrainConfig(method=method, tli_layers=tli, steps=4, batch_size=2, warmup_steps=1, val_every=1000, ckpt_every=1000)
+    histories = []
+    for name, source in (("online", None), ("cached", cache)):
+        torch.manual_seed(0)
+        net = make_net(method, target, tli)
+        histories.append([r["loss"] for r in train(net, target, data, [], config, tmp_path / name, progress=False, source=source).history])
+    assert histories[0] == pytest.approx(histories[1], rel=1e-2)

@@ -3,14 +3,14 @@
 One frozen target forward (prefill) gives everything: per-layer keys/values (MoA memory input),
 the post-norm last hidden state (feature targets, and the teacher distribution through the LM
 head), and for TLI the residual stream entering layer L-k plus the last k layers' keys/values.
-Online rather than cached: per-layer KV is 2*n_kv*head_dim*L values per token (11,520 for
-SmolLM2, 23 KB in fp16), so a cache of a useful data set would not fit a session's disk budget,
-while the forward runs at prefill speed (~420 tok/s here).
+`OnlineFeatures` runs that forward at every step; `feature_cache.FeatureCache` stores it once on
+disk for every epoch and every run (the measured trade-off is in feature_cache.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,26 +18,52 @@ from moaspec.target import HFTarget
 
 
 @dataclass(frozen=True)
+class TrainSample:
+    """input_ids [T]: prompt then response; response_start: index of the first response token;
+    index: the record's position in the data set (the feature cache's key), -1 when not from one."""
+
+    input_ids: torch.Tensor
+    response_start: int
+    index: int = -1
+
+
+@dataclass(frozen=True)
 class TargetFeatures:
     """For a sequence of T tokens.
 
-    layer_kv:     [T, L, kv_dim] per-layer [k_h, v_h] (MoA memory input).
-    final_hidden: [T, D] post-norm last hidden state (h_t: predicts token t+1).
-    tli_kv:       the last k layers' keys/values, each [Hkv, T, d] (empty without TLI).
-    tli_hidden:   [T, D] residual stream entering layer L-k, or None without TLI.
+    layer_kv:          [T, L, kv_dim] per-layer [k_h, v_h] (MoA memory input; empty for EAGLE).
+    final_hidden:      [T, D] post-norm last hidden state (h_t: predicts token t+1).
+    teacher_logsumexp: [T] log-sum-exp of the target's full-vocabulary logits final_hidden @ W.T,
+                       so the teacher's probabilities of any vocabulary subset are exp(logit - lse).
+    tli_kv:            the last k layers' keys/values, each [Hkv, T, d] (empty without TLI).
+    tli_hidden:        [T, D] residual stream entering layer L-k, or None without TLI.
     """
 
     layer_kv: torch.Tensor
     final_hidden: torch.Tensor
+    teacher_logsumexp: torch.Tensor
     tli_kv: list[tuple[torch.Tensor, torch.Tensor]]
     tli_hidden: torch.Tensor | None
 
 
+class FeatureSource(Protocol):
+    """Where the trainer gets a sample's target features from."""
+
+    def features(self, sample: TrainSample, tli_layers: int, layer_kv: bool) -> TargetFeatures: ...
+
+
+def logsumexp_of_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """hidden [T, D], lm_head_weight [V, D] -> [T] float32 log-sum-exp of hidden @ W.T (chunked)."""
+    rows = [torch.logsumexp((part @ lm_head_weight.T).float(), dim=-1) for part in hidden.split(chunk)]
+    return torch.cat(rows) if rows else torch.zeros(0)
+
+
+@torch.no_grad()
 def target_features(target: HFTarget, input_ids: torch.Tensor, tli_layers: int = 0, layer_kv: bool = True) -> TargetFeatures:
     """Run the target over input_ids [T] once and collect what the drafters need.
 
-    Not under inference mode: the returned tensors feed trainable layers, and inference tensors
-    cannot be saved for backward; everything is copied out of the (inference-mode) target.
+    Everything is copied out of the (inference-mode) target, so the tensors can feed trainable
+    layers (inference tensors cannot be saved for backward).
     """
     num_layers = target.num_layers
     hidden_layers = (num_layers - tli_layers, num_layers) if tli_layers else (num_layers,)
@@ -45,11 +71,23 @@ def target_features(target: HFTarget, input_ids: torch.Tensor, tli_layers: int =
     out = target.prefill(input_ids, hidden_layers)
     kv = target.layer_kv(0, input_ids.numel()).clone() if layer_kv else torch.empty(0)
     tli_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in target.cache.layers[num_layers - tli_layers :]] if tli_layers else []
+    final_hidden = out.hidden[:, -1].clone()
     features = TargetFeatures(
         layer_kv=kv,
-        final_hidden=out.hidden[:, -1].clone(),
+        final_hidden=final_hidden,
+        teacher_logsumexp=logsumexp_of_logits(final_hidden, target.lm_head.weight),
         tli_kv=tli_kv,
         tli_hidden=out.hidden[:, 0].clone() if tli_layers else None,
     )
     target.reset()
     return features
+
+
+class OnlineFeatures:
+    """A FeatureSource that runs the target for every request (no disk, ~2x slower training)."""
+
+    def __init__(self, target: HFTarget) -> None:
+        self.target = target
+
+    def features(self, sample: TrainSample, tli_layers: int, layer_kv: bool) -> TargetFeatures:
+        return target_features(self.target, sample.input_ids, tli_layers, layer_kv)

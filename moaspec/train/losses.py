@@ -2,7 +2,8 @@
 
 Both are per token and averaged over the loss mask: sum(loss * mask) / (sum(mask) + 1e-5).
 - soft CE: -sum_v p_target(v) log q_drafter(v), p_target = softmax of the target's logits
-  (restricted to the draft vocabulary: mass outside it cannot be matched and is dropped);
+  (restricted to the draft vocabulary: mass outside it cannot be matched and is dropped), over
+  the masked positions only (the head products dominate the cost of a step);
 - feature: SmoothL1(beta=1) between the drafter's state and the target's post-norm hidden state,
   mean over dimensions; with TLI, 0.5 x final + 0.5 x (pre-TLI prediction vs the residual stream
   entering layer L-k, at non-anchor positions).
@@ -35,25 +36,25 @@ def drafter_loss(
     drafter_state: torch.Tensor,
     target_state: torch.Tensor,
     head_weight: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    draft_vocab_ids: torch.Tensor | None,
+    teacher_logsumexp: torch.Tensor,
     mask: torch.Tensor,
     pre_tli: torch.Tensor | None = None,
     tli_target: torch.Tensor | None = None,
     tli_mask: torch.Tensor | None = None,
 ) -> LossParts:
-    """drafter_state, target_state [T, D]; head_weight [Vd, D]; teacher_logits [T, V] (full vocab);
-    mask [T]; with TLI: pre_tli, tli_target [T, D] and tli_mask [T]."""
-    teacher = torch.softmax(teacher_logits.float(), dim=-1)
-    if draft_vocab_ids is not None:
-        teacher = teacher[:, draft_vocab_ids]
-    draft_log_probs = torch.log_softmax((drafter_state @ head_weight.T).float(), dim=-1)
+    """drafter_state, target_state [T, D]; head_weight [Vd, D] (the target's LM head rows of the
+    draft vocabulary); teacher_logsumexp [T] (over the full vocabulary); mask [T];
+    with TLI: pre_tli, tli_target [T, D] and tli_mask [T]."""
+    rows = mask.bool()
+    teacher_logits = (target_state[rows].to(head_weight.dtype) @ head_weight.T).float()
+    teacher = torch.exp(teacher_logits - teacher_logsumexp[rows, None].float())  # [M, Vd]
+    draft_log_probs = torch.log_softmax((drafter_state[rows] @ head_weight.T).float(), dim=-1)
     soft_ce = -(teacher * draft_log_probs).sum(-1)
     feature = F.smooth_l1_loss(drafter_state.float(), target_state.float(), reduction="none", beta=1.0).mean(-1)
     feature_loss = masked_mean(feature, mask)
     if pre_tli is not None and tli_target is not None and tli_mask is not None:
         pre = F.smooth_l1_loss(pre_tli.float(), tli_target.float(), reduction="none", beta=1.0).mean(-1)
         feature_loss = 0.5 * feature_loss + 0.5 * masked_mean(pre, tli_mask)
-    ce_loss = masked_mean(soft_ce, mask)
-    top1 = masked_mean((draft_log_probs.argmax(-1) == teacher.argmax(-1)).float(), mask)
+    ce_loss = soft_ce.sum() / (rows.sum() + 1e-5)
+    top1 = (draft_log_probs.argmax(-1) == teacher_logits.argmax(-1)).float().sum() / (rows.sum() + 1e-5)
     return LossParts(CE_WEIGHT * ce_loss + feature_loss, ce_loss.detach(), feature_loss.detach(), top1.detach())

@@ -1,7 +1,8 @@
 """`moaspec train`: load distilled data, build the drafter, train, write the checkpoint.
 
     moaspec train --method moa --data DIR --out RUN [--tli-layers K] [--draft-vocab N] [--steps S]
-                  [--batch-size B] [--lr LR] [--val-conversations V] [--time-limit-min M] ...
+                  [--batch-size B] [--lr LR] [--val-conversations V] [--time-limit-min M]
+                  [--feature-cache DIR] ...
 
 Rerunning the same command resumes from RUN/train_state.pt. The float16 drafter checkpoint is
 written to RUN/checkpoint after every `--ckpt-every` steps and at the end; its config.json records
@@ -21,7 +22,8 @@ from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
-from moaspec.train.trainer import TrainSample, train
+from moaspec.train.features import TrainSample
+from moaspec.train.trainer import train
 
 
 @dataclass(frozen=True)
@@ -35,10 +37,12 @@ class RunSpec:
     val_conversations: int
     time_limit_s: float | None
     command: str
+    feature_cache: Path | None = None  # memory-mapped target features (built on first use)
 
 
 def load_samples(data_dir: Path, max_seq_len: int) -> list[TrainSample]:
-    """Distilled records (prompt_ids + response_ids) -> TrainSamples, in file order."""
+    """Distilled records (prompt_ids + response_ids) -> TrainSamples cut to max_seq_len, in file
+    order (records with under 2 response tokens inside the cut are skipped)."""
     from moaspec.train.distill import read_shards
 
     samples = []
@@ -46,7 +50,8 @@ def load_samples(data_dir: Path, max_seq_len: int) -> list[TrainSample]:
         prompt, response = record["prompt_ids"], record["response_ids"]
         if len(response) < 2 or len(prompt) >= max_seq_len - 2:
             continue
-        samples.append(TrainSample(torch.tensor(prompt + response, dtype=torch.long), len(prompt)))
+        ids = torch.tensor(prompt + response, dtype=torch.long)[:max_seq_len]
+        samples.append(TrainSample(ids, len(prompt), index=len(samples)))
     if not samples:
         raise MoaspecError(f"{data_dir} has no usable distilled records (run `moaspec data distill` first)")
     return samples
@@ -66,6 +71,18 @@ def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tenso
     if draft_vocab_ids is not None:
         net.draft_vocab_ids.copy_(draft_vocab_ids)
     return net.float()
+
+
+def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int):
+    """The FeatureCache of `samples` in `directory`, built (or finished) first when needed.
+    A new cache stores TLI depths up to max(2, tli_layers), so the usual runs share one cache."""
+    from moaspec.nn.checkpoint import target_fingerprint
+    from moaspec.train.feature_cache import build_feature_cache
+
+    fingerprint = target_fingerprint(target)
+    cache = build_feature_cache(target, samples, directory, fingerprint, tli_max=max(2, tli_layers))
+    cache.check(samples, fingerprint, tli_layers)
+    return cache
 
 
 def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
@@ -92,10 +109,14 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
         "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
     }
+    source = None
+    if spec.feature_cache is not None:
+        provenance["feature_cache"] = str(spec.feature_cache)
+        source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers)
     net = build_net(config.method, target, config.tli_layers, vocab_ids)
     state = train(
         net, target, train_samples, val_samples, config, spec.out_dir,
-        tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s,
+        tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,
     )
     wall = time.perf_counter() - started
     record_path = spec.out_dir / "runs.jsonl"

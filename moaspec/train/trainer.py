@@ -23,18 +23,10 @@ import torch
 from moaspec.nn.drafter_net import TargetParts
 from moaspec.target import HFTarget
 from moaspec.train.config import TrainConfig
-from moaspec.train.features import TargetFeatures, target_features
+from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
 from moaspec.train.losses import LossParts, drafter_loss
 
 STATE_FILE = "train_state.pt"
-
-
-@dataclass(frozen=True)
-class TrainSample:
-    """input_ids [T]: prompt then response; response_start: index of the first response token."""
-
-    input_ids: torch.Tensor
-    response_start: int
 
 
 @dataclass
@@ -67,40 +59,33 @@ def loss_mask(length: int, response_start: int) -> torch.Tensor:
 def sequence_loss(
     net: torch.nn.Module,
     parts: TargetParts,
-    target: HFTarget,
     sample: TrainSample,
+    features: TargetFeatures,
     config: TrainConfig,
     staircase: bool,
     every: int,
     generator: torch.Generator,
-    features: TargetFeatures | None = None,
 ) -> LossParts:
-    """Loss of one sequence (MoA or EAGLE); target features computed online unless given."""
-    ids = sample.input_ids[: config.max_seq_len]
+    """Loss of one sequence (MoA or EAGLE) given the target's features of it."""
+    ids = sample.input_ids
     length = ids.numel()
-    is_moa = config.method == "moa"
-    if features is None:
-        features = target_features(target, ids, config.tli_layers, layer_kv=is_moa)
-    dtype = next(net.parameters()).dtype
-    head = net.head_weight(parts).to(dtype)
-    vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
-    teacher_logits = features.final_hidden @ parts.lm_head_weight.T  # [T, V]
+    head = net.head_weight(parts).to(next(net.parameters()).dtype)
     mask = loss_mask(length, sample.response_start)
-    if is_moa:
+    if config.method == "moa":
         anchors = last_anchors(length, sample.response_start, every)
         out = net.forward_train(parts, ids, features.layer_kv, anchors, staircase, features.tli_kv, features.tli_hidden)
         tli_mask = mask * (anchors != torch.arange(length)).float() if config.tli_layers else None
         return drafter_loss(
-            out.final, features.final_hidden, head, teacher_logits, vocab_ids, mask,
+            out.final, features.final_hidden, head, features.teacher_logsumexp, mask,
             out.pre_tli, features.tli_hidden, tli_mask,
         )
     noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
     predicted = net.forward_train(parts, ids, features.final_hidden + noise.to(features.final_hidden.dtype))  # [T-1, D]
-    return drafter_loss(predicted, features.final_hidden[1:], head, teacher_logits[1:], vocab_ids, mask[1:])
+    return drafter_loss(predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:])
 
 
 @torch.no_grad()
-def validate(net, parts, target, samples: list[TrainSample], config: TrainConfig, max_depth: int = 6) -> dict:
+def validate(net, parts, source: FeatureSource, samples: list[TrainSample], config: TrainConfig, max_depth: int = 6) -> dict:
     """Top-1 agreement with the target per draft depth (MoA: depth = i - s(i) on a fixed anchor
     grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
     net.eval()
@@ -109,10 +94,10 @@ def validate(net, parts, target, samples: list[TrainSample], config: TrainConfig
     losses = []
     generator = torch.Generator().manual_seed(0)
     for sample in samples:
-        ids = sample.input_ids[: config.max_seq_len]
+        ids = sample.input_ids
         length = ids.numel()
-        features = target_features(target, ids, config.tli_layers, layer_kv=config.method == "moa")
-        parts_loss = sequence_loss(net, parts, target, sample, config, False, max_depth + 1, generator, features)
+        features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
+        parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
         losses.append(float(parts_loss.total))
         head = net.head_weight(parts)
         vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0])
@@ -150,15 +135,21 @@ def train(
     progress: bool = True,
     stop_at_step: int | None = None,
     stop_after_s: float | None = None,
+    source: FeatureSource | None = None,
 ) -> TrainState:
     """Train `net` in place; resume from out_dir/train_state.pt when it exists.
+
+    source: where target features come from (default: run the target online per sequence).
 
     stop_at_step / stop_after_s end this call early (state saved), e.g. to fit a time box;
     calling again with the same config continues exactly where it stopped.
     """
     from tqdm import tqdm
 
+    if any(sample.input_ids.numel() > config.max_seq_len for sample in [*train_samples, *val_samples]):
+        raise ValueError(f"training samples must be cut to max_seq_len={config.max_seq_len} tokens first")
     out_dir.mkdir(parents=True, exist_ok=True)
+    source = source or OnlineFeatures(target)
     parts = TargetParts.from_target(target, config.tli_layers)
     for param in target.model.parameters():
         param.requires_grad_(False)
@@ -193,13 +184,14 @@ def train(
         for _ in range(config.batch_size):
             sample = train_samples[rng.randrange(len(train_samples))]
             every = rng.randint(config.anchor_min, config.anchor_max)
-            parts_loss = sequence_loss(net, parts, target, sample, config, rng.random() < staircase_p, every, generator)
+            features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
+            parts_loss = sequence_loss(net, parts, sample, features, config, rng.random() < staircase_p, every, generator)
             (parts_loss.total / config.batch_size).backward()
             totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
             totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
             totals["feat"] += float(parts_loss.feature) / config.batch_size
             totals["top1"] += float(parts_loss.top1) / config.batch_size
-            num_tokens += min(sample.input_ids.numel(), config.max_seq_len)
+            num_tokens += sample.input_ids.numel()
         grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
         optimizer.step()
         state.step += 1
@@ -208,7 +200,7 @@ def train(
         bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
-            record.update(validate(net, parts, target, val_samples, config))
+            record.update(validate(net, parts, source, val_samples, config))
             bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
         state.history.append(record)
         if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
