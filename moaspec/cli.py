@@ -277,7 +277,20 @@ def _data_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stop_on_sigterm() -> None:
+    """`kill` (SIGTERM) unwinds like Ctrl-C, so long jobs (distill, train) save their progress."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _stop_on_sigterm()
     try:
         args = _build_parser().parse_args(argv)
         args.argv = argv

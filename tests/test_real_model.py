@@ -316,3 +316,38 @@ def test_one_shot_generate_with_a_streamer(lm: SpeculativeLM, hf_greedy: Callabl
     )
     assert out.token_ids == hf_greedy("fact")
     assert out.text.strip() and out.text.strip() in capsys.readouterr().out
+
+
+# -- the shipped drafters -----------------------------------------------------------------------
+
+
+def test_every_shipped_drafter_is_in_the_package(lm: SpeculativeLM) -> None:
+    from moaspec.drafters import SHIPPED, SHIPPED_DIR
+
+    for name in SHIPPED:
+        directory = SHIPPED_DIR / lm.target.name / name
+        assert (directory / "config.json").is_file() and (directory / "model.safetensors").is_file(), name
+        assert (directory / "model.safetensors").stat().st_size < 21 * 2**20  # "at most about 20 MB"
+
+
+@pytest.fixture(scope="module")
+def shipped(lm: SpeculativeLM) -> dict[str, SpeculativeLM]:
+    from moaspec.drafters import SHIPPED
+
+    return {name: SpeculativeLM(lm.target, make_drafter(name, lm.target)) for name in SHIPPED}
+
+
+@pytest.mark.parametrize("name", ["moa", "moa-tli1", "eagle"])
+@pytest.mark.parametrize("key", list(PROMPTS))
+def test_shipped_drafters_are_lossless_and_accept_drafts(
+    name: str, key: str, shipped: dict[str, SpeculativeLM], hf_greedy: Callable[[str], list[int]]
+) -> None:
+    out = shipped[name].generate(PROMPTS[key], max_new_tokens=MAX_NEW)
+    assert out.token_ids == hf_greedy(key)
+    assert out.stats.tau > 1.3  # a trained drafter gets drafts accepted (untrained ones: ~1.0)
+
+
+def test_default_drafter_is_a_shipped_moa() -> None:
+    from moaspec.drafters import DEFAULT_DRAFTER
+
+    assert DEFAULT_DRAFTER in ("moa", "moa-tli1")

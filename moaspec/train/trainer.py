@@ -172,42 +172,47 @@ def train(
     bar = tqdm(total=config.steps, initial=state.step, disable=not progress, desc=f"train {config.method}", unit="step")
     run_started = time.perf_counter()
     wall_before = state.train_wall_s
-    while state.step < min(config.steps, stop_at_step or config.steps):
-        if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
-            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
-            break
-        started = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, state.step)
-        staircase_p = 1.0 - min(1.0, state.step / max(1, config.staircase_fraction * config.steps))
-        optimizer.zero_grad(set_to_none=True)
-        totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
-        num_tokens = 0
-        for _ in range(config.batch_size):
-            sample = train_samples[rng.randrange(len(train_samples))]
-            every = rng.randint(config.anchor_min, config.anchor_max)
-            features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
-            parts_loss = sequence_loss(net, parts, sample, features, config, rng.random() < staircase_p, every, generator)
-            (parts_loss.total / config.batch_size).backward()
-            totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
-            totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
-            totals["feat"] += float(parts_loss.feature) / config.batch_size
-            totals["top1"] += float(parts_loss.top1) / config.batch_size
-            num_tokens += sample.input_ids.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
-        optimizer.step()
-        state.step += 1
-        state.train_wall_s = wall_before + time.perf_counter() - run_started
-        record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
-        record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
-        bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-        if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
-            record.update(validate(net, parts, source, val_samples, config))
-            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
-        state.history.append(record)
-        if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
-            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+    try:
+        while state.step < min(config.steps, stop_at_step or config.steps):
+            if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
+                save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+                break
+            started = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, state.step)
+            staircase_p = 1.0 - min(1.0, state.step / max(1, config.staircase_fraction * config.steps))
+            optimizer.zero_grad(set_to_none=True)
+            totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
+            num_tokens = 0
+            for _ in range(config.batch_size):
+                sample = train_samples[rng.randrange(len(train_samples))]
+                every = rng.randint(config.anchor_min, config.anchor_max)
+                features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
+                parts_loss = sequence_loss(net, parts, sample, features, config, rng.random() < staircase_p, every, generator)
+                (parts_loss.total / config.batch_size).backward()
+                totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
+                totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
+                totals["feat"] += float(parts_loss.feature) / config.batch_size
+                totals["top1"] += float(parts_loss.top1) / config.batch_size
+                num_tokens += sample.input_ids.numel()
+            grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
+            optimizer.step()
+            state.step += 1
+            state.train_wall_s = wall_before + time.perf_counter() - run_started
+            record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
+            record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
+            bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
+                record.update(validate(net, parts, source, val_samples, config))
+                bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+            state.history.append(record)
+            if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
+                save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the last completed step
+        save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+        bar.close()
+        raise
     bar.close()
     return state
 
