@@ -7,6 +7,8 @@
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
                          [--shard-size N] [--seed S]
     moaspec data stats DIR
+    moaspec bench --out DIR [--categories a,b,...] [--limit N] [--methods none,hf,hf-pld,ngram,moa,...]
+                  [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
     moaspec train --method moa|eagle --data DIR --out RUN [--tli-layers K] [--draft-vocab N]
                   [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
@@ -55,6 +57,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_data_parser(commands, DEFAULT_TARGET)
     _add_train_parser(commands, DEFAULT_TARGET)
+    from moaspec.bench.cli import add_bench_parser
+
+    add_bench_parser(commands, DEFAULT_TARGET)
     return parser
 
 
@@ -285,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             return _data_distill(args) if args.data_command == "distill" else _data_stats(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            from moaspec.bench.cli import run_bench
+
+            return run_bench(args)
         return _generate(args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)
