@@ -78,6 +78,25 @@ def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, ca
     assert "| none |" in capsys.readouterr().out
 
 
+def test_checkpoint_drafter_is_lossless_and_reports_acceptance(tmp_path, tiny_bench, capsys) -> None:
+    """A (random) MoA checkpoint given as LABEL=DIR runs through the engine; greedy output equals none's."""
+    from conftest import make_random_drafter_net
+
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(tiny_bench.config), tiny_bench)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, tiny_bench, {"depth": 3, "top_k": 2, "budget": 4})
+    out = tmp_path / "res"
+    code = main(bench_args(out, "--categories", "math", "--methods", f"none,mymoa={checkpoint}", "--no-plots"))
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    row = results["categories"][0]["rows"][1]
+    assert row["method"] == "mymoa" and len(row["acceptance_per_depth"]) == 3
+    assert set(row["time_s"]) == {"prefill", "draft", "verify", "other"} and row["time_s"]["draft"] > 0
+    assert results["config"]["method_sources"]["mymoa"] == str(checkpoint) and results["mismatches"] == []
+
+
 class FlipLastToken:
     """A deliberately broken 'lossless' method: the baseline's output with its last token changed."""
 

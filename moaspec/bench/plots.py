@@ -48,7 +48,8 @@ def _speedup(plt, results: dict) -> bytes:
     ax.set_xticks(range(len(categories)), categories)
     ax.set_ylabel("speedup over none (tokens/s ratio)")
     ax.set_title(f"moaspec bench: {results['config']['target']}, {_decoding(results)}")
-    ax.legend(fontsize="small", ncols=min(4, len(methods)))
+    ax.margins(y=0.2)  # room for the legend above the bars
+    ax.legend(fontsize="small", ncols=min(4, len(methods)), loc="upper left")
     return _png(plt, fig)
 
 

@@ -146,7 +146,8 @@ def render_markdown(results: dict) -> str:
         "",
     ]
     for category in results["categories"]:
-        lines += [f"## {category['category']} ({category['num_prompts']} prompts, {category['num_generations']} generations per method)", ""]
+        count, generations = category["num_prompts"], category["num_generations"]
+        lines += [f"## {category['category']} ({count} prompt{'s' * (count != 1)}, {generations} generations per method)", ""]
         lines += _category_table(category["rows"])
     lines += ["## Mean over categories", "", *_summary_table(results)]
     lines += ["## Greedy check", ""]
@@ -163,8 +164,7 @@ def render_markdown(results: dict) -> str:
 
 
 def _category_table(rows: list[dict]) -> list[str]:
-    depth = max((len(row["acceptance_per_depth"]) for row in rows), default=0)
-    header = "| method | tokens/s | speedup | τ | acceptance d1..d{} | prefill / draft / verify / other | peak RSS MB | RSS growth MB |".format(depth)
+    header = "| method | tokens/s | speedup | τ | acceptance by depth | prefill / draft / verify / other | peak RSS MB | RSS growth MB |"
     out = [header, "|---|---:|---:|---:|---|---|---:|---:|"]
     for row in rows:
         acceptance = " / ".join(f"{a:.2f}" for a in row["acceptance_per_depth"]) or "–"
