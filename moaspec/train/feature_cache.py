@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,7 @@ def build_feature_cache(
     index = {
         "version": CACHE_VERSION, "data_key": key, "target_fingerprint": fingerprint, "num_records": len(samples),
         "offsets": offsets, "tli_max": tli_max, "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
-        "done": 0, "complete": False,
+        "done": 0, "complete": False, "build_wall_s": 0.0,
     }
     if index_path.is_file():
         previous = json.loads(index_path.read_text())
@@ -141,6 +142,7 @@ def build_feature_cache(
     if fresh:
         _write_json_atomic(index_path, index)
     hidden_layers = tuple(range(num_layers - tli_max, num_layers + 1))
+    started, wall_before = time.perf_counter(), index.get("build_wall_s", 0.0)
     bar = tqdm(total=offsets[-1], initial=offsets[index["done"]], unit="tok", desc="target features", disable=not progress)
     for position in range(index["done"], len(samples)):
         ids = samples[position].input_ids
@@ -157,6 +159,7 @@ def build_feature_cache(
                 array.flush()
             index["done"] = position + 1
             index["complete"] = position + 1 == len(samples)
+            index["build_wall_s"] = round(wall_before + time.perf_counter() - started, 1)
             _write_json_atomic(index_path, index)
     target.reset()
     bar.close()

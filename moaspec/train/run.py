@@ -111,8 +111,8 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     }
     source = None
     if spec.feature_cache is not None:
-        provenance["feature_cache"] = str(spec.feature_cache)
         source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers)
+        provenance["feature_cache"] = {"path": str(spec.feature_cache), "build_wall_s": source.index.get("build_wall_s")}
     net = build_net(config.method, target, config.tli_layers, vocab_ids)
     state = train(
         net, target, train_samples, val_samples, config, spec.out_dir,

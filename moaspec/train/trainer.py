@@ -33,6 +33,7 @@ STATE_FILE = "train_state.pt"
 class TrainState:
     step: int = 0
     history: list[dict] = field(default_factory=list)
+    train_wall_s: float = 0.0  # time spent in train() over all resumed calls
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -164,12 +165,13 @@ def train(
             raise ValueError(f"{state_path} was written with another training config; use a new --out")
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
-        state = TrainState(saved["step"], saved["history"])
+        state = TrainState(saved["step"], saved["history"], saved.get("train_wall_s", 0.0))
         rng.setstate(saved["python_rng"])
         generator.set_state(saved["torch_rng"])
     net.train()
     bar = tqdm(total=config.steps, initial=state.step, disable=not progress, desc=f"train {config.method}", unit="step")
     run_started = time.perf_counter()
+    wall_before = state.train_wall_s
     while state.step < min(config.steps, stop_at_step or config.steps):
         if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
             save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
@@ -195,6 +197,7 @@ def train(
         grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
         optimizer.step()
         state.step += 1
+        state.train_wall_s = wall_before + time.perf_counter() - run_started
         record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
         record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
         bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
@@ -219,13 +222,17 @@ def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, gene
             "optimizer": optimizer.state_dict(),
             "step": state.step,
             "history": state.history,
+            "train_wall_s": state.train_wall_s,
             "python_rng": rng.getstate(),
             "torch_rng": generator.get_state(),
         },
         staging,
     )
     staging.replace(out_dir / STATE_FILE)
-    training = {"train_config": asdict(config), "step": state.step, "last": state.history[-1] if state.history else {}, **(provenance or {})}
+    training = {
+        "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
+        "last": state.history[-1] if state.history else {}, **(provenance or {}),
+    }
     net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
 
 
