@@ -82,6 +82,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "target": target.name, "categories": list(categories), "limit": args.limit,
         "methods": [spec.label for spec in specs], "method_sources": {spec.label: spec.source for spec in specs},
         "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+        "method_trees": {method.label: _tree_record(method) for method in methods},
     }
     results = write_report(data, config, out, _command_line(args), plots=not args.no_plots)
     print(render_markdown(results), end="")
@@ -89,6 +90,15 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def _tree_record(method) -> dict | None:
+    """The draft tree an engine method's model drafter used and where it came from (tuned.py)."""
+    from dataclasses import asdict
+
+    drafter = getattr(getattr(method, "engine", None), "drafter", None)
+    tree = getattr(drafter, "tree_config", None)
+    return None if tree is None else {**asdict(tree), "source": drafter.tree_source}
 
 
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
@@ -126,3 +136,91 @@ def machine_info() -> dict:
         "description": description, "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "device": device, "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
     }
+
+
+# -- moaspec tune -------------------------------------------------------------------------------
+def add_tune_parser(commands, default_target: str) -> None:
+    tune = commands.add_parser("tune", help="measure this machine and save the best draft tree per drafter")
+    tune.add_argument("--drafters", required=True, help="comma-separated model drafters: eagle, moa, moa-tli1 or checkpoint DIRs")
+    tune.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
+    tune.add_argument("--repeats", type=int, default=5, help="timing rounds per configuration, medians kept (default 5)")
+    tune.add_argument("--context", type=int, default=256, help="context length the costs are measured at (default 256)")
+    tune.add_argument("--top1-rate", type=float, default=None, help="assume this top-1 acceptance instead of calibrating")
+    tune.add_argument("--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)")
+    tune.add_argument("--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)")
+    tune.add_argument("--dry-run", action="store_true", help="print the ranking, save nothing")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory
+    from moaspec.model_store import resolve_target
+
+    # 1. cheap checks before torch loads
+    if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
+        raise MoaspecError("--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0")
+    if args.top1_rate is not None and not 0.0 < args.top1_rate < 1.0:
+        raise MoaspecError("--top1-rate must be in (0, 1)")
+    from moaspec.bench.tune import CALIBRATION_PROMPTS
+
+    if args.calibration_prompts > len(CALIBRATION_PROMPTS):
+        raise MoaspecError(f"--calibration-prompts is at most {len(CALIBRATION_PROMPTS)}")
+    specs = list(dict.fromkeys(part.strip() for part in args.drafters.split(",") if part.strip()))
+    if not specs:
+        raise MoaspecError("--drafters is empty")
+    target_name, _ = resolve_target(args.target)
+    for spec in specs:
+        check_drafter_spec(spec)
+        if spec in MODEL_FREE:
+            raise MoaspecError(f"'{spec}' has no draft tree to tune (model drafters only)")
+        if not (checkpoint_directory(spec, target_name) / "config.json").is_file():
+            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
+
+    # 2. measure and choose
+    import moaspec.api
+    from moaspec.bench.costs import measure_verify
+    from moaspec.bench.tune import tune_drafter
+    from moaspec.chat import encode_chat_prompt
+    from moaspec.drafters import make_drafter
+    from moaspec.tuned import save_tuned_tree
+
+    target = moaspec.api.load_target(args.target)
+    context_len = min(args.context, target.max_positions // 2)
+    prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
+    print(f"[moaspec] measuring target verify costs ({target.name}, context {context_len})...", file=sys.stderr)
+    verify_s = measure_verify(target, context_len, args.repeats)
+    for spec in specs:
+        print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
+        drafter = make_drafter(spec, target)
+        result = tune_drafter(drafter, target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens)
+        print(_tune_table(spec, result))
+        if result.best.tokens_per_s < result.plain_tokens_per_s:
+            print(
+                f"moaspec: warning: with {spec} every tree is expected to be slower than plain decoding on this machine "
+                f"({result.best.tokens_per_s / result.plain_tokens_per_s:.2f}x); the best of them is saved anyway",
+                file=sys.stderr,
+            )
+        if not args.dry_run:
+            details = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info()["description"],
+                       "context_len": context_len, **result.details()}
+            path = save_tuned_tree(target.name, checkpoint_directory(spec, target.name), result.best.tree, details)
+            print(f"saved: {path} (used by default for this drafter and target; see moaspec/tuned.py)\n")
+    return 0
+
+
+def _tune_table(spec: str, result) -> str:
+    source = result.top1_source
+    if result.calibration:
+        source += f", acceptance per depth {'/'.join(f'{a:.2f}' for a in result.calibration['acceptance_per_depth'])}"
+    lines = [
+        f"## {spec}: top-1 acceptance {result.top1:.2f} ({source})",
+        f"plain decoding {result.plain_tokens_per_s:.2f} tok/s (one-node forward {1000 * result.costs.verify(1):.1f} ms)",
+        "",
+        "| depth | top-k | budget | nodes | expected τ | cycle ms | expected tok/s | vs plain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in result.ranked[:8]:
+        lines.append(
+            f"| {c.tree.depth} | {c.tree.top_k} | {c.tree.budget} | {c.num_nodes} | {c.expected_tau:.2f} | {1000 * c.cycle_s:.1f} "
+            f"| {c.tokens_per_s:.2f} | {c.tokens_per_s / result.plain_tokens_per_s:.2f}× |"
+        )
+    return "\n".join(lines)
