@@ -78,7 +78,9 @@ def load_tuned_tree(target_name: str, directory: Path) -> TreeConfig | None:
         return None  # a damaged cache file must never break generation; `moaspec tune` rewrites it
 
 
-def resolve_tree(base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None) -> tuple[TreeConfig, str]:
+def resolve_tree(
+    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None
+) -> tuple[TreeConfig, str]:
     """Apply the precedence above to a drafter whose checkpoint tree is `base`.
 
     -> (tree, source) with source "explicit", "tuned" or "checkpoint".

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import make_tiny_target
 
 from moaspec.bench import schema
@@ -50,7 +49,19 @@ def tiny_bench(monkeypatch):
 
 
 def bench_args(out: Path, *extra: str) -> list[str]:
-    return ["bench", "--out", str(out), "--target", "tiny", "--limit", "2", "--max-new-tokens", "6", "--no-progress", *extra]
+    return [
+        "bench",
+        "--out",
+        str(out),
+        "--target",
+        "tiny",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, capsys) -> None:
@@ -97,6 +108,28 @@ def test_checkpoint_drafter_is_lossless_and_reports_acceptance(tmp_path, tiny_be
     assert results["config"]["method_sources"]["mymoa"] == str(checkpoint) and results["mismatches"] == []
 
 
+def test_sampled_run_skips_the_greedy_check(tmp_path, tiny_bench, capsys) -> None:
+    out = tmp_path / "res"
+    code = main(
+        bench_args(
+            out,
+            "--categories",
+            "mt_bench",
+            "--limit",
+            "1",
+            "--methods",
+            "none,hf,hf-pld,ngram",
+            "--temperature",
+            "0.7",
+            "--no-plots",
+        )
+    )
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["temperature"] == 0.7 and results["mismatches"] == []
+    assert "Sampled run" in (out / "results.md").read_text()
+
+
 class FlipLastToken:
     """A deliberately broken 'lossless' method: the baseline's output with its last token changed."""
 
@@ -114,11 +147,13 @@ class FlipLastToken:
 
 
 def test_greedy_mismatch_is_reported_loudly(tmp_path, tiny_bench, monkeypatch, capsys) -> None:
-    import moaspec.bench.methods as methods
+    from moaspec.bench import methods
 
     real_build = methods.build_method
     monkeypatch.setattr(
-        methods, "build_method", lambda spec, target: FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target)
+        methods,
+        "build_method",
+        lambda spec, target: FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target),
     )
     out = tmp_path / "res"
     code = main(bench_args(out, "--categories", "translation", "--methods", "none,ngram", "--no-plots"))
@@ -180,7 +215,11 @@ def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monke
 
 
 def test_parse_methods_adds_the_baseline_and_labels_directories(tmp_path) -> None:
-    assert parse_methods("ngram,hf") == (MethodSpec("none", "none"), MethodSpec("ngram", "ngram"), MethodSpec("hf", "hf"))
+    assert parse_methods("ngram,hf") == (
+        MethodSpec("none", "none"),
+        MethodSpec("ngram", "ngram"),
+        MethodSpec("hf", "hf"),
+    )
     specs = parse_methods(f"none,mine={tmp_path}")
     assert specs[1] == MethodSpec("mine", str(tmp_path)) and specs[1].drafter == str(tmp_path)
     assert MethodSpec("x", "hf-pld").drafter is None

@@ -51,10 +51,10 @@ def test_choice_follows_the_costs() -> None:
 
 @pytest.fixture
 def tiny_with_checkpoint(tmp_path, monkeypatch):
-    import moaspec.api
-    import moaspec.model_store
     from test_bench import char_tokenizer
 
+    import moaspec.api
+    import moaspec.model_store
     from moaspec.nn.checkpoint import save_checkpoint
     from moaspec.nn.moa import MoAConfig, MoADrafterNet
 
@@ -74,8 +74,21 @@ def test_tune_saves_a_choice_that_generation_then_uses(tiny_with_checkpoint, mon
     from moaspec.tuned import tuned_path
 
     target, checkpoint = tiny_with_checkpoint
-    args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--repeats", "1", "--context", "32",
-            "--calibration-prompts", "1", "--calibration-tokens", "8"]
+    args = [
+        "tune",
+        "--drafters",
+        str(checkpoint),
+        "--target",
+        "tiny",
+        "--repeats",
+        "1",
+        "--context",
+        "32",
+        "--calibration-prompts",
+        "1",
+        "--calibration-tokens",
+        "8",
+    ]
     assert main(args) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "| depth | top-k | budget |" in out and "saved: " in out
@@ -87,7 +100,11 @@ def test_tune_saves_a_choice_that_generation_then_uses(tiny_with_checkpoint, mon
     drafter = make_drafter(str(checkpoint), target)
     assert drafter.tree_config == chosen and drafter.tree_source == "tuned"
     explicit = make_drafter(str(checkpoint), target, {"depth": 7, "top_k": None, "budget": None})
-    assert explicit.tree_config.depth == 7 and explicit.tree_config.top_k == chosen.top_k and explicit.tree_source == "explicit"
+    assert (
+        explicit.tree_config.depth == 7
+        and explicit.tree_config.top_k == chosen.top_k
+        and explicit.tree_source == "explicit"
+    )
     monkeypatch.setenv("MOASPEC_NO_TUNED", "1")
     plain = make_drafter(str(checkpoint), target)
     assert plain.tree_config == TreeConfig(depth=2, top_k=1, budget=2) and plain.tree_source == "checkpoint"

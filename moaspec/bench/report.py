@@ -47,7 +47,12 @@ def category_row(records: list[RunRecord]) -> dict:
     time_s = None
     if timed:
         inner = stats.prefill_s + stats.draft_s + stats.verify_s
-        time_s = {"prefill": stats.prefill_s, "draft": stats.draft_s, "verify": stats.verify_s, "other": max(0.0, wall - inner)}
+        time_s = {
+            "prefill": stats.prefill_s,
+            "draft": stats.draft_s,
+            "verify": stats.verify_s,
+            "other": max(0.0, wall - inner),
+        }
         time_s = {key: round(value, 4) for key, value in time_s.items()}
     return {
         "method": records[0].method,
@@ -80,7 +85,14 @@ def build_results(data: BenchData, methods: list[str], config: dict, machine: di
         for row in rows:
             row["speedup"] = round(row["tokens_per_s"] / base, 4) if base > 0 else 0.0
         prompts = {r.prompt_id for r in records}
-        categories.append({"category": category, "num_prompts": len(prompts), "num_generations": len(records) // len(methods), "rows": rows})
+        categories.append(
+            {
+                "category": category,
+                "num_prompts": len(prompts),
+                "num_generations": len(records) // len(methods),
+                "rows": rows,
+            }
+        )
     return {
         "schema_version": SCHEMA_VERSION,
         "created": created,
@@ -140,14 +152,19 @@ def render_markdown(results: dict) -> str:
     lines = [
         "# moaspec bench",
         "",
-        f"Target `{config['target']}`, {decoding}, at most {config['max_new_tokens']} new tokens, "
-        f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded.",
+        (
+            f"Target `{config['target']}`, {decoding}, at most {config['max_new_tokens']} new tokens, "
+            f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded."
+        ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
         "",
     ]
     for category in results["categories"]:
         count, generations = category["num_prompts"], category["num_generations"]
-        lines += [f"## {category['category']} ({count} prompt{'s' * (count != 1)}, {generations} generations per method)", ""]
+        lines += [
+            f"## {category['category']} ({count} prompt{'s' * (count != 1)}, {generations} generations per method)",
+            "",
+        ]
         lines += _category_table(category["rows"])
     lines += ["## Mean over categories", "", *_summary_table(results)]
     lines += ["## Greedy check", ""]
@@ -157,7 +174,10 @@ def render_markdown(results: dict) -> str:
         lines.append(f"Every method's tokens equal `{BASELINE}`'s on every prompt.")
     else:
         lines.append(f"**{len(results['mismatches'])} MISMATCHES** (a lossless method changed the output):")
-        lines += [f"- {m['method']}: {m['category']}/{m['prompt_id']} turn {m['turn']}, first divergence at new token {m['first_divergence']}" for m in results["mismatches"]]
+        lines += [
+            f"- {m['method']}: {m['category']}/{m['prompt_id']} turn {m['turn']}, first divergence at new token {m['first_divergence']}"
+            for m in results["mismatches"]
+        ]
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"
@@ -171,7 +191,9 @@ def _category_table(rows: list[dict]) -> list[str]:
         split = "–"
         if row["time_s"] is not None and row["wall_s"] > 0:
             t = row["time_s"]
-            split = " / ".join(f"{100 * t[key] / row['wall_s']:.0f}%" for key in ("prefill", "draft", "verify", "other"))
+            split = " / ".join(
+                f"{100 * t[key] / row['wall_s']:.0f}%" for key in ("prefill", "draft", "verify", "other")
+            )
         out.append(
             f"| {row['method']} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | {acceptance} "
             f"| {split} | {row['peak_rss_mb']:.0f} | {row['rss_growth_mb']:.1f} |"
@@ -187,5 +209,7 @@ def _summary_table(results: dict) -> list[str]:
     ]
     for row in results["summary"]:
         per = " | ".join(f"{row['per_category'][c]['speedup']:.2f}×" for c in categories)
-        out.append(f"| {row['method']} | {row['speedup']:.2f}× | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {per} |")
+        out.append(
+            f"| {row['method']} | {row['speedup']:.2f}× | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {per} |"
+        )
     return [*out, ""]

@@ -114,8 +114,11 @@ def _run_prompt(
         prompt_ids = encode_chat_messages(target.tokenizer, messages)
         if len(prompt_ids) >= target.max_positions:
             data.skipped.append(f"{prompt.category}/{prompt.prompt_id}")
-            _warn(bar, f"moaspec: warning: skipping {prompt.category}/{prompt.prompt_id}: {len(prompt_ids)} prompt tokens "
-                      f"do not fit the target's context ({target.max_positions})")
+            _warn(
+                bar,
+                f"moaspec: warning: skipping {prompt.category}/{prompt.prompt_id}: {len(prompt_ids)} prompt tokens "
+                f"do not fit the target's context ({target.max_positions})",
+            )
             bar.update(len(order) * (len(prompt.turns) - turn + 1))
             return
         runs: dict[str, MethodRun] = {}
@@ -146,8 +149,13 @@ def find_mismatches(prompt: BenchPrompt, turn: int, runs: dict[str, MethodRun]) 
     for label, run in runs.items():
         if run.token_ids == expected:
             continue
-        diverge = next((i for i, (a, b) in enumerate(zip(expected, run.token_ids)) if a != b), min(len(expected), len(run.token_ids)))
-        found.append(Mismatch(prompt.category, prompt.prompt_id, turn, label, diverge, len(expected), len(run.token_ids)))
+        diverge = next(
+            (i for i, (a, b) in enumerate(zip(expected, run.token_ids)) if a != b),
+            min(len(expected), len(run.token_ids)),
+        )
+        found.append(
+            Mismatch(prompt.category, prompt.prompt_id, turn, label, diverge, len(expected), len(run.token_ids))
+        )
     return found
 
 

@@ -14,6 +14,10 @@ NUMBER = (int, float)
 NULLABLE_NUMBER = (int, float, type(None))
 
 
+class SchemaError(ValueError):
+    """results.json does not follow the schema (a ValueError, so callers may catch either)."""
+
+
 @dataclass(frozen=True)
 class MapOf:
     value: Any
@@ -60,38 +64,56 @@ RESULTS_SCHEMA = {
     ],
     "categories": [{"category": str, "num_prompts": int, "num_generations": int, "rows": [ROW]}],
     "mismatches": [
-        {"category": str, "prompt_id": str, "turn": int, "method": str, "first_divergence": int, "baseline_tokens": int, "method_tokens": int}
+        {
+            "category": str,
+            "prompt_id": str,
+            "turn": int,
+            "method": str,
+            "first_divergence": int,
+            "baseline_tokens": int,
+            "method_tokens": int,
+        }
     ],
     "skipped": [str],
-    "runs": [{"category": str, "prompt_id": str, "turn": int, "method": str, "new_tokens": int, "wall_s": NUMBER, "tau": NUMBER}],
+    "runs": [
+        {
+            "category": str,
+            "prompt_id": str,
+            "turn": int,
+            "method": str,
+            "new_tokens": int,
+            "wall_s": NUMBER,
+            "tau": NUMBER,
+        }
+    ],
 }
 
 
 def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> None:
-    """Raise ValueError naming the first place where `value` does not follow `spec`."""
+    """Raise SchemaError naming the first place where `value` does not follow `spec`."""
     if isinstance(spec, dict):
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
         for key, sub in spec.items():
             if key not in value:
-                raise ValueError(f"{where}: missing key '{key}'")
+                raise SchemaError(f"{where}: missing key '{key}'")
             validate(value[key], sub, f"{where}.{key}")
     elif isinstance(spec, list):
         if not isinstance(value, list):
-            raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
         for index, item in enumerate(value):
             validate(item, spec[0], f"{where}[{index}]")
     elif isinstance(spec, MapOf):
         if not isinstance(value, dict):
-            raise ValueError(f"{where}: expected an object, got {type(value).__name__}")
+            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
         for key, item in value.items():
             validate(item, spec.value, f"{where}.{key}")
     else:
         allowed = spec if isinstance(spec, tuple) else (spec,)
         if isinstance(value, bool) and bool not in allowed:  # bool is an int subclass
-            raise ValueError(f"{where}: expected {_names(allowed)}, got bool")
+            raise SchemaError(f"{where}: expected {_names(allowed)}, got bool")
         if not isinstance(value, allowed):
-            raise ValueError(f"{where}: expected {_names(allowed)}, got {type(value).__name__}")
+            raise SchemaError(f"{where}: expected {_names(allowed)}, got {type(value).__name__}")
 
 
 def _names(types: tuple) -> str:

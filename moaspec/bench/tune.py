@@ -58,8 +58,12 @@ class Candidate:
 
     def to_dict(self) -> dict:
         return {
-            "depth": self.tree.depth, "top_k": self.tree.top_k, "budget": self.tree.budget, "num_nodes": self.num_nodes,
-            "expected_tau": round(self.expected_tau, 4), "cycle_s": round(self.cycle_s, 6),
+            "depth": self.tree.depth,
+            "top_k": self.tree.top_k,
+            "budget": self.tree.budget,
+            "num_nodes": self.num_nodes,
+            "expected_tau": round(self.expected_tau, 4),
+            "cycle_s": round(self.cycle_s, 6),
             "tokens_per_s": round(self.tokens_per_s, 3),
         }
 
@@ -77,9 +81,7 @@ def model_tree(tree: TreeConfig, top1: float) -> tuple[torch.Tensor, torch.Tenso
     -> (node acceptance probabilities [N] (root = 1), node depths [N]).
     """
     log_rates = rank_log_rates(top1, tree.top_k)
-    built = build_dynamic_tree(
-        0, lambda: log_rates, lambda ids, parent, depth: log_rates.expand(ids.numel(), -1), tree
-    )
+    built = build_dynamic_tree(0, lambda: log_rates, lambda ids, parent, depth: log_rates.expand(ids.numel(), -1), tree)
     log_p = torch.zeros(built.num_nodes, dtype=torch.float64)
     for i in range(1, built.num_nodes):  # parents precede children
         log_p[i] = log_p[built.parents[i]] + log_rates[built.token_ids[i]]
@@ -168,12 +170,22 @@ def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) ->
     engine = Engine(target, drafter)
     runs = [engine.generate(ids, generation=GenerationConfig(max_new_tokens=max_new_tokens)).stats for ids in prompts]
     stats = merge_stats(runs)
-    return {"tree": asdict(drafter.tree_config), "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth], "tau": round(stats.tau, 4)}
+    return {
+        "tree": asdict(drafter.tree_config),
+        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
+        "tau": round(stats.tau, 4),
+    }
 
 
 def tune_drafter(
-    drafter, target, verify_s: dict[int, float], context_len: int, repeats: int,
-    top1: float | None, calibration_prompts: list[list[int]], calibration_tokens: int,
+    drafter,
+    target,
+    verify_s: dict[int, float],
+    context_len: int,
+    repeats: int,
+    top1: float | None,
+    calibration_prompts: list[list[int]],
+    calibration_tokens: int,
 ) -> TuneResult:
     """Measure the drafter's costs, settle its acceptance model, rank the trees."""
     from moaspec.bench.costs import measure_drafter
@@ -185,7 +197,11 @@ def tune_drafter(
     if top1 is None and calibration_prompts:
         calibration = calibrate(drafter, target, calibration_prompts, calibration_tokens)
         measured = calibration["acceptance_per_depth"]
-        top1, source = (fit_top1(measured, TreeConfig(**calibration["tree"])), "calibrated") if measured else (DEFAULT_TOP1, "default")
+        top1, source = (
+            (fit_top1(measured, TreeConfig(**calibration["tree"])), "calibrated")
+            if measured
+            else (DEFAULT_TOP1, "default")
+        )
     elif top1 is None:
         top1, source = DEFAULT_TOP1, "default"
     ranked = candidates(costs, top1)
