@@ -124,6 +124,7 @@ def candidates(costs: CycleCosts, top1: float) -> list[Candidate]:
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
                 tau, nodes = expected_tau(tree, top1)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
+                # trees far beyond the largest measured size would rest on extrapolated costs
                 if key not in found and nodes <= max(costs.verify_s) * 2:
                     found[key] = Candidate(tree, nodes, tau, costs.cycle_s(tree, nodes, tau))
     return sorted(found.values(), key=lambda c: (-c.tokens_per_s, c.num_nodes))
