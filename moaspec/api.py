@@ -136,10 +136,15 @@ def load(
     drafter: str = DEFAULT_DRAFTER,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
+    tree_overrides: dict | None = None,
 ) -> SpeculativeLM:
-    """Load a target and a drafter for it."""
+    """Load a target and a drafter for it.
+
+    tree_overrides: e.g. {"depth": 5, "top_k": 2, "budget": 12} for a model drafter; fields left
+    out come from `moaspec tune`'s saved choice, else the checkpoint (precedence: moaspec/tuned.py).
+    """
     loaded = load_target(target, dtype, attn_implementation)
-    return SpeculativeLM(loaded, make_drafter(drafter, loaded))
+    return SpeculativeLM(loaded, make_drafter(drafter, loaded, tree_overrides))
 
 
 def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str = DEFAULT_DRAFTER, **kwargs) -> GenerationOutput:

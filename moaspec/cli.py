@@ -2,11 +2,15 @@
 
     moaspec generate --prompt TEXT [--target NAME|PATH] [--drafter NAME|PATH] [--max-new-tokens N]
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json] [--raw]
+                     [--tree-depth D] [--tree-top-k K] [--tree-budget N]
 
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
                          [--shard-size N] [--seed S]
     moaspec data stats DIR
+    moaspec bench --out DIR [--categories a,b,...] [--limit N] [--methods none,hf,hf-pld,ngram,moa,...]
+                  [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
+    moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--dry-run]
     moaspec train --method moa|eagle --data DIR --out RUN [--tli-layers K] [--draft-vocab N]
                   [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
@@ -53,8 +57,17 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    for name, what in (("depth", "drafted levels"), ("top-k", "beams and children per level"), ("budget", "drafted nodes")):
+        gen.add_argument(
+            f"--tree-{name}", type=int, default=None,
+            help=f"model drafters: tree {what} (default: `moaspec tune`'s choice, else the checkpoint's)",
+        )
     _add_data_parser(commands, DEFAULT_TARGET)
     _add_train_parser(commands, DEFAULT_TARGET)
+    from moaspec.bench.cli import add_bench_parser, add_tune_parser
+
+    add_bench_parser(commands, DEFAULT_TARGET)
+    add_tune_parser(commands, DEFAULT_TARGET)
     return parser
 
 
@@ -171,15 +184,20 @@ def _generate(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
     if not args.prompt.strip():
         raise MoaspecError("the prompt is empty")
-    from moaspec.drafters import check_drafter_spec
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec
     from moaspec.model_store import resolve_target
 
     check_drafter_spec(args.drafter)
+    tree_overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
+    if any(value is not None and value < 1 for value in tree_overrides.values()):
+        raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    if args.drafter in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
+        raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{args.drafter}'")
     resolve_target(args.target)  # unknown name / bad path: fail before torch loads
 
     from moaspec.api import load
 
-    lm = load(target=args.target, drafter=args.drafter)
+    lm = load(target=args.target, drafter=args.drafter, tree_overrides=tree_overrides)
     streamer = None
     if not args.json:
         from transformers import TextStreamer
@@ -298,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             return _data_distill(args) if args.data_command == "distill" else _data_stats(args)
         if args.command == "train":
             return _train(args)
+        if args.command in ("bench", "tune"):
+            from moaspec.bench.cli import run_bench, run_tune
+
+            return run_bench(args) if args.command == "bench" else run_tune(args)
         return _generate(args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)

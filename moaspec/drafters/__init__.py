@@ -47,18 +47,33 @@ def check_drafter_spec(spec: str) -> None:
     raise MoaspecError(f"unknown drafter '{spec}' (known: {known}, or a checkpoint directory)")
 
 
-def make_drafter(spec: str, target: HFTarget) -> Drafter:
-    """Build the drafter `spec` names for `target`; MoaspecError when it cannot."""
+def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None) -> Drafter:
+    """Build the drafter `spec` names for `target`; MoaspecError when it cannot.
+
+    Model drafters get their tree by the precedence in moaspec/tuned.py: `tree_overrides`
+    (explicit depth / top_k / budget), then `moaspec tune`'s saved choice, then the checkpoint's.
+    """
     check_drafter_spec(spec)
     if spec in MODEL_FREE:
+        if any(value is not None for value in (tree_overrides or {}).values()):
+            raise MoaspecError(f"tree settings apply to model drafters only, not to '{spec}'")
         return _resolve(MODEL_FREE[spec])(target)
+    from moaspec.tuned import resolve_tree
+
+    directory = checkpoint_directory(spec, target.name)
+    drafter = load_drafter(directory, target)
+    drafter.tree_config, drafter.tree_source = resolve_tree(drafter.tree_config, target.name, directory, tree_overrides)
+    return drafter
+
+
+def checkpoint_directory(spec: str, target_name: str) -> Path:
+    """The checkpoint directory of a shipped drafter name or a path; MoaspecError when missing."""
     if spec in SHIPPED:
-        directory = SHIPPED_DIR / target.name / spec
+        directory = SHIPPED_DIR / target_name / spec
         if not directory.is_dir():
-            raise MoaspecError(f"no shipped '{spec}' drafter for target '{target.name}'; pass a checkpoint directory")
-    else:
-        directory = Path(spec).expanduser()
-    return load_drafter(directory, target)
+            raise MoaspecError(f"no shipped '{spec}' drafter for target '{target_name}'; pass a checkpoint directory")
+        return directory
+    return Path(spec).expanduser()
 
 
 def load_drafter(directory: Path, target: HFTarget) -> Drafter:

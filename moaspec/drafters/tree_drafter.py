@@ -29,6 +29,7 @@ class TreeDrafter:
     """Base class; see the module docstring."""
 
     net_class: type[DrafterNet]
+    tree_source: str = "checkpoint"  # where tree_config came from: "checkpoint", "tuned", "explicit" (tuned.py)
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.net = use_column_major_weights(net.eval())

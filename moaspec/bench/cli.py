@@ -1,0 +1,266 @@
+"""`moaspec bench`: flags, cheap validation before torch loads, then run -> report -> files.
+
+    moaspec bench --out DIR [--categories mt_bench,humaneval,qa,translation,summarization,math]
+                  [--limit N] [--methods none,hf,hf-pld,ngram,eagle,moa,moa-tli1,DIR,LABEL=DIR]
+                  [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
+                  [--no-plots] [--no-progress]
+
+Writes results.json, results.md, speedup.png and tau.png into DIR (all or nothing), prints the
+markdown to stdout. Exit status: 0; 1 when a greedy run found a mismatch (results still
+written); 2 for bad flags or inputs (one line `moaspec: error: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from datetime import UTC, datetime
+
+from moaspec.bench.prompts import CATEGORIES
+from moaspec.errors import MoaspecError
+
+EXIT_MISMATCH = 1
+
+
+def add_bench_parser(commands, default_target: str) -> None:
+    bench = commands.add_parser("bench", help="benchmark decoding methods side by side (tokens/s, speedup, tau)")
+    bench.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
+    bench.add_argument(
+        "--categories", default=",".join(CATEGORIES), help=f"comma-separated (default all: {','.join(CATEGORIES)})"
+    )
+    bench.add_argument("--limit", type=int, default=None, help="first N prompts of each category (default all)")
+    bench.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated: none, hf, hf-pld, ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR "
+        "(default none,hf,hf-pld,ngram plus the shipped drafters of the target); none is always included",
+    )
+    bench.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy, outputs checked against none (default 0)"
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
+    bench.add_argument(
+        "--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})"
+    )
+    bench.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i for every method (default 0)")
+    bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from moaspec.bench.methods import check_available, default_methods, parse_methods
+    from moaspec.bench.plots import check_plotting
+    from moaspec.bench.prompts import load_prompts, parse_categories
+    from moaspec.bench.report import render_markdown
+    from moaspec.cli import _command_line, _output_dir
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.model_store import resolve_target
+
+    # 1. everything cheap, before torch and the target load
+    categories = parse_categories(args.categories)
+    if args.limit is not None and args.limit < 1:
+        raise MoaspecError("--limit must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature)
+    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    out = _output_dir(args.out)
+    target_name, _ = resolve_target(args.target)
+    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name))
+    check_available(specs, target_name)
+    if not args.no_plots:
+        check_plotting()
+    prompts = load_prompts(categories, args.limit)
+
+    # 2. load and run
+    import moaspec.api
+    from moaspec.bench.methods import build_method
+    from moaspec.bench.runner import run_benchmark
+
+    target = moaspec.api.load_target(args.target)
+    if target.tokenizer is None:
+        raise MoaspecError(f"target {args.target} has no tokenizer")
+    methods = [build_method(spec, target) for spec in specs]
+    data = run_benchmark(
+        target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
+    )
+
+    # 3. report
+    config = {
+        "target": target.name,
+        "categories": list(categories),
+        "limit": args.limit,
+        "methods": [spec.label for spec in specs],
+        "method_sources": {spec.label: spec.source for spec in specs},
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "method_trees": {method.label: _tree_record(method) for method in methods},
+    }
+    results = write_report(data, config, out, _command_line(args), plots=not args.no_plots)
+    print(render_markdown(results), end="")
+    if results["mismatches"]:
+        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def _tree_record(method) -> dict | None:
+    """The draft tree an engine method's model drafter used and where it came from (tuned.py)."""
+    from dataclasses import asdict
+
+    drafter = getattr(getattr(method, "engine", None), "drafter", None)
+    tree = getattr(drafter, "tree_config", None)
+    return None if tree is None else {**asdict(tree), "source": drafter.tree_source}
+
+
+def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
+    """Build, validate and write results.json, results.md (and plots); -> the results dict."""
+    from moaspec.bench.output import write_files_atomically
+    from moaspec.bench.plots import render_plots
+    from moaspec.bench.report import build_results, render_markdown
+    from moaspec.bench.schema import validate
+
+    created = datetime.now(UTC).isoformat(timespec="seconds")
+    results = build_results(data, config["methods"], config, machine_info(), command, created)
+    validate(results)
+    files = {
+        "results.json": (json.dumps(results, indent=1) + "\n").encode(),
+        "results.md": render_markdown(results).encode(),
+    }
+    if plots:
+        files.update(render_plots(results))
+    paths = write_files_atomically(out, files)
+    print(f"[moaspec] wrote {', '.join(str(path) for path in paths)}", file=sys.stderr)
+    return results
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu only"
+    description = (
+        f"{cpu}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), {device}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.system()} {platform.release()}"
+    )
+    return {
+        "description": description,
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": device,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+# -- moaspec tune -------------------------------------------------------------------------------
+def add_tune_parser(commands, default_target: str) -> None:
+    tune = commands.add_parser("tune", help="measure this machine and save the best draft tree per drafter")
+    tune.add_argument(
+        "--drafters", required=True, help="comma-separated model drafters: eagle, moa, moa-tli1 or checkpoint DIRs"
+    )
+    tune.add_argument(
+        "--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})"
+    )
+    tune.add_argument(
+        "--repeats", type=int, default=5, help="timing rounds per configuration, medians kept (default 5)"
+    )
+    tune.add_argument("--context", type=int, default=256, help="context length the costs are measured at (default 256)")
+    tune.add_argument(
+        "--top1-rate", type=float, default=None, help="assume this top-1 acceptance instead of calibrating"
+    )
+    tune.add_argument(
+        "--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)"
+    )
+    tune.add_argument(
+        "--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)"
+    )
+    tune.add_argument("--dry-run", action="store_true", help="print the ranking, save nothing")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory
+    from moaspec.model_store import resolve_target
+
+    # 1. cheap checks before torch loads
+    if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
+        raise MoaspecError(
+            "--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0"
+        )
+    if args.top1_rate is not None and not 0.0 < args.top1_rate < 1.0:
+        raise MoaspecError("--top1-rate must be in (0, 1)")
+    from moaspec.bench.tune import CALIBRATION_PROMPTS
+
+    if args.calibration_prompts > len(CALIBRATION_PROMPTS):
+        raise MoaspecError(f"--calibration-prompts is at most {len(CALIBRATION_PROMPTS)}")
+    specs = list(dict.fromkeys(part.strip() for part in args.drafters.split(",") if part.strip()))
+    if not specs:
+        raise MoaspecError("--drafters is empty")
+    target_name, _ = resolve_target(args.target)
+    for spec in specs:
+        check_drafter_spec(spec)
+        if spec in MODEL_FREE:
+            raise MoaspecError(f"'{spec}' has no draft tree to tune (model drafters only)")
+        if not (checkpoint_directory(spec, target_name) / "config.json").is_file():
+            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
+
+    # 2. measure and choose
+    import moaspec.api
+    from moaspec.bench.costs import measure_verify
+    from moaspec.bench.tune import tune_drafter
+    from moaspec.chat import encode_chat_prompt
+    from moaspec.drafters import make_drafter
+    from moaspec.tuned import save_tuned_tree
+
+    target = moaspec.api.load_target(args.target)
+    context_len = min(args.context, target.max_positions // 2)
+    prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
+    print(f"[moaspec] measuring target verify costs ({target.name}, context {context_len})...", file=sys.stderr)
+    verify_s = measure_verify(target, context_len, args.repeats)
+    for spec in specs:
+        print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
+        drafter = make_drafter(spec, target)
+        result = tune_drafter(
+            drafter, target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
+        )
+        print(_tune_table(spec, result))
+        if result.best.tokens_per_s < result.plain_tokens_per_s:
+            print(
+                f"moaspec: warning: with {spec} every tree is expected to be slower than plain decoding on this machine "
+                f"({result.best.tokens_per_s / result.plain_tokens_per_s:.2f}x); the best of them is saved anyway",
+                file=sys.stderr,
+            )
+        if not args.dry_run:
+            details = {
+                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "machine": machine_info()["description"],
+                "context_len": context_len,
+                **result.details(),
+            }
+            path = save_tuned_tree(target.name, checkpoint_directory(spec, target.name), result.best.tree, details)
+            print(f"saved: {path} (used by default for this drafter and target; see moaspec/tuned.py)\n")
+    return 0
+
+
+def _tune_table(spec: str, result) -> str:
+    source = result.top1_source
+    if result.calibration:
+        source += f", acceptance per depth {'/'.join(f'{a:.2f}' for a in result.calibration['acceptance_per_depth'])}"
+    lines = [
+        f"## {spec}: top-1 acceptance {result.top1:.2f} ({source})",
+        f"plain decoding {result.plain_tokens_per_s:.2f} tok/s (one-node forward {1000 * result.costs.verify(1):.1f} ms)",
+        "",
+        "| depth | top-k | budget | nodes | expected τ | cycle ms | expected tok/s | vs plain |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in result.ranked[:8]:
+        lines.append(
+            f"| {c.tree.depth} | {c.tree.top_k} | {c.tree.budget} | {c.num_nodes} | {c.expected_tau:.2f} | {1000 * c.cycle_s:.1f} "
+            f"| {c.tokens_per_s:.2f} | {c.tokens_per_s / result.plain_tokens_per_s:.2f}× |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Measured costs of one speculative cycle on this machine, for `moaspec tune`.
+
+- verify_s[N]: one target forward over a tree of N nodes (root included) on a context of
+  `context_len` tokens, plus the cache commit and rollback; N = 1 is a plain decoding step.
+  Measured on a binary-tree shape (an additive tree mask, as real trees use), once per target.
+- propose_s[(depth, top_k)]: one `propose` of the drafter's dynamic tree of that shape. The node
+  budget only changes the final selection, so it is not a dimension of the cost.
+- accept_s = (fixed, per_token): the drafter's `accept` of n newly verified tokens, fitted as
+  fixed + per_token * n from n = 1 and n = 4.
+Every figure is the median over `repeats` rounds; the configurations are interleaved round by
+round so drifting machine load hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.drafters.base import VerifiedUpdate
+from moaspec.tree import DraftTree
+
+NODE_COUNTS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
+
+
+@dataclass(frozen=True)
+class CycleCosts:
+    verify_s: dict[int, float]
+    propose_s: dict[tuple[int, int], float]
+    accept_s: tuple[float, float]
+
+    def verify(self, num_nodes: int) -> float:
+        """verify_s linearly interpolated (and extrapolated from the last two points)."""
+        counts = sorted(self.verify_s)
+        if num_nodes in self.verify_s:
+            return self.verify_s[num_nodes]
+        below = [n for n in counts if n < num_nodes]
+        above = [n for n in counts if n > num_nodes]
+        lo, hi = (
+            (below[-1], above[0])
+            if below and above
+            else ((counts[-2], counts[-1]) if below else (counts[0], counts[1]))
+        )
+        slope = (self.verify_s[hi] - self.verify_s[lo]) / (hi - lo)
+        return max(0.0, self.verify_s[lo] + slope * (num_nodes - lo))
+
+    def cycle_s(self, tree: TreeConfig, num_nodes: int, tau: float) -> float:
+        """Seconds per verification cycle: draft, verify, and the drafter taking in ~tau tokens."""
+        fixed, per_token = self.accept_s
+        return self.propose_s[(tree.depth, tree.top_k)] + self.verify(num_nodes) + fixed + per_token * tau
+
+    def to_dict(self) -> dict:
+        return {
+            "verify_s": {str(n): round(s, 6) for n, s in sorted(self.verify_s.items())},
+            "propose_s": {f"{d}x{k}": round(s, 6) for (d, k), s in sorted(self.propose_s.items())},
+            "accept_s": {"fixed": round(self.accept_s[0], 6), "per_token": round(self.accept_s[1], 6)},
+        }
+
+
+def binary_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
+    """A tree of num_nodes nodes where node i's parent is (i - 1) // 2 (root = node 0)."""
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
+    return DraftTree(torch.randint(0, vocab_size, (num_nodes,), generator=generator), parents)
+
+
+def measure_verify(
+    target, context_len: int, repeats: int, node_counts=NODE_COUNTS, hidden_layers=()
+) -> dict[int, float]:
+    """Median seconds of target.verify + commit for each tree size (see the module docstring)."""
+    generator = torch.Generator().manual_seed(0)
+    counts = [n for n in node_counts if context_len + n <= target.max_positions]
+    trees = {n: binary_tree(n, target.vocab_size, generator) for n in counts}
+    target.reset()
+    target.prefill(torch.randint(0, target.vocab_size, (context_len,), generator=generator))
+
+    def run(n: int) -> None:
+        target.verify(trees[n], hidden_layers)
+        target.commit([0])
+        target.rollback(context_len)
+
+    return _interleaved({n: (lambda n=n: run(n)) for n in counts}, repeats)
+
+
+def measure_drafter(
+    drafter, target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
+) -> tuple[dict, tuple[float, float]]:
+    """-> (propose_s per (depth, top_k), accept_s (fixed, per_token)); restores the drafter's tree."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = drafter.hidden_layers
+    target.reset()
+    context = torch.randint(0, target.vocab_size, (context_len,), generator=generator)
+    out = target.prefill(context, hidden)
+    drafter.reset()
+    drafter.accept(VerifiedUpdate(context, 0, out.hidden, target))
+
+    def accept(n: int) -> None:
+        ids = torch.randint(0, target.vocab_size, (n,), generator=generator)
+        start = target.num_cached
+        update = target.prefill(ids, hidden)
+        begin = time.perf_counter()
+        drafter.accept(VerifiedUpdate(ids, start, update.hidden, target))
+        times[n].append(time.perf_counter() - begin)  # prefill excluded: only the drafter's share
+
+    times: dict[int, list[float]] = {1: [], 4: []}
+    room = (target.max_positions - context_len - 8) // 5
+    for _ in range(max(1, min(repeats, room))):
+        accept(1)
+        accept(4)
+    one, four = statistics.median(times[1]), statistics.median(times[4])
+    per_token = max(0.0, (four - one) / 3)
+    saved = drafter.tree_config
+    root, sampling = int(context[-1]), SamplingConfig()
+
+    def propose(depth: int, top_k: int) -> None:
+        drafter.tree_config = TreeConfig(depth=depth, top_k=top_k, budget=depth * top_k)
+        drafter.propose(root, sampling, generator)
+
+    try:
+        propose_s = _interleaved({shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, repeats)
+    finally:
+        drafter.tree_config = saved
+    return propose_s, (max(0.0, one - per_token), per_token)
+
+
+def _interleaved(jobs: dict, repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Run every job once per round (order rotated each round), one untimed warm-up round;
+    -> {key: median seconds}."""
+    keys = list(jobs)
+    samples: dict = {key: [] for key in keys}
+    for round_index in range(repeats + 1):
+        shift = round_index % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            begin = clock()
+            jobs[key]()
+            if round_index > 0:
+                samples[key].append(clock() - begin)
+    return {key: statistics.median(values) for key, values in samples.items()}

@@ -1,0 +1,180 @@
+"""The methods a benchmark compares, behind one call: `run(prompt_ids, ...) -> MethodRun`.
+
+`--methods` values:
+- `none`, `ngram`, `eagle`, `moa`, `moa-tli1`, or a drafter checkpoint directory: our engine with
+  that drafter (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint
+  directory in the tables (default label: the value as given);
+- `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
+  comparison isolates the decode loop); `hf-pld`: the same with prompt-lookup decoding
+  (`prompt_lookup_num_tokens=HF_PLD_TOKENS`).
+
+A shipped drafter name whose checkpoint is missing for the target is an error up front (a
+benchmark that silently drops a method is easy to misread).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec, checkpoint_directory
+from moaspec.errors import MoaspecError
+from moaspec.metrics import SpecStats
+
+if TYPE_CHECKING:
+    from moaspec.config import SamplingConfig
+    from moaspec.target import HFTarget
+
+HF_METHODS = ("hf", "hf-pld")
+HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """label: the name in the tables. source: `hf`, `hf-pld`, or a drafter spec for our engine."""
+
+    label: str
+    source: str
+
+    @property
+    def drafter(self) -> str | None:
+        """The drafter spec of an engine method, None for the transformers methods."""
+        return None if self.source in HF_METHODS else self.source
+
+
+@dataclass
+class MethodRun:
+    """One generation. token_ids: new tokens only; wall_s: around the whole call (prefill included).
+
+    stats: the engine's SpecStats; for hf methods only new_tokens, target_forwards and
+    forward_tokens are filled (forwards counted with a hook), so tau is defined but the time split
+    is not (`has_time_split` False).
+    """
+
+    token_ids: list[int]
+    wall_s: float
+    stats: SpecStats
+    has_time_split: bool
+
+
+class Method(Protocol):
+    label: str
+
+    def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun: ...
+
+
+def parse_methods(value: str) -> tuple[MethodSpec, ...]:
+    """`--methods a,b,...` -> specs (checked cheaply; `none` is put first when missing)."""
+    specs: list[MethodSpec] = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        label, _, path = item.partition("=") if "=" in item else (item, "", item)
+        if not label or not path:
+            raise MoaspecError(f"bad method '{item}' (expected NAME, DIR or LABEL=DIR)")
+        if path not in HF_METHODS:
+            check_drafter_spec(path)
+        specs.append(MethodSpec(label, path))
+    if not specs:
+        raise MoaspecError("--methods is empty")
+    if any(spec.label == "none" and spec.source != "none" for spec in specs):
+        raise MoaspecError("the label 'none' is reserved for plain decoding")
+    labels = [spec.label for spec in specs]
+    if len(set(labels)) != len(labels):
+        raise MoaspecError(f"--methods names a method twice: {', '.join(labels)}")
+    if any(spec.source == "none" and spec.label != "none" for spec in specs):
+        raise MoaspecError("the plain-decoding baseline must be called 'none'")
+    if "none" not in labels:
+        specs.insert(0, MethodSpec("none", "none"))  # the baseline every speedup is measured against
+    return tuple(specs)
+
+
+def default_methods(target_name: str) -> str:
+    """`none,hf,hf-pld,ngram` plus every shipped drafter that exists for the target."""
+    shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir()]
+    return ",".join(["none", *HF_METHODS, "ngram", *shipped])
+
+
+def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
+    """Refuse, before any model loads, drafter methods without a checkpoint for the target."""
+    for spec in specs:
+        if spec.drafter is None or spec.drafter in MODEL_FREE:
+            continue
+        try:
+            directory = checkpoint_directory(spec.drafter, target_name)
+        except MoaspecError as exc:
+            raise MoaspecError(
+                f"method '{spec.label}': {exc} (e.g. {spec.label}=runs/{spec.drafter}/checkpoint)"
+            ) from exc
+        if not (directory / "config.json").is_file():
+            raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
+
+
+def build_method(spec: MethodSpec, target: HFTarget) -> Method:
+    if spec.drafter is None:
+        return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None)
+    from moaspec.drafters import make_drafter
+
+    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target))
+
+
+class EngineMethod:
+    """Our engine with one drafter."""
+
+    def __init__(self, label: str, target: HFTarget, drafter) -> None:
+        from moaspec.engine import Engine
+
+        self.label = label
+        self.engine = Engine(target, drafter)
+
+    def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun:
+        from moaspec.config import GenerationConfig
+
+        started = time.perf_counter()
+        result = self.engine.generate(prompt_ids, sampling, GenerationConfig(max_new_tokens=max_new_tokens, seed=seed))
+        wall = time.perf_counter() - started
+        return MethodRun(result.token_ids, wall, result.stats, has_time_split=True)
+
+
+class HFGenerateMethod:
+    """transformers `generate()` on the target's model, optionally with prompt-lookup decoding."""
+
+    def __init__(self, label: str, target: HFTarget, prompt_lookup_tokens: int | None) -> None:
+        self.label = label
+        self.target = target
+        self.prompt_lookup_tokens = prompt_lookup_tokens
+
+    def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun:
+        import torch
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        model = self.target.model
+        room = self.target.max_positions - len(prompt_ids)
+        stop_ids = sorted(self.target.stop_ids)
+        config = HFGenerationConfig(
+            max_new_tokens=min(max_new_tokens, room),
+            do_sample=not sampling.greedy,
+            temperature=sampling.temperature if not sampling.greedy else None,
+            top_k=sampling.top_k if not sampling.greedy else None,
+            top_p=sampling.top_p if not sampling.greedy else None,
+            eos_token_id=stop_ids or None,
+            pad_token_id=stop_ids[0] if stop_ids else 0,
+            prompt_lookup_num_tokens=self.prompt_lookup_tokens,
+        )
+        forwards = [0]
+        hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+        input_ids = torch.tensor([prompt_ids])
+        try:
+            torch.manual_seed(seed)  # generate() samples from the global generator
+            started = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
+            wall = time.perf_counter() - started
+        finally:
+            hook.remove()
+        token_ids = out[0, len(prompt_ids) :].tolist()
+        stats = SpecStats(
+            new_tokens=len(token_ids), target_forwards=forwards[0], forward_tokens=len(token_ids), wall_s=wall
+        )
+        return MethodRun(token_ids, wall, stats, has_time_split=False)

@@ -1,0 +1,34 @@
+"""Write a benchmark's output files all or nothing.
+
+Every file is first written to a hidden temporary name in the output directory; only when all of
+them are complete are they renamed into place (one `os.replace` each, atomic per file). A failure
+before that leaves no new file behind, and an earlier run's files stay intact.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_files_atomically(out_dir: Path, files: dict[str, bytes]) -> list[Path]:
+    """Write {name: content} into out_dir (created if needed); -> the final paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[str, Path]] = []
+    try:
+        for name, content in files.items():
+            handle, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+            staged.append((name, Path(temporary)))
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(content)
+                stream.flush()
+                os.fsync(stream.fileno())
+        final = []
+        for name, temporary in staged:
+            os.replace(temporary, out_dir / name)
+            final.append(out_dir / name)
+        return final
+    finally:
+        for _, temporary in staged:
+            temporary.unlink(missing_ok=True)

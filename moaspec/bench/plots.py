@@ -1,0 +1,77 @@
+"""PNG plots of a results.json document (matplotlib, imported lazily: the `bench` extra).
+
+- speedup.png: speedup over `none` per category (grouped bars, one colour per method) and the mean;
+- tau.png: distribution of per-generation tau (tokens per target forward) per method, box plots
+  over all categories and turns.
+"""
+
+from __future__ import annotations
+
+import io
+
+from moaspec.errors import MoaspecError
+
+PLOT_FILES = ("speedup.png", "tau.png")
+
+
+def check_plotting() -> None:
+    """Fail before a long run when matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise MoaspecError("plots need matplotlib: pip install 'moaspec[bench]' (or pass --no-plots)") from exc
+
+
+def render_plots(results: dict) -> dict[str, bytes]:
+    """-> {file name: PNG bytes}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    try:
+        return {"speedup.png": _speedup(plt, results), "tau.png": _tau(plt, results)}
+    finally:
+        plt.close("all")
+
+
+def _speedup(plt, results: dict) -> bytes:
+    categories = [c["category"] for c in results["categories"]] + ["mean"]
+    methods = [row["method"] for row in results["summary"]]
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(categories) + 2), 4.0))
+    for m, row in enumerate(results["summary"]):
+        values = [row["per_category"][c]["speedup"] for c in categories[:-1]] + [row["speedup"]]
+        positions = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(categories))]
+        ax.bar(positions, values, width, label=row["method"])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("speedup over none (tokens/s ratio)")
+    ax.set_title(f"moaspec bench: {results['config']['target']}, {_decoding(results)}")
+    ax.margins(y=0.2)  # room for the legend above the bars
+    ax.legend(fontsize="small", ncols=min(4, len(methods)), loc="upper left")
+    return _png(plt, fig)
+
+
+def _tau(plt, results: dict) -> bytes:
+    methods = [row["method"] for row in results["summary"]]
+    samples = [[run["tau"] for run in results["runs"] if run["method"] == method] or [0.0] for method in methods]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(methods) + 2), 4.0))
+    ax.boxplot(samples, showmeans=True)
+    ax.set_xticks(range(1, len(methods) + 1), methods)
+    ax.set_ylabel("τ per generation (tokens per target forward)")
+    ax.set_title(f"τ distribution, {_decoding(results)}")
+    return _png(plt, fig)
+
+
+def _decoding(results: dict) -> str:
+    temperature = results["config"]["temperature"]
+    return "greedy" if temperature == 0 else f"T={temperature}"
+
+
+def _png(plt, fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()

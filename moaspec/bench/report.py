@@ -1,0 +1,215 @@
+"""Turn benchmark records into `results.json` (a dict, see schema.py) and `results.md`.
+
+Aggregation, per category and method (all generations of that pair pooled):
+- tokens_per_s = new tokens / wall seconds (wall around each whole call, prefill included);
+- speedup = tokens_per_s / the baseline's tokens_per_s in the same category and run;
+- tau = tokens produced per target forward (bonus and prefill included, metrics.py), pooled;
+- acceptance_per_depth: among verifications whose tree reached depth d, the share accepting >= d;
+- time_s: prefill / draft / verify / other (engine methods; null for transformers methods);
+- peak_rss_mb / rss_growth_mb: the largest values over the pair's generations (memory.py).
+The summary row of a method is the unweighted mean over categories of speedup, tau and tokens/s
+(so a category with long answers does not dominate), plus the per-category values.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict
+
+from moaspec.bench.runner import BASELINE, BenchData, RunRecord
+from moaspec.metrics import SpecStats
+
+SCHEMA_VERSION = 1
+MB = 1 << 20
+
+
+def merge_stats(stats: list[SpecStats]) -> SpecStats:
+    """Pool several generations' counters and times into one SpecStats."""
+    merged = SpecStats()
+    for item in stats:
+        for name in ("new_tokens", "target_forwards", "forward_tokens", "num_verifications", "drafted_nodes"):
+            setattr(merged, name, getattr(merged, name) + getattr(item, name))
+        for name in ("prefill_s", "draft_s", "verify_s", "wall_s"):
+            setattr(merged, name, getattr(merged, name) + getattr(item, name))
+        for name in ("reached_depth", "accepted_depth"):
+            total, extra = getattr(merged, name), getattr(item, name)
+            total.extend([0] * (len(extra) - len(total)))
+            for d, count in enumerate(extra):
+                total[d] += count
+    return merged
+
+
+def category_row(records: list[RunRecord]) -> dict:
+    """One method's aggregate over one category (speedup filled in by the caller)."""
+    stats = merge_stats([record.run.stats for record in records])
+    wall = sum(record.run.wall_s for record in records)
+    timed = all(record.run.has_time_split for record in records)
+    time_s = None
+    if timed:
+        inner = stats.prefill_s + stats.draft_s + stats.verify_s
+        time_s = {
+            "prefill": stats.prefill_s,
+            "draft": stats.draft_s,
+            "verify": stats.verify_s,
+            "other": max(0.0, wall - inner),
+        }
+        time_s = {key: round(value, 4) for key, value in time_s.items()}
+    return {
+        "method": records[0].method,
+        "num_generations": len(records),
+        "new_tokens": stats.new_tokens,
+        "wall_s": round(wall, 4),
+        "tokens_per_s": round(stats.new_tokens / wall, 3) if wall > 0 else 0.0,
+        "speedup": None,
+        "tau": round(stats.tau, 4),
+        "target_forwards": stats.target_forwards,
+        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
+        "time_s": time_s,
+        "peak_rss_mb": round(max(record.peak_rss for record in records) / MB, 1),
+        "rss_growth_mb": round(max(record.rss_growth for record in records) / MB, 1),
+    }
+
+
+def build_results(data: BenchData, methods: list[str], config: dict, machine: dict, command: str, created: str) -> dict:
+    """The results.json document."""
+    by_pair: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
+    for record in data.records:
+        by_pair[(record.category, record.method)].append(record)
+    categories = []
+    for category in config["categories"]:
+        records = [r for r in data.records if r.category == category]
+        if not records:
+            continue
+        rows = [category_row(by_pair[(category, method)]) for method in methods]
+        base = next(row for row in rows if row["method"] == BASELINE)["tokens_per_s"]
+        for row in rows:
+            row["speedup"] = round(row["tokens_per_s"] / base, 4) if base > 0 else 0.0
+        prompts = {r.prompt_id for r in records}
+        categories.append(
+            {
+                "category": category,
+                "num_prompts": len(prompts),
+                "num_generations": len(records) // len(methods),
+                "rows": rows,
+            }
+        )
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created": created,
+        "command": command,
+        "machine": machine,
+        "config": config,
+        "summary": [_summary_row(method, categories, data) for method in methods],
+        "categories": categories,
+        "mismatches": [asdict(mismatch) for mismatch in data.mismatches],
+        "skipped": list(data.skipped),
+        "runs": [_run_row(record) for record in data.records],
+    }
+
+
+def _summary_row(method: str, categories: list[dict], data: BenchData) -> dict:
+    rows = {c["category"]: next(r for r in c["rows"] if r["method"] == method) for c in categories}
+    pooled = merge_stats([record.run.stats for record in data.records if record.method == method])
+
+    def mean(key: str) -> float:
+        return round(sum(row[key] for row in rows.values()) / len(rows), 4) if rows else 0.0
+
+    return {
+        "method": method,
+        "speedup": mean("speedup"),
+        "tau": mean("tau"),
+        "tokens_per_s": mean("tokens_per_s"),
+        "acceptance_per_depth": [round(a, 4) for a in pooled.acceptance_per_depth],
+        "peak_rss_mb": max((row["peak_rss_mb"] for row in rows.values()), default=0.0),
+        "num_mismatches": sum(1 for m in data.mismatches if m.method == method),
+        "per_category": {
+            category: {key: row[key] for key in ("speedup", "tau", "tokens_per_s")} for category, row in rows.items()
+        },
+    }
+
+
+def _run_row(record: RunRecord) -> dict:
+    run = record.run
+    return {
+        "category": record.category,
+        "prompt_id": record.prompt_id,
+        "turn": record.turn,
+        "method": record.method,
+        "new_tokens": len(run.token_ids),
+        "wall_s": round(run.wall_s, 4),
+        "tokens_per_s": round(len(run.token_ids) / run.wall_s, 3) if run.wall_s > 0 else 0.0,
+        "tau": round(run.stats.tau, 4),
+        "target_forwards": run.stats.target_forwards,
+        "peak_rss_mb": round(record.peak_rss / MB, 1),
+        "rss_growth_mb": round(record.rss_growth / MB, 1),
+    }
+
+
+# -- markdown -----------------------------------------------------------------------------------
+def render_markdown(results: dict) -> str:
+    config = results["config"]
+    decoding = "greedy" if config["temperature"] == 0 else f"temperature {config['temperature']}"
+    lines = [
+        "# moaspec bench",
+        "",
+        (
+            f"Target `{config['target']}`, {decoding}, at most {config['max_new_tokens']} new tokens, "
+            f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded."
+        ),
+        f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
+        "",
+    ]
+    for category in results["categories"]:
+        count, generations = category["num_prompts"], category["num_generations"]
+        lines += [
+            f"## {category['category']} ({count} prompt{'s' * (count != 1)}, {generations} generations per method)",
+            "",
+        ]
+        lines += _category_table(category["rows"])
+    lines += ["## Mean over categories", "", *_summary_table(results)]
+    lines += ["## Greedy check", ""]
+    if config["temperature"] != 0:
+        lines.append("Sampled run: outputs are not compared (only the distribution is preserved).")
+    elif not results["mismatches"]:
+        lines.append(f"Every method's tokens equal `{BASELINE}`'s on every prompt.")
+    else:
+        lines.append(f"**{len(results['mismatches'])} MISMATCHES** (a lossless method changed the output):")
+        lines += [
+            f"- {m['method']}: {m['category']}/{m['prompt_id']} turn {m['turn']}, first divergence at new token {m['first_divergence']}"
+            for m in results["mismatches"]
+        ]
+    if results["skipped"]:
+        lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _category_table(rows: list[dict]) -> list[str]:
+    header = "| method | tokens/s | speedup | τ | acceptance by depth | prefill / draft / verify / other | peak RSS MB | RSS growth MB |"
+    out = [header, "|---|---:|---:|---:|---|---|---:|---:|"]
+    for row in rows:
+        acceptance = " / ".join(f"{a:.2f}" for a in row["acceptance_per_depth"]) or "–"
+        split = "–"
+        if row["time_s"] is not None and row["wall_s"] > 0:
+            t = row["time_s"]
+            split = " / ".join(
+                f"{100 * t[key] / row['wall_s']:.0f}%" for key in ("prefill", "draft", "verify", "other")
+            )
+        out.append(
+            f"| {row['method']} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | {acceptance} "
+            f"| {split} | {row['peak_rss_mb']:.0f} | {row['rss_growth_mb']:.1f} |"
+        )
+    return [*out, ""]
+
+
+def _summary_table(results: dict) -> list[str]:
+    categories = [c["category"] for c in results["categories"]]
+    out = [
+        "| method | mean speedup | mean τ | mean tokens/s | " + " | ".join(categories) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(categories),
+    ]
+    for row in results["summary"]:
+        per = " | ".join(f"{row['per_category'][c]['speedup']:.2f}×" for c in categories)
+        out.append(
+            f"| {row['method']} | {row['speedup']:.2f}× | {row['tau']:.2f} | {row['tokens_per_s']:.2f} | {per} |"
+        )
+    return [*out, ""]

@@ -1,0 +1,120 @@
+"""The results.json schema (version report.SCHEMA_VERSION) and a small validator.
+
+A spec is a type (or tuple of types), a dict of required keys -> spec, a one-element list
+[spec] for a list of items, or `{str: spec}`-style `MapOf(spec)` for free keys. `None` inside a
+tuple allows null. Extra keys are allowed (newer writers may add fields; readers ignore them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+NUMBER = (int, float)
+NULLABLE_NUMBER = (int, float, type(None))
+
+
+class SchemaError(ValueError):
+    """results.json does not follow the schema (a ValueError, so callers may catch either)."""
+
+
+@dataclass(frozen=True)
+class MapOf:
+    value: Any
+
+
+ROW = {
+    "method": str,
+    "num_generations": int,
+    "new_tokens": int,
+    "wall_s": NUMBER,
+    "tokens_per_s": NUMBER,
+    "speedup": NUMBER,
+    "tau": NUMBER,
+    "target_forwards": int,
+    "acceptance_per_depth": [NUMBER],
+    "time_s": (dict, type(None)),
+    "peak_rss_mb": NUMBER,
+    "rss_growth_mb": NUMBER,
+}
+RESULTS_SCHEMA = {
+    "schema_version": int,
+    "created": str,
+    "command": str,
+    "machine": {"description": str},
+    "config": {
+        "target": str,
+        "categories": [str],
+        "limit": (int, type(None)),
+        "methods": [str],
+        "temperature": NUMBER,
+        "max_new_tokens": int,
+        "seed": int,
+    },
+    "summary": [
+        {
+            "method": str,
+            "speedup": NUMBER,
+            "tau": NUMBER,
+            "tokens_per_s": NUMBER,
+            "acceptance_per_depth": [NUMBER],
+            "num_mismatches": int,
+            "per_category": MapOf({"speedup": NUMBER, "tau": NUMBER, "tokens_per_s": NUMBER}),
+        }
+    ],
+    "categories": [{"category": str, "num_prompts": int, "num_generations": int, "rows": [ROW]}],
+    "mismatches": [
+        {
+            "category": str,
+            "prompt_id": str,
+            "turn": int,
+            "method": str,
+            "first_divergence": int,
+            "baseline_tokens": int,
+            "method_tokens": int,
+        }
+    ],
+    "skipped": [str],
+    "runs": [
+        {
+            "category": str,
+            "prompt_id": str,
+            "turn": int,
+            "method": str,
+            "new_tokens": int,
+            "wall_s": NUMBER,
+            "tau": NUMBER,
+        }
+    ],
+}
+
+
+def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> None:
+    """Raise SchemaError naming the first place where `value` does not follow `spec`."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
+        for key, sub in spec.items():
+            if key not in value:
+                raise SchemaError(f"{where}: missing key '{key}'")
+            validate(value[key], sub, f"{where}.{key}")
+    elif isinstance(spec, list):
+        if not isinstance(value, list):
+            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
+        for index, item in enumerate(value):
+            validate(item, spec[0], f"{where}[{index}]")
+    elif isinstance(spec, MapOf):
+        if not isinstance(value, dict):
+            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
+        for key, item in value.items():
+            validate(item, spec.value, f"{where}.{key}")
+    else:
+        allowed = spec if isinstance(spec, tuple) else (spec,)
+        if isinstance(value, bool) and bool not in allowed:  # bool is an int subclass
+            raise SchemaError(f"{where}: expected {_names(allowed)}, got bool")
+        if not isinstance(value, allowed):
+            raise SchemaError(f"{where}: expected {_names(allowed)}, got {type(value).__name__}")
+
+
+def _names(types: tuple) -> str:
+    return " or ".join("null" if t is type(None) else t.__name__ for t in types)

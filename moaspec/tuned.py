@@ -1,0 +1,96 @@
+"""Tuned draft trees: `moaspec tune`'s choice per machine, target and drafter checkpoint.
+
+Stored as JSON in `<cache root>/tuned/<target name>/<method>-<checkpoint key>.json` (cache root as
+in model_store.py: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec). The
+checkpoint key hashes the checkpoint's config.json and its weights' size and modification time,
+so a retrained drafter is not served a stale choice.
+
+Precedence of the tree a model drafter uses (highest first):
+1. explicit values: `tree_overrides` of `make_drafter` / `load`, the `--tree-*` flags of
+   `moaspec generate` (each given field replaces that field only);
+2. the tuned choice for this machine, target and checkpoint, when one was saved
+   (set MOASPEC_NO_TUNED=1 to ignore it);
+3. the tree recorded in the checkpoint at training time;
+4. the `TreeConfig` defaults.
+The tuned choice outranks the checkpoint's tree because it was measured on the machine that runs
+it, while the checkpoint's was chosen wherever the drafter was trained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, fields, replace
+from pathlib import Path
+
+from moaspec.config import TreeConfig
+from moaspec.errors import MoaspecError
+from moaspec.model_store import cache_root
+
+TREE_FIELDS = ("depth", "top_k", "budget")
+DISABLE_ENV = "MOASPEC_NO_TUNED"
+
+
+def checkpoint_key(directory: Path) -> str:
+    """'<method>-<16 hex>' identifying a checkpoint's contents (config bytes, weights size and mtime)."""
+    config = (directory / "config.json").read_bytes()
+    weights = directory / "model.safetensors"
+    stat = weights.stat() if weights.is_file() else None
+    digest = hashlib.sha256(config + (f"|{stat.st_size}|{stat.st_mtime_ns}" if stat else "").encode())
+    try:
+        method = str(json.loads(config).get("method", "drafter"))
+    except ValueError:
+        method = "drafter"
+    return f"{method}-{digest.hexdigest()[:16]}"
+
+
+def tuned_path(target_name: str, directory: Path) -> Path:
+    return cache_root() / "tuned" / target_name / f"{checkpoint_key(directory)}.json"
+
+
+def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details: dict) -> Path:
+    """Write the choice atomically; -> its path."""
+    path = tuned_path(target_name, directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"tree": asdict(tree), "target": target_name, "checkpoint": str(directory.resolve()), **details}
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(json.dumps(record, indent=1) + "\n")
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+    return path
+
+
+def load_tuned_tree(target_name: str, directory: Path) -> TreeConfig | None:
+    """The saved choice, or None (none saved, disabled by MOASPEC_NO_TUNED, or unreadable)."""
+    if os.environ.get(DISABLE_ENV):
+        return None
+    path = tuned_path(target_name, directory)
+    if not path.is_file():
+        return None
+    try:
+        return TreeConfig(**json.loads(path.read_text())["tree"])
+    except (ValueError, KeyError, TypeError, MoaspecError):
+        return None  # a damaged cache file must never break generation; `moaspec tune` rewrites it
+
+
+def resolve_tree(
+    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None
+) -> tuple[TreeConfig, str]:
+    """Apply the precedence above to a drafter whose checkpoint tree is `base`.
+
+    -> (tree, source) with source "explicit", "tuned" or "checkpoint".
+    """
+    tuned = load_tuned_tree(target_name, directory) if directory is not None else None
+    tree, source = (tuned, "tuned") if tuned is not None else (base, "checkpoint")
+    given = {key: value for key, value in (overrides or {}).items() if value is not None}
+    unknown = set(given) - {f.name for f in fields(TreeConfig)}
+    if unknown:
+        raise MoaspecError(f"unknown tree settings: {', '.join(sorted(unknown))}")
+    if given:
+        tree, source = replace(tree, **given), "explicit"
+    return tree, source

@@ -1,0 +1,243 @@
+"""`moaspec bench` on a tiny random target with a character tokenizer: the protocol, the files,
+the results.json schema, greedy-mismatch detection and the up-front flag checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_target
+
+from moaspec.bench import schema
+from moaspec.bench.methods import MethodRun, MethodSpec, parse_methods
+from moaspec.bench.prompts import CATEGORIES, load_prompts
+from moaspec.cli import main
+from moaspec.errors import MoaspecError
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def char_tokenizer():
+    """97 ids: <unk>, printable ASCII and newline, with a minimal chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    """Make `moaspec bench --target tiny` load a tiny Llama (context 2048) with a char tokenizer."""
+    import moaspec.api
+    import moaspec.model_store
+
+    target = make_tiny_target("llama", max_position_embeddings=2048)
+    target.tokenizer = char_tokenizer()
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", Path("unused")))
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None: target)
+    return target
+
+
+def bench_args(out: Path, *extra: str) -> list[str]:
+    return [
+        "bench",
+        "--out",
+        str(out),
+        "--target",
+        "tiny",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, capsys) -> None:
+    out = tmp_path / "res"
+    code = main(bench_args(out, "--categories", "mt_bench,translation", "--methods", "none,hf,hf-pld,ngram"))
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    schema.validate(results)
+    assert results["schema_version"] == 1
+    assert [row["method"] for row in results["summary"]] == ["none", "hf", "hf-pld", "ngram"]
+    baseline = results["summary"][0]
+    assert baseline["speedup"] == pytest.approx(1.0) and baseline["tau"] == pytest.approx(1.0)
+    assert results["mismatches"] == []
+    # MT-bench asks both turns: 2 prompts x 2 turns x 4 methods; translation: 2 x 1 x 4
+    assert len(results["runs"]) == 2 * 2 * 4 + 2 * 4
+    assert {run["turn"] for run in results["runs"] if run["category"] == "mt_bench"} == {1, 2}
+    assert all(run["new_tokens"] == 6 for run in results["runs"])  # no stop token in the tiny vocabulary
+    hf_row = next(r for r in results["categories"][0]["rows"] if r["method"] == "hf")
+    assert hf_row["tau"] == pytest.approx(1.0) and hf_row["time_s"] is None
+    markdown = (out / "results.md").read_text()
+    assert "## mt_bench" in markdown and "## Mean over categories" in markdown and "| ngram |" in markdown
+    for name in ("speedup.png", "tau.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "speedup.png", "tau.png"]
+    assert "| none |" in capsys.readouterr().out
+
+
+def test_checkpoint_drafter_is_lossless_and_reports_acceptance(tmp_path, tiny_bench, capsys) -> None:
+    """A (random) MoA checkpoint given as LABEL=DIR runs through the engine; greedy output equals none's."""
+    from conftest import make_random_drafter_net
+
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(tiny_bench.config), tiny_bench)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, tiny_bench, {"depth": 3, "top_k": 2, "budget": 4})
+    out = tmp_path / "res"
+    code = main(bench_args(out, "--categories", "math", "--methods", f"none,mymoa={checkpoint}", "--no-plots"))
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    row = results["categories"][0]["rows"][1]
+    assert row["method"] == "mymoa" and len(row["acceptance_per_depth"]) == 3
+    assert set(row["time_s"]) == {"prefill", "draft", "verify", "other"} and row["time_s"]["draft"] > 0
+    assert results["config"]["method_sources"]["mymoa"] == str(checkpoint) and results["mismatches"] == []
+
+
+def test_sampled_run_skips_the_greedy_check(tmp_path, tiny_bench, capsys) -> None:
+    out = tmp_path / "res"
+    code = main(
+        bench_args(
+            out,
+            "--categories",
+            "mt_bench",
+            "--limit",
+            "1",
+            "--methods",
+            "none,hf,hf-pld,ngram",
+            "--temperature",
+            "0.7",
+            "--no-plots",
+        )
+    )
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["temperature"] == 0.7 and results["mismatches"] == []
+    assert "Sampled run" in (out / "results.md").read_text()
+
+
+class FlipLastToken:
+    """A deliberately broken 'lossless' method: the baseline's output with its last token changed."""
+
+    def __init__(self, label: str, target) -> None:
+        from moaspec.bench.methods import EngineMethod
+        from moaspec.drafters.none import NoDrafter
+
+        self.label = label
+        self.inner = EngineMethod(label, target, NoDrafter())
+
+    def run(self, prompt_ids, sampling, max_new_tokens, seed) -> MethodRun:
+        run = self.inner.run(prompt_ids, sampling, max_new_tokens, seed)
+        run.token_ids[-1] = (run.token_ids[-1] + 1) % 97
+        return run
+
+
+def test_greedy_mismatch_is_reported_loudly(tmp_path, tiny_bench, monkeypatch, capsys) -> None:
+    from moaspec.bench import methods
+
+    real_build = methods.build_method
+    monkeypatch.setattr(
+        methods,
+        "build_method",
+        lambda spec, target: FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target),
+    )
+    out = tmp_path / "res"
+    code = main(bench_args(out, "--categories", "translation", "--methods", "none,ngram", "--no-plots"))
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "MISMATCH" in err and "ngram differs from none on translation/" in err
+    results = json.loads((out / "results.json").read_text())
+    assert [(m["method"], m["first_divergence"]) for m in results["mismatches"]] == [("ngram", 5), ("ngram", 5)]
+    assert results["summary"][1]["num_mismatches"] == 2
+    assert "MISMATCHES" in (out / "results.md").read_text()
+
+
+def test_schema_rejects_missing_and_mistyped_fields(tmp_path, tiny_bench) -> None:
+    main(bench_args(tmp_path / "res", "--categories", "math", "--methods", "none", "--no-plots", "--limit", "1"))
+    results = json.loads((tmp_path / "res" / "results.json").read_text())
+    schema.validate(results)
+    broken = json.loads(json.dumps(results))
+    del broken["summary"][0]["tau"]
+    with pytest.raises(ValueError, match=r"summary\[0\]: missing key 'tau'"):
+        schema.validate(broken)
+    broken = json.loads(json.dumps(results))
+    broken["summary"][0]["speedup"] = "fast"
+    with pytest.raises(ValueError, match=r"summary\[0\].speedup: expected int or float, got str"):
+        schema.validate(broken)
+
+
+def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatch) -> None:
+    import moaspec.bench.plots
+
+    def explode(results):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(moaspec.bench.plots, "render_plots", explode)
+    out = tmp_path / "res"
+    with pytest.raises(RuntimeError):
+        main(bench_args(out, "--categories", "math", "--methods", "none", "--limit", "1"))
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--categories", "mt_bench,poetry"], "unknown category poetry"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--methods", "none,moa"], "no shipped 'moa' drafter"),
+        (["--methods", "none,warp"], "unknown drafter 'warp'"),
+        (["--methods", "ngram,ngram"], "names a method twice"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    ],
+)
+def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:
+    import moaspec.api
+
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    assert main(bench_args(tmp_path / "res", *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moaspec: error: ") and message in err and err.count("\n") == 1
+
+
+def test_parse_methods_adds_the_baseline_and_labels_directories(tmp_path) -> None:
+    assert parse_methods("ngram,hf") == (
+        MethodSpec("none", "none"),
+        MethodSpec("ngram", "ngram"),
+        MethodSpec("hf", "hf"),
+    )
+    specs = parse_methods(f"none,mine={tmp_path}")
+    assert specs[1] == MethodSpec("mine", str(tmp_path)) and specs[1].drafter == str(tmp_path)
+    assert MethodSpec("x", "hf-pld").drafter is None
+    with pytest.raises(MoaspecError, match="reserved"):
+        parse_methods("none=ngram")
+
+
+def test_every_category_loads_with_enough_prompts() -> None:
+    prompts = load_prompts(CATEGORIES, None)
+    assert len(prompts["mt_bench"]) == 80 and all(len(p.turns) == 2 for p in prompts["mt_bench"])
+    assert len(prompts["humaneval"]) == 164 and "def has_close_elements" in prompts["humaneval"][0].turns[0]
+    assert len(prompts["qa"]) == 80
+    for item in prompts["qa"]:  # the document opens the conversation, single-turn or not
+        first = item.history[0]["content"] if item.history else item.turns[0]
+        assert first.startswith("Answer the question using the document below.")
+    for category in ("translation", "summarization", "math"):
+        assert len(prompts[category]) >= 20
+        assert len({p.prompt_id for p in prompts[category]}) == len(prompts[category])
+    qa = prompts["qa"][3]
+    assert [m["role"] for m in qa.history] == ["user", "assistant"] * (len(qa.history) // 2)
+    assert load_prompts(("math",), 3)["math"][2].prompt_id == prompts["math"][2].prompt_id

@@ -1,0 +1,142 @@
+"""`moaspec tune`: the acceptance model, the choice from synthetic costs, and the saved choice
+being used by default (with explicit settings still winning)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_random_drafter_net, make_tiny_target
+
+from moaspec.bench.costs import CycleCosts
+from moaspec.bench.tune import DEPTHS, TOP_KS, candidates, expected_tau, fit_top1, model_acceptance_per_depth
+from moaspec.cli import main
+from moaspec.config import TreeConfig
+
+
+def synthetic_costs(verify_ms: dict[int, float], level_ms: float) -> CycleCosts:
+    """Verify costs per node count; drafting costs level_ms per tree level (any top-k)."""
+    propose = {(d, k): d * level_ms / 1000 for d in DEPTHS for k in TOP_KS}
+    return CycleCosts({n: ms / 1000 for n, ms in verify_ms.items()}, propose, (0.0, 0.0))
+
+
+def test_expected_tau_of_a_chain_is_the_geometric_sum() -> None:
+    tau, nodes = expected_tau(TreeConfig(depth=3, top_k=1, budget=3), top1=0.5)
+    assert nodes == 4 and tau == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    # top-2 at one level: ranks 1 and 2 hit with 0.5 and 0.25, mutually exclusive
+    tau, nodes = expected_tau(TreeConfig(depth=1, top_k=2, budget=2), top1=0.5)
+    assert nodes == 3 and tau == pytest.approx(1.75)
+
+
+def test_fit_recovers_the_top1_rate_that_produced_the_acceptance() -> None:
+    tree = TreeConfig(depth=4, top_k=3, budget=8)
+    assert fit_top1(model_acceptance_per_depth(tree, 0.73), tree) == pytest.approx(0.73)
+
+
+def test_choice_follows_the_costs() -> None:
+    """Steep verify costs beyond 4 nodes -> a small tree; flat costs and a good drafter -> a big deep one;
+    a useless drafter with costly drafting loses to plain decoding."""
+    steep = synthetic_costs({1: 75, 2: 80, 3: 85, 4: 90, 5: 150, 9: 300, 17: 600, 33: 1200}, level_ms=5)
+    best = candidates(steep, top1=0.7)[0]
+    assert best.num_nodes <= 4
+    flat = synthetic_costs({1: 75, 2: 76, 3: 77, 5: 78, 9: 80, 17: 85, 33: 90}, level_ms=1)
+    best_flat = candidates(flat, top1=0.9)[0]
+    assert best_flat.num_nodes >= 17 and best_flat.tree.depth >= 6
+    assert best_flat.tokens_per_s > candidates(flat, top1=0.2)[0].tokens_per_s
+    ranked = candidates(steep, top1=0.7)
+    assert [c.tokens_per_s for c in ranked] == sorted((c.tokens_per_s for c in ranked), reverse=True)
+
+
+@pytest.fixture
+def tiny_with_checkpoint(tmp_path, monkeypatch):
+    from test_bench import char_tokenizer
+
+    import moaspec.api
+    import moaspec.model_store
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_NO_TUNED", raising=False)
+    target = make_tiny_target("llama", max_position_embeddings=1024, dtype=torch.float32)
+    target.tokenizer = char_tokenizer()
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", Path("unused")))
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None: target)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 2, "top_k": 1, "budget": 2})
+    return target, checkpoint
+
+
+def test_tune_saves_a_choice_that_generation_then_uses(tiny_with_checkpoint, monkeypatch, capsys) -> None:
+    from moaspec.drafters import make_drafter
+    from moaspec.tuned import tuned_path
+
+    target, checkpoint = tiny_with_checkpoint
+    args = [
+        "tune",
+        "--drafters",
+        str(checkpoint),
+        "--target",
+        "tiny",
+        "--repeats",
+        "1",
+        "--context",
+        "32",
+        "--calibration-prompts",
+        "1",
+        "--calibration-tokens",
+        "8",
+    ]
+    assert main(args) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "| depth | top-k | budget |" in out and "saved: " in out
+    record = json.loads(tuned_path("tiny-llama", checkpoint).read_text())
+    assert record["top1_source"] in ("calibrated", "default") and record["calibration"]["tree"]["depth"] == 2
+    assert set(record["costs"]["verify_s"]) >= {"1", "2", "9"}
+    chosen = TreeConfig(**record["tree"])
+
+    drafter = make_drafter(str(checkpoint), target)
+    assert drafter.tree_config == chosen and drafter.tree_source == "tuned"
+    explicit = make_drafter(str(checkpoint), target, {"depth": 7, "top_k": None, "budget": None})
+    assert (
+        explicit.tree_config.depth == 7
+        and explicit.tree_config.top_k == chosen.top_k
+        and explicit.tree_source == "explicit"
+    )
+    monkeypatch.setenv("MOASPEC_NO_TUNED", "1")
+    plain = make_drafter(str(checkpoint), target)
+    assert plain.tree_config == TreeConfig(depth=2, top_k=1, budget=2) and plain.tree_source == "checkpoint"
+
+
+def test_saved_choice_depends_on_the_checkpoint_and_survives_a_damaged_file(tiny_with_checkpoint) -> None:
+    from moaspec.drafters import make_drafter
+    from moaspec.tuned import save_tuned_tree, tuned_path
+
+    target, checkpoint = tiny_with_checkpoint
+    save_tuned_tree("tiny-llama", checkpoint, TreeConfig(depth=5, top_k=2, budget=6), {})
+    assert make_drafter(str(checkpoint), target).tree_config == TreeConfig(depth=5, top_k=2, budget=6)
+    assert make_drafter(str(checkpoint), target).tree_config != TreeConfig()
+    tuned_path("tiny-llama", checkpoint).write_text("{not json")
+    assert make_drafter(str(checkpoint), target).tree_source == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--drafters", "ngram"], "no draft tree to tune"),
+        (["--drafters", "moa"], "no shipped 'moa' drafter"),
+        (["--drafters", "moa", "--top1-rate", "1.5"], "--top1-rate must be in (0, 1)"),
+        (["--drafters", "moa", "--repeats", "0"], "--repeats"),
+    ],
+)
+def test_tune_bad_flags(tiny_with_checkpoint, capsys, extra, message) -> None:
+    assert main(["tune", "--target", "tiny", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moaspec: error: ") and message in err
+
+
+def test_generate_rejects_tree_flags_for_model_free_drafters(capsys) -> None:
+    assert main(["generate", "--prompt", "hi", "--drafter", "ngram", "--tree-depth", "3"]) == 2
+    assert "model drafters only" in capsys.readouterr().err
