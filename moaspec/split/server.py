@@ -35,6 +35,10 @@ from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
 
 
+REAPER = web.AppKey("reaper", asyncio.Task)
+KEY_INDEX = web.RequestKey("key_index", int)
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """Bounds on what one client can ask for."""
@@ -131,7 +135,7 @@ class SplitServer:
         matches = [hmac.compare_digest(presented, key) for key in self.api_keys]  # no short circuit
         if not any(matches):
             raise HTTPError(401, "unauthorized", "invalid API key")
-        request["key_index"] = matches.index(True)
+        request[KEY_INDEX] = matches.index(True)
         return await handler(request)
 
     # -- handlers ---------------------------------------------------------------------------------
@@ -160,7 +164,7 @@ class SplitServer:
             root_id = wire.get_int(message, "root_id", 0, vocab - 1)
         context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
-        key_index = request["key_index"]
+        key_index = request[KEY_INDEX]
         if sum(s.key_index == key_index for s in self.sessions.values()) >= limit.max_sessions_per_key:
             raise HTTPError(429, "too_many_sessions", f"this key already has {limit.max_sessions_per_key} open sessions")
         if len(self.sessions) >= limit.max_sessions:
@@ -235,7 +239,7 @@ class SplitServer:
     def _session(self, request: web.Request) -> _Session:
         session = self.sessions.get(request.match_info["session_id"])
         # another key's session is reported exactly like a missing one
-        if session is None or session.key_index != request["key_index"]:
+        if session is None or session.key_index != request[KEY_INDEX]:
             raise HTTPError(404, "no_session", "no such session (expired, closed or the server restarted)")
         return session
 
@@ -274,7 +278,7 @@ class SplitServer:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
 
     async def _start_reaper(self, app: web.Application) -> None:
-        app["reaper"] = asyncio.create_task(self._reap())
+        app[REAPER] = asyncio.create_task(self._reap())
 
     async def _reap(self) -> None:
         period = max(0.05, min(5.0, self.limits.idle_timeout_s / 4))
@@ -285,7 +289,7 @@ class SplitServer:
                 self.sessions.pop(session_id, None)
 
     async def _stop(self, app: web.Application) -> None:
-        app["reaper"].cancel()
+        app[REAPER].cancel()
         self.sessions.clear()
 
 
