@@ -134,6 +134,10 @@ class NetemProxy:
         await self._stop_event.wait()
         server.close()
         self._abort_all()
+        pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def _abort_all(self) -> None:
         for writer in list(self._writers):
@@ -170,7 +174,7 @@ class NetemProxy:
             pass
         finally:
             queue.put_nowait(None)
-            await deliver
+        await deliver
 
     async def _deliver(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
         try:
