@@ -141,8 +141,8 @@ def test_hostile_messages_are_rejected_and_other_sessions_keep_working() -> None
             ("/v1/split/sessions", b"\xc1\xc1garbage", wire.MSGPACK, 400),  # not msgpack
             ("/v1/split/sessions", b"[1, 2]", wire.JSON, 400),  # not an object
             ("/v1/split/sessions", b"{}", "application/python-pickle", 400),  # no pickle, ever
-            ("/v1/split/sessions", wire.dumps({"version": 1, "prompt_ids": [10**9]}, wire.JSON), wire.JSON, 400),
-            ("/v1/split/sessions", wire.dumps({"version": 99, "prompt_ids": [1]}, wire.JSON), wire.JSON, 400),
+            ("/v1/split/sessions", wire.dumps({"version": 1, "prompt_ids": [10**9], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
+            ("/v1/split/sessions", wire.dumps({"version": 99, "prompt_ids": [1], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1, 2], "parents": [-1, 5]}, wire.MSGPACK), wire.MSGPACK, 400),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1] * 9, "parents": list(range(-1, 8))}, wire.MSGPACK), wire.MSGPACK, 400),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 3, "token_ids": [1], "parents": [-1]}, wire.MSGPACK), wire.MSGPACK, 409),
@@ -163,7 +163,9 @@ def test_session_limits_and_idle_expiry() -> None:
     made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=2, idle_timeout_s=0.3))
     try:
         client = SplitClient(made.url, KEY)
-        first = client.open(wire.OpenRequest(PROMPT))
+        request = wire.OpenRequest(PROMPT)
+        first = client.open(request)
+        assert client.open(request)["session_id"] == first["session_id"]  # a retried open is idempotent
         client.open(wire.OpenRequest(PROMPT))
         with pytest.raises(ServerRefused, match="open sessions"):
             client.open(wire.OpenRequest(PROMPT))

@@ -243,6 +243,8 @@ class _Run:
         self.offline_since = time.monotonic()
         self.next_retry = self.offline_since + self.options.retry_initial_s
         self.retry_delay = self.options.retry_initial_s
+        context_ids = self.prompt + self.result.token_ids[:-1]  # one request id per episode: idempotent retries
+        self.resync_request = self._open_request(context_ids, self.root, len(context_ids))
 
     def _offline(self) -> Iterator[SplitEvent]:
         now = time.monotonic()
@@ -279,8 +281,7 @@ class _Run:
 
     def _resync(self) -> Iterator[SplitEvent]:
         """Reconnect: a fresh session on the verified text, then verify the provisional tokens."""
-        context_ids = self.prompt + self.result.token_ids[:-1]
-        reply = self.client.open(self._open_request(context_ids, self.root, len(context_ids)))
+        reply = self.client.open(self.resync_request)
         self.session_id, self.seq = str(reply["session_id"]), 0
         self.result.num_reconnects += 1
         self.result.offline_s += time.monotonic() - self.offline_since

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -196,6 +197,7 @@ class OpenRequest:
     context_from: int = 0  # return context for prompt positions >= this (the client has the rest)
     context_dtype: str = "f16"
     version: int = PROTOCOL_VERSION
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))  # makes retries idempotent
 
     def to_wire(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -31,25 +31,13 @@ from moaspec.errors import MoaspecError
 from moaspec.session import TargetSession
 from moaspec.split import protocol as wire
 from moaspec.split.identity import drafter_fingerprint, drafter_method
+from moaspec.split.limits import ServerLimits
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
 
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Bounds on what one client can ask for."""
-
-    max_body_bytes: int = 1 << 20
-    max_tree_nodes: int = 64
-    max_new_tokens: int = 2048
-    max_sessions_per_key: int = 8
-    max_sessions: int = 64
-    idle_timeout_s: float = 300.0
-    max_draft_prob_entries: int = 1 << 16  # sparse drafter probabilities per tree
 
 
 class HTTPError(Exception):
@@ -67,6 +55,7 @@ class _Session:
     context_dtype: str
     max_new_tokens: int
     root_id: int
+    open_ident: tuple[int, str]  # (key, request_id) of the open request
     num_verified: int = 0  # tokens this session added to the context (budget)
     next_seq: int = 0
     last_reply: dict | None = None
@@ -96,6 +85,7 @@ class SplitServer:
             "limits": asdict(limits),
         }
         self.sessions: dict[str, _Session] = {}
+        self.opening: dict[tuple[int, str], asyncio.Future] = {}  # open replies by (key, request_id)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-target")
 
     # -- the application ------------------------------------------------------------------------
@@ -122,8 +112,7 @@ class SplitServer:
         except web.HTTPException as exc:
             return _error(exc.status, "http", exc.reason)
         except Exception as exc:  # a bug must not take the server down; the session is dropped
-            session_id = request.match_info.get("session_id")
-            self.sessions.pop(session_id or "", None)
+            self._drop(request.match_info.get("session_id", ""))
             return _error(500, "internal", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
 
     @web.middleware
@@ -143,7 +132,25 @@ class SplitServer:
         return _reply(request, self.info)
 
     async def _open(self, request: web.Request) -> web.StreamResponse:
+        """Idempotent per (key, request_id): a retried open (its reply was lost or late) gets the
+        same session instead of a new one."""
         message = await _read(request)
+        request_id = message.get("request_id")
+        if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
+            raise wire.ProtocolError("'request_id' must be a string of 8..64 characters")
+        ident = (request[KEY_INDEX], request_id)
+        if ident in self.opening:
+            return _reply(request, await asyncio.shield(self.opening[ident]))
+        self.opening[ident] = asyncio.get_running_loop().create_future()
+        try:
+            reply = await self._open_session(request, message, ident)
+        except BaseException as exc:
+            self.opening.pop(ident).set_exception(exc)
+            raise
+        self.opening[ident].set_result(reply)
+        return _reply(request, reply)
+
+    async def _open_session(self, request: web.Request, message: dict, ident: tuple[int, str]) -> dict:
         version = wire.get_int(message, "version", 0, 1 << 16)
         if version != wire.PROTOCOL_VERSION:
             raise HTTPError(400, "version", f"protocol version {version} is not supported (server: {wire.PROTOCOL_VERSION})")
@@ -185,10 +192,9 @@ class SplitServer:
         started = time.perf_counter()
         first, context = await self._compute(prefill)
         session_id = secrets.token_urlsafe(16)
-        self.sessions[session_id] = _Session(key_index, target_session, context_dtype, max_new, first, last_used=time.monotonic())
-        reply = {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context,
-                 "server_s": time.perf_counter() - started}
-        return _reply(request, reply)
+        self.sessions[session_id] = _Session(key_index, target_session, context_dtype, max_new, first, ident, last_used=time.monotonic())
+        return {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context,
+                "server_s": time.perf_counter() - started}
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
@@ -232,8 +238,13 @@ class SplitServer:
 
     async def _close(self, request: web.Request) -> web.StreamResponse:
         self._session(request)
-        self.sessions.pop(request.match_info["session_id"], None)
+        self._drop(request.match_info["session_id"])
         return _reply(request, {"closed": True})
+
+    def _drop(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self.opening.pop(session.open_ident, None)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _session(self, request: web.Request) -> _Session:
@@ -286,11 +297,12 @@ class SplitServer:
             await asyncio.sleep(period)
             deadline = time.monotonic() - self.limits.idle_timeout_s
             for session_id in [k for k, s in self.sessions.items() if s.last_used < deadline]:
-                self.sessions.pop(session_id, None)
+                self._drop(session_id)
 
     async def _stop(self, app: web.Application) -> None:
         app[REAPER].cancel()
         self.sessions.clear()
+        self.opening.clear()
 
 
 async def _read(request: web.Request) -> dict:
