@@ -3,6 +3,10 @@
     moaspec generate --prompt TEXT [--target NAME|PATH] [--drafter NAME|PATH] [--max-new-tokens N]
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json] [--raw]
                      [--tree-depth D] [--tree-top-k K] [--tree-budget N]
+                     [--server URL --api-key-file F [--context-dtype f16|i8|f32] [--adaptive]
+                      [--accept-offline] [--timeout S] [--cafile F]]
+    moaspec serve [--host H] [--port P] --api-key-file F [--target ...] [--drafter ...]
+                  [--ssl-certfile F --ssl-keyfile F] [--max-tree-nodes N] [--max-new-tokens N] ...
 
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
@@ -62,6 +66,15 @@ def _build_parser() -> argparse.ArgumentParser:
             f"--tree-{name}", type=int, default=None,
             help=f"model drafters: tree {what} (default: `moaspec tune`'s choice, else the checkpoint's)",
         )
+    split = gen.add_argument_group("client-server split (docs/protocol.md)")
+    split.add_argument("--server", default=None, help="URL of a `moaspec serve` server: draft here, verify there")
+    split.add_argument("--api-key-file", default=None, help="file holding the API key (default: $MOASPEC_API_KEY)")
+    split.add_argument("--context-dtype", choices=["f16", "i8", "f32"], default="f16", help="how the server sends drafter context (default f16)")
+    split.add_argument("--adaptive", action="store_true", help="size the draft tree from measured RTT and costs")
+    split.add_argument("--accept-offline", action="store_true", help="if the server stays unreachable, keep the drafter's tokens as final")
+    split.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server per request (default 10)")
+    split.add_argument("--cafile", default=None, help="CA bundle to verify an https server")
+    _add_serve_parser(commands, DEFAULT_TARGET, DEFAULT_DRAFTER)
     _add_data_parser(commands, DEFAULT_TARGET)
     _add_train_parser(commands, DEFAULT_TARGET)
     from moaspec.bench.cli import add_bench_parser, add_tune_parser
@@ -69,6 +82,45 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_parser(commands, DEFAULT_TARGET)
     add_tune_parser(commands, DEFAULT_TARGET)
     return parser
+
+
+def _add_serve_parser(commands, default_target: str, default_drafter: str) -> None:
+    from moaspec.split.limits import ServerLimits
+
+    limits = ServerLimits()
+    serve = commands.add_parser("serve", help="serve the target side of the client-server split")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line (default: $MOASPEC_API_KEY)")
+    serve.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
+    serve.add_argument("--drafter", default=default_drafter, help=f"drafter whose context encoder the server runs (default {default_drafter})")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
+    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    serve.add_argument("--max-tree-nodes", type=int, default=limits.max_tree_nodes, help=f"largest draft tree (default {limits.max_tree_nodes})")
+    serve.add_argument("--max-new-tokens", type=int, default=limits.max_new_tokens, help=f"per session (default {limits.max_new_tokens})")
+    serve.add_argument("--max-sessions-per-key", type=int, default=limits.max_sessions_per_key, help=f"(default {limits.max_sessions_per_key})")
+    serve.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s, help=f"drop idle sessions (default {limits.idle_timeout_s:g})")
+    serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help=f"largest request (default {limits.max_body_bytes})")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from moaspec.split.commands import check_tls, read_api_keys, serve
+
+    if not 0 <= args.port <= 65535:
+        raise MoaspecError(f"--port must be in [0, 65535], got {args.port}")
+    for name in ("max_tree_nodes", "max_new_tokens", "max_sessions_per_key", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.idle_timeout_s > 0:
+        raise MoaspecError("--idle-timeout-s must be > 0")
+    keys = read_api_keys(args.api_key_file)
+    ssl_context = check_tls(args.ssl_certfile, args.ssl_keyfile)
+    from moaspec.drafters import check_drafter_spec
+    from moaspec.model_store import resolve_target
+
+    check_drafter_spec(args.drafter)
+    resolve_target(args.target)
+    return serve(args, keys, ssl_context)
 
 
 def _add_train_parser(commands, default_target: str) -> None:
@@ -194,6 +246,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.drafter in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{args.drafter}'")
     resolve_target(args.target)  # unknown name / bad path: fail before torch loads
+    if args.server is not None:
+        from moaspec.split.commands import generate_remote, read_api_keys
+
+        if not args.timeout > 0:
+            raise MoaspecError("--timeout must be > 0")
+        return generate_remote(args, read_api_keys(args.api_key_file)[0])
 
     from moaspec.api import load
 
@@ -320,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             from moaspec.bench.cli import run_bench, run_tune
 
             return run_bench(args) if args.command == "bench" else run_tune(args)
+        if args.command == "serve":
+            return _serve(args)
         return _generate(args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)

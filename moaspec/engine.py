@@ -6,7 +6,10 @@ Invariants between steps:
 - the drafter has been told (`accept`) about every verified token, in order.
 
 Greedy decoding emits exactly the target's argmax sequence; sampling emits exactly the target's
-warped distribution (verify.py). No I/O here: tokens are yielded as they are decided.
+warped distribution (verify.py). The target side of each step is a `TargetSession` (session.py),
+which the split server (moaspec/split) also runs, one per client; the drafter and the verifier
+draw from separate seeded streams so the two halves can live on different machines. No I/O here:
+tokens are yielded as they are decided.
 """
 
 from __future__ import annotations
@@ -18,13 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters.base import Drafter, VerifiedUpdate
+from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
-from moaspec.sampling import sample, target_probs
+from moaspec.session import TargetSession, draft_generator
 from moaspec.target import HFTarget
-from moaspec.tree import DraftTree, depths, prune_to_depth
-from moaspec.verify import Accepted, verify_greedy, verify_stochastic
+from moaspec.tree import depths, prune_to_depth
 
 
 @dataclass
@@ -92,18 +94,17 @@ class Engine:
         stats = result.stats
         room = self.target.max_positions - prompt.numel()
         max_new = min(generation.max_new_tokens, room)
-        generator = torch.Generator().manual_seed(generation.seed)
+        session = TargetSession(self.target, self.drafter.hidden_layers, sampling, generation.seed)
+        generator = draft_generator(generation.seed)
         started = time.perf_counter()
 
         # 0. prefill: the prompt becomes verified context; its last logits give the first token.
         tick = time.perf_counter()
-        self.target.reset()
-        out = self.target.prefill(prompt, self.drafter.hidden_layers)
-        root = _pick(out.logits[-1], sampling, generator)
+        root, update = session.prefill(prompt)
         stats.record_prefill(time.perf_counter() - tick)
         tick = time.perf_counter()
         self.drafter.reset()
-        self.drafter.accept(VerifiedUpdate(prompt, 0, out.hidden, self.target))
+        self.drafter.accept(update)
         stats.draft_s += time.perf_counter() - tick
 
         emitted = [root]
@@ -125,34 +126,20 @@ class Engine:
             tree = prune_to_depth(tree, remaining - 1)
             stats.draft_s += time.perf_counter() - tick
 
-            # 2. verify: one target forward over the tree, then the verifier picks the path.
+            # 2.-3. verify (one target forward, the verifier picks the path), commit the path.
             tick = time.perf_counter()
-            start_pos = self.target.num_cached
-            out = self.target.verify(tree, self.drafter.hidden_layers)
-            accepted = self._verify(tree, out.logits, sampling, generator)
-
-            # 3. commit the accepted path in the target's cache.
-            self.target.commit(accepted.path_node_idx)
+            verified = session.verify(tree)
+            accepted = verified.accepted
             stats.verify_s += time.perf_counter() - tick
             stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, accepted.num_accepted)
 
             # 4. tell the drafter what was verified (root + accepted drafts).
             tick = time.perf_counter()
-            path = torch.tensor(accepted.path_node_idx)
-            hidden = None if out.hidden is None else out.hidden[path]
-            self.drafter.accept(VerifiedUpdate(tree.token_ids[path], start_pos, hidden, self.target))
+            self.drafter.accept(verified.update)
             stats.draft_s += time.perf_counter() - tick
 
             emitted = accepted.emitted_ids
             root = accepted.next_token
-
-    @staticmethod
-    def _verify(
-        tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
-    ) -> Accepted:
-        if sampling.greedy:
-            return verify_greedy(tree, logits)
-        return verify_stochastic(tree, target_probs(logits.double(), sampling), generator)
 
     @staticmethod
     def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new: int) -> bool:
@@ -168,9 +155,3 @@ class Engine:
                 return True
         return False
 
-
-def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
-    """The first token, from the prefill's last logits [V]."""
-    if sampling.greedy:
-        return int(logits.argmax())
-    return sample(target_probs(logits.double(), sampling), generator)

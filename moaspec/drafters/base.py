@@ -12,6 +12,17 @@ A drafter never touches the target's cache and never chooses the emitted tokens:
 does. Model-based drafters read target activations through `VerifiedUpdate`: hidden states at the
 layers they list in `hidden_layers`, and anything else (per-layer KV, frozen target modules)
 through `update.target`.
+
+Split deployment (moaspec/split, docs/protocol.md): a drafter that can draft on another machine
+than its target also provides
+    context_encoder              the part that must run next to the target: it turns a
+                                 `VerifiedUpdate` into a `Context`, the few per-token tensors the
+                                 drafter needs (MoA: memory vectors; EAGLE: last hidden states);
+    accept_context(ids, pos, c)  `accept` with the context already encoded (possibly elsewhere);
+    draft_alone(root, ...)       the next token without the target (the link is down): the root
+                                 becomes provisional context, the drafter's guess is returned.
+In-process, `accept(update)` is exactly `accept_context(ids, pos, context_encoder.encode(update))`,
+so the split and in-process drafters are one class.
 """
 
 from __future__ import annotations
@@ -26,6 +37,10 @@ from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
+
+
+# name -> per-token tensor [n, ...] (row i belongs to the i-th verified token of the update)
+Context = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -52,3 +67,37 @@ class Drafter(Protocol):
     def accept(self, update: VerifiedUpdate) -> None: ...
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree: ...
+
+
+class ContextEncoder(Protocol):
+    """The target-side part of a drafter: verified tokens -> the per-token context it needs."""
+
+    hidden_layers: tuple[int, ...]
+
+    def encode(self, update: VerifiedUpdate) -> Context: ...
+
+
+class SplitDrafter(Drafter, Protocol):
+    """A drafter that can run on another machine than its target (see the module docstring)."""
+
+    context_encoder: ContextEncoder
+
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None: ...
+
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None: ...
+
+
+class NoContext:
+    """The context encoder of drafters that need nothing but the tokens (n-gram, none)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def encode(self, update: VerifiedUpdate) -> Context:
+        return {}
+
+
+def pick_alone(log_probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    """A drafter's own choice of the next token, log_probs [V]: argmax, or a draw at the temperature."""
+    if sampling.greedy:
+        return int(log_probs.argmax())
+    return int(torch.multinomial(torch.softmax(log_probs.double() / sampling.temperature, -1), 1, generator=generator))

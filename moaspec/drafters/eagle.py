@@ -17,6 +17,10 @@ only. `unpaired_hidden` holds the true features of positions sa_valid..len(histo
 first drops whatever a previous proposal appended (its root pair and tree nodes), so proposing
 twice in a row is safe; `accept` keeps the proposal's root pair when that root was verified
 (always, under the engine) and drops the tree nodes.
+
+Split deployment: the context is the target's last hidden state per verified token
+(`HiddenStateEncoder`). Drafting alone (link down), a provisional root's feature is the drafter's
+own prediction f_root, exactly as EAGLE drafts deeper tree levels.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import TreeConfig
-from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.base import Context, VerifiedUpdate
 from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.nn.eagle import EagleDrafterNet
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
@@ -35,13 +39,26 @@ if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 
+class HiddenStateEncoder:
+    """The target-side part of EAGLE: verified tokens -> {"hidden": [n, D]} at one target layer."""
+
+    def __init__(self, layer: int) -> None:
+        self.hidden_layers: tuple[int, ...] = (layer,)
+
+    def encode(self, update: VerifiedUpdate) -> Context:
+        if update.hidden is None:
+            raise ValueError("the EAGLE drafter needs the target's last hidden state of verified tokens")
+        return {"hidden": update.hidden[:, 0]}
+
+
 class EagleDrafter(TreeDrafter):
     """Drafter protocol implementation for the EAGLE network."""
 
     net_class = EagleDrafterNet
 
     def __init__(self, net: EagleDrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
-        self.hidden_layers: tuple[int, ...] = (target.num_layers,)  # post-final-norm last hidden state
+        self.context_encoder = HiddenStateEncoder(target.num_layers)  # post-final-norm last hidden state
+        self.hidden_layers = self.context_encoder.hidden_layers
         super().__init__(net, target, tree)
 
     def reset(self) -> None:
@@ -52,21 +69,23 @@ class EagleDrafter(TreeDrafter):
         self.proposal_root: int | None = None  # the root of the pairs `start` appended
 
     @torch.inference_mode()
-    def accept(self, update: VerifiedUpdate) -> None:
-        """New verified tokens: keep their true features unpaired; drop the SA cache's tree nodes."""
-        if update.hidden is None:
-            raise ValueError("the EAGLE drafter needs the target's last hidden state of verified tokens")
-        start = update.start_pos
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        """New verified tokens [n] with their true features: keep them unpaired; drop the SA
+        cache's tree nodes."""
+        start = start_pos
         if start != len(self.history):
             raise ValueError(f"verified tokens start at {start}, expected {len(self.history)}")
-        self.history.extend(update.token_ids.tolist())
+        self.history.extend(token_ids.tolist())
         # the pairs start() fed up to the root are final once that root is verified
         root_verified = self.proposal_root is not None and self.history[start] == self.proposal_root
         num_valid = start if root_verified else self.sa_valid
-        new_hidden = update.hidden[:, 0].to(self.dtype)
+        new_hidden = context["hidden"].to(self.dtype)  # [n, D]
         self.unpaired_hidden = torch.cat([self.unpaired_hidden[num_valid - self.sa_valid :], new_hidden])
         self.sa_valid, self.proposal_root = num_valid, None
         self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
+
+    def _keep_provisional_root(self, root_id: int) -> None:
+        self.accept_context(torch.tensor([root_id]), len(self.history), {"hidden": self.node_features[:1]})
 
     # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
     def start(self, root_id: int) -> torch.Tensor:

@@ -6,8 +6,14 @@ State between verifications (moa_reference.md §3):
 - the SA cache: its first `sa_valid` entries are causal states of verified tokens and the root;
   tree nodes appended while drafting are dropped when the next proposal starts, and verified
   tokens not yet in it (accepted drafts) are fed again with the next root;
-- with TLI, per target layer L-k..L-1: the target's own cached keys/values of the verified context
-  followed by the drafted states (root and tree nodes) of the current proposal only.
+- with TLI, per target layer L-k..L-1: the target's own keys/values of the verified context (a
+  copy received as context, so the drafter can run away from the target) followed by the drafted
+  states (root and tree nodes) of the current proposal only.
+
+Split deployment: `MoAContextEncoder` (LSA + mean + Ekv2E, and the TLI keys/values) runs next to
+the target; everything else runs wherever the drafter does. Drafting alone (link down), the CA
+stays frozen on the last verified memory and provisional tokens enter the SA (and, with TLI, the
+target-layer context with their predicted keys/values).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import TreeConfig
-from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.base import Context, VerifiedUpdate
 from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 from moaspec.nn.moa import MoADrafterNet
@@ -27,6 +33,25 @@ if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 
+class MoAContextEncoder:
+    """The target-side part of MoA: verified tokens -> context
+    {"memory": [n, D]} (+ {"tli_kv": [n, k, kv_dim]}, the target's own last-k-layer keys/values)."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, net: MoADrafterNet, dtype: torch.dtype) -> None:
+        self.net, self.dtype = net, dtype
+
+    @torch.inference_mode()
+    def encode(self, update: VerifiedUpdate) -> Context:
+        start = update.start_pos
+        layer_kv = update.target.layer_kv(start, start + update.token_ids.numel()).to(self.dtype)  # [n, L, kv_dim]
+        context = {"memory": self.net.memory(layer_kv)}
+        if self.net.config.tli_layers:
+            context["tli_kv"] = layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :]
+        return context
+
+
 class MoADrafter(TreeDrafter):
     """Drafter protocol implementation for the MoA network."""
 
@@ -34,8 +59,8 @@ class MoADrafter(TreeDrafter):
     hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, net: MoADrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
-        self.tli_start = target.num_layers - net.config.tli_layers
         super().__init__(net, target, tree, net.config.tli_layers)
+        self.context_encoder = MoAContextEncoder(self.net, self.dtype)
 
     def reset(self) -> None:
         self.history: list[int] = []
@@ -43,15 +68,30 @@ class MoADrafter(TreeDrafter):
         self.memory_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
         self.sa_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
         self.sa_valid = 0
+        self.tli_cache = [empty_kv(config.num_kv_heads, config.head_dim, self.dtype) for _ in range(config.tli_layers)]
 
     @torch.inference_mode()
-    def accept(self, update: VerifiedUpdate) -> None:
-        """New verified tokens: append their memory (the SA cache is tidied by the next `start`)."""
-        start, count = update.start_pos, update.token_ids.numel()
-        self.history.extend(update.token_ids.tolist())
-        layer_kv = update.target.layer_kv(start, start + count).to(self.dtype)
-        positions = torch.arange(start, start + count)
-        self.memory_kv = append_kv(self.memory_kv, self.net.memory_keys_values(self.net.memory(layer_kv), positions))
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        """New verified tokens [n] at start_pos..: append their memory (and TLI keys/values);
+        the SA cache is tidied by the next `start`."""
+        count = token_ids.numel()
+        if start_pos != len(self.history):
+            raise ValueError(f"verified tokens start at {start_pos}, expected {len(self.history)}")
+        self.history.extend(token_ids.tolist())
+        positions = torch.arange(start_pos, start_pos + count)
+        memory = context["memory"].to(self.dtype)  # [n, D]
+        self.memory_kv = append_kv(self.memory_kv, self.net.memory_keys_values(memory, positions))
+        if self.tli_cache:
+            config = self.net.config
+            per_head = context["tli_kv"].to(self.dtype).reshape(count, len(self.tli_cache), config.num_kv_heads, 2, config.head_dim)
+            for i, cached in enumerate(self.tli_cache):
+                new_kv = (per_head[:, i, :, 0].transpose(0, 1), per_head[:, i, :, 1].transpose(0, 1))  # [Hkv, n, d]
+                self.tli_cache[i] = append_kv(cached, new_kv)
+
+    def _keep_provisional_root(self, root_id: int) -> None:
+        root_pos = len(self.history)
+        self.history.append(root_id)  # the SA already holds it (start); the CA memory stays frozen
+        self.tli_cache = [crop_kv(kv, root_pos + 1) for kv in self.tli_kv]  # + the root's predicted keys/values
 
     # -- the two drafting steps (also driven directly by tests with teacher-forced tokens) -------
     def start(self, root_id: int) -> torch.Tensor:
@@ -70,7 +110,7 @@ class MoADrafter(TreeDrafter):
         h = self._self_attend(feed, positions, visible)[-1:]
         self.sa_valid = root_pos + 1
         self._begin_tree()
-        self.tli_kv = self._tli_context(root_pos)
+        self.tli_kv = list(self.tli_cache)  # the context; this proposal appends its drafted states
         return self._finish(h, torch.tensor([root_pos]), self.tree_rows)
 
     def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
@@ -97,11 +137,6 @@ class MoADrafter(TreeDrafter):
         if self.tli_kv:
             final = self._target_layers(final, positions, drafted_visible)
         return self._log_probs(final)
-
-    def _tli_context(self, root_pos: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The target's cached keys/values of the verified context, for its last k layers."""
-        layers = self.target.cache.layers[self.tli_start :]
-        return [(layer.keys[0, :, :root_pos].to(self.dtype), layer.values[0, :, :root_pos].to(self.dtype)) for layer in layers]
 
     def _target_layers(self, x: torch.Tensor, positions: torch.Tensor, drafted_visible: torch.Tensor) -> torch.Tensor:
         """Drafted states through the target's last k layers; their keys/values join the context."""

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig
-from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -48,6 +48,7 @@ class NgramDrafter:
     """Prompt-lookup drafter proposing a small trie of earlier continuations."""
 
     hidden_layers: tuple[int, ...] = ()
+    context_encoder = NoContext()
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
@@ -66,7 +67,10 @@ class NgramDrafter:
         }
 
     def accept(self, update: VerifiedUpdate) -> None:
-        for token in update.token_ids.tolist():
+        self.accept_context(update.token_ids, update.start_pos, {})
+
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        for token in token_ids.tolist():
             self.history.append(token)
             end = len(self.history) - 1
             for n, index in self.ends.items():
@@ -77,6 +81,14 @@ class NgramDrafter:
         context = [*self.history, root_id]
         continuations = self._continuations(context)
         return _trie(root_id, continuations, self.config.max_nodes)
+
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
+        """The first token of the best continuation, or None when the context has no match."""
+        tree = self.propose(root_id, sampling, generator)
+        if tree.num_nodes == 1:
+            return None
+        self.accept_context(torch.tensor([root_id]), len(self.history), {})
+        return int(tree.token_ids[1])
 
     def _continuations(self, context: list[int]) -> list[list[int]]:
         """Up to max_branches distinct continuations, longest n-gram and most recent match first."""

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig
-from moaspec.drafters.base import VerifiedUpdate
+from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ class NoDrafter:
     """Proposes the root alone; the baseline every speedup is measured against."""
 
     hidden_layers: tuple[int, ...] = ()
+    context_encoder = NoContext()
 
     @classmethod
     def for_target(cls, target: HFTarget) -> NoDrafter:
@@ -29,6 +30,12 @@ class NoDrafter:
 
     def accept(self, update: VerifiedUpdate) -> None:
         pass
+
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        pass
+
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
+        return None  # nothing to draft with: the client waits for the server
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
         return DraftTree.root_only(root_id)

@@ -1,7 +1,8 @@
 """Shared machinery of the model drafters (MoA, EAGLE-2) driven by the dynamic tree builder.
 
 A subclass provides `start(root_id) -> [1, Vd]` and `expand(token_ids, parent, depth) -> [k, Vd]`
-(draft-vocabulary log-probabilities, see dynamic_tree.py) plus `reset` and `accept`. This base
+(draft-vocabulary log-probabilities, see dynamic_tree.py) plus `reset`, `accept_context`, a
+`context_encoder` (the target-side part, see base.py) and `_keep_provisional_root`. This base
 holds the borrowed target modules, the (reduced) LM head, checkpoint loading, and the tree
 bookkeeping: the entries a proposal drafted (entry 0 = the root) and, for each, which drafted
 entries it may attend to (its ancestors and itself).
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
 from moaspec.nn.fast_linear import column_major, use_column_major_weights
@@ -30,6 +32,7 @@ class TreeDrafter:
 
     net_class: type[DrafterNet]
     tree_source: str = "checkpoint"  # where tree_config came from: "checkpoint", "tuned", "explicit" (tuned.py)
+    context_encoder: ContextEncoder
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.net = use_column_major_weights(net.eval())
@@ -48,6 +51,24 @@ class TreeDrafter:
         return cls(net, target, TreeConfig(**record.get("tree", {})))
 
     def reset(self) -> None:
+        raise NotImplementedError
+
+    def accept(self, update: VerifiedUpdate) -> None:
+        """In-process: encode the context here, then accept it (exactly what a split client does)."""
+        self.accept_context(update.token_ids, update.start_pos, self.context_encoder.encode(update))
+
+    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int:
+        """The next token without the target: the root becomes provisional context (base.py)."""
+        token = pick_alone(self.start(root_id)[0], sampling, generator)
+        self._keep_provisional_root(root_id)
+        return token if self.draft_vocab_ids is None else int(self.draft_vocab_ids[token])
+
+    def _keep_provisional_root(self, root_id: int) -> None:
+        """After `start(root_id)`: keep the root as context, with predicted activations."""
         raise NotImplementedError
 
     def start(self, root_id: int) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""Transport of the split client: one keep-alive HTTP(S) connection to `moaspec serve`.
+
+Failures are sorted into what the generation loop (split/generator.py) must do about them:
+- `LinkDown`: no answer (refused, reset, timeout, 5xx) -> keep drafting alone, retry later;
+- `SessionLost`: the server answers but no longer knows the session (restart, idle expiry)
+  -> resynchronise;
+- `ServerRefused`: a 4xx with the server's reason (bad key, limits) -> stop with that message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from moaspec.errors import MoaspecError
+from moaspec.split import protocol as wire
+
+
+class LinkDown(MoaspecError):
+    """The server could not be reached or did not answer in time."""
+
+
+class SessionLost(MoaspecError):
+    """The server no longer has the session."""
+
+
+class ServerRefused(MoaspecError):
+    """The server refused the request (4xx); the message is the server's reason."""
+
+
+@dataclass
+class TransportStats:
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wall_s: float = 0.0  # time spent in requests (network + server)
+
+
+class SplitClient:
+    """Requests to one split server. url: http(s)://host:port; cafile: a CA bundle for TLS."""
+
+    def __init__(
+        self, url: str, api_key: str, timeout_s: float = 10.0, cafile: str | None = None, content_type: str = wire.MSGPACK
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise MoaspecError(f"--server must be an http:// or https:// URL, got '{url}'")
+        if not api_key:
+            raise MoaspecError("an API key is required (--api-key-file or MOASPEC_API_KEY)")
+        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl_context = ssl.create_default_context(cafile=cafile) if parts.scheme == "https" else None
+        self.api_key, self.timeout_s, self.content_type = api_key, timeout_s, content_type
+        self.stats = TransportStats()
+        self._conn: http.client.HTTPConnection | None = None
+
+    # -- endpoints -----------------------------------------------------------------------------------
+    def info(self) -> dict:
+        return self.request("GET", "/v1/split/info")
+
+    def open(self, request: wire.OpenRequest) -> dict:
+        return self.request("POST", "/v1/split/sessions", request.to_wire())
+
+    def verify(self, session_id: str, request: wire.VerifyRequest) -> dict:
+        return self.request("POST", f"/v1/split/sessions/{session_id}/verify", request.to_wire())
+
+    def close_session(self, session_id: str) -> None:
+        try:
+            self.request("DELETE", f"/v1/split/sessions/{session_id}")
+        except MoaspecError:
+            pass  # best effort: the server expires idle sessions anyway
+
+    # -- transport ----------------------------------------------------------------------------------
+    def request(self, method: str, path: str, message: dict | None = None, timeout_s: float | None = None) -> dict:
+        body = wire.dumps(message, self.content_type) if message is not None else b""
+        headers = {"Authorization": f"Bearer {self.api_key}", "Accept": self.content_type}
+        if message is not None:
+            headers["Content-Type"] = self.content_type
+        started = time.perf_counter()
+        try:
+            conn = self._connection(timeout_s or self.timeout_s)
+            conn.request(method, path, body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        except (OSError, http.client.HTTPException, socket.timeout) as exc:
+            self.drop_connection()
+            raise LinkDown(f"server {self.host}:{self.port} unreachable: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self.stats.wall_s += time.perf_counter() - started
+        self.stats.calls += 1
+        self.stats.bytes_sent += len(body)
+        self.stats.bytes_received += len(data)
+        content_type = response.headers.get_content_type()
+        if response.status >= 500:
+            self.drop_connection()
+            raise LinkDown(f"server error {response.status}: {_reason(data, content_type)}")
+        if response.status == 404 and "/sessions/" in path:
+            raise SessionLost(_reason(data, content_type))
+        if response.status >= 400:
+            raise ServerRefused(f"server refused the request ({response.status}): {_reason(data, content_type)}")
+        return wire.loads(data, content_type)
+
+    def drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self._conn is None:
+            if self.ssl_context is not None:
+                self._conn = http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.ssl_context)
+            else:
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        self._conn.timeout = timeout_s
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(timeout_s)
+        return self._conn
+
+
+def _reason(data: bytes, content_type: str) -> str:
+    try:
+        return str(wire.loads(data, content_type)["error"]["message"])
+    except (MoaspecError, KeyError, TypeError):
+        return data[:200].decode(errors="replace") or "no reason given"

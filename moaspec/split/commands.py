@@ -1,0 +1,121 @@
+"""The split deployment's command-line entry points (`moaspec serve`, `moaspec generate --server`).
+
+cli.py parses and validates; these functions load models and run. Keys: one per line in
+--api-key-file, or MOASPEC_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import ssl
+import sys
+from pathlib import Path
+
+from moaspec.errors import MoaspecError
+
+API_KEY_ENV = "MOASPEC_API_KEY"
+
+
+def read_api_keys(path: str | None) -> list[str]:
+    """The keys in `path` (one per line, blank lines and #-comments skipped), else $MOASPEC_API_KEY."""
+    if path is not None:
+        try:
+            lines = Path(path).expanduser().read_text().splitlines()
+        except OSError as exc:
+            raise MoaspecError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+        keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not keys:
+            raise MoaspecError(f"the API key file {path} holds no key")
+        return keys
+    if os.environ.get(API_KEY_ENV, "").strip():
+        return [os.environ[API_KEY_ENV].strip()]
+    raise MoaspecError(f"an API key is required: --api-key-file FILE or {API_KEY_ENV}")
+
+
+def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
+    """A server TLS context from the certificate flags (both or neither)."""
+    if certfile is None and keyfile is None:
+        return None
+    if certfile is None or keyfile is None:
+        raise MoaspecError("TLS needs both --ssl-certfile and --ssl-keyfile")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise MoaspecError(f"cannot load the TLS certificate/key: {exc}") from exc
+    return context
+
+
+def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> int:
+    from aiohttp import web
+
+    from moaspec.api import load_target
+    from moaspec.drafters import make_drafter
+    from moaspec.split.limits import ServerLimits
+    from moaspec.split.server import SplitServer
+
+    limits = ServerLimits(
+        max_body_bytes=args.max_body_bytes, max_tree_nodes=args.max_tree_nodes, max_new_tokens=args.max_new_tokens,
+        max_sessions_per_key=args.max_sessions_per_key, idle_timeout_s=args.idle_timeout_s,
+    )
+    target = load_target(args.target)
+    server = SplitServer(target, make_drafter(args.drafter, target), keys, limits)
+    scheme = "https" if ssl_context else "http"
+    print(f"[moaspec] serving {target.name} + {args.drafter} context encoder on {scheme}://{args.host}:{args.port}", file=sys.stderr)
+    web.run_app(server.build_app(), host=args.host, port=args.port, ssl_context=ssl_context, print=None, access_log=None)
+    return 0
+
+
+def generate_remote(args: argparse.Namespace, key: str) -> int:
+    """`moaspec generate --server URL`: the same output and --json fields as local generation,
+    plus a "split" object (server calls, bytes, provisional tokens, ...)."""
+    import torch
+
+    from moaspec.api import SpeculativeLM, load_target
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.drafters import make_drafter
+    from moaspec.split.client import SplitClient
+    from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
+
+    options = SplitOptions(context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline)
+    client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
+    target = load_target(args.target)  # only its tokenizer and frozen parts (embeddings, LM head) are used
+    drafter = make_drafter(args.drafter, target)
+    if not hasattr(drafter, "accept_context"):
+        raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
+    lm = SpeculativeLM(target, drafter)
+    prompt_ids = lm.encode_prompt(args.prompt, args.raw)
+    generator = SplitGenerator(client, drafter, options)
+    streamer = None
+    if not args.json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer.put(torch.tensor([prompt_ids]))
+    result = SplitResult()
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    generation = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    try:
+        for event in generator.stream(prompt_ids, sampling, generation, target.stop_ids, result):
+            if streamer is not None and event.kind in ("verified", "confirm") and event.token_ids:
+                streamer.put(torch.tensor(event.token_ids))
+    finally:
+        if streamer is not None:
+            streamer.end()
+    text = lm.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        record = {"target": target.name, "drafter": args.drafter, "text": text, "token_ids": result.token_ids,
+                  "stop_reason": result.stop_reason, **result.stats.to_dict(), "split": result.split_dict(client)}
+        print(json.dumps(record))
+    else:
+        split = result.split_dict(client)
+        print(
+            f"[moaspec] {result.stats.new_tokens} tokens, tau {result.stats.tau:.2f}, {result.stats.tokens_per_s:.1f} tok/s, "
+            f"{split['server_calls']} server calls, {split['bytes_per_token']} bytes/token",
+            file=sys.stderr,
+        )
+    if result.stop_reason == "disconnected":
+        raise MoaspecError(f"the server stayed unreachable; {len(result.token_ids)} verified tokens kept (--accept-offline keeps drafts)")
+    return 0

@@ -1,0 +1,352 @@
+"""The drafting side of the split deployment: the decode loop of engine.py with the target remote.
+
+Online, each step is one round trip: propose a tree locally, the server verifies and commits it
+and returns the accepted path, the next token and the context (per-token tensors) the drafter
+needs for the newly verified tokens. Greedy output is identical to in-process generation, and
+seeded sampling reproduces it (session.py: separate drafter and verifier streams).
+
+Offline (the server is unreachable or times out), the drafter continues alone (`draft_alone`)
+and its tokens are *provisional*. The client retries with exponential back-off; on reconnect it
+resynchronises a fresh server session from its verified text (re-prefill, no context sent back:
+the client kept it), re-derives the drafter's state from the stored verified context, then sends
+the provisional tokens as chains for verification. The agreeing prefix is confirmed; the rest is
+retracted and replaced by the target's token. Verified tokens are never changed. Verifying fixed
+provisional tokens as point-mass drafts keeps sampling lossless (verify.py).
+
+Events streamed to the caller: ("verified", ids), ("provisional", ids), ("confirm", ids: the
+first provisional tokens, now verified), ("retract", ids: provisional tokens withdrawn).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.base import Context, SplitDrafter
+from moaspec.engine import Engine, GenerationResult
+from moaspec.errors import MoaspecError
+from moaspec.session import draft_generator
+from moaspec.split import protocol as wire
+from moaspec.split.adaptive import AdaptiveTree
+from moaspec.split.client import LinkDown, SessionLost, SplitClient
+from moaspec.split.identity import drafter_fingerprint
+from moaspec.tree import DraftTree, depths, prune_to_depth
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """Client-side behaviour. Times in seconds."""
+
+    context_dtype: str = "f16"  # how the server sends context: f16, i8 (per-vector scale) or f32
+    retry_initial_s: float = 0.05
+    retry_max_s: float = 2.0
+    max_provisional: int = 64  # tokens drafted alone before waiting for the server
+    offline_deadline_s: float = 120.0  # give up reconnecting after this long offline
+    accept_offline: bool = False  # when giving up, keep the provisional tokens as final output
+    adaptive: bool = False  # size the tree from measured RTT / verify / draft costs
+
+    def __post_init__(self) -> None:
+        if self.context_dtype not in wire.CONTEXT_DTYPES:
+            raise MoaspecError(f"context dtype must be one of {', '.join(wire.CONTEXT_DTYPES)}")
+        if self.max_provisional < 0 or self.offline_deadline_s < 0 or not 0 < self.retry_initial_s <= self.retry_max_s:
+            raise MoaspecError("need max_provisional >= 0, offline_deadline_s >= 0, 0 < retry_initial_s <= retry_max_s")
+
+
+@dataclass(frozen=True)
+class SplitEvent:
+    kind: str  # "verified" | "provisional" | "confirm" | "retract"
+    token_ids: list[int]
+
+
+@dataclass
+class SplitResult(GenerationResult):
+    """GenerationResult + what the link did. token_ids: verified tokens (plus the provisional
+    ones when the user accepted offline output, stop_reason "offline")."""
+
+    provisional_ids: list[int] = field(default_factory=list)  # unresolved at the end
+    num_provisional: int = 0  # drafted alone, in total
+    num_confirmed: int = 0
+    num_retracted: int = 0
+    num_reconnects: int = 0
+    offline_s: float = 0.0
+    first_token_s: float = 0.0
+
+    def split_dict(self, client: SplitClient) -> dict:
+        new = max(1, len(self.token_ids))
+        transport = client.stats
+        return {
+            "server_calls": transport.calls,
+            "server_calls_per_100_tokens": round(100.0 * transport.calls / new, 3),
+            "bytes_sent": transport.bytes_sent,
+            "bytes_received": transport.bytes_received,
+            "bytes_per_token": round((transport.bytes_sent + transport.bytes_received) / new, 1),
+            "time_to_first_token_s": round(self.first_token_s, 4),
+            "num_provisional": self.num_provisional,
+            "num_confirmed": self.num_confirmed,
+            "num_retracted": self.num_retracted,
+            "num_reconnects": self.num_reconnects,
+            "offline_s": round(self.offline_s, 4),
+        }
+
+
+class SplitGenerator:
+    """Generation with a local drafter and a remote target (see the module docstring)."""
+
+    def __init__(self, client: SplitClient, drafter: SplitDrafter, options: SplitOptions = SplitOptions()) -> None:
+        self.client, self.drafter, self.options = client, drafter, options
+        info = client.info()
+        if info.get("version") != wire.PROTOCOL_VERSION:
+            raise MoaspecError(f"server speaks protocol {info.get('version')}, this client {wire.PROTOCOL_VERSION}")
+        if info.get("drafter_fingerprint") != drafter_fingerprint(drafter):
+            raise MoaspecError(
+                f"the server's drafter ({info.get('drafter')}, {info.get('drafter_fingerprint')}) is not this client's "
+                f"({drafter_fingerprint(drafter)}): both sides need the same drafter"
+            )
+        self.info = info
+        self.vocab_size = int(info["vocab_size"])
+        self.max_tree_nodes = int(info["limits"]["max_tree_nodes"])
+        self.adaptive = AdaptiveTree(drafter.tree_config, self.max_tree_nodes) if options.adaptive and hasattr(drafter, "tree_config") else None
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
+                 generation: GenerationConfig = GenerationConfig(), stop_ids: frozenset[int] = frozenset()) -> SplitResult:
+        result = SplitResult()
+        for _ in self.stream(prompt_ids, sampling, generation, stop_ids, result):
+            pass
+        return result
+
+    def stream(self, prompt_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
+               generation: GenerationConfig = GenerationConfig(), stop_ids: frozenset[int] = frozenset(),
+               result: SplitResult | None = None) -> Iterator[SplitEvent]:
+        """Yield events until done; fill `result`. prompt_ids: [T] token ids, T >= 1."""
+        if not prompt_ids:
+            raise MoaspecError("the prompt is empty")
+        run = _Run(self, list(prompt_ids), sampling, generation, stop_ids, result if result is not None else SplitResult())
+        return run.events()
+
+
+class _Run:
+    """The state of one split generation."""
+
+    def __init__(self, owner: SplitGenerator, prompt: list[int], sampling: SamplingConfig,
+                 generation: GenerationConfig, stop_ids: frozenset[int], result: SplitResult) -> None:
+        self.owner, self.client, self.drafter, self.options = owner, owner.client, owner.drafter, owner.options
+        self.prompt, self.sampling, self.generation, self.stop_ids, self.result = prompt, sampling, generation, stop_ids, result
+        self.max_new = min(generation.max_new_tokens, int(owner.info["max_positions"]) - len(prompt))
+        self.generator = draft_generator(generation.seed)
+        self.contexts: list[tuple[torch.Tensor, int, Context]] = []  # everything verified, to replay
+        self.session_id: str | None = None
+        self.seq = 0
+        self.provisional: list[int] = []
+        self.done = False
+
+    @property
+    def root(self) -> int:
+        return self.result.token_ids[-1]
+
+    def events(self) -> Iterator[SplitEvent]:
+        started = time.perf_counter()
+        stats = self.result.stats
+        try:
+            yield from self._open()
+            self.result.first_token_s = time.perf_counter() - started
+            while not self.done:
+                if self.session_id is not None:
+                    yield from self._online_step()
+                else:
+                    yield from self._offline()
+                stats.wall_s = time.perf_counter() - started
+        finally:
+            stats.wall_s = time.perf_counter() - started
+            if self.session_id is not None:
+                self.client.close_session(self.session_id)
+
+    # -- online -----------------------------------------------------------------------------------
+    def _open(self) -> Iterator[SplitEvent]:
+        request = self._open_request(self.prompt, None, 0)
+        tick = time.perf_counter()
+        deadline = time.monotonic() + self.options.offline_deadline_s
+        delay = self.options.retry_initial_s
+        while True:  # nothing to draft from before the first token: wait for the server
+            try:
+                reply = self.client.open(request)
+                break
+            except LinkDown:
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, self.options.retry_max_s)
+        self.result.stats.record_prefill(time.perf_counter() - tick)
+        verification = wire.parse_verification(reply, self.owner.vocab_size, 0, len(self.prompt))
+        self.session_id, self.seq = str(reply["session_id"]), 0
+        tick = time.perf_counter()
+        self.drafter.reset()
+        self._accept(torch.tensor(self.prompt), 0, verification.context)
+        self.result.stats.draft_s += time.perf_counter() - tick
+        yield from self._emit_verified([verification.next_token])
+
+    def _online_step(self) -> Iterator[SplitEvent]:
+        stats = self.result.stats
+        if self.owner.adaptive is not None:
+            self.drafter.tree_config = self.owner.adaptive.choose()
+        tick = time.perf_counter()
+        tree = self.drafter.propose(self.root, self.sampling, self.generator)
+        tree = _limit_nodes(prune_to_depth(tree, self.max_new - len(self.result.token_ids) - 1), self.owner.max_tree_nodes)
+        draft_s = time.perf_counter() - tick
+        stats.draft_s += draft_s
+        try:
+            verification, round_trip_s = self._verify(tree)
+        except (LinkDown, SessionLost):
+            self._go_offline()
+            return
+        stats.verify_s += round_trip_s
+        num_accepted = len(verification.path_node_idx) - 1
+        stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, num_accepted)
+        if self.owner.adaptive is not None:
+            self.owner.adaptive.observe(round_trip_s, verification.server_s, draft_s, tree, num_accepted)
+        path_ids = tree.token_ids[verification.path_node_idx]
+        tick = time.perf_counter()
+        self._accept(path_ids, verification.start_pos, verification.context)
+        stats.draft_s += time.perf_counter() - tick
+        yield from self._emit_verified([*path_ids[1:].tolist(), verification.next_token])
+
+    def _verify(self, tree: DraftTree) -> tuple[wire.Verification, float]:
+        draft_probs = None
+        if tree.draft_probs is not None:  # exact sparse rows: the verifier needs what was drawn from
+            rows = [row.nonzero().flatten() for row in tree.draft_probs]
+            draft_probs = [(ids.tolist(), row[ids].double()) for ids, row in zip(rows, tree.draft_probs)]
+        request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs)
+        tick = time.perf_counter()
+        reply = self.client.verify(self.session_id, request)
+        round_trip_s = time.perf_counter() - tick
+        self.seq += 1
+        return wire.parse_verification(reply, self.owner.vocab_size, tree.num_nodes), round_trip_s
+
+    def _accept(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+        self.contexts.append((token_ids, start_pos, context))
+        self.drafter.accept_context(token_ids, start_pos, context)
+
+    def _emit_verified(self, token_ids: list[int]) -> Iterator[SplitEvent]:
+        num_before = len(self.result.token_ids)
+        self.done = Engine._emit(token_ids, self.result, self.stop_ids, self.max_new)
+        if self.done and self.result.stop_reason == "length" and self.generation.max_new_tokens > self.max_new:
+            self.result.stop_reason = "context"
+        yield SplitEvent("verified", self.result.token_ids[num_before:])
+
+    # -- offline ----------------------------------------------------------------------------------
+    def _go_offline(self) -> None:
+        self.client.drop_connection()
+        self.session_id = None
+        self.offline_since = time.monotonic()
+        self.next_retry = self.offline_since + self.options.retry_initial_s
+        self.retry_delay = self.options.retry_initial_s
+        context_ids = self.prompt + self.result.token_ids[:-1]  # one request id per episode: idempotent retries
+        self.resync_request = self._open_request(context_ids, self.root, len(context_ids))
+
+    def _offline(self) -> Iterator[SplitEvent]:
+        now = time.monotonic()
+        if now >= self.next_retry:
+            try:
+                yield from self._resync()
+                return
+            except LinkDown:
+                self.retry_delay = min(2 * self.retry_delay, self.options.retry_max_s)
+                self.next_retry = time.monotonic() + self.retry_delay
+        if time.monotonic() - self.offline_since > self.options.offline_deadline_s:
+            yield from self._give_up()
+            return
+        token = self._draft_alone()
+        if token is None:
+            time.sleep(max(0.0, min(self.next_retry - time.monotonic(), 0.05)))
+            return
+        self.provisional.append(token)
+        self.result.num_provisional += 1
+        yield SplitEvent("provisional", [token])
+
+    def _draft_alone(self) -> int | None:
+        """One more provisional token, or None when the drafter cannot or should not go further."""
+        count = len(self.result.token_ids) + len(self.provisional)
+        if len(self.provisional) >= self.options.max_provisional or count >= self.max_new:
+            return None
+        if self.provisional and self.provisional[-1] in self.stop_ids:
+            return None
+        root = self.provisional[-1] if self.provisional else self.root
+        tick = time.perf_counter()
+        token = self.drafter.draft_alone(root, self.sampling, self.generator)
+        self.result.stats.draft_s += time.perf_counter() - tick
+        return token
+
+    def _resync(self) -> Iterator[SplitEvent]:
+        """Reconnect: a fresh session on the verified text, then verify the provisional tokens."""
+        reply = self.client.open(self.resync_request)
+        self.session_id, self.seq = str(reply["session_id"]), 0
+        self.result.num_reconnects += 1
+        self.result.offline_s += time.monotonic() - self.offline_since
+        self.drafter.reset()  # back to exactly the verified state: replay the stored context
+        stored, self.contexts = self.contexts, []
+        ids = torch.cat([ids for ids, _, _ in stored])
+        self._accept(ids, 0, {name: torch.cat([c[name] for _, _, c in stored]) for name in stored[0][2]})
+        while self.provisional and not self.done:
+            yield from self._verify_provisional()
+
+    def _verify_provisional(self) -> Iterator[SplitEvent]:
+        room = min(self.owner.max_tree_nodes - 1, self.max_new - len(self.result.token_ids) - 1)
+        chunk = self.provisional[: max(room, 0)]
+        tree = DraftTree.chain([self.root, *chunk])
+        try:
+            verification, round_trip_s = self._verify(tree)
+        except (LinkDown, SessionLost):
+            self._go_offline()
+            return
+        self.result.stats.verify_s += round_trip_s
+        num_agreed = len(verification.path_node_idx) - 1
+        self.result.stats.record_verification(tree.num_nodes - 1, tree.num_nodes, num_agreed)
+        self._accept(tree.token_ids[verification.path_node_idx], verification.start_pos, verification.context)
+        next_token, rest = verification.next_token, self.provisional[num_agreed:]
+        # the target's own next token may be the next provisional one: then it is confirmed too
+        bonus_agrees = bool(rest) and rest[0] == next_token
+        num_before = len(self.result.token_ids)
+        self.done = Engine._emit([*chunk[:num_agreed], next_token], self.result, self.stop_ids, self.max_new)
+        new = self.result.token_ids[num_before:]
+        num_confirmed = min(len(new), num_agreed + bonus_agrees)
+        self.provisional = rest[1:] if bonus_agrees else rest
+        retracted = self.provisional if self.done or not bonus_agrees else []
+        self.provisional = [] if retracted else self.provisional
+        self.result.num_confirmed += num_confirmed
+        self.result.num_retracted += len(retracted)
+        if num_confirmed:
+            yield SplitEvent("confirm", new[:num_confirmed])
+        if retracted:
+            yield SplitEvent("retract", retracted)
+        if len(new) > num_confirmed:
+            yield SplitEvent("verified", new[num_confirmed:])
+
+    def _give_up(self) -> Iterator[SplitEvent]:
+        self.done = True
+        self.result.offline_s += time.monotonic() - self.offline_since
+        if self.options.accept_offline and self.provisional:
+            yield SplitEvent("confirm", self.provisional)
+            Engine._emit(self.provisional, self.result, self.stop_ids, self.max_new)
+            self.provisional = []
+            self.result.stop_reason = "offline"
+            return
+        self.result.provisional_ids = self.provisional
+        self.result.stop_reason = "disconnected"
+
+    def _open_request(self, prompt_ids: list[int], root_id: int | None, context_from: int) -> wire.OpenRequest:
+        s = self.sampling
+        return wire.OpenRequest(
+            prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new,
+            root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype,
+        )
+
+
+def _limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:
+    """The first max_nodes nodes (parents precede children, so a prefix is a tree)."""
+    if tree.num_nodes <= max_nodes:
+        return tree
+    probs = None if tree.draft_probs is None else tree.draft_probs[:max_nodes]
+    return DraftTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], probs)

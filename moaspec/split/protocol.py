@@ -1,0 +1,246 @@
+"""Wire format of the client-server split (docs/protocol.md): versioned messages, tensor codecs.
+
+Bodies are msgpack (`application/msgpack`) or JSON (`application/json`); nothing received is
+unpickled or executed. Tensors travel as {"dtype", "shape", "data"} (+ "scale" for int8) with raw
+little-endian bytes (base64 in JSON). Every decoder validates types, ranges and sizes and raises
+`ProtocolError` (-> HTTP 400) with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from moaspec.errors import MoaspecError
+
+PROTOCOL_VERSION = 1
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+# wire dtype name -> (torch dtype, bytes per element)
+WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "f16": (torch.float16, 2),
+    "f32": (torch.float32, 4),
+    "f64": (torch.float64, 8),
+    "i8": (torch.int8, 1),
+}
+CONTEXT_DTYPES = ("f16", "i8", "f32")  # what a client may ask the context to be sent as
+MAX_TENSOR_ELEMENTS = 1 << 24
+
+
+class ProtocolError(MoaspecError):
+    """A malformed or out-of-bounds message (the server answers 400, the client gives up)."""
+
+
+# -- body codecs --------------------------------------------------------------------------------
+def dumps(message: dict, content_type: str) -> bytes:
+    if content_type == MSGPACK:
+        import msgpack
+
+        return msgpack.packb(message, use_bin_type=True)
+    return json.dumps(_to_json(message), separators=(",", ":")).encode()
+
+
+def loads(body: bytes, content_type: str) -> dict:
+    """Parse a body; -> a dict (anything else is a ProtocolError)."""
+    try:
+        if content_type == MSGPACK:
+            import msgpack
+
+            message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=len(body), max_str_len=len(body))
+        elif content_type == JSON:
+            message = json.loads(body)
+        else:
+            raise ProtocolError(f"unsupported content type '{content_type}' (use {MSGPACK} or {JSON})")
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack and json raise many types on garbage
+        raise ProtocolError(f"the body is not valid {content_type}: {type(exc).__name__}") from exc
+    if not isinstance(message, dict):
+        raise ProtocolError("the body must be an object")
+    return message
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return {"b64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_json(v) for v in value]
+    return value
+
+
+def _bytes_field(value: Any, name: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("b64"), str):
+        try:
+            return base64.b64decode(value["b64"], validate=True)
+        except ValueError as exc:
+            raise ProtocolError(f"{name}: invalid base64") from exc
+    raise ProtocolError(f"{name}: expected bytes")
+
+
+# -- field validation -----------------------------------------------------------------------------
+def get_int(message: dict, name: str, low: int, high: int, default: int | None = None) -> int:
+    value = message.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"'{name}' must be an integer in [{low}, {high}]")
+    return value
+
+
+def get_float(message: dict, name: str, low: float, high: float, default: float) -> float:
+    value = message.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ProtocolError(f"'{name}' must be a number in [{low}, {high}]")
+    return float(value)
+
+
+def get_ids(message: dict, name: str, vocab_size: int, min_len: int, max_len: int) -> list[int]:
+    value = message.get(name)
+    if not isinstance(value, list) or not min_len <= len(value) <= max_len:
+        raise ProtocolError(f"'{name}' must be a list of {min_len}..{max_len} token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value):
+        raise ProtocolError(f"'{name}' must hold token ids in [0, {vocab_size})")
+    return value
+
+
+def get_choice(message: dict, name: str, choices: tuple[str, ...], default: str) -> str:
+    value = message.get(name, default)
+    if value not in choices:
+        raise ProtocolError(f"'{name}' must be one of {', '.join(choices)}")
+    return value
+
+
+# -- tensors ----------------------------------------------------------------------------------------
+def encode_tensor(x: torch.Tensor, wire_dtype: str) -> dict:
+    """x [..., C] -> wire dict. i8: symmetric per-vector (last axis) scale, sent as float32."""
+    x = x.detach().cpu()
+    if wire_dtype == "i8":
+        scale = (x.float().abs().amax(-1, keepdim=True) / 127.0).clamp_min(1e-12)  # [..., 1]
+        quantized = torch.round(x.float() / scale).clamp(-127, 127).to(torch.int8)
+        return {"dtype": "i8", "shape": list(x.shape), "data": _raw(quantized), "scale": _raw(scale.squeeze(-1))}
+    dtype = WIRE_DTYPES[wire_dtype][0]
+    return {"dtype": wire_dtype, "shape": list(x.shape), "data": _raw(x.to(dtype))}
+
+
+def decode_tensor(value: Any, name: str, max_elements: int = MAX_TENSOR_ELEMENTS) -> torch.Tensor:
+    """Wire dict -> tensor (float32 for i8, else the sent dtype); validated."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{name}: expected a tensor object")
+    wire_dtype = get_choice(value, "dtype", tuple(WIRE_DTYPES), "")
+    shape = value.get("shape")
+    if not isinstance(shape, list) or len(shape) > 4 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s for s in shape):
+        raise ProtocolError(f"{name}: bad shape")
+    numel = 1
+    for size in shape:
+        numel *= size
+    if numel > max_elements:
+        raise ProtocolError(f"{name}: {numel} elements is more than the limit {max_elements}")
+    dtype, itemsize = WIRE_DTYPES[wire_dtype]
+    tensor = _from_raw(_bytes_field(value.get("data"), name), dtype, numel * itemsize, name).reshape(shape)
+    if wire_dtype != "i8":
+        return tensor
+    rows = numel // shape[-1] if shape and shape[-1] else 0
+    scale = _from_raw(_bytes_field(value.get("scale"), name), torch.float32, rows * 4, name)
+    return tensor.float() * scale.reshape(*shape[:-1], 1)
+
+
+def _raw(x: torch.Tensor) -> bytes:
+    return x.contiguous().numpy().tobytes()
+
+
+def _from_raw(data: bytes, dtype: torch.dtype, num_bytes: int, name: str) -> torch.Tensor:
+    if len(data) != num_bytes:
+        raise ProtocolError(f"{name}: {len(data)} bytes of data where the shape needs {num_bytes}")
+    if num_bytes == 0:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def encode_context(context: dict[str, torch.Tensor], wire_dtype: str) -> dict:
+    return {name: encode_tensor(x, wire_dtype) for name, x in context.items()}
+
+
+def decode_context(value: Any, num_tokens: int) -> dict[str, torch.Tensor]:
+    """Context tensors, each with one row per verified token."""
+    if not isinstance(value, dict) or len(value) > 8:
+        raise ProtocolError("context: expected an object of at most 8 tensors")
+    context = {}
+    for name, tensor in value.items():
+        decoded = decode_tensor(tensor, f"context.{name}")
+        if decoded.dim() == 0 or decoded.shape[0] != num_tokens:
+            raise ProtocolError(f"context.{name}: expected {num_tokens} rows")
+        context[str(name)] = decoded
+    return context
+
+
+# -- messages -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpenRequest:
+    """Start a session: prefill prompt_ids. With root_id, resume (resynchronise) instead: the
+    server rebuilds the verified context and continues from the given root without choosing one."""
+
+    prompt_ids: list[int]
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 256
+    root_id: int | None = None
+    context_from: int = 0  # return context for prompt positions >= this (the client has the rest)
+    context_dtype: str = "f16"
+    version: int = PROTOCOL_VERSION
+    request_id: str = field(default_factory=lambda: secrets.token_hex(12))  # makes retries idempotent
+
+    def to_wire(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    """One draft tree. draft_probs: None for deterministic drafts, else per node (root: empty) the
+    exact sparse distribution it was drawn from: (token ids, float64 probabilities)."""
+
+    seq: int
+    token_ids: list[int]
+    parents: list[int]
+    draft_probs: list[tuple[list[int], torch.Tensor]] | None = None
+
+    def to_wire(self) -> dict:
+        message: dict[str, Any] = {"seq": self.seq, "token_ids": self.token_ids, "parents": self.parents}
+        if self.draft_probs is not None:
+            message["draft_ids"] = [ids for ids, _ in self.draft_probs]
+            message["draft_probs"] = encode_tensor(torch.cat([p for _, p in self.draft_probs]).double(), "f64")
+        return message
+
+
+@dataclass
+class Verification:
+    """The server's answer to a verify (or open) request, as the client sees it."""
+
+    path_node_idx: list[int]
+    next_token: int
+    start_pos: int
+    context: dict[str, torch.Tensor]
+    server_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def parse_verification(message: dict, vocab_size: int, num_nodes: int, num_tokens: int | None = None) -> Verification:
+    """Validate a verify response (open responses: num_nodes = 0, num_tokens = context rows)."""
+    path = message.get("path_node_idx", [0])
+    if not isinstance(path, list) or not all(isinstance(i, int) and 0 <= i < max(num_nodes, 1) for i in path):
+        raise ProtocolError("path_node_idx: expected node indices of the sent tree")
+    next_token = get_int(message, "next_token", 0, vocab_size - 1)
+    start_pos = get_int(message, "start_pos", 0, 1 << 40, 0)
+    rows = len(path) if num_tokens is None else num_tokens
+    context = decode_context(message.get("context", {}), rows)
+    server_s = get_float(message, "server_s", 0.0, 1e9, 0.0)
+    return Verification(path, next_token, start_pos, context, server_s)

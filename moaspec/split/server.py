@@ -1,0 +1,355 @@
+"""`moaspec serve`: the target side of the split deployment over HTTP(S) (docs/protocol.md).
+
+The server holds the target and the drafter's context encoder. Per client session it keeps one
+`TargetSession` (its own KV cache over the shared model weights) and answers:
+    GET    /v1/split/info                      target, drafter fingerprint, limits
+    POST   /v1/split/sessions                  prefill (or resume) -> first token + context
+    POST   /v1/split/sessions/{id}/verify      one draft tree -> accepted path, next token, context
+    DELETE /v1/split/sessions/{id}
+Every request needs `Authorization: Bearer <key>` (constant-time compare). Model work runs on one
+worker thread, one request at a time, so sessions never share state; a bad request gets a 4xx
+with {"error": {"code", "message"}} and never affects another session. The aiohttp application is
+built by `build_app`, so other route sets (the OpenAI-compatible API, issue 7) can be added to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+from aiohttp import web
+
+from moaspec.config import SamplingConfig
+from moaspec.drafters.base import Drafter
+from moaspec.errors import MoaspecError
+from moaspec.session import TargetSession
+from moaspec.split import protocol as wire
+from moaspec.split.identity import drafter_fingerprint, drafter_method
+from moaspec.split.limits import ServerLimits
+from moaspec.target import HFTarget
+from moaspec.tree import DraftTree, depths
+
+
+REAPER = web.AppKey("reaper", asyncio.Task)
+KEY_INDEX = web.RequestKey("key_index", int)
+
+
+class HTTPError(Exception):
+    """A refusal with a status and a one-line reason."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class _Session:
+    key_index: int
+    target_session: TargetSession
+    context_dtype: str
+    max_new_tokens: int
+    root_id: int
+    open_ident: tuple[int, str]  # (key, request_id) of the open request
+    num_verified: int = 0  # tokens this session added to the context (budget)
+    next_seq: int = 0
+    last_reply: dict | None = None
+    last_used: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a session at a time
+
+
+class SplitServer:
+    """Sessions over one target + one drafter's context encoder."""
+
+    def __init__(self, target: HFTarget, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits()) -> None:
+        if not api_keys or not all(api_keys):
+            raise MoaspecError("the server needs at least one non-empty API key")
+        self.target = target
+        self.encoder = getattr(drafter, "context_encoder", None)
+        if self.encoder is None:
+            raise MoaspecError(f"drafter {drafter_method(drafter)} cannot be split (it has no context encoder)")
+        self.api_keys = [key.encode() for key in api_keys]
+        self.limits = limits
+        self.info = {
+            "version": wire.PROTOCOL_VERSION,
+            "target": target.name,
+            "vocab_size": target.vocab_size,
+            "max_positions": target.max_positions,
+            "drafter": drafter_method(drafter),
+            "drafter_fingerprint": drafter_fingerprint(drafter),
+            "limits": asdict(limits),
+        }
+        self.sessions: dict[str, _Session] = {}
+        self.opening: dict[tuple[int, str], asyncio.Future] = {}  # open replies by (key, request_id)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-target")
+
+    # -- the application ------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors, self._auth])
+        app.router.add_get("/v1/split/info", self._info)
+        app.router.add_post("/v1/split/sessions", self._open)
+        app.router.add_post("/v1/split/sessions/{session_id}/verify", self._verify)
+        app.router.add_delete("/v1/split/sessions/{session_id}", self._close)
+        app.on_startup.append(self._start_reaper)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except HTTPError as exc:
+            return _error(exc.status, exc.code, exc.message)
+        except wire.ProtocolError as exc:
+            return _error(400, "bad_request", str(exc))
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "too_large", f"the body is larger than {self.limits.max_body_bytes} bytes")
+        except web.HTTPException as exc:
+            return _error(exc.status, "http", exc.reason)
+        except Exception as exc:  # a bug must not take the server down; the session is dropped
+            self._drop(request.match_info.get("session_id", ""))
+            return _error(500, "internal", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        header = request.headers.get("Authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            raise HTTPError(401, "unauthorized", "missing API key (send 'Authorization: Bearer <key>')")
+        presented = header[7:].strip().encode()
+        matches = [hmac.compare_digest(presented, key) for key in self.api_keys]  # no short circuit
+        if not any(matches):
+            raise HTTPError(401, "unauthorized", "invalid API key")
+        request[KEY_INDEX] = matches.index(True)
+        return await handler(request)
+
+    # -- handlers ---------------------------------------------------------------------------------
+    async def _info(self, request: web.Request) -> web.StreamResponse:
+        return _reply(request, self.info)
+
+    async def _open(self, request: web.Request) -> web.StreamResponse:
+        """Idempotent per (key, request_id): a retried open (its reply was lost or late) gets the
+        same session instead of a new one."""
+        message = await _read(request)
+        request_id = message.get("request_id")
+        if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
+            raise wire.ProtocolError("'request_id' must be a string of 8..64 characters")
+        ident = (request[KEY_INDEX], request_id)
+        if ident in self.opening:
+            return _reply(request, await asyncio.shield(self.opening[ident]))
+        self.opening[ident] = asyncio.get_running_loop().create_future()
+        try:
+            reply = await self._open_session(request, message, ident)
+        except BaseException as exc:
+            self.opening.pop(ident).set_exception(exc)
+            raise
+        self.opening[ident].set_result(reply)
+        return _reply(request, reply)
+
+    async def _open_session(self, request: web.Request, message: dict, ident: tuple[int, str]) -> dict:
+        version = wire.get_int(message, "version", 0, 1 << 16)
+        if version != wire.PROTOCOL_VERSION:
+            raise HTTPError(400, "version", f"protocol version {version} is not supported (server: {wire.PROTOCOL_VERSION})")
+        vocab, limit = self.target.vocab_size, self.limits
+        prompt = wire.get_ids(message, "prompt_ids", vocab, 1, self.target.max_positions - 1)
+        try:
+            sampling = SamplingConfig(
+                temperature=wire.get_float(message, "temperature", 0.0, 100.0, 0.0),
+                top_k=wire.get_int(message, "top_k", 0, vocab, 0),
+                top_p=wire.get_float(message, "top_p", 0.0, 1.0, 1.0),
+            )
+        except MoaspecError as exc:
+            raise wire.ProtocolError(str(exc)) from exc
+        seed = wire.get_int(message, "seed", 0, 2**64 - 1, 0)
+        max_new = wire.get_int(message, "max_new_tokens", 1, limit.max_new_tokens, 256)
+        root_id = message.get("root_id")
+        if root_id is not None:
+            root_id = wire.get_int(message, "root_id", 0, vocab - 1)
+        context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
+        context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
+        key_index = request[KEY_INDEX]
+        if sum(s.key_index == key_index for s in self.sessions.values()) >= limit.max_sessions_per_key:
+            raise HTTPError(429, "too_many_sessions", f"this key already has {limit.max_sessions_per_key} open sessions")
+        if len(self.sessions) >= limit.max_sessions:
+            raise HTTPError(503, "busy", "the server has no free session slot")
+
+        session_target = HFTarget(self.target.model, self.target.tokenizer, self.target.name)
+        target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
+        prompt_ids = torch.tensor(prompt)
+
+        def prefill() -> tuple[int, dict]:
+            if root_id is None:
+                first, update = target_session.prefill(prompt_ids)
+            else:
+                first, update = root_id, target_session.resume(prompt_ids)
+            context = {k: v[context_from:] for k, v in self.encoder.encode(update).items()}
+            return first, wire.encode_context(context, context_dtype)
+
+        started = time.perf_counter()
+        first, context = await self._compute(prefill)
+        session_id = secrets.token_urlsafe(16)
+        self.sessions[session_id] = _Session(key_index, target_session, context_dtype, max_new, first, ident, last_used=time.monotonic())
+        return {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context,
+                "server_s": time.perf_counter() - started}
+
+    async def _verify(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        message = await _read(request)
+        async with session.lock:
+            return await self._verify_locked(request, session, message)
+
+    async def _verify_locked(self, request: web.Request, session: _Session, message: dict) -> web.StreamResponse:
+        seq = wire.get_int(message, "seq", 0, 1 << 40)
+        if seq == session.next_seq - 1 and session.last_reply is not None:
+            return _reply(request, session.last_reply)  # a retry after a lost reply: same answer
+        if seq != session.next_seq:
+            raise HTTPError(409, "out_of_order", f"expected request seq {session.next_seq}, got {seq}")
+        tree = self._tree(message)
+        if int(tree.token_ids[0]) != session.root_id:
+            raise HTTPError(409, "wrong_root", "the tree's root is not the last token this session emitted")
+        depth = int(depths(tree.parents).max())
+        if session.num_verified + depth + 1 > session.max_new_tokens + 1:
+            raise HTTPError(400, "too_many_tokens", f"the session's budget of {session.max_new_tokens} new tokens is spent")
+        if session.target_session.target.num_cached + depth + 1 > self.target.max_positions:
+            raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
+
+        def verify() -> dict:
+            verified = session.target_session.verify(tree)
+            context = self.encoder.encode(verified.update)
+            return {
+                "seq": seq,
+                "path_node_idx": verified.accepted.path_node_idx,
+                "next_token": verified.accepted.next_token,
+                "start_pos": verified.update.start_pos,
+                "context": wire.encode_context(context, session.context_dtype),
+            }
+
+        started = time.perf_counter()
+        reply = await self._compute(verify)
+        reply["server_s"] = time.perf_counter() - started
+        session.num_verified += len(reply["path_node_idx"])
+        session.root_id = reply["next_token"]
+        session.next_seq, session.last_reply, session.last_used = seq + 1, reply, time.monotonic()
+        return _reply(request, reply)
+
+    async def _close(self, request: web.Request) -> web.StreamResponse:
+        self._session(request)
+        self._drop(request.match_info["session_id"])
+        return _reply(request, {"closed": True})
+
+    def _drop(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self.opening.pop(session.open_ident, None)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _session(self, request: web.Request) -> _Session:
+        session = self.sessions.get(request.match_info["session_id"])
+        # another key's session is reported exactly like a missing one
+        if session is None or session.key_index != request[KEY_INDEX]:
+            raise HTTPError(404, "no_session", "no such session (expired, closed or the server restarted)")
+        return session
+
+    def _tree(self, message: dict) -> DraftTree:
+        limit = self.limits.max_tree_nodes
+        token_ids = wire.get_ids(message, "token_ids", self.target.vocab_size, 1, limit)
+        parents = message.get("parents")
+        if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parents):
+            raise wire.ProtocolError("'parents' must be a list of integers, one per node")
+        draft_probs = self._draft_probs(message, len(token_ids)) if "draft_probs" in message else None
+        try:
+            return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
+        except ValueError as exc:
+            raise wire.ProtocolError(str(exc)) from exc
+
+    def _draft_probs(self, message: dict, num_nodes: int) -> torch.Tensor:
+        """Sparse per-node drafter distributions -> dense [N, V] float64 rows."""
+        ids = message.get("draft_ids")
+        if not isinstance(ids, list) or len(ids) != num_nodes or not all(isinstance(row, list) for row in ids):
+            raise wire.ProtocolError("'draft_ids' must hold one list of token ids per node")
+        lengths = [len(row) for row in ids]
+        if sum(lengths) > self.limits.max_draft_prob_entries:
+            raise wire.ProtocolError(f"more than {self.limits.max_draft_prob_entries} drafter probabilities")
+        flat_ids = wire.get_ids({"ids": [t for row in ids for t in row]}, "ids", self.target.vocab_size, 0, sum(lengths))
+        values = wire.decode_tensor(message["draft_probs"], "draft_probs", self.limits.max_draft_prob_entries)
+        if values.dtype != torch.float64 or values.shape != (len(flat_ids),):
+            raise wire.ProtocolError("'draft_probs' must be float64 with one value per draft id")
+        if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+            raise wire.ProtocolError("'draft_probs' must be finite and non-negative")
+        dense = torch.zeros(num_nodes, self.target.vocab_size, dtype=torch.float64)
+        rows = torch.repeat_interleave(torch.arange(num_nodes), torch.tensor(lengths, dtype=torch.long))
+        dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values
+        return dense
+
+    async def _compute(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
+
+    async def _start_reaper(self, app: web.Application) -> None:
+        app[REAPER] = asyncio.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        period = max(0.05, min(5.0, self.limits.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            deadline = time.monotonic() - self.limits.idle_timeout_s
+            for session_id in [k for k, s in self.sessions.items() if s.last_used < deadline]:
+                self._drop(session_id)
+
+    async def _stop(self, app: web.Application) -> None:
+        app[REAPER].cancel()
+        self.sessions.clear()
+        self.opening.clear()
+
+
+async def _read(request: web.Request) -> dict:
+    body = await request.read()
+    return wire.loads(body, request.content_type)
+
+
+def _reply(request: web.Request, message: dict) -> web.Response:
+    content_type = wire.MSGPACK if wire.MSGPACK in request.headers.get("Accept", "") or request.content_type == wire.MSGPACK else wire.JSON
+    return web.Response(body=wire.dumps(message, content_type), content_type=content_type)
+
+
+def _error(status: int, code: str, message: str) -> web.Response:
+    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+class ServerThread:
+    """A server on a loopback port in a background thread (tests, benchmarks): start() / stop()."""
+
+    def __init__(self, server: SplitServer, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> None:
+        self.server, self.host, self.port, self.ssl_context = server, host, port, ssl_context
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="moaspec-serve", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise MoaspecError("the server did not start in time")
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.run_until_complete(self._serve())
+
+    async def _serve(self) -> None:
+        self._stop_event = asyncio.Event()
+        runner = web.AppRunner(self.server.build_app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context)
+        await site.start()
+        self.port = runner.addresses[0][1]
+        self._ready.set()
+        await self._stop_event.wait()
+        await runner.cleanup()

@@ -1,0 +1,120 @@
+"""Client-server split on tiny float64 targets over loopback: output identical to in-process
+generation (greedy and seeded sampling), for MoA (with and without TLI), EAGLE-2 and n-gram."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_random_drafter_net, make_tiny_target
+
+from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
+from moaspec.drafters.eagle import EagleDrafter
+from moaspec.drafters.moa import MoADrafter
+from moaspec.drafters.ngram import NgramDrafter
+from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
+from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+from moaspec.nn.moa import MoAConfig, MoADrafterNet
+from moaspec.split.client import SplitClient
+from moaspec.split.generator import SplitGenerator, SplitOptions
+from moaspec.split.server import ServerLimits, ServerThread, SplitServer
+
+PROMPT = [5, 17, 33, 2, 71, 5, 17, 33, 2]
+KEY = "test-key"
+
+
+def make_drafter(method: str, target, tree: TreeConfig | None = None):
+    """A drafter of the given kind for `target` (same weights for every call with the same args)."""
+    tree = tree or TreeConfig(depth=3, top_k=2, budget=5)
+    if method == "ngram":
+        return NgramDrafter()
+    if method.startswith("moa"):
+        config = MoAConfig.for_target(target.config, tli_layers=1 if method == "moa-tli1" else 0)
+        return MoADrafter(make_random_drafter_net(MoADrafterNet, config, target), target, tree)
+    return EagleDrafter(make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(target.config), target), target, tree)
+
+
+class SplitPair:
+    """A server (own target + drafter copy) and a client drafter (own target copy for its parts)."""
+
+    def __init__(self, method: str, tree: TreeConfig | None = None, limits: ServerLimits = ServerLimits(), port: int = 0) -> None:
+        self.method, self.tree, self.limits = method, tree, limits
+        self.client_target = make_tiny_target("llama", num_hidden_layers=3)
+        self.client_drafter = make_drafter(method, self.client_target, tree)
+        self.server = self.start_server(port)
+
+    def start_server(self, port: int = 0) -> ServerThread:
+        target = make_tiny_target("llama", num_hidden_layers=3)
+        return ServerThread(SplitServer(target, make_drafter(self.method, target, self.tree), [KEY], self.limits), port=port).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.port}"
+
+    def generator(self, url: str | None = None, timeout_s: float = 10.0, **options) -> SplitGenerator:
+        return SplitGenerator(SplitClient(url or self.url, KEY, timeout_s=timeout_s), self.client_drafter, SplitOptions(**options))
+
+    def reference(self, sampling: SamplingConfig, generation: GenerationConfig, prompt: list[int] = PROMPT) -> list[int]:
+        target = make_tiny_target("llama", num_hidden_layers=3)
+        return Engine(target, make_drafter(self.method, target, self.tree)).generate(prompt, sampling, generation, frozenset()).token_ids
+
+
+@pytest.fixture
+def pair(request):
+    made = SplitPair(*request.param) if isinstance(request.param, tuple) else SplitPair(request.param)
+    yield made
+    made.server.stop()
+
+
+@pytest.mark.parametrize("pair", ["moa", "moa-tli1", "eagle", "ngram"], indirect=True)
+@pytest.mark.parametrize("context_dtype", ["f16", "i8"])
+def test_greedy_split_equals_in_process(pair: SplitPair, context_dtype: str) -> None:
+    generation = GenerationConfig(max_new_tokens=24)
+    expected = pair.reference(SamplingConfig(), generation)
+    result = pair.generator(context_dtype=context_dtype).generate(PROMPT, SamplingConfig(), generation)
+    assert result.token_ids == expected
+    assert result.stop_reason == "length" and result.stats.target_forwards == result.stats.num_verifications + 1
+
+
+@pytest.mark.parametrize("pair", ["moa", "moa-tli1", "eagle"], indirect=True)
+def test_exact_context_reproduces_in_process_drafts(pair: SplitPair) -> None:
+    """With f32 context on a float64 tiny model the drafter sees what it sees in-process up to
+    rounding of the memory, so acceptance (tau) matches too, not just the output."""
+    generation = GenerationConfig(max_new_tokens=20)
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    local = Engine(target, make_drafter(pair.method, target)).generate(PROMPT, SamplingConfig(), generation, frozenset())
+    result = pair.generator(context_dtype="f32").generate(PROMPT, SamplingConfig(), generation)
+    assert result.token_ids == local.token_ids
+    assert result.stats.num_verifications == local.stats.num_verifications
+
+
+@pytest.mark.parametrize(
+    "pair", [("moa", TreeConfig(depth=3, top_k=2, budget=5, sampled=True)), ("eagle", None), ("ngram", None)], indirect=True
+)
+def test_seeded_sampling_split_equals_in_process(pair: SplitPair) -> None:
+    """Drafter and verifier draw from separate seeded streams, so the split run reproduces the
+    in-process run token for token; the sampled MoA tree sends its exact sparse draft rows."""
+    sampling, generation = SamplingConfig(temperature=0.9, top_p=0.95), GenerationConfig(max_new_tokens=24, seed=7)
+    expected = pair.reference(sampling, generation)
+    result = pair.generator(context_dtype="f32").generate(PROMPT, sampling, generation)
+    assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("pair", ["ngram"], indirect=True)
+def test_events_stream_the_verified_tokens(pair: SplitPair) -> None:
+    generation = GenerationConfig(max_new_tokens=12)
+    events = list(pair.generator().stream(PROMPT, SamplingConfig(), generation))
+    assert {e.kind for e in events} == {"verified"}
+    assert [t for e in events for t in e.token_ids] == pair.reference(SamplingConfig(), generation)
+
+
+def test_mismatched_drafter_is_refused() -> None:
+    made = SplitPair("moa")
+    try:
+        other_target = make_tiny_target("llama", num_hidden_layers=3)
+        config = MoAConfig.for_target(other_target.config)
+        other = MoADrafter(make_random_drafter_net(MoADrafterNet, config, other_target, seed=5), other_target)
+        with pytest.raises(MoaspecError, match="same drafter"):
+            SplitGenerator(SplitClient(made.url, KEY), other)
+    finally:
+        made.server.stop()

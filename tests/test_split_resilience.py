@@ -1,0 +1,224 @@
+"""Split deployment under failure (loopback only; every wait bounded): link cut and restored,
+server killed and restarted, offline output taken as final, wrong keys, hostile messages, limits,
+concurrent clients."""
+
+from __future__ import annotations
+
+import http.client
+import threading
+import time
+
+import pytest
+import torch
+from test_split import KEY, PROMPT, SplitPair, make_drafter
+
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.split import protocol as wire
+from moaspec.split.adaptive import AdaptiveTree
+from moaspec.split.client import ServerRefused, SessionLost, SplitClient
+from moaspec.split.generator import SplitGenerator, SplitResult
+from moaspec.split.netem import NetemProxy
+from moaspec.split.server import ServerLimits
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture
+def pair(request):
+    made = SplitPair(request.param)
+    yield made
+    made.server.stop()
+
+
+def run_with_cut(generator, proxy: NetemProxy, cut_after: int, restore_after: int, mode: str, generation: GenerationConfig):
+    """Generate, cutting the link once `cut_after` tokens are verified and restoring it after
+    `restore_after` provisional tokens (or 0.5 s offline). -> (result, events, verified-before-cut)."""
+    result, events, seen_before_cut = SplitResult(), [], None
+    timer = threading.Timer(0.5, proxy.restore)  # drafters with nothing to say yield no events
+    for event in generator.stream(PROMPT, GREEDY, generation, frozenset(), result):
+        events.append(event)
+        if seen_before_cut is None and len(result.token_ids) >= cut_after:
+            seen_before_cut = list(result.token_ids)
+            proxy.cut(mode)
+            timer.start()
+        provisional = sum(len(e.token_ids) for e in events if e.kind == "provisional")
+        if proxy.cut_mode and provisional >= restore_after:
+            proxy.restore()
+    timer.cancel()
+    return result, events, seen_before_cut
+
+
+@pytest.mark.parametrize("pair", ["moa", "eagle", "ngram"], indirect=True)
+@pytest.mark.parametrize("mode", ["reset", "blackhole"])
+def test_link_cut_mid_generation_completes_with_verified_text_unchanged(pair: SplitPair, mode: str) -> None:
+    generation = GenerationConfig(max_new_tokens=30)
+    expected = pair.reference(GREEDY, generation)
+    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
+    try:
+        generator = pair.generator(f"http://127.0.0.1:{proxy.port}", timeout_s=0.3, retry_initial_s=0.02, retry_max_s=0.1)
+        result, events, before_cut = run_with_cut(generator, proxy, 8, 5, mode, generation)
+    finally:
+        proxy.stop()
+    assert result.token_ids == expected  # nothing verified was lost or changed
+    assert result.token_ids[: len(before_cut)] == before_cut
+    assert result.num_reconnects >= 1 and result.provisional_ids == []
+    # every provisional token was resolved: confirmed or retracted
+    num_provisional = sum(len(e.token_ids) for e in events if e.kind == "provisional")
+    assert num_provisional == result.num_provisional
+    assert result.num_confirmed + result.num_retracted == num_provisional
+    if pair.method != "ngram":  # model drafters always have something to say
+        assert num_provisional >= 1
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_server_killed_and_restarted_mid_generation(pair: SplitPair) -> None:
+    generation = GenerationConfig(max_new_tokens=30)
+    expected = pair.reference(GREEDY, generation)
+    generator = pair.generator(timeout_s=0.5, retry_initial_s=0.02, retry_max_s=0.2)
+    port, restarted = pair.server.port, False
+    result = SplitResult()
+    for _ in generator.stream(PROMPT, GREEDY, generation, frozenset(), result):
+        if not restarted and len(result.token_ids) >= 10:
+            pair.server.stop()
+            pair.server = pair.start_server(port)  # a fresh process would also have no sessions
+            restarted = True
+    assert restarted and result.token_ids == expected and result.num_reconnects >= 1
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
+    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
+    try:
+        generator = pair.generator(
+            f"http://127.0.0.1:{proxy.port}", timeout_s=0.2, retry_initial_s=0.02, retry_max_s=0.05,
+            offline_deadline_s=0.5, accept_offline=True, max_provisional=6,
+        )
+        result, before_cut = SplitResult(), None
+        for _ in generator.stream(PROMPT, GREEDY, GenerationConfig(max_new_tokens=30), frozenset(), result):
+            if len(result.token_ids) >= 5 and before_cut is None:
+                before_cut = list(result.token_ids)
+                proxy.cut("reset")
+    finally:
+        proxy.stop()
+    assert result.stop_reason == "offline" and result.num_provisional == 6
+    assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
+
+
+def test_wrong_or_missing_key_is_refused_with_a_clear_message() -> None:
+    made = SplitPair("ngram")
+    try:
+        with pytest.raises(ServerRefused, match="invalid API key"):
+            SplitClient(made.url, "wrong").info()
+        conn = http.client.HTTPConnection("127.0.0.1", made.server.port, timeout=5)
+        conn.request("GET", "/v1/split/info")
+        response = conn.getresponse()
+        assert response.status == 401 and b"missing API key" in response.read()
+        assert SplitClient(made.url, KEY).info()["target"] == "tiny-llama"
+    finally:
+        made.server.stop()
+
+
+def _raw_post(port: int, path: str, body: bytes, content_type: str = wire.MSGPACK) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": content_type})
+    response = conn.getresponse()
+    return response.status, response.read()
+
+
+def test_hostile_messages_are_rejected_and_other_sessions_keep_working() -> None:
+    limits = ServerLimits(max_body_bytes=4096, max_tree_nodes=8)
+    made = SplitPair("moa", limits=limits)
+    try:
+        generation = GenerationConfig(max_new_tokens=16)
+        expected = made.reference(GREEDY, generation)
+        port = made.server.port
+        stream = made.generator().stream(PROMPT, GREEDY, generation)
+        tokens = next(stream).token_ids  # a session is open and mid-generation
+        client = SplitClient(made.url, KEY)
+        session_id = client.open(wire.OpenRequest(PROMPT))["session_id"]
+        hostile = [
+            ("/v1/split/sessions", b"\x00" * 8192, wire.MSGPACK, 413),  # oversized
+            ("/v1/split/sessions", b"\xc1\xc1garbage", wire.MSGPACK, 400),  # not msgpack
+            ("/v1/split/sessions", b"[1, 2]", wire.JSON, 400),  # not an object
+            ("/v1/split/sessions", b"{}", "application/python-pickle", 400),  # no pickle, ever
+            ("/v1/split/sessions", wire.dumps({"version": 1, "prompt_ids": [10**9], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
+            ("/v1/split/sessions", wire.dumps({"version": 99, "prompt_ids": [1], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
+            (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1, 2], "parents": [-1, 5]}, wire.MSGPACK), wire.MSGPACK, 400),
+            (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1] * 9, "parents": list(range(-1, 8))}, wire.MSGPACK), wire.MSGPACK, 400),
+            (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 3, "token_ids": [1], "parents": [-1]}, wire.MSGPACK), wire.MSGPACK, 409),
+            (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1, 2], "parents": [-1, 0], "draft_ids": [[], [2]], "draft_probs": {"dtype": "f64", "shape": [5], "data": b"x"}}, wire.MSGPACK), wire.MSGPACK, 400),
+            ("/v1/split/sessions/nonexistent/verify", wire.dumps({"seq": 0}, wire.MSGPACK), wire.MSGPACK, 404),
+        ]
+        for path, body, content_type, status in hostile:
+            got, reply = _raw_post(port, path, body, content_type)
+            assert got == status, (path, body[:40], reply)
+            assert b'"message"' in reply
+        tokens += [t for event in stream for t in event.token_ids]  # the first session carries on
+        assert tokens == expected
+    finally:
+        made.server.stop()
+
+
+def test_session_limits_and_idle_expiry() -> None:
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=2, idle_timeout_s=0.3))
+    try:
+        client = SplitClient(made.url, KEY)
+        request = wire.OpenRequest(PROMPT)
+        first = client.open(request)
+        assert client.open(request)["session_id"] == first["session_id"]  # a retried open is idempotent
+        client.open(wire.OpenRequest(PROMPT))
+        with pytest.raises(ServerRefused, match="open sessions"):
+            client.open(wire.OpenRequest(PROMPT))
+        deadline = time.monotonic() + 5.0
+        while made.server.server.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        request = wire.VerifyRequest(0, [first["next_token"]], [-1])
+        with pytest.raises(SessionLost):
+            client.verify(first["session_id"], request)
+        with pytest.raises(ServerRefused, match="max_new_tokens"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=10**6))
+    finally:
+        made.server.stop()
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_concurrent_clients_do_not_mix_sessions(pair: SplitPair) -> None:
+    prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6], [44, 45, 46, 47]]
+    generation = GenerationConfig(max_new_tokens=16)
+    expected = [pair.reference(GREEDY, generation, prompt) for prompt in prompts]
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    generators = [  # a drafter per client, built here: building seeds torch's global generator
+        SplitGenerator(SplitClient(pair.url, KEY), make_drafter("moa", pair.client_target)) for _ in prompts
+    ]
+
+    def run(i: int) -> None:
+        outputs[i] = generators[i].generate(prompts[i], GREEDY, generation).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outputs == expected
+
+
+def test_adaptive_tree_drafts_deeper_on_a_slow_link() -> None:
+    from moaspec.config import TreeConfig
+    from moaspec.tree import DraftTree
+
+    def tuned(rtt_s: float) -> TreeConfig:
+        adaptive = AdaptiveTree(TreeConfig(depth=4, top_k=3, budget=8), max_tree_nodes=64)
+        chain = DraftTree.chain(list(range(5)))
+        for nodes, accepted in [(5, 4), (5, 3), (5, 4), (5, 2)] * 4:
+            adaptive.observe(rtt_s + 0.01 + 0.002 * nodes, 0.01 + 0.002 * nodes, 0.004, chain, accepted)
+        return adaptive.choose()
+
+    assert tuned(0.2).depth > tuned(0.0).depth
+
+
+def test_int8_context_round_trip_is_close() -> None:
+    x = torch.randn(7, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    decoded = wire.decode_tensor(wire.loads(wire.dumps(wire.encode_tensor(x, "i8"), wire.MSGPACK), wire.MSGPACK), "x")
+    assert decoded.shape == x.shape
+    assert float((decoded - x).abs().max()) <= float(x.abs().amax(-1).max()) / 254 + 1e-6
+    assert int(wire.encode_tensor(x, "i8")["data"].__len__()) == 7 * 64
