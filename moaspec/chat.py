@@ -1,14 +1,19 @@
-"""Prompt encoding shared by generation and data distillation: one user message through the
-target's chat template with the generation prompt (plain tokenisation when there is none)."""
+"""Prompt encoding shared by generation, data distillation and the benchmark: messages through
+the target's chat template with the generation prompt (plain tokenisation when there is none)."""
 
 from __future__ import annotations
 
 
 def encode_chat_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as a single user turn, ready for the assistant's answer."""
+    return encode_chat_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_chat_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation (`{"role", "content"}` dicts ending with a user turn), ready for
+    the assistant's answer. Without a chat template the contents are joined by blank lines."""
     if not getattr(tokenizer, "chat_template", None):
+        text = "\n\n".join(message["content"] for message in messages)
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-    )
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
