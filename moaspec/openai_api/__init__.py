@@ -1,0 +1,10 @@
+"""OpenAI-compatible HTTP API served by `moaspec serve`, decoding speculatively on the server.
+
+Modules: routes (handlers, the step-by-step generation loop, registration on the split server's
+aiohttp app), schemas (request validation, response and error bodies), streaming (stop sequences,
+server-sent events), queue (bounded admission queue, 429 when full), metrics (Prometheus text).
+"""
+
+from moaspec.openai_api.routes import OpenAILimits, add_openai_routes
+
+__all__ = ["OpenAILimits", "add_openai_routes"]
