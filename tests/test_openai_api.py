@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
@@ -287,14 +287,16 @@ def test_concurrent_requests_get_their_own_answers(ngram_server) -> None:
     assert answers == expected
 
 
-def _open_stream(server, max_tokens: int = 400) -> tuple[httpx.Client, httpx.Response]:
-    """Start a streaming generation and return once its first chunk arrived."""
+def _open_stream(server, max_tokens: int = 400) -> tuple[httpx.Client, httpx.Response, object]:
+    """Start a streaming generation and return once its first chunk arrived (with the line
+    iterator: dropping it would close the stream)."""
     session = httpx.Client(timeout=TIMEOUT_S)
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens, "temperature": 0, "stream": True}
     response = session.send(session.build_request("POST", url(server, "/v1/chat/completions"), json=body, headers=HEADERS), stream=True)
     assert response.status_code == 200
-    next(response.iter_lines())
-    return session, response
+    lines = response.iter_lines()
+    next(lines)
+    return session, response, lines
 
 
 def _metric(server, line_start: str) -> float:
@@ -306,7 +308,7 @@ def _metric(server, line_start: str) -> float:
 def test_disconnect_mid_stream_cancels_and_frees_the_slot() -> None:
     started = start_server("ngram", delay_s=0.05)  # >= 20 s for 400 tokens if not cancelled
     try:
-        session, response = _open_stream(started)
+        session, response, _lines = _open_stream(started)
         assert health(started)["queue"]["active"] == 1
         response.close()
         session.close()
