@@ -11,7 +11,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx2 as httpx  # the HTTP client the openai package itself uses
+try:
+    import httpx2 as httpx  # the HTTP client of openai >= 3
+except ImportError:  # openai 1.x-2.x ship httpx, same API
+    import httpx
 import openai
 import pytest
 from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
@@ -369,6 +372,50 @@ def test_health_and_prometheus_metrics(ngram_server) -> None:
     assert _metric(ngram_server, 'moaspec_http_requests_total{route="/v1/chat/completions",status="200"}') >= 1
     assert _metric(ngram_server, "moaspec_mean_tokens_per_forward") >= 1.0
     assert httpx.get(url(ngram_server, "/metrics"), timeout=TIMEOUT_S).status_code == 401
+
+
+def test_serve_flags() -> None:
+    import argparse
+
+    from moaspec.errors import MoaspecError
+    from moaspec.openai_api.cli import add_openai_arguments, openai_limits_from_args
+
+    parser = argparse.ArgumentParser()
+    add_openai_arguments(parser)
+    assert openai_limits_from_args(parser.parse_args([])).max_waiting == 8
+    assert openai_limits_from_args(parser.parse_args(["--max-queue", "0"])).max_waiting == 0
+    with pytest.raises(MoaspecError):
+        openai_limits_from_args(parser.parse_args(["--max-queue", "-1"]))
+
+
+def test_tls_with_the_openai_client(tmp_path) -> None:
+    """The same TLS as the split protocol: ServerThread with the server's SSL context."""
+    import ssl
+    import subprocess
+
+    from moaspec.split.server import ServerThread, SplitServer
+    from openai_helpers import make_drafter as drafter_for
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    target = tiny_chat_target()
+    started = ServerThread(SplitServer(target, drafter_for("ngram", target), [KEY]), ssl_context=context).start()
+    try:
+        trusted = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{started.port}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S,
+            http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=TIMEOUT_S),
+        )
+        assert trusted.completions.create(model=MODEL, prompt="tls", max_tokens=3, temperature=0).usage.completion_tokens == 3
+        with pytest.raises(openai.APIConnectionError):  # an unknown certificate is refused
+            openai.OpenAI(base_url=f"https://127.0.0.1:{started.port}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S).models.list()
+    finally:
+        started.stop()
 
 
 # -- queue unit tests ----------------------------------------------------------------------------------
