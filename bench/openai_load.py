@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_bench import PROMPTS  # noqa: E402  same prompts as the core benchmark
+from core_bench import PROMPTS
 
 
 @dataclass
@@ -103,7 +103,7 @@ async def one_request(session: aiohttp.ClientSession, base: str, model: str, pro
                         outcome.tau = chunk.get("moaspec", {}).get("tau")
             else:
                 await response.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         outcome.status = -1
     outcome.latency_s = time.perf_counter() - started
     return outcome
@@ -132,10 +132,10 @@ async def run_load(base: str, key: str, model: str, clients: int, args: argparse
 
 
 async def model_id(base: str, key: str, timeout_s: float) -> str:
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async with session.get(f"{base}/v1/models") as response:
-            response.raise_for_status()
-            return (await response.json())["data"][0]["id"]
+    headers, timeout = {"Authorization": f"Bearer {key}"}, aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session, session.get(f"{base}/v1/models") as response:
+        response.raise_for_status()
+        return (await response.json())["data"][0]["id"]
 
 
 def bench_url(args: argparse.Namespace, client_counts: list[int]) -> list[dict]:

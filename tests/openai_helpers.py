@@ -70,10 +70,10 @@ class SlowDrafter:
         return self.inner.propose(root_id, sampling, generator)
 
 
-def start_server(method: str = "ngram", delay_s: float = 0.0, max_waiting: int = 8, limits: ServerLimits = ServerLimits()) -> ServerThread:
+def start_server(method: str = "ngram", delay_s: float = 0.0, max_waiting: int = 8, limits: ServerLimits | None = None) -> ServerThread:
     target = tiny_chat_target()
     drafter = make_drafter(method, target)
     if delay_s:
         drafter = SlowDrafter(drafter, delay_s)
-    server = SplitServer(target, drafter, [KEY], limits, OpenAILimits(max_waiting=max_waiting))
+    server = SplitServer(target, drafter, [KEY], limits or ServerLimits(), OpenAILimits(max_waiting=max_waiting))
     return ServerThread(server).start()

@@ -109,7 +109,7 @@ def test_completion_greedy_equals_in_process(server) -> None:
 def test_seeded_sampling_equals_in_process(ngram_server) -> None:
     lm = reference("ngram")
     expected = lm.generate("Pick colours.", max_new_tokens=25, temperature=0.8, top_p=0.9, seed=1234)
-    make = lambda: client(ngram_server).chat.completions.create(  # noqa: E731
+    make = lambda: client(ngram_server).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Pick colours."}], max_tokens=25, temperature=0.8, top_p=0.9, seed=1234
     )
     assert make().choices[0].message.content == expected.text == make().choices[0].message.content
@@ -164,7 +164,7 @@ def test_stop_sequences_cut_the_text(server, stream: bool) -> None:
     second = full[40:42] if full[40:42] not in full[:40] else full[45:47]
     expected = full[: min(full.find(stop), full.find(second) if second in full else len(full))]
     for stops in (stop, [second, stop]):
-        kwargs = dict(model=MODEL, messages=messages, max_tokens=60, temperature=0, stop=stops)
+        kwargs = {"model": MODEL, "messages": messages, "max_tokens": 60, "temperature": 0, "stop": stops}
         if stream:
             chunks = list(client(server).chat.completions.create(**kwargs, stream=True))
             deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
@@ -393,8 +393,9 @@ def test_tls_with_the_openai_client(tmp_path) -> None:
     import ssl
     import subprocess
 
-    from moaspec.split.server import ServerThread, SplitServer
     from openai_helpers import make_drafter as drafter_for
+
+    from moaspec.split.server import ServerThread, SplitServer
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

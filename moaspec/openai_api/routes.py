@@ -166,7 +166,7 @@ class OpenAIRoutes:
         """Tokenise off the event loop (not on the model worker: it may be busy generating)."""
         try:
             return await asyncio.get_running_loop().run_in_executor(None, encode)
-        except Exception as exc:  # e.g. a chat template that refuses the roles' order
+        except Exception as exc:  # noqa: BLE001  e.g. a chat template that refuses the roles' order
             raise APIError(400, f"cannot encode the prompt: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", None, "invalid_prompt") from None
 
     def _job(self, body: dict, chat: bool, prompt_ids: list[int]) -> GenerationJob:
@@ -244,7 +244,7 @@ class OpenAIRoutes:
                     await response.write(sse(chunk(delta)))
         except (ClientGone, ConnectionError):
             raise
-        except Exception as exc:  # headers are sent: report in-band, as OpenAI does, then end the stream
+        except Exception as exc:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
             message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             await response.write(sse(schemas.error_body(500, message, None, "internal")))
             await response.write(DONE)
