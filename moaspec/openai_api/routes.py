@@ -179,6 +179,8 @@ class OpenAIRoutes:
         return schemas.parse_job(body, chat, prompt_ids, self.max_new_tokens, context - len(prompt_ids))
 
     async def _generate(self, request: web.Request, job: GenerationJob, endpoint: str) -> web.StreamResponse:
+        # Created (not started) before taking a slot: a refusal here cannot leak the slot.
+        generation = _Generation(self.engine, self.worker, self.tokenizer, job)
         queued = time.perf_counter()
         try:
             await self.queue.acquire(lambda: _client_gone(request))
@@ -190,7 +192,6 @@ class OpenAIRoutes:
         wait_s = time.perf_counter() - queued
         self.metrics.queue_wait.observe(wait_s)
         self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-        generation = _Generation(self.engine, self.worker, self.tokenizer, job)
         finish = "error"
         try:
             run = self._stream if job.stream else self._complete
