@@ -244,7 +244,7 @@ class OpenAIRoutes:
                         self.metrics.ttft.observe(generation.first_token_s)
                     await response.write(sse(chunk(delta)))
         except (ClientGone, ConnectionError):
-            raise
+            return response  # headers already sent: end quietly; counted as a cancelled generation
         except Exception as exc:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
             message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             await response.write(sse(schemas.error_body(500, message, None, "internal")))
