@@ -98,6 +98,9 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     serve.add_argument("--max-tree-nodes", type=int, default=limits.max_tree_nodes, help=f"largest draft tree (default {limits.max_tree_nodes})")
     serve.add_argument("--max-new-tokens", type=int, default=limits.max_new_tokens, help=f"per session (default {limits.max_new_tokens})")
+    from moaspec.openai_api.cli import add_openai_arguments
+
+    add_openai_arguments(serve)
     serve.add_argument("--max-sessions-per-key", type=int, default=limits.max_sessions_per_key, help=f"(default {limits.max_sessions_per_key})")
     serve.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s, help=f"drop idle sessions (default {limits.idle_timeout_s:g})")
     serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help=f"largest request (default {limits.max_body_bytes})")

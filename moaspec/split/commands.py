@@ -61,7 +61,9 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
         max_sessions_per_key=args.max_sessions_per_key, idle_timeout_s=args.idle_timeout_s,
     )
     target = load_target(args.target)
-    server = SplitServer(target, make_drafter(args.drafter, target), keys, limits)
+    from moaspec.openai_api.cli import openai_limits_from_args
+
+    server = SplitServer(target, make_drafter(args.drafter, target), keys, limits, openai_limits_from_args(args))
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {target.name} + {args.drafter} context encoder on {scheme}://{args.host}:{args.port}", file=sys.stderr)
     web.run_app(server.build_app(), host=args.host, port=args.port, ssl_context=ssl_context, print=None, access_log=None)

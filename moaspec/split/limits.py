@@ -16,3 +16,14 @@ class ServerLimits:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     max_draft_prob_entries: int = 1 << 16  # sparse drafter probabilities per tree
+
+
+@dataclass(frozen=True)
+class OpenAILimits:
+    """max_waiting: generations that may wait for the model while one runs (one more gets 429)."""
+
+    max_waiting: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")

@@ -8,8 +8,8 @@ The server holds the target and the drafter's context encoder. Per client sessio
     DELETE /v1/split/sessions/{id}
 Every request needs `Authorization: Bearer <key>` (constant-time compare). Model work runs on one
 worker thread, one request at a time, so sessions never share state; a bad request gets a 4xx
-with {"error": {"code", "message"}} and never affects another session. The aiohttp application is
-built by `build_app`, so other route sets (the OpenAI-compatible API, issue 7) can be added to it.
+with {"error": {"code", "message", "type", "param"}} and never affects another session. `build_app`
+also adds the OpenAI-compatible API (moaspec/openai_api, issue 7) to the same application.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from aiohttp import web
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
+from moaspec.openai_api.routes import OpenAILimits, add_openai_routes
+from moaspec.openai_api.schemas import error_body
 from moaspec.session import TargetSession
 from moaspec.split import protocol as wire
 from moaspec.split.identity import drafter_fingerprint, drafter_method
@@ -66,10 +68,15 @@ class _Session:
 class SplitServer:
     """Sessions over one target + one drafter's context encoder."""
 
-    def __init__(self, target: HFTarget, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits()) -> None:
+    def __init__(
+        self, target: HFTarget, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits(),
+        openai_limits: OpenAILimits | None = None,
+    ) -> None:
         if not api_keys or not all(api_keys):
             raise MoaspecError("the server needs at least one non-empty API key")
         self.target = target
+        self.drafter = drafter  # the OpenAI routes generate with it (issue 7)
+        self.openai_limits = openai_limits
         self.encoder = getattr(drafter, "context_encoder", None)
         if self.encoder is None:
             raise MoaspecError(f"drafter {drafter_method(drafter)} cannot be split (it has no context encoder)")
@@ -95,6 +102,7 @@ class SplitServer:
         app.router.add_post("/v1/split/sessions", self._open)
         app.router.add_post("/v1/split/sessions/{session_id}/verify", self._verify)
         app.router.add_delete("/v1/split/sessions/{session_id}", self._close)
+        add_openai_routes(app, self.target, self.drafter, self.worker, self.limits.max_new_tokens, self.openai_limits)
         app.on_startup.append(self._start_reaper)
         app.on_cleanup.append(self._stop)
         return app
@@ -316,7 +324,8 @@ def _reply(request: web.Request, message: dict) -> web.Response:
 
 
 def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"error": {"code": code, "message": message}}, status=status)
+    # OpenAI's error shape {"error": {"message", "type", "param", "code"}} on every route (issue 7)
+    return web.json_response(error_body(status, message, None, code), status=status)
 
 
 class ServerThread:

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP API on the `moaspec serve` application, decoding speculatively.
+
+    GET  /v1/models, /v1/models/{model}     the target, by its name (e.g. smollm2-135m)
+    POST /v1/completions                    raw prompt (string or token ids), no chat template
+    POST /v1/chat/completions               messages through the target's chat template
+    GET  /health                            liveness + queue state
+    GET  /metrics                           Prometheus text format
+
+`add_openai_routes` adds these to the split server's aiohttp application (moaspec/split/server.py),
+so they share its API-key check, TLS, body-size limit and its single model worker thread.
+
+Invariants:
+- one generation holds the model at a time (the engine has batch size 1); others wait in a
+  bounded queue (`OpenAILimits.max_waiting`, then 429). Each engine step (one draft tree +
+  one target forward) is a separate job on the worker thread, so split sessions interleave with
+  generations, and the client connection is checked between steps: a client that disconnects
+  stops its generation within one step and frees its slot.
+- greedy output equals in-process `Engine` / `moaspec generate` output for the same target and
+  drafter; sampling draws from the target's distribution with the request's seed.
+- every refusal is OpenAI's error JSON {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from moaspec.chat import encode_chat_messages
+from moaspec.drafters.base import Drafter
+from moaspec.engine import Engine, GenerationResult
+from moaspec.openai_api import schemas
+from moaspec.openai_api.metrics import CONTENT_TYPE, ServerMetrics
+from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
+from moaspec.openai_api.schemas import APIError, GenerationJob
+from moaspec.openai_api.streaming import DONE, TextStream, sse
+from moaspec.split.identity import drafter_fingerprint, drafter_method
+from moaspec.split.limits import OpenAILimits
+from moaspec.target import HFTarget
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def add_openai_routes(
+    app: web.Application,
+    target: HFTarget,
+    drafter: Drafter,
+    worker: ThreadPoolExecutor,
+    max_new_tokens: int,
+    limits: OpenAILimits | None = None,
+) -> OpenAIRoutes:
+    """Register the OpenAI routes and a request-metrics middleware on `app` (before it starts).
+
+    worker: the single thread that runs all model work; max_new_tokens: per-request cap."""
+    routes = OpenAIRoutes(target, drafter, worker, max_new_tokens, limits or OpenAILimits())
+    routes.register(app)
+    return routes
+
+
+class OpenAIRoutes:
+    def __init__(self, target: HFTarget, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits) -> None:
+        # Own cache over the shared weights, as split sessions have; the drafter is the server's.
+        self.target = HFTarget(target.model, target.tokenizer, target.name)
+        self.tokenizer = target.tokenizer
+        self.engine = Engine(self.target, drafter)
+        self.worker = worker
+        self.max_new_tokens = max_new_tokens
+        self.model_id = target.name
+        self.drafter = drafter_method(drafter)
+        self.fingerprint = f"moaspec-{self.drafter}-{drafter_fingerprint(drafter)[:8]}"
+        self.created = int(time.time())
+        self.queue = AdmissionQueue(limits.max_waiting)
+        self.metrics = ServerMetrics(lambda: self.queue.waiting, lambda: self.queue.active, limits.max_waiting)
+
+    def register(self, app: web.Application) -> None:
+        app.middlewares.insert(0, self._count)  # outermost: sees every final status, 401s included
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+
+    # -- middleware ---------------------------------------------------------------------------------
+    @web.middleware
+    async def _count(self, request: web.Request, handler) -> web.StreamResponse:
+        started, status = time.perf_counter(), 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "other"  # bounded label values
+            self.metrics.requests.inc(1, route, str(status))
+            self.metrics.latency.observe(time.perf_counter() - started, route)
+
+    # -- small routes -----------------------------------------------------------------------------
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moaspec"}
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["model"] != self.model_id:
+            return _error_response(APIError(404, f"the model '{request.match_info['model']}' does not exist", "model", "model_not_found"))
+        return web.json_response(self._model_card())
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        queue = {"active": self.queue.active, "waiting": self.queue.waiting, "max_waiting": self.queue.max_waiting}
+        return web.json_response({"status": "ok", "model": self.model_id, "drafter": self.drafter, "queue": queue})
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self.metrics.render().encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    # -- generation routes ------------------------------------------------------------------------
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            prompt = schemas.completion_prompt(body, self.target.vocab_size)
+            if isinstance(prompt, str):
+                prompt = await self._encode(lambda: list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
+            return await self._generate(request, self._job(body, False, prompt), "completions")
+        except APIError as exc:
+            return _error_response(exc)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await self._body(request)
+            messages = schemas.chat_messages(body)
+            prompt = await self._encode(lambda: encode_chat_messages(self.tokenizer, messages))
+            return await self._generate(request, self._job(body, True, prompt), "chat")
+        except APIError as exc:
+            return _error_response(exc)
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise APIError(413, f"the request body is too large: {exc.text}", None, "request_too_large") from None
+        body = schemas.parse_body(raw)
+        schemas.check_model(body, self.model_id)
+        if self.tokenizer is None:
+            raise APIError(503, "this server's target has no tokenizer", None, "no_tokenizer")
+        return body
+
+    async def _encode(self, encode) -> list[int]:
+        """Tokenise off the event loop (not on the model worker: it may be busy generating)."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, encode)
+        except Exception as exc:  # noqa: BLE001  e.g. a chat template that refuses the roles' order
+            raise APIError(400, f"cannot encode the prompt: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", None, "invalid_prompt") from None
+
+    def _job(self, body: dict, chat: bool, prompt_ids: list[int]) -> GenerationJob:
+        context = self.target.max_positions
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", "messages" if chat else "prompt", "invalid_value")
+        if len(prompt_ids) >= context:
+            raise APIError(413, f"the prompt has {len(prompt_ids)} tokens but the model's context holds {context}",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        return schemas.parse_job(body, chat, prompt_ids, self.max_new_tokens, context - len(prompt_ids))
+
+    async def _generate(self, request: web.Request, job: GenerationJob, endpoint: str) -> web.StreamResponse:
+        # Created (not started) before taking a slot: a refusal here cannot leak the slot.
+        generation = _Generation(self.engine, self.worker, self.tokenizer, job)
+        queued = time.perf_counter()
+        try:
+            await self.queue.acquire(lambda: _client_gone(request))
+        except QueueFull as exc:
+            raise APIError(429, f"the server is busy: {exc}", None, "queue_full") from None
+        except ClientGone:
+            self.metrics.generations.inc(1, endpoint, "cancelled")
+            return web.Response(status=CLIENT_CLOSED)
+        wait_s = time.perf_counter() - queued
+        self.metrics.queue_wait.observe(wait_s)
+        self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        finish = "error"
+        try:
+            run = self._stream if job.stream else self._complete
+            response = await run(request, job, generation, wait_s)
+            finish = generation.finish_reason or "cancelled"
+            return response
+        except (ClientGone, ConnectionError):
+            finish = "cancelled"
+            return web.Response(status=CLIENT_CLOSED)
+        finally:
+            generation.close()  # queued on the worker, so it runs before the next generation's steps
+            self.queue.release()
+            self.metrics.generations.inc(1, endpoint, finish)
+            self.metrics.record_stats(generation.result.stats)
+            self.metrics.generation_s.observe(time.perf_counter() - queued - wait_s)
+
+    async def _complete(self, request: web.Request, job: GenerationJob, generation: _Generation, wait_s: float) -> web.StreamResponse:
+        started = time.perf_counter()
+        while generation.finish_reason is None:
+            if _client_gone(request):
+                raise ClientGone
+            await generation.next_delta()
+            if generation.result.token_ids and generation.first_token_s is None:
+                generation.first_token_s = time.perf_counter() - started
+                self.metrics.ttft.observe(generation.first_token_s)
+        body = schemas.response_body(
+            job, schemas.new_id(job.chat), self.model_id, self.fingerprint, generation.text.released,
+            generation.finish_reason, self._usage(job, generation), self._extension(generation, wait_s),
+        )
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, job: GenerationJob, generation: _Generation, wait_s: float) -> web.StreamResponse:
+        rid, started = schemas.new_id(job.chat), time.perf_counter()
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+
+        def chunk(text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+            return schemas.chunk_body(job, rid, self.model_id, self.fingerprint, text, finish_reason, first)
+
+        if job.chat:
+            await response.write(sse(chunk(None, first=True)))
+        try:
+            while generation.finish_reason is None:
+                if _client_gone(request):
+                    raise ClientGone
+                delta = await generation.next_delta()
+                if delta:
+                    if generation.first_token_s is None:
+                        generation.first_token_s = time.perf_counter() - started
+                        self.metrics.ttft.observe(generation.first_token_s)
+                    await response.write(sse(chunk(delta)))
+        except (ClientGone, ConnectionError):
+            return response  # headers already sent: end quietly; counted as a cancelled generation
+        except Exception as exc:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
+            message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            await response.write(sse(schemas.error_body(500, message, None, "internal")))
+            await response.write(DONE)
+            await response.write_eof()
+            return response
+        extension = self._extension(generation, wait_s)
+        await response.write(sse({**chunk(None, generation.finish_reason), "moaspec": extension}))
+        if job.include_usage:
+            await response.write(sse(schemas.usage_chunk(job, rid, self.model_id, self.fingerprint, self._usage(job, generation), extension)))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+
+    def _usage(self, job: GenerationJob, generation: _Generation) -> dict:
+        return schemas.usage(len(job.prompt_ids), len(generation.result.token_ids))
+
+    def _extension(self, generation: _Generation, wait_s: float) -> dict:
+        """The `moaspec` object: τ and speed of this generation (moaspec/metrics.py conventions)."""
+        return {
+            "drafter": self.drafter,
+            **generation.result.stats.to_dict(),
+            "stop_reason": "stop_sequence" if generation.text.stopped else generation.result.stop_reason,
+            "queue_s": round(wait_s, 4),
+            "time_to_first_token_s": None if generation.first_token_s is None else round(generation.first_token_s, 4),
+        }
+
+
+class _Generation:
+    """One request's engine stream, advanced one step per worker job."""
+
+    def __init__(self, engine: Engine, worker: ThreadPoolExecutor, tokenizer, job: GenerationJob) -> None:
+        self.result = GenerationResult()
+        self.worker = worker
+        self._steps = engine.stream(list(job.prompt_ids), job.sampling, job.generation, result=self.result)
+        self.text = TextStream(tokenizer, job.stop)
+        self.finish_reason: str | None = None  # "stop" | "length" once over
+        self.first_token_s: float | None = None
+
+    async def next_delta(self) -> str:
+        """Run one engine step on the worker; the newly releasable text."""
+        new_ids = await asyncio.get_running_loop().run_in_executor(self.worker, next, self._steps, None)
+        if new_ids is None:  # the engine finished: stop token, max_tokens or the context
+            self.finish_reason = "stop" if self.result.stop_reason == "stop_token" else "length"
+            return self.text.update(self.result.token_ids, final=True)
+        delta = self.text.update(self.result.token_ids)
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        return delta
+
+    def close(self) -> None:
+        """End the engine stream on the worker thread (a step may still be running there)."""
+        self.worker.submit(self._steps.close)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _error_response(exc: APIError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)

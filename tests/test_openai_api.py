@@ -1,0 +1,481 @@
+"""The OpenAI-compatible API (moaspec/openai_api) against the official `openai` client on loopback,
+with tiny float64 targets and a character tokenizer: output equals in-process generation, stop
+sequences, streaming, errors in OpenAI's shape, concurrency, queue limit, disconnects, metrics.
+
+Every network call has a timeout and every polling loop a deadline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+try:
+    import httpx2 as httpx  # the HTTP client of openai >= 3
+except ImportError:  # openai 1.x-2.x ship httpx, same API
+    import httpx
+import openai
+import pytest
+from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
+
+from moaspec.api import SpeculativeLM
+from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
+from moaspec.openai_api.streaming import TextStream
+from moaspec.split.server import ServerLimits
+
+MODEL = "tiny-llama"
+TIMEOUT_S = 30.0
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+def client(server, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0, timeout=TIMEOUT_S)
+
+
+def url(server, path: str) -> str:
+    return f"http://127.0.0.1:{server.port}{path}"
+
+
+def reference(method: str) -> SpeculativeLM:
+    """In-process generation with an identical target and drafter (same seeds)."""
+    target = tiny_chat_target()
+    return SpeculativeLM(target, make_drafter(method, target))
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def health(server) -> dict:
+    return httpx.get(url(server, "/health"), headers=HEADERS, timeout=TIMEOUT_S).json()
+
+
+@pytest.fixture(scope="module", params=["ngram", "moa"])
+def server(request):
+    started = start_server(request.param)
+    started.method = request.param
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def ngram_server():
+    started = start_server("ngram")
+    yield started
+    started.stop()
+
+
+# -- output equals in-process generation -----------------------------------------------------------
+def test_models_lists_the_target(ngram_server) -> None:
+    models = client(ngram_server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client(ngram_server).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client(ngram_server).models.retrieve("gpt-4")
+
+
+def test_chat_greedy_equals_in_process(server) -> None:
+    lm = reference(server.method)
+    expected = lm.generate("Tell me a story.", max_new_tokens=40, temperature=0.0)
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=40, temperature=0
+    )
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == len(expected.token_ids) == 40
+    assert reply.usage.prompt_tokens == len(lm.encode_prompt("Tell me a story."))
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 40
+    extension = reply.model_extra["moaspec"]
+    assert extension["new_tokens"] == 40 and extension["tau"] >= 1.0 and extension["tokens_per_s"] > 0
+    assert extension["target_forwards"] == expected.stats.target_forwards  # same drafts, same verifications
+
+
+def test_completion_greedy_equals_in_process(server) -> None:
+    lm = reference(server.method)
+    expected = lm.generate("Once upon a time", max_new_tokens=30, temperature=0.0, raw=True)
+    reply = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0)
+    assert reply.choices[0].text == expected.text and reply.object == "text_completion"
+    ids = lm.encode_prompt("Once upon a time", raw=True)
+    by_ids = client(server).completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0)
+    assert by_ids.choices[0].text == expected.text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_seeded_sampling_equals_in_process(ngram_server) -> None:
+    lm = reference("ngram")
+    expected = lm.generate("Pick colours.", max_new_tokens=25, temperature=0.8, top_p=0.9, seed=1234)
+    make = lambda: client(ngram_server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Pick colours."}], max_tokens=25, temperature=0.8, top_p=0.9, seed=1234
+    )
+    assert make().choices[0].message.content == expected.text == make().choices[0].message.content
+
+
+def test_multi_turn_chat_goes_through_the_template(ngram_server) -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": [{"type": "text", "text": "More"}, {"type": "text", "text": " please"}]},
+    ]
+    reply = client(ngram_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    templated = "system: Be brief.\nuser: Hi\nassistant: Hello\nuser: More please\nassistant:"
+    assert reply.usage.prompt_tokens == len(templated)  # one token per character
+
+
+# -- streaming and stop sequences ------------------------------------------------------------------
+def test_streaming_equals_non_streaming(server) -> None:
+    messages = [{"role": "user", "content": "Count to ten."}]
+    whole = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=35, temperature=0)
+    chunks = list(client(server).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=35, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 35
+    assert finals[0].model_extra["moaspec"]["new_tokens"] == 35
+
+    completion = list(client(server).completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0, stream=True))
+    plain = client(server).completions.create(model=MODEL, prompt="abc", max_tokens=20, temperature=0)
+    assert "".join(c.choices[0].text for c in completion) == plain.choices[0].text
+
+
+def test_raw_stream_ends_with_done(ngram_server) -> None:
+    body = {"model": MODEL, "prompt": "xy", "max_tokens": 8, "temperature": 0, "stream": True}
+    response = httpx.post(url(ngram_server, "/v1/completions"), json=body, headers=HEADERS, timeout=TIMEOUT_S)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in response.text.split("\n\n") if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_sequences_cut_the_text(server, stream: bool) -> None:
+    messages = [{"role": "user", "content": "Write something."}]
+    full = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0).choices[0].message.content
+    stop = full[25:28]  # 3 characters = 3 tokens: may span engine steps and arrive in pieces
+    second = full[40:42] if full[40:42] not in full[:40] else full[45:47]
+    expected = full[: min(full.find(stop), full.find(second) if second in full else len(full))]
+    for stops in (stop, [second, stop]):
+        kwargs = {"model": MODEL, "messages": messages, "max_tokens": 60, "temperature": 0, "stop": stops}
+        if stream:
+            chunks = list(client(server).chat.completions.create(**kwargs, stream=True))
+            deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+            text, finish = "".join(deltas), chunks[-1].choices[0].finish_reason
+        else:
+            reply = client(server).chat.completions.create(**kwargs)
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        want = full[: full.find(stop)] if isinstance(stops, str) else expected
+        assert text == want and finish == "stop"
+
+
+def test_text_stream_holds_back_possible_stop_prefixes() -> None:
+    class Chars:  # token id = character code
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    stream = TextStream(Chars(), ("END", "xyz"))
+    ids = [ord(c) for c in "abcENxyEND tail"]
+    deltas = [stream.update(ids[:n]) for n in (3, 5, 7, 10, 15)]
+    assert deltas == ["abc", "", "EN", "xy", ""]  # "EN" waits until "x" rules out END; "xy" until END
+    assert stream.released == "abcENxy" and stream.stopped
+    finished = TextStream(Chars(), ("END",))
+    assert finished.update([ord("E")]) == "" and finished.update([ord("E"), ord("N")], final=True) == "EN"
+
+
+# -- errors ------------------------------------------------------------------------------------------
+def test_wrong_or_missing_key_is_401(ngram_server) -> None:
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(ngram_server, key="wrong").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert caught.value.status_code == 401
+    response = httpx.get(url(ngram_server, "/v1/models"), timeout=TIMEOUT_S)
+    error = response.json()["error"]
+    assert response.status_code == 401 and set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "authentication_error"
+
+
+def _post(server, path: str, content: bytes | None = None, body: dict | None = None) -> httpx.Response:
+    return httpx.post(url(server, path), content=content, json=body, headers=HEADERS, timeout=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"prompt": "x"}, 400, "model"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [5, 500]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+        ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x" * 600}, 413, "prompt"),
+    ],
+)
+def test_bad_completion_requests(ngram_server, body: dict, status: int, param: str) -> None:
+    response = _post(ngram_server, "/v1/completions", body=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": MODEL}, 400),
+        ({"model": MODEL, "messages": []}, 400),
+        ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 413),
+        ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ],
+)
+def test_bad_chat_requests(ngram_server, body: dict, status: int) -> None:
+    response = _post(ngram_server, "/v1/chat/completions", body=body)
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_bad_json_body_size_and_route(ngram_server) -> None:
+    assert _post(ngram_server, "/v1/chat/completions", content=b"{not json").status_code == 400
+    assert _post(ngram_server, "/v1/chat/completions", content=b"[1, 2]").status_code == 400
+    huge = _post(ngram_server, "/v1/completions", content=b'{"model": "tiny-llama", "prompt": "' + b"x" * (2 << 20) + b'"}')
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.get(url(ngram_server, "/v1/engines"), headers=HEADERS, timeout=TIMEOUT_S)
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        client(ngram_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+
+
+def test_max_tokens_limit_follows_the_split_limits() -> None:
+    started = start_server("ngram", limits=ServerLimits(max_new_tokens=10))
+    try:
+        response = _post(started, "/v1/completions", body={"model": MODEL, "prompt": "x", "max_tokens": 11})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        chat = client(started).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=0)
+        assert chat.usage.completion_tokens == 10  # chat default: as many as allowed
+    finally:
+        started.stop()
+
+
+# -- concurrency, queue, disconnects, metrics ---------------------------------------------------------
+def test_concurrent_requests_get_their_own_answers(ngram_server) -> None:
+    lm = reference("ngram")
+    prompts = [f"Question number {i}?" for i in range(5)]
+    expected = [lm.generate(p, max_new_tokens=20, temperature=0.0).text for p in prompts]
+
+    def ask(prompt: str) -> str:
+        reply = client(ngram_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=20, temperature=0)
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        answers = list(pool.map(ask, prompts, timeout=TIMEOUT_S * 2))
+    assert answers == expected
+
+
+def _open_stream(server, max_tokens: int = 400) -> tuple[httpx.Client, httpx.Response, object]:
+    """Start a streaming generation and return once its first chunk arrived (with the line
+    iterator: dropping it would close the stream)."""
+    session = httpx.Client(timeout=TIMEOUT_S)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    response = session.send(session.build_request("POST", url(server, "/v1/chat/completions"), json=body, headers=HEADERS), stream=True)
+    assert response.status_code == 200
+    lines = response.iter_lines()
+    next(lines)
+    return session, response, lines
+
+
+def _metric(server, line_start: str) -> float:
+    text = httpx.get(url(server, "/metrics"), headers=HEADERS, timeout=TIMEOUT_S).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start)]
+    return sum(values)
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_slot() -> None:
+    started = start_server("ngram", delay_s=0.1)  # >= 10 s for 400 tokens if not cancelled
+    try:
+        session, response, _lines = _open_stream(started)
+        assert health(started)["queue"]["active"] == 1
+        response.close()
+        session.close()
+        assert wait_until(lambda: health(started)["queue"]["active"] == 0, timeout_s=5.0)
+        assert _metric(started, 'moaspec_generations_total{endpoint="chat",finish_reason="cancelled"}') == 1
+        assert _metric(started, "moaspec_generated_tokens_total") < 200
+        reply = client(started).completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0)
+        assert reply.usage.completion_tokens == 3
+    finally:
+        started.stop()
+
+
+def test_non_streaming_disconnect_cancels_too() -> None:
+    started = start_server("ngram", delay_s=0.05)
+    try:
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 400, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url(started, "/v1/completions"), json=body, headers=HEADERS, timeout=0.5)
+        assert wait_until(lambda: health(started)["queue"]["active"] == 0, timeout_s=5.0)
+        assert _metric(started, 'moaspec_generations_total{endpoint="completions",finish_reason="cancelled"}') == 1
+    finally:
+        started.stop()
+
+
+def test_full_queue_gets_429_and_waiters_are_served_in_turn() -> None:
+    started = start_server("ngram", delay_s=0.1, max_waiting=1)
+    try:
+        first = _open_stream(started)
+        results: list = []
+        waiter = threading.Thread(
+            target=lambda: results.append(client(started).completions.create(model=MODEL, prompt="w", max_tokens=2, temperature=0)),
+            daemon=True,
+        )
+        waiter.start()
+        assert wait_until(lambda: health(started)["queue"]["waiting"] == 1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            client(started).completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert caught.value.status_code == 429 and caught.value.body["code"] == "queue_full"
+        first[1].close()
+        first[0].close()
+        waiter.join(TIMEOUT_S)
+        assert len(results) == 1 and results[0].usage.completion_tokens == 2
+        assert _metric(started, 'moaspec_http_requests_total{route="/v1/completions",status="429"}') == 1
+    finally:
+        started.stop()
+
+
+def test_health_and_prometheus_metrics(ngram_server) -> None:
+    client(ngram_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=6, temperature=0)
+    state = health(ngram_server)
+    assert state["status"] == "ok" and state["model"] == MODEL and state["queue"]["active"] == 0
+    response = httpx.get(url(ngram_server, "/metrics"), headers=HEADERS, timeout=TIMEOUT_S)
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    for name in ("moaspec_http_requests_total", "moaspec_generated_tokens_total", "moaspec_mean_tokens_per_forward",
+                 "moaspec_accepted_drafts_total", "moaspec_http_request_duration_seconds_bucket", "moaspec_time_to_first_token_seconds_count"):
+        assert f"# TYPE {name.removesuffix('_bucket').removesuffix('_count')} " in text and name in text
+    assert _metric(ngram_server, 'moaspec_http_requests_total{route="/v1/chat/completions",status="200"}') >= 1
+    assert _metric(ngram_server, "moaspec_mean_tokens_per_forward") >= 1.0
+    assert httpx.get(url(ngram_server, "/metrics"), timeout=TIMEOUT_S).status_code == 401
+
+
+def test_serve_flags() -> None:
+    import argparse
+
+    from moaspec.errors import MoaspecError
+    from moaspec.openai_api.cli import add_openai_arguments, openai_limits_from_args
+
+    parser = argparse.ArgumentParser()
+    add_openai_arguments(parser)
+    assert openai_limits_from_args(parser.parse_args([])).max_waiting == 8
+    assert openai_limits_from_args(parser.parse_args(["--max-queue", "0"])).max_waiting == 0
+    with pytest.raises(MoaspecError):
+        openai_limits_from_args(parser.parse_args(["--max-queue", "-1"]))
+
+
+def test_tls_with_the_openai_client(tmp_path) -> None:
+    """The same TLS as the split protocol: ServerThread with the server's SSL context."""
+    import ssl
+    import subprocess
+
+    from openai_helpers import make_drafter as drafter_for
+
+    from moaspec.split.server import ServerThread, SplitServer
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    target = tiny_chat_target()
+    started = ServerThread(SplitServer(target, drafter_for("ngram", target), [KEY]), ssl_context=context).start()
+    try:
+        trusted = openai.OpenAI(
+            base_url=f"https://127.0.0.1:{started.port}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S,
+            http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=TIMEOUT_S),
+        )
+        assert trusted.completions.create(model=MODEL, prompt="tls", max_tokens=3, temperature=0).usage.completion_tokens == 3
+        with pytest.raises(openai.APIConnectionError):  # an unknown certificate is refused
+            openai.OpenAI(base_url=f"https://127.0.0.1:{started.port}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S).models.list()
+    finally:
+        started.stop()
+
+
+# -- queue unit tests ----------------------------------------------------------------------------------
+def test_admission_queue_order_limit_and_departures() -> None:
+    import asyncio
+
+    async def scenario() -> list[str]:
+        queue, order = AdmissionQueue(max_waiting=2, poll_s=0.01), []
+        await queue.acquire(lambda: False)
+        gone = {"b": False}
+
+        async def wait(name: str) -> None:
+            try:
+                await queue.acquire(lambda: gone.get(name, False))
+            except ClientGone:
+                order.append(f"{name} left")
+                return
+            order.append(name)
+            queue.release()
+
+        tasks = [asyncio.create_task(wait(n)) for n in ("b", "c")]
+        await asyncio.sleep(0.02)
+        with pytest.raises(QueueFull):
+            await queue.acquire(lambda: False)
+        gone["b"] = True
+        await asyncio.sleep(0.05)
+        queue.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+        assert queue.active == 0 and queue.waiting == 0
+        return order
+
+    assert asyncio.run(scenario()) == ["b left", "c"]
+
+
+def test_split_sessions_and_openai_generations_interleave_safely() -> None:
+    """Both use the one model thread, each with its own cache: running them at the same time must
+    leave each output equal to its in-process reference."""
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.engine import Engine
+    from moaspec.split.client import SplitClient
+    from moaspec.split.generator import SplitGenerator, SplitOptions
+
+    started = start_server("moa")
+    try:
+        prompt_ids = [40, 69, 76, 76, 79, 12, 0, 87, 79, 82]
+        reference_target = tiny_chat_target()
+        expected_split = Engine(reference_target, make_drafter("moa", reference_target)).generate(
+            prompt_ids, SamplingConfig(), GenerationConfig(max_new_tokens=40), frozenset()
+        ).token_ids
+        expected_chat = reference("moa").generate("Interleave.", max_new_tokens=60, temperature=0.0).text
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            chat = pool.submit(lambda: client(started).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Interleave."}], max_tokens=60, temperature=0
+            ))
+            client_target = tiny_chat_target()
+            split = SplitGenerator(SplitClient(f"http://127.0.0.1:{started.port}", KEY, timeout_s=TIMEOUT_S),
+                                   make_drafter("moa", client_target), SplitOptions())
+            result = split.generate(prompt_ids, SamplingConfig(), GenerationConfig(max_new_tokens=40))
+            assert chat.result(timeout=TIMEOUT_S * 2).choices[0].message.content == expected_chat
+        assert result.token_ids == expected_split
+    finally:
+        started.stop()
