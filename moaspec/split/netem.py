@@ -16,9 +16,10 @@ import argparse
 import asyncio
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
+
+from moaspec.split.loop_thread import LoopThread
 
 CHUNK = 16384
 
@@ -67,8 +68,11 @@ class _Direction:
         return self.last_arrival
 
 
-class NetemProxy:
+class NetemProxy(LoopThread):
     """Listen on listen_host:listen_port and forward to upstream through an emulated link."""
+
+    thread_name = "moaspec-netem"
+    start_message = "the proxy did not start"
 
     def __init__(self, upstream_host: str, upstream_port: int, profile: LinkProfile | str = "lan",
                  listen_host: str = "127.0.0.1", listen_port: int = 0, seed: int = 0) -> None:
@@ -79,9 +83,7 @@ class NetemProxy:
         self.up, self.down = _Direction(self), _Direction(self)
         self.cut_mode: str | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="moaspec-netem", daemon=True)
+        super().__init__()
 
     # -- control (thread-safe) -------------------------------------------------------------------
     @property
@@ -97,15 +99,7 @@ class NetemProxy:
         return self.down.num_bytes
 
     def start(self, timeout_s: float = 10.0) -> NetemProxy:
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise RuntimeError("the proxy did not start")
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop_event.set)
-        self._thread.join(timeout_s)
+        return super().start(timeout_s)
 
     def cut(self, mode: str = "reset") -> None:
         """Take the link down: "reset" (connections closed, new ones refused) or "blackhole"."""
@@ -122,10 +116,6 @@ class NetemProxy:
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
 
     # -- the event loop ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._serve())
-
     async def _serve(self) -> None:
         self._stop_event = asyncio.Event()
         server = await asyncio.start_server(self._handle, *self.listen)

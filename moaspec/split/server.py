@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,9 +33,9 @@ from moaspec.session import TargetSession
 from moaspec.split import protocol as wire
 from moaspec.split.identity import drafter_fingerprint, drafter_method
 from moaspec.split.limits import ServerLimits
+from moaspec.split.loop_thread import LoopThread
 from moaspec.target import HFTarget
 from moaspec.tree import DraftTree, depths
-
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
@@ -328,29 +327,16 @@ def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response(error_body(status, message, None, code), status=status)
 
 
-class ServerThread:
+class ServerThread(LoopThread):
     """A server on a loopback port in a background thread (tests, benchmarks): start() / stop()."""
+
+    thread_name = "moaspec-serve"
+    start_error = MoaspecError
+    start_message = "the server did not start in time"
 
     def __init__(self, server: SplitServer, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> None:
         self.server, self.host, self.port, self.ssl_context = server, host, port, ssl_context
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, name="moaspec-serve", daemon=True)
-
-    def start(self, timeout_s: float = 30.0) -> ServerThread:
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise MoaspecError("the server did not start in time")
-        return self
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._stop_event.set)
-        self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(self._serve())
+        super().__init__()
 
     async def _serve(self) -> None:
         self._stop_event = asyncio.Event()
