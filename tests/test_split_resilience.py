@@ -5,18 +5,20 @@ concurrent clients."""
 from __future__ import annotations
 
 import http.client
+import socket
 import threading
 import time
 
 import pytest
 import torch
+from conftest import make_tiny_target
 from test_split import KEY, PROMPT, SplitPair, make_drafter
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import ServerRefused, SessionLost, SplitClient
-from moaspec.split.generator import SplitGenerator, SplitResult
+from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 from moaspec.split.netem import NetemProxy
 from moaspec.split.server import ServerLimits
 
@@ -102,6 +104,38 @@ def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
         proxy.stop()
     assert result.stop_reason == "offline" and result.num_provisional == 6
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_client_started_while_the_server_is_unreachable_waits_then_generates(pair: SplitPair) -> None:
+    generation = GenerationConfig(max_new_tokens=12)
+    expected = pair.reference(GREEDY, generation)
+    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
+    proxy.cut("reset")
+    timer = threading.Timer(0.3, proxy.restore)
+    timer.start()
+    try:
+        started = time.monotonic()
+        generator = pair.generator(f"http://127.0.0.1:{proxy.port}", timeout_s=0.2, retry_initial_s=0.02, retry_max_s=0.1)
+        assert time.monotonic() - started >= 0.25  # it waited for the link instead of failing
+        assert generator.generate(PROMPT, GREEDY, generation).token_ids == expected
+    finally:
+        timer.cancel()
+        proxy.stop()
+
+
+def test_client_gives_up_on_a_server_that_never_answers() -> None:
+    from moaspec.split.client import LinkDown
+
+    client_target = make_tiny_target("llama", num_hidden_layers=3)
+    with socket.socket() as unused:  # a port nothing listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(LinkDown, match="unreachable"):
+        SplitGenerator(SplitClient(f"http://127.0.0.1:{port}", KEY, timeout_s=0.1), make_drafter("moa", client_target),
+                       SplitOptions(retry_initial_s=0.02, retry_max_s=0.05, offline_deadline_s=0.3))
+    assert time.monotonic() - started < 5.0
 
 
 def test_wrong_or_missing_key_is_refused_with_a_clear_message() -> None:

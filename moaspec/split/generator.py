@@ -20,8 +20,9 @@ first provisional tokens, now verified), ("retract", ids: provisional tokens wit
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -35,6 +36,8 @@ from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import LinkDown, SessionLost, SplitClient
 from moaspec.split.identity import drafter_fingerprint
 from moaspec.tree import DraftTree, depths, prune_to_depth
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class SplitGenerator:
 
     def __init__(self, client: SplitClient, drafter: SplitDrafter, options: SplitOptions = SplitOptions()) -> None:
         self.client, self.drafter, self.options = client, drafter, options
-        info = client.info()
+        info = retry_while_down(client.info, options)  # a server still starting is waited for
         if info.get("version") != wire.PROTOCOL_VERSION:
             raise MoaspecError(f"server speaks protocol {info.get('version')}, this client {wire.PROTOCOL_VERSION}")
         if info.get("drafter_fingerprint") != drafter_fingerprint(drafter):
@@ -168,17 +171,8 @@ class _Run:
     def _open(self) -> Iterator[SplitEvent]:
         request = self._open_request(self.prompt, None, 0)
         tick = time.perf_counter()
-        deadline = time.monotonic() + self.options.offline_deadline_s
-        delay = self.options.retry_initial_s
-        while True:  # nothing to draft from before the first token: wait for the server
-            try:
-                reply = self.client.open(request)
-                break
-            except LinkDown:
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(2 * delay, self.options.retry_max_s)
+        # nothing to draft from before the first token: wait for the server
+        reply = retry_while_down(lambda: self.client.open(request), self.options)
         self.result.stats.record_prefill(time.perf_counter() - tick)
         verification = wire.parse_verification(reply, self.owner.vocab_size, 0, len(self.prompt))
         self.session_id, self.seq = str(reply["session_id"]), 0
@@ -342,6 +336,21 @@ class _Run:
             prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new,
             root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype,
         )
+
+
+def retry_while_down(call: Callable[[], T], options: SplitOptions) -> T:
+    """call() until it does not raise LinkDown, with exponential back-off from retry_initial_s to
+    retry_max_s; re-raises the last LinkDown once offline_deadline_s would be passed."""
+    deadline = time.monotonic() + options.offline_deadline_s
+    delay = options.retry_initial_s
+    while True:
+        try:
+            return call()
+        except LinkDown:
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(2 * delay, options.retry_max_s)
 
 
 def _limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:
