@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
@@ -112,6 +114,38 @@ def test_fresh_net_has_unit_norms_and_small_linear_weights() -> None:
     linear_std = torch.cat([m.weight.flatten() for m in net.modules() if isinstance(m, torch.nn.Linear)]).std()
     assert 0.018 < float(linear_std) < 0.022
     assert torch.count_nonzero(net.ekv2e.bias) == 0
+
+
+def test_recency_bias_with_steep_slopes_reads_the_nearest_memory() -> None:
+    """ALiBi slopes of 1e4 per position leave (in float64) only the nearest visible memory entry."""
+    from moaspec.nn.layers import additive_mask
+
+    target = make_tiny_target("llama", dtype=torch.float64)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
+    assert net.config.ca_recency_bias
+    with torch.no_grad():
+        net.ca_recency_slopes.fill_(1e4)
+    torch.manual_seed(1)
+    memory = torch.randn(5, net.config.hidden_size, dtype=torch.float64)
+    memory_kv = net.memory_keys_values(memory, torch.arange(5))
+    h = torch.randn(3, net.config.hidden_size, dtype=torch.float64)
+    positions = torch.tensor([2, 5, 6])  # as in training: 2 sees memory 0..2, 5 and 6 see 0..4
+    visible = torch.arange(5)[None, :] <= torch.tensor([2, 4, 4])[:, None]
+    nearest = torch.zeros(3, 5, dtype=torch.bool)
+    nearest[0, 2] = nearest[1, 4] = nearest[2, 4] = True
+    biased = net.cross_attend(h, positions, memory_kv, additive_mask(visible, torch.float64))
+    net.config = dataclasses.replace(net.config, ca_recency_bias=False)
+    only_nearest = net.cross_attend(h, positions, memory_kv, additive_mask(nearest, torch.float64))
+    assert torch.allclose(biased, only_nearest, atol=1e-9)
+
+
+def test_configs_without_the_recency_bias_field_load_as_before() -> None:
+    """Checkpoints written before the CA recency bias existed have no such field: no bias."""
+    target = make_tiny_target("llama")
+    record = MoAConfig.for_target(target.config).to_dict()
+    del record["ca_recency_bias"]
+    net = MoADrafterNet(MoAConfig(**record))
+    assert not net.config.ca_recency_bias and not hasattr(net, "ca_recency_slopes")
 
 
 def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:

@@ -50,6 +50,7 @@ class MoAConfig:
     rms_norm_eps: float
     tli_layers: int = 0
     draft_vocab_size: int = 0  # 0 = the target's full vocabulary
+    ca_recency_bias: bool = False  # learned per-head distance penalty in the CA (see cross_attend)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tli_layers < self.num_target_layers:
@@ -58,7 +59,7 @@ class MoAConfig:
             raise ValueError("head counts must divide the dimensions")
 
     @staticmethod
-    def for_target(target_config, tli_layers: int = 0, draft_vocab_size: int = 0) -> MoAConfig:
+    def for_target(target_config, tli_layers: int = 0, draft_vocab_size: int = 0, ca_recency_bias: bool = True) -> MoAConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
@@ -81,10 +82,16 @@ class MoAConfig:
             rms_norm_eps=target_config.rms_norm_eps,
             tli_layers=tli_layers,
             draft_vocab_size=draft_vocab_size,
+            ca_recency_bias=ca_recency_bias,
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi's geometric head slopes 2^(-8 (h + 1) / H), h = 0..H-1 -> [H] float32."""
+    return torch.pow(2.0, -8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
 
 
 @dataclass(frozen=True)
@@ -114,6 +121,8 @@ class MoADrafterNet(DrafterNet):
             c.kv_dim, c.lsa_num_heads, c.lsa_num_kv_heads, c.kv_dim // c.lsa_num_heads, c.lsa_intermediate_size, c.rms_norm_eps, c.rope_theta
         )
         self.ekv2e = nn.Linear(c.kv_dim, c.hidden_size, bias=True)
+        if c.ca_recency_bias:
+            self.ca_recency_slopes = nn.Parameter(alibi_slopes(c.num_heads))  # [H]
         self._register_draft_vocab()
         self.reset_parameters()
 
@@ -133,9 +142,22 @@ class MoADrafterNet(DrafterNet):
     def cross_attend(
         self, h: torch.Tensor, positions: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """SA outputs h [T, D] at positions [T] attend to memory keys/values -> c [T, D]."""
+        """SA outputs h [T, D] at positions [T] attend to memory keys/values [Hkv, n, d] of the
+        tokens at positions 0..n-1 -> c [T, D]. mask: additive [T, n] or None (all visible).
+
+        With `ca_recency_bias`, head h adds -slope_h * (i - j) to the score of query position i
+        for memory position j (ALiBi, Press et al. 2022, slopes learned from the ALiBi values), so
+        some heads read the last verified tokens from the first step on. Measured reason, on
+        SmolLM2 with 50-400 steps of training: without it the CA stayed near uniform over the
+        whole context (7 % of its mass on the last verified token) and shuffling the memory
+        across positions did not change a single prediction.
+        """
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         q = self.cross_attention.queries(self.ca_norm(h), cos, sin)
+        if self.config.ca_recency_bias:
+            distance = (positions[:, None] - torch.arange(memory_kv[0].shape[-2])[None, :]).clamp(min=0).to(h.dtype)
+            bias = -self.ca_recency_slopes.to(h.dtype)[:, None, None] * distance  # [H, T, n]
+            mask = bias if mask is None else (mask + bias).clamp(min=torch.finfo(h.dtype).min)
         c = h + self.cross_attention.output(q, memory_kv[0], memory_kv[1], mask)
         return c + self.ca_mlp(self.ca_post_norm(c))
 
