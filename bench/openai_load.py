@@ -8,9 +8,9 @@ under N concurrent clients, server-side speculation vs plain decoding (`none`).
     .venv/bin/python bench/openai_load.py --url http://127.0.0.1:8000 --api-key-file key.txt --clients 1,4
 
 Protocol: every client runs a closed loop (send a streaming chat request, read it to the end,
-send the next) until the run's `--requests` are done; prompts are taken in order from the core
-benchmark's prompt set, so every drafter and client count sees the same requests. One warm-up
-request per server is excluded. Greedy by default. Latency = request sent -> `[DONE]`; TTFT =
+send the next) until the run's `--requests` are done; prompts are taken in order from the
+MT-bench, translation, summarization and math sets of `moaspec bench` (request_prompts), so every
+drafter and client count sees the same requests. One warm-up request per server is excluded. Greedy by default. Latency = request sent -> `[DONE]`; TTFT =
 request sent -> first content chunk. Every request has a timeout and the run a request count,
 so it always ends. Prints a markdown table, then one JSON line (also written to --out).
 """
@@ -31,8 +31,19 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from core_bench import PROMPTS
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moaspec.bench.prompts import load_prompts  # noqa: E402
+
+PROMPT_CATEGORIES = ("mt_bench", "translation", "summarization", "math")
+
+
+def request_prompts(per_category: int = 4) -> list[str]:
+    """First user turns of `moaspec bench` prompts, the categories interleaved (16 by default)."""
+    by_category = load_prompts(PROMPT_CATEGORIES, per_category)
+    return [prompt.turns[0] for group in zip(*by_category.values()) for prompt in group]
+
+
+PROMPTS = request_prompts()
 
 
 @dataclass
