@@ -12,7 +12,8 @@ send the next) until the run's `--requests` are done; prompts are taken in order
 MT-bench, translation, summarization and math sets of `moaspec bench` (request_prompts), so every
 drafter and client count sees the same requests. One warm-up request per server is excluded.
 Greedy by default. Latency = request sent -> `[DONE]`; TTFT = request sent -> first content chunk.
-Every request has a timeout and the run a request count, so it always ends. Prints a markdown table, then one JSON line (also written to --out).
+Every request has a timeout and the run a request count, so it always ends. Prints a markdown
+table, then one JSON line (also written to --out).
 """
 
 from __future__ import annotations
