@@ -111,7 +111,7 @@ def test_fresh_net_has_unit_norms_and_small_linear_weights() -> None:
     norms = [m for m in net.modules() if isinstance(m, RMSNorm)]
     assert len(norms) == 6  # SA (2), CA, CA post, LSA (2)
     assert all(torch.equal(m.weight, torch.ones_like(m.weight)) for m in norms)
-    linear_std = torch.cat([m.weight.flatten() for m in net.modules() if isinstance(m, torch.nn.Linear)]).std()
+    linear_std = torch.cat([m.weight.detach().flatten() for m in net.modules() if isinstance(m, torch.nn.Linear)]).std()
     assert 0.018 < float(linear_std) < 0.022
     assert torch.count_nonzero(net.ekv2e.bias) == 0
 
