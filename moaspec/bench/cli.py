@@ -13,11 +13,9 @@ written); 2 for bad flags or inputs (one line `moaspec: error: ...`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-from datetime import UTC, datetime
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -117,22 +115,14 @@ def _tree_record(method) -> dict | None:
 
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
     """Build, validate and write results.json, results.md (and plots); -> the results dict."""
-    from moaspec.bench.output import write_files_atomically
+    from moaspec.bench.output import timestamp, write_results
     from moaspec.bench.plots import render_plots
     from moaspec.bench.report import build_results, render_markdown
     from moaspec.bench.schema import validate
 
-    created = datetime.now(UTC).isoformat(timespec="seconds")
-    results = build_results(data, config["methods"], config, machine_info(), command, created)
+    results = build_results(data, config["methods"], config, machine_info(), command, timestamp())
     validate(results)
-    files = {
-        "results.json": (json.dumps(results, indent=1) + "\n").encode(),
-        "results.md": render_markdown(results).encode(),
-    }
-    if plots:
-        files.update(render_plots(results))
-    paths = write_files_atomically(out, files)
-    print(f"[moaspec] wrote {', '.join(str(path) for path in paths)}", file=sys.stderr)
+    write_results(out, results, render_markdown(results), render_plots(results) if plots else None)
     return results
 
 
@@ -212,6 +202,7 @@ def run_tune(args: argparse.Namespace) -> int:
     # 2. measure and choose
     import moaspec.api
     from moaspec.bench.costs import measure_verify
+    from moaspec.bench.output import timestamp
     from moaspec.bench.tune import tune_drafter
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
@@ -237,7 +228,7 @@ def run_tune(args: argparse.Namespace) -> int:
             )
         if not args.dry_run:
             details = {
-                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "created": timestamp(),
                 "machine": machine_info()["description"],
                 "context_len": context_len,
                 **result.details(),
