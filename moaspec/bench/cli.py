@@ -4,20 +4,21 @@
                   [--limit N] [--methods none,hf,hf-pld,ngram,eagle,moa,moa-tli1,DIR,LABEL=DIR]
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
                   [--no-plots] [--no-progress]
+    moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,...]
+                  [--disconnect-after N [--offline-tokens M]] [the flags above but --no-plots]
 
-Writes results.json, results.md, speedup.png and tau.png into DIR (all or nothing), prints the
-markdown to stdout. Exit status: 0; 1 when a greedy run found a mismatch (results still
-written); 2 for bad flags or inputs (one line `moaspec: error: ...`).
+Writes results.json, results.md, speedup.png and tau.png into DIR (all or nothing; client-server:
+results.json and results.md, see moaspec/bench/client_server.py), prints the markdown to stdout.
+Exit status: 0; 1 when a greedy run found a mismatch (results still written); 2 for bad flags or
+inputs (one line `moaspec: error: ...`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-from datetime import UTC, datetime
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -48,9 +49,13 @@ def add_bench_parser(commands, default_target: str) -> None:
     bench.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i for every method (default 0)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from moaspec.bench.client_server import add_client_server_arguments
+
+    add_client_server_arguments(bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
     from moaspec.bench.methods import check_available, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
@@ -60,6 +65,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     # 1. everything cheap, before torch and the target load
+    check_client_server_flags(args)
     categories = parse_categories(args.categories)
     if args.limit is not None and args.limit < 1:
         raise MoaspecError("--limit must be >= 1")
@@ -67,6 +73,8 @@ def run_bench(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
     out = _output_dir(args.out)
     target_name, _ = resolve_target(args.target)
+    if args.client_server:
+        return run_client_server_bench(args, categories, sampling, out, target_name)
     specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name))
     check_available(specs, target_name)
     if not args.no_plots:
@@ -117,22 +125,14 @@ def _tree_record(method) -> dict | None:
 
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
     """Build, validate and write results.json, results.md (and plots); -> the results dict."""
-    from moaspec.bench.output import write_files_atomically
+    from moaspec.bench.output import timestamp, write_results
     from moaspec.bench.plots import render_plots
     from moaspec.bench.report import build_results, render_markdown
     from moaspec.bench.schema import validate
 
-    created = datetime.now(UTC).isoformat(timespec="seconds")
-    results = build_results(data, config["methods"], config, machine_info(), command, created)
+    results = build_results(data, config["methods"], config, machine_info(), command, timestamp())
     validate(results)
-    files = {
-        "results.json": (json.dumps(results, indent=1) + "\n").encode(),
-        "results.md": render_markdown(results).encode(),
-    }
-    if plots:
-        files.update(render_plots(results))
-    paths = write_files_atomically(out, files)
-    print(f"[moaspec] wrote {', '.join(str(path) for path in paths)}", file=sys.stderr)
+    write_results(out, results, render_markdown(results), render_plots(results) if plots else None)
     return results
 
 
@@ -212,6 +212,7 @@ def run_tune(args: argparse.Namespace) -> int:
     # 2. measure and choose
     import moaspec.api
     from moaspec.bench.costs import measure_verify
+    from moaspec.bench.output import timestamp
     from moaspec.bench.tune import tune_drafter
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
@@ -237,7 +238,7 @@ def run_tune(args: argparse.Namespace) -> int:
             )
         if not args.dry_run:
             details = {
-                "created": datetime.now(UTC).isoformat(timespec="seconds"),
+                "created": timestamp(),
                 "machine": machine_info()["description"],
                 "context_len": context_len,
                 **result.details(),

@@ -1,15 +1,31 @@
 """Write a benchmark's output files all or nothing.
 
-Every file is first written to a hidden temporary name in the output directory; only when all of
+`write_results` writes results.json and results.md (plus e.g. plots) of any benchmark kind. Every file is first written to a hidden temporary name in the output directory; only when all of
 them are complete are they renamed into place (one `os.replace` each, atomic per file). A failure
 before that leaves no new file behind, and an earlier run's files stay intact.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
+
+
+def timestamp() -> str:
+    """Now, UTC, to the second (the `created` field of results and manifests)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def write_results(out_dir: Path, results: dict, markdown: str, extra_files: dict[str, bytes] | None = None) -> list[Path]:
+    """results.json, results.md and `extra_files` into out_dir, all or nothing; the paths go to stderr."""
+    files = {"results.json": (json.dumps(results, indent=1) + "\n").encode(), "results.md": markdown.encode()}
+    paths = write_files_atomically(out_dir, {**files, **(extra_files or {})})
+    print(f"[moaspec] wrote {', '.join(str(path) for path in paths)}", file=sys.stderr)
+    return paths
 
 
 def write_files_atomically(out_dir: Path, files: dict[str, bytes]) -> list[Path]:

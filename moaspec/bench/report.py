@@ -148,7 +148,7 @@ def _run_row(record: RunRecord) -> dict:
 # -- markdown -----------------------------------------------------------------------------------
 def render_markdown(results: dict) -> str:
     config = results["config"]
-    decoding = "greedy" if config["temperature"] == 0 else f"temperature {config['temperature']}"
+    decoding = decoding_phrase(config["temperature"])
     lines = [
         "# moaspec bench",
         "",
@@ -181,6 +181,10 @@ def render_markdown(results: dict) -> str:
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"
+
+
+def decoding_phrase(temperature: float) -> str:
+    return "greedy" if temperature == 0 else f"temperature {temperature}"
 
 
 def _category_table(rows: list[dict]) -> list[str]:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -149,14 +150,17 @@ def find_mismatches(prompt: BenchPrompt, turn: int, runs: dict[str, MethodRun]) 
     for label, run in runs.items():
         if run.token_ids == expected:
             continue
-        diverge = next(
-            (i for i, (a, b) in enumerate(zip(expected, run.token_ids)) if a != b),
-            min(len(expected), len(run.token_ids)),
-        )
+        diverge = first_divergence(expected, run.token_ids)
         found.append(
             Mismatch(prompt.category, prompt.prompt_id, turn, label, diverge, len(expected), len(run.token_ids))
         )
     return found
+
+
+def first_divergence(expected: Sequence, actual: Sequence) -> int:
+    """Index of the first differing item; the shorter length when one is a prefix of the other
+    (so it is also the number of leading items that agree)."""
+    return next((i for i, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
 
 
 def _warn(bar, message: str) -> None:

@@ -1,4 +1,6 @@
-"""The results.json schema (version report.SCHEMA_VERSION) and a small validator.
+"""The results.json schemas (version report.SCHEMA_VERSION) and a small validator:
+`RESULTS_SCHEMA` for `moaspec bench`, `CLIENT_SERVER_SCHEMA` for `moaspec bench --client-server`
+(its documents say `"kind": "client_server"`).
 
 A spec is a type (or tuple of types), a dict of required keys -> spec, a one-element list
 [spec] for a list of items, or `{str: spec}`-style `MapOf(spec)` for free keys. `None` inside a
@@ -118,3 +120,66 @@ def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> 
 
 def _names(types: tuple) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+
+
+# `moaspec bench --client-server` (moaspec/bench/client_server.py, moaspec/split/bench.py)
+CLIENT_SERVER_ROW = {
+    "profile": str,
+    "method": str,
+    "mode": str,
+    "num_generations": int,
+    "new_tokens": int,
+    "wall_s": NUMBER,
+    "tokens_per_s": NUMBER,
+    "speedup": NUMBER,
+    "tau": NUMBER,
+    "server_calls_per_100_tokens": NUMBER,
+    "bytes_per_token": NUMBER,
+    "time_to_first_token_s": NUMBER,
+}
+CLIENT_SERVER_SCHEMA = {
+    "schema_version": int,
+    "kind": str,
+    "created": str,
+    "command": str,
+    "machine": {"description": str},
+    "config": {
+        "target": str,
+        "categories": [str],
+        "limit": (int, type(None)),
+        "methods": [str],
+        "networks": MapOf({"rtt_s": NUMBER, "jitter_s": NUMBER, "bandwidth_bps": NULLABLE_NUMBER}),
+        "temperature": NUMBER,
+        "max_new_tokens": int,
+        "seed": int,
+        "disconnect_after": (int, type(None)),
+        "offline_tokens": (int, type(None)),
+    },
+    "client_server": [CLIENT_SERVER_ROW],
+    "disconnection": [
+        {
+            "drafter": str,
+            "cut_after": int,
+            "offline_tokens": int,
+            "num_generations": int,
+            "num_offline": int,
+            "num_agreeing": int,
+            "agreement": NUMBER,
+        }
+    ],
+    "mismatches": [{"profile": str, "prompt": str, "method": str, "mode": str, "first_divergence": int}],
+    "skipped": [str],
+    "runs": [
+        {
+            "profile": str,
+            "prompt": str,
+            "method": str,
+            "mode": str,
+            "new_tokens": int,
+            "wall_s": NUMBER,
+            "time_to_first_token_s": NUMBER,
+            "num_calls": int,
+            "num_bytes": int,
+        }
+    ],
+}

@@ -1,36 +1,106 @@
-"""Client-server benchmark (to be wired into `moaspec bench --client-server`).
+"""Client-server benchmark (`moaspec bench --client-server`): the split deployment against
+server-side generation, over emulated networks on loopback.
 
-`run_split_bench` serves a target on loopback behind the network emulator and, per profile and
-per split drafter, generates the prompts through the split client, reporting tokens/s, server
-calls per 100 tokens, bytes per token (counted by the proxy, both directions, HTTP included) and
-time to first token. `run_disconnection` cuts the link after N verified tokens, lets the drafter
-continue alone for M tokens, and reports how many of them agree with the target's own
-continuation (the in-process greedy output). Server-side streaming baselines ((c), (d) of
-issue 6) need the streaming endpoint of issue 7 and are not measured here.
+Cases, per network profile (split/netem.py), for every drafter method D and the plain baseline:
+- D `split`: the client drafts with D and calls the server once per verification
+  (split/generator.py): issue 6 (a) MoA, (b) EAGLE-2, and n-gram;
+- `none` `server`: the server decodes plainly and streams every token to the client (OpenAI SSE,
+  `/v1/completions` with `stream: true`; a server whose drafter is `none`): issue 6 (c);
+- D `server`: the server decodes speculatively with D and streams the same way: issue 6 (d).
+Every method has its own `SplitServer` (split and OpenAI routes on one app) on a loopback port
+behind its own `NetemProxy`; all servers and client drafters share the weights of one loaded
+target (each holds its own caches); the measured clients and the servers are in bench_cases.py.
+
+Protocol (as the single-device runner, moaspec/bench/runner.py): per profile, one warm-up
+generation per case (WARMUP_TOKENS, not recorded), then for prompt i the cases in their order
+rotated by i, all with seed + i. Metrics per (profile, case), pooled over the prompts:
+- tokens_per_s: new tokens / wall, wall = request sent -> last token received by the client;
+- speedup: tokens_per_s / that of `none` `server` on the same profile;
+- tau: tokens per target forward (moaspec/metrics.py), from the client's stats (split) or from the
+  server's `moaspec` extension of the final SSE chunk (server);
+- server_calls_per_100_tokens: HTTP requests per 100 new tokens (split: open, verifications and
+  close; server: one per generation);
+- bytes_per_token: bytes through the proxy in both directions (HTTP headers and SSE framing
+  included) per new token;
+- time_to_first_token_s: mean of request sent -> first token (first non-empty text chunk) received.
+Greedy runs compare each case's text with the plain stream's for every prompt; a difference is a
+bug in a lossless path and is listed as a mismatch.
+
+`run_disconnection` cuts the link (`lan` profile) once N tokens are verified, lets the client's
+drafter continue alone (provisional tokens) for up to M tokens, and counts how many of them agree,
+from the first, with the target's own greedy continuation of the verified text.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+import sys
+from dataclasses import dataclass, field, replace
 
+from moaspec.bench.runner import BASELINE, WARMUP_TOKENS, first_divergence
 from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
+from moaspec.split.bench_cases import (
+    CLIENT_TIMEOUT_S,
+    SERVER,
+    Case,
+    CaseRun,
+    DrafterFactory,
+    LoopbackServers,
+    target_view,
+)
 from moaspec.split.client import SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
-from moaspec.split.netem import NetemProxy
-from moaspec.split.server import ServerThread, SplitServer
+from moaspec.split.limits import ServerLimits
+from moaspec.target import HFTarget
 
-BENCH_KEY = "moaspec-bench-loopback-key"
+DISCONNECTION_PROFILE = "lan"
+# The experiment's servers: a session orphaned by a cut expires after DISCONNECTION_IDLE_S, and
+# up to DISCONNECTION_SESSIONS may wait for that (the default 8 per key would run out).
+DISCONNECTION_IDLE_S, DISCONNECTION_SESSIONS = 10.0, 1024
+OFFLINE_BASE_S, OFFLINE_PER_TOKEN_S = 2.0, 0.25  # how long the client drafts alone, at most
 
 
 @dataclass(frozen=True)
-class SplitBenchRow:
+class NamedPrompt:
+    name: str  # "category/prompt_id"
+    prompt_ids: tuple[int, ...]  # [T]
+
+
+@dataclass(frozen=True)
+class CaseRecord:
     profile: str
-    drafter: str
+    prompt: str
+    method: str
+    mode: str  # SPLIT or SERVER
+    run: CaseRun
+
+
+@dataclass(frozen=True)
+class CaseMismatch:
+    profile: str
+    prompt: str
+    method: str
+    mode: str
+    first_divergence: int  # index of the first differing character of the text
+
+
+@dataclass
+class ClientServerData:
+    records: list[CaseRecord] = field(default_factory=list)
+    mismatches: list[CaseMismatch] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ClientServerRow:
+    profile: str
+    method: str
+    mode: str
+    num_generations: int
     new_tokens: int
+    wall_s: float
     tokens_per_s: float
+    speedup: float
     tau: float
     server_calls_per_100_tokens: float
     bytes_per_token: float
@@ -40,121 +110,197 @@ class SplitBenchRow:
 @dataclass(frozen=True)
 class DisconnectionRow:
     drafter: str
-    cut_after: int
-    num_offline: int  # tokens the drafter produced alone (M, or fewer if it had nothing)
+    cut_after: int  # the link is cut once this many tokens are verified (a step may pass it)
+    offline_tokens: int  # M: the most tokens the drafter may produce alone
+    num_generations: int
+    num_offline: int  # tokens the drafter produced alone (fewer than M when it ran out of ideas)
     num_agreeing: int  # leading offline tokens equal to the target's own continuation
-    agreement: float
+    agreement: float  # num_agreeing / num_offline
 
 
-def run_split_bench(
-    target_factory: Callable[[], object],
-    drafter_factories: dict[str, Callable[[object], object]],
-    prompts: list[list[int]],
-    profiles: tuple[str, ...] = ("lan", "5g", "4g", "3g"),
+# -- the benchmark --------------------------------------------------------------------------------
+def run_client_server(
+    target: HFTarget,
+    drafters: dict[str, DrafterFactory],
+    prompts: list[NamedPrompt],
+    profiles: tuple[str, ...],
+    sampling: SamplingConfig,
     max_new_tokens: int = 64,
-    options: SplitOptions = SplitOptions(),
-) -> list[SplitBenchRow]:
-    """One row per (profile, drafter): totals over the prompts (greedy). The target factory is
-    called twice per drafter (server copy, client copy for its frozen parts)."""
-    rows = []
-    for name, make_drafter in drafter_factories.items():
-        server_target, client_target = target_factory(), target_factory()
-        server = ServerThread(SplitServer(server_target, make_drafter(server_target), [BENCH_KEY])).start()
-        client_drafter = make_drafter(client_target)
-        try:
-            for profile in profiles:
-                rows.append(_bench_one(server.port, client_drafter, name, profile, prompts, max_new_tokens, options))
-        finally:
-            server.stop()
-    return rows
+    seed: int = 0,
+    progress: bool = False,
+) -> ClientServerData:
+    """The protocol of the module docstring. drafters: method label -> factory (`none` is added)."""
+    from tqdm import tqdm
 
-
-def _bench_one(port: int, drafter, name: str, profile: str, prompts: list[list[int]], max_new: int, options: SplitOptions) -> SplitBenchRow:
-    proxy = NetemProxy("127.0.0.1", port, profile).start()
+    data = ClientServerData()
+    limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens))
+    total = len(profiles) * len(prompts) * (1 + 2 * len(drafters))
+    bar = tqdm(
+        total=total,
+        desc="moaspec bench --client-server",
+        unit="gen",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     try:
-        generator = SplitGenerator(SplitClient(f"http://127.0.0.1:{proxy.port}", BENCH_KEY, timeout_s=60.0), drafter, options)
-        bytes_before = proxy.bytes_up + proxy.bytes_down
-        tokens, forwards, calls, ttft, started = 0, 0, 0, 0.0, time.perf_counter()
-        for prompt in prompts:
-            calls_before = generator.client.stats.calls
-            result = generator.generate(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=max_new))
-            tokens += len(result.token_ids)
-            forwards += result.stats.target_forwards
-            calls += generator.client.stats.calls - calls_before
-            ttft += result.first_token_s
-        wall = time.perf_counter() - started
-        num_bytes = proxy.bytes_up + proxy.bytes_down - bytes_before
+        with LoopbackServers(target, drafters, limits) as servers:
+            for profile in profiles:
+                cases = servers.cases(profile)
+                try:
+                    _run_profile(profile, cases, prompts, sampling, max_new_tokens, seed, data, bar)
+                finally:
+                    for case in cases:
+                        case.close()
     finally:
-        proxy.stop()
-    return SplitBenchRow(
-        profile, name, tokens, round(tokens / wall, 3), round(tokens / max(forwards, 1), 3),
-        round(100.0 * calls / max(tokens, 1), 2), round(num_bytes / max(tokens, 1), 1), round(ttft / len(prompts), 4),
+        bar.close()
+    return data
+
+
+def _run_profile(
+    profile: str,
+    cases: list[Case],
+    prompts: list[NamedPrompt],
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    seed: int,
+    data: ClientServerData,
+    bar,
+) -> None:
+    if prompts:
+        for case in cases:  # warm-up: connections, allocator, first-call costs
+            case.run(prompts[0].prompt_ids, sampling, min(WARMUP_TOKENS, max_new_tokens), seed)
+    for index, prompt in enumerate(prompts):
+        shift = index % len(cases)
+        runs: dict[tuple[str, str], CaseRun] = {}
+        for case in cases[shift:] + cases[:shift]:
+            run = case.run(prompt.prompt_ids, sampling, max_new_tokens, seed + index)
+            runs[(case.method, case.mode)] = run
+            data.records.append(CaseRecord(profile, prompt.name, case.method, case.mode, run))
+            bar.update(1)
+        if sampling.greedy:
+            for mismatch in text_mismatches(profile, prompt.name, runs):
+                data.mismatches.append(mismatch)
+                bar.write(
+                    f"moaspec: MISMATCH (a lossless path changed the greedy output, this is a bug): {mismatch.method} "
+                    f"{mismatch.mode} differs from {BASELINE} {SERVER} on {profile} {prompt.name} at character "
+                    f"{mismatch.first_divergence}",
+                    file=sys.stderr,
+                )
+
+
+def text_mismatches(profile: str, prompt: str, runs: dict[tuple[str, str], CaseRun]) -> list[CaseMismatch]:
+    """Every case whose text differs from the plain stream's. runs: (method, mode) -> run."""
+    expected = runs[(BASELINE, SERVER)].text
+    return [
+        CaseMismatch(profile, prompt, method, mode, first_divergence(expected, run.text))
+        for (method, mode), run in runs.items()
+        if run.text != expected
+    ]
+
+
+def summarize(data: ClientServerData) -> list[ClientServerRow]:
+    """One row per (profile, method, mode), in the order they first ran; see the module docstring."""
+    groups: dict[tuple[str, str, str], list[CaseRun]] = {}
+    for record in data.records:
+        groups.setdefault((record.profile, record.method, record.mode), []).append(record.run)
+    rows = [_row(*key, runs) for key, runs in groups.items()]
+    base = {row.profile: row.tokens_per_s for row in rows if (row.method, row.mode) == (BASELINE, SERVER)}
+    return [
+        replace(row, speedup=round(row.tokens_per_s / base[row.profile], 4) if base.get(row.profile) else 0.0)
+        for row in rows
+    ]
+
+
+def _row(profile: str, method: str, mode: str, runs: list[CaseRun]) -> ClientServerRow:
+    tokens = sum(run.new_tokens for run in runs)
+    wall = sum(run.wall_s for run in runs)
+    forwards = sum(run.target_forwards for run in runs)
+    per_token = 1.0 / max(tokens, 1)
+    return ClientServerRow(
+        profile=profile,
+        method=method,
+        mode=mode,
+        num_generations=len(runs),
+        new_tokens=tokens,
+        wall_s=round(wall, 4),
+        tokens_per_s=round(tokens / wall, 3) if wall > 0 else 0.0,
+        speedup=0.0,
+        tau=round(sum(run.forward_tokens for run in runs) / forwards, 4) if forwards else 0.0,
+        server_calls_per_100_tokens=round(100.0 * sum(run.num_calls for run in runs) * per_token, 2),
+        bytes_per_token=round(sum(run.num_bytes for run in runs) * per_token, 1),
+        time_to_first_token_s=round(sum(run.first_token_s for run in runs) / len(runs), 4),
     )
 
 
+# -- disconnection ------------------------------------------------------------------------------------
 def run_disconnection(
-    target_factory: Callable[[], object],
-    drafter_factories: dict[str, Callable[[object], object]],
-    prompts: list[list[int]],
+    target: HFTarget,
+    drafters: dict[str, DrafterFactory],
+    prompts: list[NamedPrompt],
     cut_after: int = 16,
     offline_tokens: int = 16,
 ) -> list[DisconnectionRow]:
-    """Greedy; per drafter, totals over the prompts. The reference continuation is in-process
-    greedy decoding, which the split output equals whenever the link is up."""
+    """Greedy; one row per drafter method, pooled over the prompts (module docstring)."""
+    limits = ServerLimits(
+        max_new_tokens=max(ServerLimits().max_new_tokens, _disconnection_budget(cut_after, offline_tokens)),
+        max_sessions_per_key=DISCONNECTION_SESSIONS,
+        max_sessions=DISCONNECTION_SESSIONS,
+        idle_timeout_s=DISCONNECTION_IDLE_S,
+    )
+    reference = Engine(target_view(target), NoDrafter())
     rows = []
-    for name, make_drafter in drafter_factories.items():
-        reference_target = target_factory()
-        reference = Engine(reference_target, make_drafter(reference_target))
-        server_target, client_target = target_factory(), target_factory()
-        server = ServerThread(SplitServer(server_target, make_drafter(server_target), [BENCH_KEY])).start()
-        client_drafter = make_drafter(client_target)
-        num_offline = num_agreeing = 0
-        try:
+    with LoopbackServers(target, drafters, limits) as servers:
+        for method in drafters:
+            num_offline = num_agreeing = 0
             for prompt in prompts:
-                expected = reference.generate(prompt, generation=GenerationConfig(max_new_tokens=cut_after + offline_tokens + 8)).token_ids
-                offline = _offline_continuation(server.port, client_drafter, prompt, cut_after, offline_tokens)
-                start = len(offline[0])
-                produced = offline[1]
-                agree = 0
-                for i, token in enumerate(produced):
-                    if start + i >= len(expected) or expected[start + i] != token:
-                        break
-                    agree += 1
-                num_offline += len(produced)
-                num_agreeing += agree
-        finally:
-            server.stop()
-        rows.append(DisconnectionRow(name, cut_after, num_offline, num_agreeing, round(num_agreeing / max(num_offline, 1), 4)))
+                verified, offline = _offline_continuation(servers, method, prompt.prompt_ids, cut_after, offline_tokens)
+                own = GenerationConfig(max_new_tokens=max(len(offline), 1))
+                expected = reference.generate([*prompt.prompt_ids, *verified], generation=own).token_ids
+                num_offline += len(offline)
+                num_agreeing += first_divergence(expected, offline)
+            agreement = round(num_agreeing / num_offline, 4) if num_offline else 0.0
+            rows.append(
+                DisconnectionRow(method, cut_after, offline_tokens, len(prompts), num_offline, num_agreeing, agreement)
+            )
     return rows
 
 
-def _offline_continuation(port: int, drafter, prompt: list[int], cut_after: int, offline_tokens: int) -> tuple[list[int], list[int]]:
-    """Generate through a proxy that is cut once `cut_after` tokens are verified and never
-    restored; accept the offline output. -> (verified before the cut, offline tokens)."""
-    proxy = NetemProxy("127.0.0.1", port, "lan").start()
-    options = SplitOptions(max_provisional=offline_tokens, offline_deadline_s=0.5, accept_offline=True,
-                           retry_initial_s=0.05, retry_max_s=0.1)
+def _offline_continuation(
+    servers: LoopbackServers, method: str, prompt_ids: tuple[int, ...], cut_after: int, offline_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Generate until `cut_after` tokens are verified, cut the link for good, collect what the
+    drafter produces alone. -> (verified token ids at the cut, provisional token ids)."""
+    proxy = servers.proxy(method, DISCONNECTION_PROFILE)
+    client = SplitClient(f"http://127.0.0.1:{proxy.port}", servers.key, timeout_s=CLIENT_TIMEOUT_S)
+    options = SplitOptions(
+        max_provisional=offline_tokens,
+        offline_deadline_s=OFFLINE_BASE_S + OFFLINE_PER_TOKEN_S * offline_tokens,
+        retry_initial_s=0.05,
+        retry_max_s=0.2,
+    )
+    generation = GenerationConfig(max_new_tokens=_disconnection_budget(cut_after, offline_tokens))
+    result, verified, offline = SplitResult(), None, []
+    events = SplitGenerator(client, servers.client_drafters[method], options).stream(
+        list(prompt_ids), SamplingConfig(), generation, servers.target.stop_ids, result
+    )
     try:
-        generator = SplitGenerator(SplitClient(f"http://127.0.0.1:{proxy.port}", BENCH_KEY, timeout_s=5.0), drafter, options)
-        result, before = SplitResult(), None
-        generation = GenerationConfig(max_new_tokens=cut_after + offline_tokens + 8)
-        for _ in generator.stream(prompt, SamplingConfig(), generation, frozenset(), result):
-            if before is None and len(result.token_ids) >= cut_after:
-                before = list(result.token_ids)
+        for event in events:
+            if event.kind == "provisional" and verified is not None:
+                offline += event.token_ids
+                if len(offline) >= offline_tokens:
+                    break
+            elif verified is None and len(result.token_ids) >= cut_after:
+                verified = list(result.token_ids)
                 proxy.cut("reset")
     finally:
+        events.close()
+        client.drop_connection()
         proxy.stop()
-    before = before if before is not None else list(result.token_ids)
-    return before, result.token_ids[len(before):]
+    return (list(result.token_ids) if verified is None else verified), offline
 
 
-def format_rows(rows: list) -> str:
-    """A plain text table of dataclass rows."""
-    if not rows:
-        return ""
-    dicts = [asdict(row) for row in rows]
-    keys = list(dicts[0])
-    widths = {k: max(len(k), *(len(str(d[k])) for d in dicts)) for k in keys}
-    lines = ["  ".join(k.ljust(widths[k]) for k in keys)]
-    lines += ["  ".join(str(d[k]).ljust(widths[k]) for k in keys) for d in dicts]
-    return "\n".join(lines)
+def _disconnection_budget(cut_after: int, offline_tokens: int) -> int:
+    """max_new_tokens of a disconnection generation: the step that crosses cut_after (at most a
+    tree's depth more) and the offline tokens must fit."""
+    return cut_after + ServerLimits().max_tree_nodes + offline_tokens

@@ -1,0 +1,313 @@
+"""`moaspec bench --client-server`: the split deployment and server-side streaming over emulated
+networks (protocol and metrics: moaspec/split/bench.py), wired into `moaspec bench`.
+
+    moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,DIR,...]
+                  [--categories ...] [--limit N] [--max-new-tokens N] [--temperature T] [--seed S]
+                  [--target NAME|PATH] [--disconnect-after N [--offline-tokens M]] [--no-progress]
+
+- `--network`: profiles of moaspec/split/netem.py (default all four), measured one after another,
+  the cases interleaved prompt by prompt within each;
+- `--methods`: drafters (checked as for the single-device bench; default ngram plus the shipped
+  drafters of the target); each gives a `split` case and a `server` (streamed) case; the plain
+  streamed baseline `none` is always run; `hf`/`hf-pld` have no client-server form;
+- prompts: the first user turn of every item (after its fixed history, e.g. QA's document);
+- `--disconnect-after N`: also run the disconnection experiment (link cut after N verified tokens,
+  each drafter continues alone for up to `--offline-tokens` M tokens, default 16).
+Writes results.json (`client_server` and `disconnection` rows, config, machine, command; schema
+in schema.py) and results.md into DIR, all or nothing, and prints the markdown. No plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from moaspec.errors import MoaspecError
+
+DEFAULT_OFFLINE_TOKENS = 16
+MAX_STREAM_TEMPERATURE = 2.0  # the OpenAI API's range, which the streamed cases go through
+MODE_NAMES = {"split": "split (client drafts)", "server": "server, streamed"}
+
+
+def add_client_server_arguments(bench: argparse.ArgumentParser) -> None:
+    group = bench.add_argument_group("client-server (--client-server; moaspec/bench/client_server.py)")
+    group.add_argument(
+        "--client-server",
+        action="store_true",
+        help="measure the split deployment and server-side streaming over emulated networks instead",
+    )
+    group.add_argument("--network", default=None, help="comma-separated profiles: lan, 5g, 4g, 3g (default all)")
+    group.add_argument(
+        "--disconnect-after",
+        type=int,
+        default=None,
+        help="also run the disconnection experiment: cut the link after N verified tokens",
+    )
+    group.add_argument(
+        "--offline-tokens",
+        type=int,
+        default=None,
+        help=f"disconnection: most tokens each drafter produces alone (default {DEFAULT_OFFLINE_TOKENS})",
+    )
+
+
+def check_client_server_flags(args: argparse.Namespace) -> None:
+    """Flags that need --client-server or only make sense with it (before torch loads)."""
+    flags = {
+        "--network": args.network,
+        "--disconnect-after": args.disconnect_after,
+        "--offline-tokens": args.offline_tokens,
+    }
+    if not args.client_server:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise MoaspecError(f"{given[0]} needs --client-server")
+        return
+    parse_network(args.network)
+    if args.disconnect_after is not None and args.disconnect_after < 1:
+        raise MoaspecError("--disconnect-after must be >= 1")
+    if args.offline_tokens is not None and args.disconnect_after is None:
+        raise MoaspecError("--offline-tokens needs --disconnect-after")
+    if args.offline_tokens is not None and args.offline_tokens < 1:
+        raise MoaspecError("--offline-tokens must be >= 1")
+    if args.temperature > MAX_STREAM_TEMPERATURE:
+        raise MoaspecError(
+            f"--client-server takes --temperature in [0, {MAX_STREAM_TEMPERATURE:g}] (the OpenAI API's range)"
+        )
+
+
+def parse_network(value: str | None) -> tuple[str, ...]:
+    """`--network a,b` -> profile names in order (default all)."""
+    from moaspec.split.netem import PROFILES
+
+    names = tuple(dict.fromkeys(name.strip() for name in (value or ",".join(PROFILES)).split(",") if name.strip()))
+    if not names:
+        raise MoaspecError("--network is empty")
+    unknown = [name for name in names if name not in PROFILES]
+    if unknown:
+        raise MoaspecError(f"unknown network profile {', '.join(unknown)} (known: {', '.join(PROFILES)})")
+    return names
+
+
+def client_server_methods(value: str | None, target_name: str):
+    """`--methods` for client-server: drafters only; default ngram plus the target's shipped drafters."""
+    from moaspec.bench.methods import HF_METHODS, check_available, default_methods, parse_methods
+
+    if value is None:
+        value = ",".join(m for m in default_methods(target_name).split(",") if m not in HF_METHODS)
+    specs = parse_methods(value)
+    for spec in specs:
+        if spec.drafter is None:
+            raise MoaspecError(
+                f"method '{spec.label}' has no client-server form (use drafters: ngram, moa, eagle, DIR)"
+            )
+    check_available(specs, target_name)
+    return specs
+
+
+def run_client_server_bench(
+    args: argparse.Namespace, categories: tuple[str, ...], sampling, out: Path, target_name: str
+) -> int:
+    """The rest of `run_bench` for --client-server: cheap checks, load, run, write, print."""
+    # 1. the remaining cheap checks, before torch and the target load
+    from moaspec.bench.cli import EXIT_MISMATCH
+    from moaspec.bench.output import write_results
+    from moaspec.bench.prompts import load_prompts
+    from moaspec.cli import _command_line
+
+    profiles = parse_network(args.network)
+    specs = client_server_methods(args.methods, target_name)
+    items = load_prompts(categories, args.limit)
+
+    # 2. load and run
+    import functools
+
+    import moaspec.api
+    from moaspec.drafters import make_drafter
+    from moaspec.split.bench import BASELINE, run_client_server, run_disconnection
+
+    target = moaspec.api.load_target(args.target)
+    if target.tokenizer is None:
+        raise MoaspecError(f"target {args.target} has no tokenizer")
+    prompts, skipped = first_turns(target, items)
+    drafters = {spec.label: functools.partial(make_drafter, spec.drafter) for spec in specs if spec.label != BASELINE}
+    config = _config(args, target.name, categories, specs, profiles)
+    data = run_client_server(
+        target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
+    )
+    disconnection = []
+    if args.disconnect_after is not None:
+        disconnection = run_disconnection(target, drafters, prompts, args.disconnect_after, config["offline_tokens"])
+
+    # 3. report
+    results = build_results(data, disconnection, skipped, config, _command_line(args))
+    markdown = render_markdown(results)
+    write_results(out, results, markdown)
+    print(markdown, end="")
+    if results["mismatches"]:
+        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def first_turns(target, items: dict) -> tuple[list, list[str]]:
+    """Every item's first user turn (after its fixed history) as token ids; -> (prompts, skipped):
+    an item that does not fit the target's context is skipped, with a warning."""
+    from moaspec.chat import encode_chat_messages
+    from moaspec.split.bench import NamedPrompt
+
+    prompts, skipped = [], []
+    for item in (item for category in items.values() for item in category):
+        name = f"{item.category}/{item.prompt_id}"
+        prompt_ids = encode_chat_messages(target.tokenizer, [*item.history, {"role": "user", "content": item.turns[0]}])
+        if len(prompt_ids) >= target.max_positions - 1:
+            skipped.append(name)
+            print(
+                f"moaspec: warning: skipping {name}: {len(prompt_ids)} prompt tokens do not fit the context",
+                file=sys.stderr,
+            )
+        else:
+            prompts.append(NamedPrompt(name, tuple(prompt_ids)))
+    return prompts, skipped
+
+
+def _config(
+    args: argparse.Namespace, target_name: str, categories: tuple[str, ...], specs, profiles: tuple[str, ...]
+) -> dict:
+    from moaspec.split.netem import PROFILES
+
+    return {
+        "target": target_name,
+        "categories": list(categories),
+        "limit": args.limit,
+        "methods": [spec.label for spec in specs],
+        "method_sources": {spec.label: spec.source for spec in specs},
+        "networks": {name: asdict(PROFILES[name]) for name in profiles},
+        "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "disconnect_after": args.disconnect_after,
+        "offline_tokens": None if args.disconnect_after is None else args.offline_tokens or DEFAULT_OFFLINE_TOKENS,
+    }
+
+
+def build_results(data, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
+    """The results.json document (validated against schema.CLIENT_SERVER_SCHEMA)."""
+    from moaspec.bench.cli import machine_info
+    from moaspec.bench.output import timestamp
+    from moaspec.bench.report import SCHEMA_VERSION
+    from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
+    from moaspec.split.bench import summarize
+
+    results = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "client_server",
+        "created": timestamp(),
+        "command": command,
+        "machine": machine_info(),
+        "config": config,
+        "client_server": [asdict(row) for row in summarize(data)],
+        "disconnection": [asdict(row) for row in disconnection],
+        "mismatches": [asdict(mismatch) for mismatch in data.mismatches],
+        "skipped": list(skipped),
+        "runs": [_run_row(record) for record in data.records],
+    }
+    validate(results, CLIENT_SERVER_SCHEMA)
+    return results
+
+
+def _run_row(record) -> dict:
+    run = record.run
+    return {
+        "profile": record.profile,
+        "prompt": record.prompt,
+        "method": record.method,
+        "mode": record.mode,
+        "new_tokens": run.new_tokens,
+        "wall_s": round(run.wall_s, 4),
+        "time_to_first_token_s": round(run.first_token_s, 4),
+        "num_calls": run.num_calls,
+        "num_bytes": run.num_bytes,
+    }
+
+
+# -- markdown -------------------------------------------------------------------------------------
+def render_markdown(results: dict) -> str:
+    from moaspec.bench.report import decoding_phrase
+
+    config = results["config"]
+    lines = [
+        "# moaspec bench --client-server",
+        "",
+        (
+            f"Target `{config['target']}`, {decoding_phrase(config['temperature'])}, at most {config['max_new_tokens']} "
+            f"new tokens, seed {config['seed']}; first user turn of {', '.join(config['categories'])}. Per network the "
+            "cases run interleaved prompt by prompt, warm-up excluded. Links are emulated on loopback "
+            "(moaspec/split/netem.py); bytes are counted at the emulator, both directions, HTTP included."
+        ),
+        f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
+        "",
+    ]
+    for name, profile in config["networks"].items():
+        lines += [
+            f"## {name} ({_link(profile)})",
+            "",
+            *_case_table([r for r in results["client_server"] if r["profile"] == name]),
+        ]
+    if results["disconnection"]:
+        lines += _disconnection_section(results["disconnection"])
+    lines += ["## Greedy check", "", _greedy_check(results)]
+    if results["skipped"]:
+        lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
+    return "\n".join(lines) + "\n"
+
+
+def _link(profile: dict) -> str:
+    bandwidth = profile["bandwidth_bps"]
+    rate = "unlimited" if bandwidth is None else f"{bandwidth / 1e6:g} Mbit/s"
+    return f"{1000 * profile['rtt_s']:g} ms RTT, ±{1000 * profile['jitter_s']:g} ms jitter, {rate}"
+
+
+def _case_table(rows: list[dict]) -> list[str]:
+    out = [
+        "| method | drafting | tokens/s | vs plain stream | τ | server calls / 100 tokens | bytes / token | time to first token ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        out.append(
+            f"| {row['method']} | {MODE_NAMES[row['mode']]} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} "
+            f"| {row['server_calls_per_100_tokens']:.1f} | {row['bytes_per_token']:.0f} | {1000 * row['time_to_first_token_s']:.0f} |"
+        )
+    return [*out, ""]
+
+
+def _disconnection_section(rows: list[dict]) -> list[str]:
+    first = rows[0]
+    out = [
+        f"## Disconnection (link cut after {first['cut_after']} verified tokens, up to {first['offline_tokens']} drafted alone)",
+        "",
+        "Agreement: leading offline tokens equal to the target's own greedy continuation of the verified text.",
+        "",
+        "| drafter | generations | offline tokens | agreeing | agreement |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        out.append(
+            f"| {row['drafter']} | {row['num_generations']} | {row['num_offline']} | {row['num_agreeing']} | {row['agreement']:.2f} |"
+        )
+    return [*out, ""]
+
+
+def _greedy_check(results: dict) -> str:
+    if results["config"]["temperature"] != 0:
+        return "Sampled run: outputs are not compared (only the distribution is preserved)."
+    mismatches = results["mismatches"]
+    if not mismatches:
+        return "Every case's text equals the plain stream's (`none`, server) on every prompt and network."
+    listed = "\n".join(
+        f"- {m['method']} {m['mode']}: {m['profile']} {m['prompt']}, first divergence at character {m['first_divergence']}"
+        for m in mismatches
+    )
+    return f"**{len(mismatches)} MISMATCHES** (a lossless path changed the output):\n{listed}"

@@ -1,0 +1,155 @@
+"""`moaspec bench --client-server` on tiny random float64 targets over loopback: the CLI writes
+valid results with all four cases, bad flags stop before the target loads, the streamed baselines
+report sane numbers, and the pooled metrics are computed as documented (moaspec/split/bench.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai_helpers import tiny_chat_target
+from test_bench import bench_args, tiny_bench  # noqa: F401  (tiny_bench is a fixture)
+
+from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
+from moaspec.cli import main
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.ngram import NgramDrafter
+from moaspec.drafters.none import NoDrafter
+from moaspec.engine import Engine
+from moaspec.split.bench import (
+    CaseRecord,
+    ClientServerData,
+    NamedPrompt,
+    run_client_server,
+    summarize,
+    text_mismatches,
+)
+from moaspec.split.bench_cases import CaseRun
+from moaspec.target import HFTarget
+
+
+def save_random_checkpoint(directory, method: str, target) -> str:
+    from conftest import make_random_drafter_net
+
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    net_class, config = (MoADrafterNet, MoAConfig) if method == "moa" else (EagleDrafterNet, EagleConfig)
+    net = make_random_drafter_net(net_class, config.for_target(target.config), target)
+    return str(save_checkpoint(directory, method, net, target, {"depth": 3, "top_k": 2, "budget": 4}))
+
+
+def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, capsys) -> None:  # noqa: F811
+    """(a) MoA split, (b) EAGLE-2 split, (c) plain and (d) speculative server streams on one
+    profile, plus the disconnection experiment; every greedy text equals the plain stream's."""
+    moa = save_random_checkpoint(tmp_path / "moa", "moa", tiny_bench)
+    eagle = save_random_checkpoint(tmp_path / "eagle", "eagle", tiny_bench)
+    out = tmp_path / "res"
+    argv = bench_args(
+        out,
+        "--client-server",
+        "--network",
+        "lan",
+        "--categories",
+        "math",
+        "--limit",
+        "1",
+        "--methods",
+        f"moa={moa},eagle={eagle}",
+        "--disconnect-after",
+        "3",
+        "--offline-tokens",
+        "3",
+    )
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    results = json.loads((out / "results.json").read_text())
+    validate(results, CLIENT_SERVER_SCHEMA)
+    cases = {(row["method"], row["mode"]) for row in results["client_server"]}
+    assert cases == {("none", "server"), ("moa", "split"), ("moa", "server"), ("eagle", "split"), ("eagle", "server")}
+    assert {row["profile"] for row in results["client_server"]} == {"lan"} and results["mismatches"] == []
+    assert all(row["new_tokens"] == 6 and row["tokens_per_s"] > 0 for row in results["client_server"])
+    assert [row["drafter"] for row in results["disconnection"]] == ["moa", "eagle"]
+    assert all(row["num_offline"] == 3 for row in results["disconnection"])  # random drafters always guess
+    assert results["config"]["networks"]["lan"]["rtt_s"] == 0.001 and results["kind"] == "client_server"
+    assert captured.out == (out / "results.md").read_text() and "## lan (1 ms RTT" in captured.out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--client-server", "--network", "4g,wifi"], "unknown network profile wifi"),
+        (["--network", "4g"], "--network needs --client-server"),
+        (["--disconnect-after", "4"], "--disconnect-after needs --client-server"),
+        (["--client-server", "--offline-tokens", "4"], "--offline-tokens needs --disconnect-after"),
+        (["--client-server", "--disconnect-after", "0"], "--disconnect-after must be >= 1"),
+        (["--client-server", "--methods", "none,hf"], "'hf' has no client-server form"),
+        (["--client-server", "--temperature", "3"], "--temperature in [0, 2]"),
+    ],
+)
+def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:  # noqa: F811
+    import moaspec.api
+
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    assert main(bench_args(tmp_path / "res", *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moaspec: error: ") and message in err and err.count("\n") == 1
+
+
+def test_streamed_baselines_report_sane_values() -> None:
+    """The plain stream comes from a server whose drafter is `none` (NoDrafter's context encoder is
+    empty, so SplitServer takes it): its text is in-process plain decoding's, tau is 1, and every
+    streamed generation is one server call; the speculative stream (ngram) is one call too."""
+    target = tiny_chat_target()
+    prompts = [
+        NamedPrompt(f"p/{i}", tuple(target.tokenizer(text)["input_ids"]))
+        for i, text in enumerate(["abc abc ab", "hello hello he"])
+    ]
+    data = run_client_server(target, {"ngram": NgramDrafter.for_target}, prompts, ("lan",), SamplingConfig(), 8)
+    rows = {(row.method, row.mode): row for row in summarize(data)}
+    assert set(rows) == {("none", "server"), ("ngram", "split"), ("ngram", "server")} and data.mismatches == []
+    plain, speculative = rows[("none", "server")], rows[("ngram", "server")]
+    for row in (plain, speculative):
+        assert row.new_tokens == 16 and row.num_generations == 2
+        assert row.server_calls_per_100_tokens == 12.5  # 2 requests for 16 tokens
+        assert 100 < row.bytes_per_token < 2000  # one SSE chunk (~300 bytes) per token, plus the request
+        assert 0 < row.time_to_first_token_s <= row.wall_s / row.num_generations
+    assert plain.tau == 1.0 and plain.speedup == 1.0 and speculative.tau >= 1.0
+    assert rows[("ngram", "split")].server_calls_per_100_tokens >= 100 * 4 / 16  # open + close per generation, at least
+    reference = Engine(HFTarget(target.model, target.tokenizer, target.name), NoDrafter())
+    for prompt in prompts:
+        expected = reference.generate(list(prompt.prompt_ids), generation=GenerationConfig(max_new_tokens=8)).token_ids
+        streamed = next(r.run for r in data.records if (r.prompt, r.method, r.mode) == (prompt.name, "none", "server"))
+        assert streamed.text == target.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def _run(new_tokens: int, wall_s: float, calls: int, num_bytes: int, forwards: int, text: str = "x") -> CaseRun:
+    return CaseRun(text, new_tokens, wall_s, wall_s / 4, calls, num_bytes, forwards, new_tokens)
+
+
+def test_rows_pool_generations_as_documented() -> None:
+    data = ClientServerData(
+        [
+            CaseRecord("4g", "p/0", "none", "server", _run(10, 1.0, 1, 3000, 10)),
+            CaseRecord("4g", "p/1", "none", "server", _run(10, 1.0, 1, 3000, 10)),
+            CaseRecord("4g", "p/0", "moa", "split", _run(12, 0.5, 6, 2400, 4)),
+            CaseRecord("4g", "p/1", "moa", "split", _run(8, 1.5, 4, 1600, 6)),
+        ]
+    )
+    plain, split = summarize(data)
+    assert (plain.tokens_per_s, plain.speedup, plain.server_calls_per_100_tokens, plain.bytes_per_token) == (
+        10.0,
+        1.0,
+        10.0,
+        300.0,
+    )
+    assert (split.new_tokens, split.tokens_per_s, split.speedup, split.tau) == (20, 10.0, 1.0, 2.0)
+    assert (split.server_calls_per_100_tokens, split.bytes_per_token, split.time_to_first_token_s) == (
+        50.0,
+        200.0,
+        0.25,
+    )
+    runs = {("none", "server"): _run(1, 1, 1, 1, 1, "same text"), ("moa", "split"): _run(1, 1, 1, 1, 1, "same test")}
+    assert [(m.method, m.first_divergence) for m in text_mismatches("4g", "p/0", runs)] == [("moa", 7)]
