@@ -100,6 +100,28 @@ def test_cross_attention_never_sees_the_root() -> None:
         assert memory_len == root_pos == verified  # positions 0..root_pos-1 only
 
 
+@pytest.mark.parametrize("tli", [0, 1])
+def test_context_encoder_in_chunks_equals_one_pass(monkeypatch, tli: int) -> None:
+    import moaspec.drafters.moa as moa_drafter
+
+    target = make_tiny_target("llama")
+    net = random_moa(target, tli=tli)
+    target.prefill(torch.arange(3, 14))
+    update = VerifiedUpdate(token_ids=torch.arange(3, 13), start_pos=0, hidden=None, target=target)
+    monkeypatch.setattr(moa_drafter, "ENCODE_CHUNK", 3)  # 10 tokens: chunks of 3, 3, 3, 1
+    layer_kv = target.layer_kv(0, 10)
+    sizes, memory = [], net.memory
+    net.memory = lambda kv: sizes.append(kv.shape[0]) or memory(kv)
+    chunked = moa_drafter.MoAContextEncoder(net, target.dtype).encode(update)
+    del net.memory
+    assert sizes == [3, 3, 3, 1]
+    assert torch.allclose(chunked["memory"], net.memory(layer_kv), atol=1e-12)
+    if tli:
+        assert torch.equal(chunked["tli_kv"], layer_kv[:, -1:])
+    empty = moa_drafter.MoAContextEncoder(net, target.dtype).encode(VerifiedUpdate(torch.arange(0), 10, None, target))
+    assert empty["memory"].shape == (0, net.config.hidden_size)
+
+
 def test_fresh_net_has_unit_norms_and_small_linear_weights() -> None:
     """The init of DrafterNet.reset_parameters: RMSNorm weights 1 (not the reference's
     N(0, 0.02)), Linear weights ~ N(0, 0.02), biases 0."""

@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 
+ENCODE_CHUNK = 64  # verified tokens per LSA pass (bounds the transient memory of a long prompt)
+
+
 class MoAContextEncoder:
     """The target-side part of MoA: verified tokens -> context
     {"memory": [n, D]} (+ {"tli_kv": [n, k, kv_dim]}, the target's own last-k-layer keys/values)."""
@@ -44,11 +47,18 @@ class MoAContextEncoder:
 
     @torch.inference_mode()
     def encode(self, update: VerifiedUpdate) -> Context:
-        start = update.start_pos
-        layer_kv = update.target.layer_kv(start, start + update.token_ids.numel()).to(self.dtype)  # [n, L, kv_dim]
-        context = {"memory": self.net.memory(layer_kv)}
-        if self.net.config.tli_layers:
-            context["tli_kv"] = layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :]
+        """Per token independent, so a long prompt is encoded ENCODE_CHUNK tokens at a time: the
+        LSA's activations ([n, L, ...] per tensor) then stay small whatever the prompt length."""
+        start, end = update.start_pos, update.start_pos + update.token_ids.numel()
+        memory, tli_kv = [], []
+        for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
+            layer_kv = update.target.layer_kv(chunk_start, min(end, chunk_start + ENCODE_CHUNK)).to(self.dtype)  # [c, L, kv_dim]
+            memory.append(self.net.memory(layer_kv))
+            if self.net.config.tli_layers:
+                tli_kv.append(layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :])
+        context = {"memory": torch.cat(memory)}
+        if tli_kv:
+            context["tli_kv"] = torch.cat(tli_kv)
         return context
 
 
