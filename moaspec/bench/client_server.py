@@ -80,15 +80,10 @@ def check_client_server_flags(args: argparse.Namespace) -> None:
 
 def parse_network(value: str | None) -> tuple[str, ...]:
     """`--network a,b` -> profile names in order (default all)."""
+    from moaspec.bench.prompts import parse_names
     from moaspec.split.netem import PROFILES
 
-    names = tuple(dict.fromkeys(name.strip() for name in (value or ",".join(PROFILES)).split(",") if name.strip()))
-    if not names:
-        raise MoaspecError("--network is empty")
-    unknown = [name for name in names if name not in PROFILES]
-    if unknown:
-        raise MoaspecError(f"unknown network profile {', '.join(unknown)} (known: {', '.join(PROFILES)})")
-    return names
+    return parse_names(value or ",".join(PROFILES), "--network", tuple(PROFILES), "network profile")
 
 
 def client_server_methods(value: str | None, target_name: str):

@@ -135,15 +135,21 @@ LOADERS = {
 CATEGORIES = tuple(LOADERS)
 
 
-def parse_categories(value: str) -> tuple[str, ...]:
-    """`--categories a,b,...` -> category ids in the given order (duplicates dropped)."""
+def parse_names(value: str, flag: str, known: tuple[str, ...], noun: str) -> tuple[str, ...]:
+    """A comma-separated flag value -> names in the given order (duplicates dropped), each one of
+    `known`; an empty list or an unknown name is a one-line MoaspecError."""
     names = tuple(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
     if not names:
-        raise MoaspecError("--categories is empty")
-    unknown = [name for name in names if name not in LOADERS]
+        raise MoaspecError(f"{flag} is empty")
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise MoaspecError(f"unknown category {', '.join(unknown)} (known: {', '.join(CATEGORIES)})")
+        raise MoaspecError(f"unknown {noun} {', '.join(unknown)} (known: {', '.join(known)})")
     return names
+
+
+def parse_categories(value: str) -> tuple[str, ...]:
+    """`--categories a,b,...` -> category ids in the given order (duplicates dropped)."""
+    return parse_names(value, "--categories", CATEGORIES, "category")
 
 
 def load_prompts(categories: tuple[str, ...], limit: int | None) -> dict[str, list[BenchPrompt]]:
