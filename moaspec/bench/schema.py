@@ -39,20 +39,19 @@ ROW = {
     "peak_rss_mb": NUMBER,
     "rss_growth_mb": NUMBER,
 }
+HEADER = {"schema_version": int, "created": str, "command": str, "machine": {"description": str}}
+RUN_CONFIG = {  # the config fields both results kinds share
+    "target": str,
+    "categories": [str],
+    "limit": (int, type(None)),
+    "methods": [str],
+    "temperature": NUMBER,
+    "max_new_tokens": int,
+    "seed": int,
+}
 RESULTS_SCHEMA = {
-    "schema_version": int,
-    "created": str,
-    "command": str,
-    "machine": {"description": str},
-    "config": {
-        "target": str,
-        "categories": [str],
-        "limit": (int, type(None)),
-        "methods": [str],
-        "temperature": NUMBER,
-        "max_new_tokens": int,
-        "seed": int,
-    },
+    **HEADER,
+    "config": RUN_CONFIG,
     "summary": [
         {
             "method": str,
@@ -138,20 +137,11 @@ CLIENT_SERVER_ROW = {
     "time_to_first_token_s": NUMBER,
 }
 CLIENT_SERVER_SCHEMA = {
-    "schema_version": int,
+    **HEADER,
     "kind": str,
-    "created": str,
-    "command": str,
-    "machine": {"description": str},
     "config": {
-        "target": str,
-        "categories": [str],
-        "limit": (int, type(None)),
-        "methods": [str],
+        **RUN_CONFIG,
         "networks": MapOf({"rtt_s": NUMBER, "jitter_s": NUMBER, "bandwidth_bps": NULLABLE_NUMBER}),
-        "temperature": NUMBER,
-        "max_new_tokens": int,
-        "seed": int,
         "disconnect_after": (int, type(None)),
         "offline_tokens": (int, type(None)),
     },
