@@ -346,3 +346,37 @@ def test_shipped_drafters_are_lossless(
     assert out.token_ids == hf_greedy(key)
     assert out.stats.num_verifications > 0 and out.stats.drafted_nodes > 0  # trees were verified
 
+
+
+@pytest.mark.parametrize("name", ["moa", "moa-tli1", "eagle"])
+def test_drafting_alone_follows_the_top_ranked_tree_path(name: str, shipped: dict[str, SpeculativeLM]) -> None:
+    """Link down (split deployment), the drafter continues alone: after real verifications, its
+    first two provisional tokens are the top-ranked depth-1 draft and that draft's top-ranked child
+    in a depth-2 tree proposed from the same state (the offline path is the greedy tree path)."""
+    from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
+    from moaspec.engine import Engine
+
+    lm = shipped[name]
+    drafter = lm.drafter
+    prompt = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPTS["list"]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    emitted: list[int] = []
+    stream = Engine(lm.target, drafter).stream(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=MAX_NEW))
+    for tokens in stream:
+        emitted += tokens
+        if len(emitted) >= 12:
+            break
+    stream.close()
+    default_tree = drafter.tree_config
+    try:
+        drafter.tree_config = TreeConfig(depth=2, top_k=4, budget=20)  # every candidate is kept
+        tree = drafter.propose(emitted[-1], SamplingConfig(), torch.Generator())
+    finally:
+        drafter.tree_config = default_tree
+    parents = tree.parents.tolist()
+    first = parents.index(0)  # depth-1 nodes come best first
+    child = parents.index(first)  # and so do the children of a node
+    alone = [drafter.draft_alone(emitted[-1], SamplingConfig(), torch.Generator())]
+    alone.append(drafter.draft_alone(alone[0], SamplingConfig(), torch.Generator()))
+    assert alone == [int(tree.token_ids[first]), int(tree.token_ids[child])]

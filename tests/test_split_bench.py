@@ -153,3 +153,28 @@ def test_rows_pool_generations_as_documented() -> None:
     )
     runs = {("none", "server"): _run(1, 1, 1, 1, 1, "same text"), ("moa", "split"): _run(1, 1, 1, 1, 1, "same test")}
     assert [(m.method, m.first_divergence) for m in text_mismatches("4g", "p/0", runs)] == [("moa", 7)]
+
+
+def test_disconnection_scores_answers_against_references(monkeypatch) -> None:
+    """Task F1 of verified + offline text and of the target's own answer of the same length, the
+    first-token agreement, and no score for a prompt without references."""
+    import moaspec.split.bench as split_bench
+    from moaspec.bench.task_score import normalized_words, token_f1
+    from moaspec.split.bench import run_disconnection
+
+    target = tiny_chat_target()
+    prompt_ids = tuple(target.tokenizer("Where is the cat?")["input_ids"])
+    offline = target.tokenizer("cat sat mat")["input_ids"]
+    monkeypatch.setattr(split_bench, "_offline_continuation", lambda *args: ([], list(offline)))
+    reference = Engine(HFTarget(target.model, target.tokenizer, target.name), NoDrafter())
+    own = reference.generate(list(prompt_ids), generation=GenerationConfig(max_new_tokens=len(offline))).token_ids
+    own_text = target.tokenizer.decode(own, skip_special_tokens=True)
+    assert normalized_words(own_text), "the tiny target's answer should hold words"
+    prompts = [NamedPrompt("qa/0", prompt_ids, ("The cat sat.", own_text)), NamedPrompt("qa/1", prompt_ids)]
+    (row,) = run_disconnection(target, {"ngram": NgramDrafter.for_target}, prompts, cut_after=2, offline_tokens=len(offline))
+    assert (row.num_generations, row.num_offline, row.num_scored) == (2, 2 * len(offline), 1)
+    assert row.task_f1 == round(max(0.8, token_f1("cat sat mat", [own_text])), 4)
+    assert row.target_task_f1 == 1.0
+    assert row.first_token_agreement == float(offline[0] == own[0])
+    unscored = run_disconnection(target, {"ngram": NgramDrafter.for_target}, prompts[1:], 2, len(offline))[0]
+    assert unscored.num_scored == 0 and unscored.task_f1 is None and unscored.target_task_f1 is None

@@ -164,7 +164,7 @@ def first_turns(target, items: dict) -> tuple[list, list[str]]:
                 file=sys.stderr,
             )
         else:
-            prompts.append(NamedPrompt(name, tuple(prompt_ids)))
+            prompts.append(NamedPrompt(name, tuple(prompt_ids), item.references))
     return prompts, skipped
 
 
@@ -283,16 +283,25 @@ def _disconnection_section(rows: list[dict]) -> list[str]:
     out = [
         f"## Disconnection (link cut after {first['cut_after']} verified tokens, up to {first['offline_tokens']} drafted alone)",
         "",
-        "Agreement: leading offline tokens equal to the target's own greedy continuation of the verified text.",
+        "Agreement: leading offline tokens equal to the target's own greedy continuation of the verified text; "
+        "first token: share of generations whose first offline token is the target's. Task F1 (prompts with "
+        "reference answers, QA): token F1 of verified + offline text taken as final, and of the target's own "
+        "answer of the same length.",
         "",
-        "| drafter | generations | offline tokens | agreeing | agreement |",
-        "|---|---:|---:|---:|---:|",
+        "| drafter | generations | offline tokens | agreeing | agreement | first token | scored | task F1 | target's task F1 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         out.append(
-            f"| {row['drafter']} | {row['num_generations']} | {row['num_offline']} | {row['num_agreeing']} | {row['agreement']:.2f} |"
+            f"| {row['drafter']} | {row['num_generations']} | {row['num_offline']} | {row['num_agreeing']} "
+            f"| {row['agreement']:.2f} | {row['first_token_agreement']:.2f} | {row['num_scored']} "
+            f"| {_optional(row['task_f1'])} | {_optional(row['target_task_f1'])} |"
         )
     return [*out, ""]
+
+
+def _optional(value: float | None) -> str:
+    return "–" if value is None else f"{value:.3f}"
 
 
 def _greedy_check(results: dict) -> str:

@@ -34,15 +34,17 @@ QA_INSTRUCTION = "Answer the question using the document below.\n\nDocument:\n"
 class BenchPrompt:
     """One benchmark item.
 
-    history: fixed earlier messages ({"role", "content"}), identical for every method.
-    turns:   the user turns to answer, in order; turn t > 0 is asked after the baseline's answer
-             to turn t - 1 (see runner.py for the protocol).
+    history:    fixed earlier messages ({"role", "content"}), identical for every method.
+    turns:      the user turns to answer, in order; turn t > 0 is asked after the baseline's answer
+                to turn t - 1 (see runner.py for the protocol).
+    references: reference answers to the first turn, where the set has them (QA), for task scores.
     """
 
     category: str
     prompt_id: str
     turns: tuple[str, ...]
     history: tuple[dict[str, str], ...] = field(default=())
+    references: tuple[str, ...] = field(default=())
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,8 @@ def load_qa() -> list[BenchPrompt]:
         first = messages[0]
         messages[0] = {"role": first["role"], "content": f"{QA_INSTRUCTION}{chunk}\n\nQuestion: {first['content']}"}
         history, last = messages[:-1], messages[-1]
-        prompts.append(BenchPrompt("qa", f"chatrag-{index}", (last["content"],), tuple(history)))
+        references = tuple(item.get("answers", ()))
+        prompts.append(BenchPrompt("qa", f"chatrag-{index}", (last["content"],), tuple(history), references))
     return prompts
 
 

@@ -155,6 +155,10 @@ CLIENT_SERVER_SCHEMA = {
             "num_offline": int,
             "num_agreeing": int,
             "agreement": NUMBER,
+            "first_token_agreement": NUMBER,
+            "num_scored": int,
+            "task_f1": NULLABLE_NUMBER,
+            "target_task_f1": NULLABLE_NUMBER,
         }
     ],
     "mismatches": [{"profile": str, "prompt": str, "method": str, "mode": str, "first_divergence": int}],

@@ -28,7 +28,10 @@ bug in a lossless path and is listed as a mismatch.
 
 `run_disconnection` cuts the link (`lan` profile) once N tokens are verified, lets the client's
 drafter continue alone (provisional tokens) for up to M tokens, and counts how many of them agree,
-from the first, with the target's own greedy continuation of the verified text.
+from the first, with the target's own greedy continuation of the verified text (and how often the
+first one does). Where a prompt has reference answers (QA), it also scores the answer a user
+would keep if they took the offline output as final (verified + offline text) against them with
+token F1 (task_score.py), next to the target's own answer of the same length.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import sys
 from dataclasses import dataclass, field, replace
 
 from moaspec.bench.runner import BASELINE, WARMUP_TOKENS, first_divergence
+from moaspec.bench.task_score import token_f1
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
@@ -65,6 +69,7 @@ OFFLINE_BASE_S, OFFLINE_PER_TOKEN_S = 2.0, 0.25  # how long the client drafts al
 class NamedPrompt:
     name: str  # "category/prompt_id"
     prompt_ids: tuple[int, ...]  # [T]
+    references: tuple[str, ...] = ()  # reference answers, where the set has them (task scores)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,10 @@ class DisconnectionRow:
     num_offline: int  # tokens the drafter produced alone (fewer than M when it ran out of ideas)
     num_agreeing: int  # leading offline tokens equal to the target's own continuation
     agreement: float  # num_agreeing / num_offline
+    first_token_agreement: float  # share of generations whose first offline token is the target's
+    num_scored: int  # generations whose prompt has reference answers
+    task_f1: float | None  # mean token F1 of verified + offline text (None when num_scored is 0)
+    target_task_f1: float | None  # the same for the target's own answer of that length
 
 
 # -- the benchmark --------------------------------------------------------------------------------
@@ -252,18 +261,36 @@ def run_disconnection(
     rows = []
     with LoopbackServers(target, drafters, limits) as servers:
         for method in drafters:
-            num_offline = num_agreeing = 0
+            num_offline = num_agreeing = num_first = 0
+            scores: list[tuple[float, float]] = []  # (offline answer, target's answer) per scored prompt
             for prompt in prompts:
                 verified, offline = _offline_continuation(servers, method, prompt.prompt_ids, cut_after, offline_tokens)
                 own = GenerationConfig(max_new_tokens=max(len(offline), 1))
                 expected = reference.generate([*prompt.prompt_ids, *verified], generation=own).token_ids
                 num_offline += len(offline)
                 num_agreeing += first_divergence(expected, offline)
-            agreement = round(num_agreeing / num_offline, 4) if num_offline else 0.0
+                num_first += bool(offline) and offline[0] == expected[0]
+                if prompt.references and target.tokenizer is not None:
+                    scores.append(tuple(_answer_f1(target, [*verified, *ids], prompt.references) for ids in (offline, expected)))
             rows.append(
-                DisconnectionRow(method, cut_after, offline_tokens, len(prompts), num_offline, num_agreeing, agreement)
+                DisconnectionRow(
+                    method, cut_after, offline_tokens, len(prompts), num_offline, num_agreeing,
+                    agreement=round(num_agreeing / num_offline, 4) if num_offline else 0.0,
+                    first_token_agreement=round(num_first / len(prompts), 4) if prompts else 0.0,
+                    num_scored=len(scores),
+                    task_f1=_mean([offline for offline, _ in scores]),
+                    target_task_f1=_mean([own for _, own in scores]),
+                )
             )
     return rows
+
+
+def _answer_f1(target: HFTarget, token_ids: list[int], references: tuple[str, ...]) -> float:
+    return token_f1(target.tokenizer.decode(token_ids, skip_special_tokens=True), references)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def _offline_continuation(
