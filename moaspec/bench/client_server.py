@@ -134,7 +134,9 @@ def run_client_server_bench(
     )
     disconnection = []
     if args.disconnect_after is not None:
-        disconnection = run_disconnection(target, drafters, prompts, args.disconnect_after, config["offline_tokens"])
+        disconnection = run_disconnection(
+            target, drafters, prompts, args.disconnect_after, config["offline_tokens"], progress=not args.no_progress
+        )
 
     # 3. report
     results = build_results(data, disconnection, skipped, config, _command_line(args))

@@ -249,8 +249,11 @@ def run_disconnection(
     prompts: list[NamedPrompt],
     cut_after: int = 16,
     offline_tokens: int = 16,
+    progress: bool = False,
 ) -> list[DisconnectionRow]:
     """Greedy; one row per drafter method, pooled over the prompts (module docstring)."""
+    from tqdm import tqdm
+
     limits = ServerLimits(
         max_new_tokens=max(ServerLimits().max_new_tokens, _disconnection_budget(cut_after, offline_tokens)),
         max_sessions_per_key=DISCONNECTION_SESSIONS,
@@ -259,7 +262,9 @@ def run_disconnection(
     )
     reference = Engine(target_view(target), NoDrafter())
     rows = []
-    with LoopbackServers(target, drafters, limits) as servers:
+    bar = tqdm(total=len(drafters) * len(prompts), desc="moaspec bench: disconnection", unit="gen",
+               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    with bar, LoopbackServers(target, drafters, limits) as servers:
         for method in drafters:
             num_offline = num_agreeing = num_first = 0
             scores: list[tuple[float, float]] = []  # (offline answer, target's answer) per scored prompt
@@ -272,6 +277,7 @@ def run_disconnection(
                 num_first += bool(offline) and offline[0] == expected[0]
                 if prompt.references and target.tokenizer is not None:
                     scores.append(tuple(_answer_f1(target, [*verified, *ids], prompt.references) for ids in (offline, expected)))
+                bar.update(1)
             rows.append(
                 DisconnectionRow(
                     method, cut_after, offline_tokens, len(prompts), num_offline, num_agreeing,
