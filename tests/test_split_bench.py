@@ -171,10 +171,11 @@ def test_disconnection_scores_answers_against_references(monkeypatch) -> None:
     own_text = target.tokenizer.decode(own, skip_special_tokens=True)
     assert normalized_words(own_text), "the tiny target's answer should hold words"
     prompts = [NamedPrompt("qa/0", prompt_ids, ("The cat sat.", own_text)), NamedPrompt("qa/1", prompt_ids)]
-    (row,) = run_disconnection(target, {"ngram": NgramDrafter.for_target}, prompts, cut_after=2, offline_tokens=len(offline))
+    drafters = {"ngram": NgramDrafter.for_target}
+    (row,) = run_disconnection(target, drafters, prompts, cut_after=2, offline_tokens=len(offline))
     assert (row.num_generations, row.num_offline, row.num_scored) == (2, 2 * len(offline), 1)
     assert row.task_f1 == round(max(0.8, token_f1("cat sat mat", [own_text])), 4)
     assert row.target_task_f1 == 1.0
     assert row.first_token_agreement == float(offline[0] == own[0])
-    unscored = run_disconnection(target, {"ngram": NgramDrafter.for_target}, prompts[1:], 2, len(offline))[0]
+    unscored = run_disconnection(target, drafters, prompts[1:], 2, len(offline))[0]
     assert unscored.num_scored == 0 and unscored.task_f1 is None and unscored.target_task_f1 is None

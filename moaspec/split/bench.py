@@ -276,7 +276,8 @@ def run_disconnection(
                 num_agreeing += first_divergence(expected, offline)
                 num_first += bool(offline) and offline[0] == expected[0]
                 if prompt.references and target.tokenizer is not None:
-                    scores.append(tuple(_answer_f1(target, [*verified, *ids], prompt.references) for ids in (offline, expected)))
+                    answers = ([*verified, *offline], [*verified, *expected])
+                    scores.append(tuple(_answer_f1(target, ids, prompt.references) for ids in answers))
                 bar.update(1)
             rows.append(
                 DisconnectionRow(
