@@ -72,6 +72,9 @@ def make_random_drafter_net(net_class, config, target: HFTarget, draft_vocab: to
     torch.manual_seed(seed)
     net = net_class(config)
     net.reset_parameters(std=0.2)
+    if hasattr(net, "layer_mix_raw"):  # MoA's layer mix starts uniform; make it uneven here
+        with torch.no_grad():
+            net.layer_mix_raw.normal_(0.0, 0.2)
     if draft_vocab is not None:
         with torch.no_grad():
             net.draft_vocab_ids.copy_(draft_vocab)

@@ -170,6 +170,30 @@ def test_configs_without_the_recency_bias_field_load_as_before() -> None:
     assert not net.config.ca_recency_bias and not hasattr(net, "ca_recency_slopes")
 
 
+def test_layer_mix_starts_at_the_mean_and_learns_a_weighted_mean() -> None:
+    """The memory pools the LSA's per-layer outputs with softmax(LAYER_MIX_SCALE * raw) weights:
+    a fresh net (raw = 0) pools with the reference's plain mean; checkpoints written before the
+    field existed load with the mean."""
+    from moaspec.nn.moa import LAYER_MIX_SCALE
+
+    target = make_tiny_target("llama", num_hidden_layers=4, dtype=torch.float64)
+    torch.manual_seed(0)
+    net = MoADrafterNet(MoAConfig.for_target(target.config)).double()
+    layer_kv = torch.randn(5, 4, net.config.kv_dim, dtype=torch.float64)
+    mixed, _ = net.layer_self_attention(layer_kv, torch.arange(4), None)  # [5, L, kv_dim]
+    assert net.config.layer_mix and torch.equal(net.layer_mix_raw, torch.zeros(4, dtype=torch.float64))
+    assert torch.allclose(net.memory(layer_kv), net.ekv2e(mixed.mean(dim=1)), atol=1e-12)
+    with torch.no_grad():
+        net.layer_mix_raw.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    weights = torch.softmax(LAYER_MIX_SCALE * net.layer_mix_raw, 0)
+    assert weights.max() > 5 * weights.min()  # far from the mean
+    assert torch.allclose(net.memory(layer_kv), net.ekv2e((mixed * weights[:, None]).sum(dim=1)), atol=1e-12)
+    record = net.config.to_dict()
+    del record["layer_mix"]
+    old = MoADrafterNet(MoAConfig(**record))
+    assert not old.config.layer_mix and not hasattr(old, "layer_mix_raw")
+
+
 def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:
     out = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()

@@ -30,6 +30,9 @@ from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_ma
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 
 LSA_HEAD_DIM = 64
+# The learned layer mix's logits are LAYER_MIX_SCALE * raw parameters: Adam moves a parameter by
+# about lr per step, so unscaled logits could shift by only ~0.3 over a 400-step CPU budget.
+LAYER_MIX_SCALE = 10.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class MoAConfig:
     tli_layers: int = 0
     draft_vocab_size: int = 0  # 0 = the target's full vocabulary
     ca_recency_bias: bool = False  # learned per-head distance penalty in the CA (see cross_attend)
+    layer_mix: bool = False  # learned softmax weights over layers instead of the plain mean (see memory)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tli_layers < self.num_target_layers:
@@ -59,7 +63,13 @@ class MoAConfig:
             raise ValueError("head counts must divide the dimensions")
 
     @staticmethod
-    def for_target(target_config, tli_layers: int = 0, draft_vocab_size: int = 0, ca_recency_bias: bool = True) -> MoAConfig:
+    def for_target(
+        target_config,
+        tli_layers: int = 0,
+        draft_vocab_size: int = 0,
+        ca_recency_bias: bool = True,
+        layer_mix: bool = True,
+    ) -> MoAConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
@@ -83,6 +93,7 @@ class MoAConfig:
             tli_layers=tli_layers,
             draft_vocab_size=draft_vocab_size,
             ca_recency_bias=ca_recency_bias,
+            layer_mix=layer_mix,
         )
 
     def to_dict(self) -> dict:
@@ -123,15 +134,28 @@ class MoADrafterNet(DrafterNet):
         self.ekv2e = nn.Linear(c.kv_dim, c.hidden_size, bias=True)
         if c.ca_recency_bias:
             self.ca_recency_slopes = nn.Parameter(alibi_slopes(c.num_heads))  # [H]
+        if c.layer_mix:
+            self.layer_mix_raw = nn.Parameter(torch.zeros(c.num_target_layers))  # [L]: uniform = the mean
         self._register_draft_vocab()
         self.reset_parameters()
 
     # -- memory of verified tokens -------------------------------------------------------------
     def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
-        """layer_kv [n, L, kv_dim] (per-head [k_h, v_h], post-RoPE keys) -> memory [n, D]."""
+        """layer_kv [n, L, kv_dim] (per-head [k_h, v_h], post-RoPE keys) -> memory [n, D].
+
+        With `layer_mix` the LSA outputs are pooled with learned softmax weights over the layers
+        (starting uniform, i.e. at the reference's mean) so training can favour the layers that
+        predict the next token. Measured on SmolLM2 (same data and 400-step schedule as the
+        mean): validation loss 0.796 -> 0.786, top-1 at the anchor 0.392 -> 0.417 and at draft
+        depths 1-5 within noise (0.378 0.351 0.397 0.371 0.333 -> 0.374 0.353 0.403 0.383 0.340);
+        the weights moved to the last layers (layer 27: 0.096 against 0.033 uniform).
+        """
         layer_positions = torch.arange(layer_kv.shape[-2])
         mixed, _ = self.layer_self_attention(layer_kv, layer_positions, None)
-        return self.ekv2e(mixed.mean(dim=-2))
+        if not self.config.layer_mix:
+            return self.ekv2e(mixed.mean(dim=-2))
+        weights = torch.softmax(LAYER_MIX_SCALE * self.layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
+        return self.ekv2e(torch.einsum("nld,l->nd", mixed, weights))
 
     def memory_keys_values(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """memory [n, D] of tokens at positions [n] -> CA keys/values [Hkv, n, d] (cacheable)."""
