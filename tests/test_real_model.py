@@ -347,7 +347,6 @@ def test_shipped_drafters_are_lossless(
     assert out.stats.num_verifications > 0 and out.stats.drafted_nodes > 0  # trees were verified
 
 
-
 @pytest.mark.parametrize("name", ["moa", "moa-tli1", "eagle"])
 def test_drafting_alone_follows_the_top_ranked_tree_path(name: str, shipped: dict[str, SpeculativeLM]) -> None:
     """Link down (split deployment), the drafter continues alone: after real verifications, its
