@@ -352,14 +352,13 @@ def test_drafting_alone_follows_the_top_ranked_tree_path(name: str, shipped: dic
     """Link down (split deployment), the drafter continues alone: after real verifications, its
     first two provisional tokens are the top-ranked depth-1 draft and that draft's top-ranked child
     in a depth-2 tree proposed from the same state (the offline path is the greedy tree path)."""
+    from moaspec.chat import encode_chat_messages
     from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
     from moaspec.engine import Engine
 
     lm = shipped[name]
     drafter = lm.drafter
-    prompt = lm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPTS["list"]}], add_generation_prompt=True, return_dict=True
-    )["input_ids"]
+    prompt = encode_chat_messages(lm.tokenizer, [{"role": "user", "content": PROMPTS["list"]}])
     emitted: list[int] = []
     stream = Engine(lm.target, drafter).stream(prompt, SamplingConfig(), GenerationConfig(max_new_tokens=MAX_NEW))
     for tokens in stream:

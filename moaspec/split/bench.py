@@ -139,19 +139,10 @@ def run_client_server(
     progress: bool = False,
 ) -> ClientServerData:
     """The protocol of the module docstring. drafters: method label -> factory (`none` is added)."""
-    from tqdm import tqdm
-
     data = ClientServerData()
     limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens))
     total = len(profiles) * len(prompts) * (1 + 2 * len(drafters))
-    bar = tqdm(
-        total=total,
-        desc="moaspec bench --client-server",
-        unit="gen",
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    bar = _progress_bar(total, "moaspec bench --client-server", progress)
     try:
         with LoopbackServers(target, drafters, limits) as servers:
             for profile in profiles:
@@ -252,8 +243,6 @@ def run_disconnection(
     progress: bool = False,
 ) -> list[DisconnectionRow]:
     """Greedy; one row per drafter method, pooled over the prompts (module docstring)."""
-    from tqdm import tqdm
-
     limits = ServerLimits(
         max_new_tokens=max(ServerLimits().max_new_tokens, _disconnection_budget(cut_after, offline_tokens)),
         max_sessions_per_key=DISCONNECTION_SESSIONS,
@@ -262,8 +251,7 @@ def run_disconnection(
     )
     reference = Engine(target_view(target), NoDrafter())
     rows = []
-    bar = tqdm(total=len(drafters) * len(prompts), desc="moaspec bench: disconnection", unit="gen",
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = _progress_bar(len(drafters) * len(prompts), "moaspec bench: disconnection", progress)
     with bar, LoopbackServers(target, drafters, limits) as servers:
         for method in drafters:
             num_offline = num_agreeing = num_first = 0
@@ -290,6 +278,13 @@ def run_disconnection(
                 )
             )
     return rows
+
+
+def _progress_bar(total: int, desc: str, progress: bool):
+    """A tqdm bar over generations on stderr (a silent one when not `progress`)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True)
 
 
 def _answer_f1(target: HFTarget, token_ids: list[int], references: tuple[str, ...]) -> float:
