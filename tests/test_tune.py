@@ -11,7 +11,15 @@ import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.bench.costs import CycleCosts
-from moaspec.bench.tune import DEPTHS, TOP_KS, candidates, expected_tau, fit_top1, model_acceptance_per_depth
+from moaspec.bench.tune import (
+    DEPTHS,
+    TOP_KS,
+    candidates,
+    expected_tau,
+    geometric_rates,
+    model_acceptance_per_depth,
+    rates_from_hit_rates,
+)
 from moaspec.cli import main
 from moaspec.config import TreeConfig
 
@@ -23,29 +31,44 @@ def synthetic_costs(verify_ms: dict[int, float], level_ms: float) -> CycleCosts:
 
 
 def test_expected_tau_of_a_chain_is_the_geometric_sum() -> None:
-    tau, nodes = expected_tau(TreeConfig(depth=3, top_k=1, budget=3), top1=0.5)
+    tau, nodes = expected_tau(TreeConfig(depth=3, top_k=1, budget=3), geometric_rates(0.5))
     assert nodes == 4 and tau == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     # top-2 at one level: ranks 1 and 2 hit with 0.5 and 0.25, mutually exclusive
-    tau, nodes = expected_tau(TreeConfig(depth=1, top_k=2, budget=2), top1=0.5)
+    tau, nodes = expected_tau(TreeConfig(depth=1, top_k=2, budget=2), geometric_rates(0.5))
     assert nodes == 3 and tau == pytest.approx(1.75)
 
 
-def test_fit_recovers_the_top1_rate_that_produced_the_acceptance() -> None:
-    tree = TreeConfig(depth=4, top_k=3, budget=8)
-    assert fit_top1(model_acceptance_per_depth(tree, 0.73), tree) == pytest.approx(0.73)
+def test_rates_come_from_the_hit_rates_of_the_top_k() -> None:
+    rates = rates_from_hit_rates([0.25, 0.33, 0.33, 0.44])
+    assert rates == pytest.approx((0.25, 0.08, 1e-4, 0.11))
+    # the modelled one-level trees reproduce the measured hit rates
+    for top_k, hit in zip(TOP_KS, [0.25, 0.33, 0.33, 0.44]):
+        tree = TreeConfig(depth=1, top_k=top_k, budget=top_k)
+        assert model_acceptance_per_depth(tree, rates)[0] == pytest.approx(hit, abs=1e-3)
+    # noise that makes a wider top-k look worse is clipped, never a negative rate
+    assert min(rates_from_hit_rates([0.30, 0.28, 0.35, 0.40])) > 0
+
+
+def test_a_peaked_drafter_gets_a_chain_where_the_geometric_fit_would_branch() -> None:
+    """Same top-4 hit rate, different top-1: the measured rates, not a fit to one tree, pick the shape."""
+    costs = synthetic_costs({1: 34, 2: 38, 3: 41, 5: 55, 9: 65, 17: 73}, level_ms=6)
+    peaked = candidates(costs, rates_from_hit_rates([0.40, 0.42, 0.43, 0.44]))[0]
+    flat = candidates(costs, rates_from_hit_rates([0.13, 0.24, 0.34, 0.44]))[0]
+    assert peaked.tree.top_k == 1 and peaked.num_nodes == 2
+    assert flat.tokens_per_s < peaked.tokens_per_s
 
 
 def test_choice_follows_the_costs() -> None:
     """Steep verify costs beyond 4 nodes -> a small tree; flat costs and a good drafter -> a big deep one;
     a useless drafter with costly drafting loses to plain decoding."""
     steep = synthetic_costs({1: 75, 2: 80, 3: 85, 4: 90, 5: 150, 9: 300, 17: 600, 33: 1200}, level_ms=5)
-    best = candidates(steep, top1=0.7)[0]
+    best = candidates(steep, geometric_rates(0.7))[0]
     assert best.num_nodes <= 4
     flat = synthetic_costs({1: 75, 2: 76, 3: 77, 5: 78, 9: 80, 17: 85, 33: 90}, level_ms=1)
-    best_flat = candidates(flat, top1=0.9)[0]
+    best_flat = candidates(flat, geometric_rates(0.9))[0]
     assert best_flat.num_nodes >= 17 and best_flat.tree.depth >= 6
-    assert best_flat.tokens_per_s > candidates(flat, top1=0.2)[0].tokens_per_s
-    ranked = candidates(steep, top1=0.7)
+    assert best_flat.tokens_per_s > candidates(flat, geometric_rates(0.2))[0].tokens_per_s
+    ranked = candidates(steep, geometric_rates(0.7))
     assert [c.tokens_per_s for c in ranked] == sorted((c.tokens_per_s for c in ranked), reverse=True)
 
 
@@ -93,7 +116,8 @@ def test_tune_saves_a_choice_that_generation_then_uses(tiny_with_checkpoint, mon
     out = capsys.readouterr().out
     assert "| depth | top-k | budget |" in out and "saved: " in out
     record = json.loads(tuned_path("tiny-llama", checkpoint).read_text())
-    assert record["top1_source"] in ("calibrated", "default") and record["calibration"]["tree"]["depth"] == 2
+    assert record["rates_source"] in ("calibrated", "default") and len(record["rank_rates"]) == max(TOP_KS)
+    assert len(record["calibration"]["tau_by_top_k"]) == len(TOP_KS)
     assert set(record["costs"]["verify_s"]) >= {"1", "2", "9"}
     chosen = TreeConfig(**record["tree"])
 
@@ -140,3 +164,16 @@ def test_tune_bad_flags(tiny_with_checkpoint, capsys, extra, message) -> None:
 def test_generate_rejects_tree_flags_for_model_free_drafters(capsys) -> None:
     assert main(["generate", "--prompt", "hi", "--drafter", "ngram", "--tree-depth", "3"]) == 2
     assert "model drafters only" in capsys.readouterr().err
+
+
+def test_calibration_measures_every_top_k_and_restores_the_tree(tiny_with_checkpoint) -> None:
+    from moaspec.bench.tune import calibrate
+    from moaspec.drafters import make_drafter
+
+    target, checkpoint = tiny_with_checkpoint
+    drafter = make_drafter(str(checkpoint), target)
+    kept = drafter.tree_config
+    result = calibrate(drafter, target, [[5, 6, 7, 8]], max_new_tokens=6)
+    assert drafter.tree_config == kept
+    hits = result["hit_rate_by_top_k"]
+    assert len(hits) == len(TOP_KS) and all(0.0 <= h <= 1.0 for h in hits)

@@ -1,20 +1,23 @@
 """`moaspec tune`: pick the draft tree (depth, top-k, node budget) that maximises expected tokens/s.
 
 Expected tokens per cycle (acceptance model). The drafter's candidates at every tree level are
-modelled as independent of depth (as Sequoia's positional-acceptance model does): the target's
-next token is the drafter's r-th most likely token with probability
+modelled as independent of depth (Sequoia's positional-acceptance model): the target's next
+token is the drafter's r-th most likely token with probability h_r, r = 1..max(TOP_KS) (the
+*rank rates*).
 
-    h_r = top1 * (1 - top1) ** (r - 1)       (geometric over ranks; one parameter, `top1`).
-
-Under this model the dynamic tree builder (drafters/dynamic_tree.py, run here on the model's
-log h_r as the drafter's log-probabilities) picks the same nodes the real drafter would if its
-scores were calibrated, and a node is accepted iff every token on its path is the target's, so
+Under this model the dynamic tree builder (drafters/dynamic_tree.py, run here on log h_r as the
+drafter's log-probabilities) picks the same nodes the real drafter would if its scores were
+calibrated, and a node is accepted iff every token on its path is the target's, so
 E[accepted] = sum over drafted nodes of the product of h along its path (siblings exclude each
 other under greedy verification). tau = 1 + E[accepted].
 
-`top1` comes, in order: from `--top1-rate`; else from a short calibration run (the drafter
-generates greedily from CALIBRATION_PROMPTS, and `top1` is fitted so the model reproduces the
-measured acceptance per depth of the tree it used); else DEFAULT_TOP1 (documented guess).
+The rank rates come, in order: from `--top1-rate` (geometric over ranks,
+h_r = top1 * (1 - top1) ** (r - 1)); else from a short calibration run: the drafter generates
+greedily from CALIBRATION_PROMPTS with a one-level tree of top-k k for each k in TOP_KS, the
+measured acceptance of each is the hit rate of its top k, and h_r are their differences; else a
+geometric guess from DEFAULT_TOP1. Measured rates are not geometric: for the shipped SmolLM2
+drafters the top-1 hit rate is about 0.25 and the top-4 one about 0.44, and a one-parameter
+geometric fit to the top-4 tree (top1 0.13) undervalued chains.
 
 Cost per cycle: measured on this machine (costs.py). Expected tokens/s = tau / cycle seconds.
 """
@@ -68,19 +71,30 @@ class Candidate:
         }
 
 
-def rank_log_rates(top1: float, count: int) -> torch.Tensor:
-    """log h_r for r = 1..count.  -> [count], float64."""
-    top1 = min(max(top1, 1e-6), 1 - 1e-6)
-    ranks = torch.arange(count, dtype=torch.float64)
-    return math.log(top1) + ranks * math.log(1 - top1)
+def geometric_rates(top1: float, count: int = max(TOP_KS)) -> tuple[float, ...]:
+    """h_r = top1 * (1 - top1) ** (r - 1) for r = 1..count."""
+    return tuple(top1 * (1 - top1) ** r for r in range(count))
 
 
-def model_tree(tree: TreeConfig, top1: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tree the dynamic builder picks under the rank model.
+def rates_from_hit_rates(hit_rates: list[float]) -> tuple[float, ...]:
+    """Rank rates h_r from the hit rates of the top 1, 2, ... candidates (made non-decreasing).
+
+    A rank never seen to hit keeps a small rate (1e-4) so every tree stays comparable.
+    """
+    rates, covered = [], 0.0
+    for hit in hit_rates:
+        top = min(max(hit, covered), 1 - 1e-6)
+        rates.append(max(top - covered, 1e-4))
+        covered = top
+    return tuple(rates)
+
+
+def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree the dynamic builder picks under the rank model (rates h_1.. at least top_k long).
 
     -> (node acceptance probabilities [N] (root = 1), node depths [N]).
     """
-    log_rates = rank_log_rates(top1, tree.top_k)
+    log_rates = torch.tensor(rates[: tree.top_k], dtype=torch.float64).log()
     built = build_dynamic_tree(0, lambda: log_rates, lambda ids, parent, depth: log_rates.expand(ids.numel(), -1), tree)
     log_p = torch.zeros(built.num_nodes, dtype=torch.float64)
     for i in range(1, built.num_nodes):  # parents precede children
@@ -88,30 +102,19 @@ def model_tree(tree: TreeConfig, top1: float) -> tuple[torch.Tensor, torch.Tenso
     return log_p.exp(), depths(built.parents)
 
 
-def expected_tau(tree: TreeConfig, top1: float) -> tuple[float, int]:
+def expected_tau(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[float, int]:
     """-> (expected tokens per cycle under the rank model, tree nodes incl. the root)."""
-    probs, _ = model_tree(tree, top1)
+    probs, _ = model_tree(tree, rates)
     return float(probs.sum()), probs.numel()  # root term 1 = the bonus token
 
 
-def model_acceptance_per_depth(tree: TreeConfig, top1: float) -> list[float]:
+def model_acceptance_per_depth(tree: TreeConfig, rates: tuple[float, ...]) -> list[float]:
     """P(accepted >= d) for d = 1..tree depth reached, under the rank model."""
-    probs, node_depths = model_tree(tree, top1)
+    probs, node_depths = model_tree(tree, rates)
     return [float(probs[node_depths == d].sum()) for d in range(1, int(node_depths.max()) + 1)]
 
 
-def fit_top1(measured: list[float], tree: TreeConfig) -> float:
-    """The top1 whose modelled acceptance per depth best matches `measured` (least squares)."""
-    grid = [i / 100 for i in range(1, 100)]
-
-    def error(top1: float) -> float:
-        modelled = model_acceptance_per_depth(tree, top1)
-        return sum((a - b) ** 2 for a, b in zip(measured, modelled))
-
-    return min(grid, key=error)
-
-
-def candidates(costs: CycleCosts, top1: float) -> list[Candidate]:
+def candidates(costs: CycleCosts, rates: tuple[float, ...]) -> list[Candidate]:
     """Every distinct (depth, top_k, budget) tree with measured costs, best expected tokens/s first."""
     found: dict[tuple[int, int, int], Candidate] = {}
     for depth in DEPTHS:
@@ -122,7 +125,7 @@ def candidates(costs: CycleCosts, top1: float) -> list[Candidate]:
                 if budget < top_k:
                     continue
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
-                tau, nodes = expected_tau(tree, top1)
+                tau, nodes = expected_tau(tree, rates)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
                 # trees far beyond the largest measured size would rest on extrapolated costs
                 if key not in found and nodes <= max(costs.verify_s) * 2:
@@ -141,9 +144,9 @@ class TuneResult:
     best: Candidate
     ranked: list[Candidate]
     costs: CycleCosts
-    top1: float
-    top1_source: str  # "given" | "calibrated" | "default"
-    calibration: dict | None  # the calibration run's tree and acceptance per depth
+    rates: tuple[float, ...]  # h_r, r = 1..max(TOP_KS)
+    rates_source: str  # "given" | "calibrated" | "default"
+    calibration: dict | None  # the calibration runs' hit rates per top-k
     plain_tokens_per_s: float
 
     def details(self) -> dict:
@@ -152,8 +155,8 @@ class TuneResult:
             "expected_tau": round(self.best.expected_tau, 4),
             "predicted_tokens_per_s": round(self.best.tokens_per_s, 3),
             "predicted_speedup": round(self.best.tokens_per_s / self.plain_tokens_per_s, 4),
-            "top1_rate": self.top1,
-            "top1_source": self.top1_source,
+            "rank_rates": [round(r, 4) for r in self.rates],
+            "rates_source": self.rates_source,
             "calibration": self.calibration,
             "costs": self.costs.to_dict(),
             "runners_up": [c.to_dict() for c in self.ranked[1:6]],
@@ -161,21 +164,28 @@ class TuneResult:
 
 
 def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Greedy generation with the drafter's current tree; -> its tree and acceptance per depth."""
-    from dataclasses import asdict
+    """Greedy generation with a one-level tree of each top-k in TOP_KS.
 
+    -> {"hit_rate_by_top_k": [P(target token among the drafter's top k) for k in TOP_KS]
+    (empty when a run verified nothing), "tau_by_top_k": [...]}. The drafter's tree is restored.
+    """
     from moaspec.bench.report import merge_stats
     from moaspec.config import GenerationConfig
     from moaspec.engine import Engine
 
     engine = Engine(target, drafter)
-    runs = [engine.generate(ids, generation=GenerationConfig(max_new_tokens=max_new_tokens)).stats for ids in prompts]
-    stats = merge_stats(runs)
-    return {
-        "tree": asdict(drafter.tree_config),
-        "acceptance_per_depth": [round(a, 4) for a in stats.acceptance_per_depth],
-        "tau": round(stats.tau, 4),
-    }
+    kept_tree = drafter.tree_config
+    hits, taus = [], []
+    try:
+        for top_k in TOP_KS:
+            drafter.tree_config = TreeConfig(depth=1, top_k=top_k, budget=top_k)
+            generation = GenerationConfig(max_new_tokens=max_new_tokens)
+            stats = merge_stats([engine.generate(ids, generation=generation).stats for ids in prompts])
+            hits.append(round(stats.acceptance_per_depth[0], 4) if stats.acceptance_per_depth else None)
+            taus.append(round(stats.tau, 4))
+    finally:
+        drafter.tree_config = kept_tree
+    return {"hit_rate_by_top_k": [] if None in hits else hits, "tau_by_top_k": taus}
 
 
 def tune_drafter(
@@ -194,16 +204,16 @@ def tune_drafter(
     shapes = [(depth, top_k) for depth in DEPTHS for top_k in TOP_KS]
     propose_s, accept_s = measure_drafter(drafter, target, context_len, repeats, shapes)
     costs = CycleCosts(verify_s, propose_s, accept_s)
-    calibration, source = None, "given"
-    if top1 is None and calibration_prompts:
+    calibration = None
+    if top1 is not None:
+        rates, source = geometric_rates(top1), "given"
+    elif calibration_prompts:
         calibration = calibrate(drafter, target, calibration_prompts, calibration_tokens)
-        measured = calibration["acceptance_per_depth"]
-        top1, source = (
-            (fit_top1(measured, TreeConfig(**calibration["tree"])), "calibrated")
-            if measured
-            else (DEFAULT_TOP1, "default")
+        measured = calibration["hit_rate_by_top_k"]
+        rates, source = (
+            (rates_from_hit_rates(measured), "calibrated") if measured else (geometric_rates(DEFAULT_TOP1), "default")
         )
-    elif top1 is None:
-        top1, source = DEFAULT_TOP1, "default"
-    ranked = candidates(costs, top1)
-    return TuneResult(ranked[0], ranked, costs, top1, source, calibration, plain_tokens_per_s(costs))
+    else:
+        rates, source = geometric_rates(DEFAULT_TOP1), "default"
+    ranked = candidates(costs, rates)
+    return TuneResult(ranked[0], ranked, costs, rates, source, calibration, plain_tokens_per_s(costs))
