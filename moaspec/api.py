@@ -22,7 +22,7 @@ from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.model_store import DEFAULT_TARGET, resolve_target
-from moaspec.nn.fast_linear import use_fastest_weight_layout
+from moaspec.nn.fast_linear import use_configured_layout
 from moaspec.target import HFTarget
 
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
@@ -118,7 +118,7 @@ def load_target(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise MoaspecError(f"cannot load target {target}: {str(exc).splitlines()[0]}") from exc
-    use_fastest_weight_layout(model)  # per CPU: few-row products differ up to 10x by layout (fast_linear.py)
+    use_configured_layout(model)  # few-row products differ up to 10x by layout, per CPU (fast_linear.py)
     return HFTarget(model, tokenizer, name)
 
 

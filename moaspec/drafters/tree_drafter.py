@@ -19,7 +19,7 @@ from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
-from moaspec.nn.fast_linear import in_fastest_layout, use_fastest_weight_layout
+from moaspec.nn.fast_linear import use_configured_layout, weight_in_configured_layout
 from moaspec.nn.layers import at_least_fp32
 from moaspec.tree import DraftTree
 
@@ -35,12 +35,12 @@ class TreeDrafter:
     context_encoder: ContextEncoder
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
-        self.net = use_fastest_weight_layout(net.eval())
+        self.net = use_configured_layout(net.eval())
         self.target = target
         self.tree_config = tree or TreeConfig()
         self.parts = TargetParts.from_target(target, tli_layers)
         self.dtype = next(net.parameters()).dtype
-        self.head = in_fastest_layout(net.head_weight(self.parts).to(self.dtype))  # [Vd, D], rows indexed once
+        self.head = weight_in_configured_layout(net.head_weight(self.parts).to(self.dtype))  # [Vd, D], rows indexed once
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 
