@@ -172,7 +172,10 @@ def add_tune_parser(commands, default_target: str) -> None:
     )
     tune.add_argument("--context", type=int, default=256, help="context length the costs are measured at (default 256)")
     tune.add_argument(
-        "--top1-rate", type=float, default=None, help="assume this top-1 acceptance, geometric over ranks, instead of calibrating"
+        "--top1-rate",
+        type=float,
+        default=None,
+        help="assume this top-1 acceptance, geometric over ranks, instead of calibrating",
     )
     tune.add_argument(
         "--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)"
@@ -254,7 +257,8 @@ def _tune_table(spec: str, result) -> str:
         covered += rate
         hits.append(f"{covered:.2f}")
     lines = [
-        f"## {spec}: target token among the drafter's top 1/2/3/4: {' / '.join(hits)} ({result.rates_source})",
+        f"## {spec}: target token among the drafter's top {'/'.join(str(k) for k in range(1, len(hits) + 1))}: "
+        f"{' / '.join(hits)} ({result.rates_source})",
         f"plain decoding {result.plain_tokens_per_s:.2f} tok/s (one-node forward {1000 * result.costs.verify(1):.1f} ms)",
         "",
         "| depth | top-k | budget | nodes | expected τ | cycle ms | expected tok/s | vs plain |",

@@ -24,7 +24,6 @@ Cost per cycle: measured on this machine (costs.py). Expected tokens/s = tau / c
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

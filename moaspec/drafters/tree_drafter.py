@@ -40,7 +40,7 @@ class TreeDrafter:
         self.tree_config = tree or TreeConfig()
         self.parts = TargetParts.from_target(target, tli_layers)
         self.dtype = next(net.parameters()).dtype
-        self.head = weight_in_configured_layout(net.head_weight(self.parts).to(self.dtype))  # [Vd, D], rows indexed once
+        self.head = weight_in_configured_layout(net.head_weight(self.parts).to(self.dtype))  # [Vd, D]
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 
