@@ -19,6 +19,7 @@ import argparse
 import os
 import platform
 import sys
+from itertools import accumulate
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -252,10 +253,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def _tune_table(spec: str, result) -> str:
-    hits, covered = [], 0.0
-    for rate in result.rates:
-        covered += rate
-        hits.append(f"{covered:.2f}")
+    hits = [f"{hit:.2f}" for hit in accumulate(result.rates)]  # the top-k hit rates the rates model
     lines = [
         f"## {spec}: target token among the drafter's top {'/'.join(str(k) for k in range(1, len(hits) + 1))}: "
         f"{' / '.join(hits)} ({result.rates_source})",

@@ -174,11 +174,11 @@ def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) ->
 
     engine = Engine(target, drafter)
     kept_tree = drafter.tree_config
+    generation = GenerationConfig(max_new_tokens=max_new_tokens)
     hits, taus = [], []
     try:
         for top_k in TOP_KS:
             drafter.tree_config = TreeConfig(depth=1, top_k=top_k, budget=top_k)
-            generation = GenerationConfig(max_new_tokens=max_new_tokens)
             stats = merge_stats([engine.generate(ids, generation=generation).stats for ids in prompts])
             hits.append(round(stats.acceptance_per_depth[0], 4) if stats.acceptance_per_depth else None)
             taus.append(round(stats.tau, 4))
