@@ -146,6 +146,11 @@ def _add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
     train.add_argument("--min-lr", type=float, default=defaults.min_lr, help=f"final learning rate (default {defaults.min_lr})")
     train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help=f"linear warm-up steps (default {defaults.warmup_steps})")
+    train.add_argument(
+        "--staircase-fraction", type=float, default=defaults.staircase_fraction,
+        help=f"share of the steps over which MoA's staircase SA curriculum is annealed, 0 = none "
+        f"(default {defaults.staircase_fraction})",
+    )
     train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help=f"truncate sequences (default {defaults.max_seq_len})")
     train.add_argument("--val-conversations", type=int, default=16, help="held-out conversations (default 16)")
     train.add_argument("--val-every", type=int, default=defaults.val_every, help=f"validate every N steps (default {defaults.val_every})")
@@ -156,6 +161,11 @@ def _add_train_parser(commands, default_target: str) -> None:
         "(about 2x faster training; ~25 KB per token for SmolLM2); default: run the target online",
     )
     train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
+    train.add_argument(
+        "--init-from", default=None,
+        help="start from the weights of a drafter checkpoint, an earlier run directory or a shipped name, "
+        "with a fresh optimizer and schedule (continued training, fine-tuning)",
+    )
     train.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
     train.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
     train.add_argument("--tree-top-k", type=int, default=tree.top_k, help=f"default tree top-k (default {tree.top_k})")
@@ -172,6 +182,8 @@ def _train(args: argparse.Namespace) -> int:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     if args.draft_vocab < 0 or args.tli_layers < 0 or not args.lr > 0:
         raise MoaspecError("--draft-vocab and --tli-layers must be >= 0 and --lr > 0")
+    if not 0.0 <= args.staircase_fraction <= 1.0:
+        raise MoaspecError("--staircase-fraction must be within [0, 1]")
     if args.method == "eagle" and args.tli_layers:
         raise MoaspecError("--tli-layers applies to --method moa only")
     data = Path(args.data).expanduser()
@@ -182,11 +194,13 @@ def _train(args: argparse.Namespace) -> int:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
             lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, max_seq_len=args.max_seq_len,
+            staircase_fraction=args.staircase_fraction,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
         )
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
+    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
@@ -198,6 +212,7 @@ def _train(args: argparse.Namespace) -> int:
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
         command=_command_line(args),
         feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
+        init_from=init_from,
     )
     try:
         checkpoint = run_training(spec, config, tree)
@@ -297,6 +312,18 @@ def _output_dir(value: str) -> Path:
     if not out.absolute().parent.is_dir():
         raise MoaspecError(f"the parent directory of --out {out} does not exist")
     return out
+
+
+def _initial_checkpoint(value: str, target_name: str) -> Path:
+    """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its checkpoint/)."""
+    from moaspec.drafters import checkpoint_directory
+
+    directory = checkpoint_directory(value, target_name)
+    if (directory / "checkpoint" / "config.json").is_file():
+        directory = directory / "checkpoint"
+    if not (directory / "config.json").is_file():
+        raise MoaspecError(f"--init-from {value} is not a drafter checkpoint (no config.json)")
+    return directory
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -159,6 +159,7 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--steps", "0"], "--steps must be >= 1"),
         (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
         (["--data", "d", "--out", "run"], "required: --method"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--staircase-fraction", "2"], "--staircase-fraction must be within"),
     ],
 )
 def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
@@ -169,3 +170,15 @@ def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("moaspec: error:") and message in lines[0]
     assert captured.out == ""
+
+
+def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
+    from moaspec.cli import main
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shard-00000.jsonl").write_text("")
+    flags = ["--method", "moa", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
+    assert main(["train", *flags, "--init-from", str(tmp_path / "nothing")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "is not a drafter checkpoint" in lines[0]
+    assert not (tmp_path / "run").exists()

@@ -10,7 +10,7 @@ from conftest import make_tiny_target
 from moaspec.train.config import TrainConfig
 from moaspec.train.run import build_net
 from moaspec.train.features import OnlineFeatures, TrainSample
-from moaspec.train.trainer import last_anchors, loss_mask, train
+from moaspec.train.trainer import last_anchors, loss_mask, staircase_probability, train
 
 
 def test_anchor_and_mask_conventions() -> None:
@@ -18,6 +18,12 @@ def test_anchor_and_mask_conventions() -> None:
     # prompt 0..3 are anchors, then 6 and 9 (multiples of 3 in the response)
     assert anchors.tolist() == [0, 1, 2, 3, 3, 3, 6, 6, 6, 9, 9, 9]
     assert loss_mask(6, 2).tolist() == [0, 0, 1, 1, 1, 0]
+
+
+def test_staircase_curriculum_anneals_by_steps() -> None:
+    config = TrainConfig(steps=10, staircase_fraction=0.5)
+    assert [staircase_probability(config, step) for step in (0, 2, 5, 9)] == pytest.approx([1.0, 0.6, 0.0, 0.0])
+    assert staircase_probability(TrainConfig(steps=10, staircase_fraction=0.0), 0) == 0.0
 
 
 def make_net(method: str, target, tli: int = 0, vocab: torch.Tensor | None = None):
@@ -90,6 +96,35 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     drafter = make_drafter(str(checkpoint), target)
     assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
     assert (tmp_path / "run" / "runs.jsonl").is_file()
+
+    continued = RunSpec(
+        data, tmp_path / "run2", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
+        command="moaspec train --init-from ...", init_from=checkpoint,
+    )
+    record = json.loads((run_training(continued, config, TreeConfig()) / "config.json").read_text())
+    assert record["training"]["init_from"] == {"path": str(checkpoint), "step": 3, "command": "moaspec train ..."}
+
+
+def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path) -> None:
+    from moaspec.errors import MoaspecError
+    from moaspec.nn.checkpoint import read_checkpoint
+    from moaspec.train.run import load_initial_weights
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    source = build_net("moa", target, 0, torch.arange(0, 97, 3))
+    checkpoint = source.save_pretrained(tmp_path / "ckpt", target, training={"step": 7, "command": "c"})
+    torch.manual_seed(1)
+    fresh = build_net("moa", target, 0, torch.arange(0, 97, 3))
+    assert load_initial_weights(fresh, checkpoint, target, TrainConfig()) == {"path": str(checkpoint), "step": 7, "command": "c"}
+    _, saved = read_checkpoint(checkpoint, target)
+    for name, value in fresh.state_dict().items():
+        assert value.dtype == (torch.float32 if value.is_floating_point() else torch.long)
+        torch.testing.assert_close(value, saved[name].to(value.dtype), rtol=0, atol=0, msg=name)
+    with pytest.raises(MoaspecError, match="does not fit"):
+        load_initial_weights(build_net("moa", target, 1, torch.arange(0, 97, 3)), checkpoint, target, TrainConfig(tli_layers=1))
+    with pytest.raises(MoaspecError, match="is a moa drafter, not eagle"):
+        load_initial_weights(build_net("eagle", target, 0, None), checkpoint, target, TrainConfig(method="eagle"))
 
 
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:

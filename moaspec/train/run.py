@@ -2,9 +2,10 @@
 
     moaspec train --method moa --data DIR --out RUN [--tli-layers K] [--draft-vocab N] [--steps S]
                   [--batch-size B] [--lr LR] [--val-conversations V] [--time-limit-min M]
-                  [--feature-cache DIR] ...
+                  [--feature-cache DIR] [--init-from CHECKPOINT] ...
 
-Rerunning the same command resumes from RUN/train_state.pt. The float16 drafter checkpoint is
+Rerunning the same command resumes from RUN/train_state.pt (which takes precedence over
+--init-from, so a resumed continuation does not restart from the initial weights). The float16 drafter checkpoint is
 written to RUN/checkpoint after every `--ckpt-every` steps and at the end; its config.json records
 the full training config, the data manifest, the exact command line and the wall time.
 """
@@ -38,6 +39,7 @@ class RunSpec:
     time_limit_s: float | None
     command: str
     feature_cache: Path | None = None  # memory-mapped target features (built on first use)
+    init_from: Path | None = None  # a drafter checkpoint whose weights start the run (fresh optimizer)
 
 
 def load_samples(data_dir: Path, max_seq_len: int) -> list[TrainSample]:
@@ -73,6 +75,25 @@ def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tenso
     return net.float()
 
 
+def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
+    """Copy the weights of the drafter checkpoint in `directory` into `net` (continued training or
+    fine-tuning: the optimizer and schedule start afresh); -> its provenance. The checkpoint's draft
+    vocabulary comes with it. MoaspecError when its method, TLI depth or vocabulary size differ."""
+    from moaspec.nn.checkpoint import read_checkpoint
+
+    record, weights = read_checkpoint(directory, target)
+    if record["method"] != config.method:
+        raise MoaspecError(f"--init-from {directory} is a {record['method']} drafter, not {config.method}")
+    wanted, recorded = net.config.to_dict(), record.get("config", {})
+    differing = sorted(key for key in wanted.keys() | recorded.keys() if wanted.get(key) != recorded.get(key))
+    if differing:
+        detail = ", ".join(f"{key} {recorded.get(key)} vs {wanted.get(key)}" for key in differing)
+        raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
+    net.load_state_dict({name: value.float() if value.is_floating_point() else value for name, value in weights.items()})
+    training = record.get("training", {})
+    return {"path": str(directory), "step": training.get("step"), "command": training.get("command")}
+
+
 def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int):
     """The FeatureCache of `samples` in `directory`, built (or finished) first when needed.
     A new cache stores TLI depths up to max(2, tli_layers), so the usual runs share one cache."""
@@ -100,6 +121,11 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     responses = [s.input_ids[s.response_start :].tolist() for s in train_samples]
     if spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
+    net = build_net(config.method, target, config.tli_layers, vocab_ids)
+    initial = None
+    if spec.init_from is not None:
+        initial = load_initial_weights(net, spec.init_from, target, config)
+        vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
     manifest_path = spec.data_dir / "manifest.json"
     provenance = {
         "command": spec.command,
@@ -109,11 +135,12 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
         "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
     }
+    if initial is not None:
+        provenance["init_from"] = initial
     source = None
     if spec.feature_cache is not None:
         source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers)
         provenance["feature_cache"] = {"path": str(spec.feature_cache), "build_wall_s": source.index.get("build_wall_s")}
-    net = build_net(config.method, target, config.tli_layers, vocab_ids)
     state = train(
         net, target, train_samples, val_samples, config, spec.out_dir,
         tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,

@@ -44,6 +44,13 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def staircase_probability(config: TrainConfig, step: int) -> float:
+    """Chance that a sequence at `step` uses MoA's staircase SA mask: 1 at the start, falling
+    linearly to 0 at staircase_fraction of the steps (0 = never)."""
+    span = config.staircase_fraction * config.steps
+    return 0.0 if span <= 0 else 1.0 - min(1.0, step / span)
+
+
 def last_anchors(length: int, response_start: int, every: int) -> torch.Tensor:
     """s(i) for i < length: prompt positions and response positions i % every == 0 are anchors."""
     positions = torch.arange(length)
@@ -180,7 +187,7 @@ def train(
             started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, state.step)
-            staircase_p = 1.0 - min(1.0, state.step / max(1, config.staircase_fraction * config.steps))
+            staircase_p = staircase_probability(config, state.step)
             optimizer.zero_grad(set_to_none=True)
             totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
             num_tokens = 0
@@ -241,4 +248,4 @@ def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, gene
     net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
 
 
-__all__ = ["TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask", "train", "validate"]
+__all__ = ["TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask", "staircase_probability", "train", "validate"]
