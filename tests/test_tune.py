@@ -177,3 +177,45 @@ def test_calibration_measures_every_top_k_and_restores_the_tree(tiny_with_checkp
     assert drafter.tree_config == kept
     hits = result["hit_rate_by_top_k"]
     assert len(hits) == len(TOP_KS) and all(0.0 <= h <= 1.0 for h in hits)
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_proposals_are_timed_as_in_an_engine_cycle(method: str, monkeypatch) -> None:
+    """Each timed proposal follows the accept of the previous root, so the drafter feeds one new
+    token (the root) on top of its own state, not the whole context again (as EAGLE did when
+    proposals were timed back to back without an accept between them)."""
+    from moaspec.bench.costs import measure_drafter
+    from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    target = make_tiny_target("llama", max_position_embeddings=1024, dtype=torch.float32)
+    if method == "moa":
+        drafter = MoADrafter(make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target), target)
+        feeder = "_self_attend"
+    else:
+        drafter = EagleDrafter(make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(target.config), target), target)
+        feeder = "_decode"
+    fed, original_start = [], drafter.start
+
+    original_feed = getattr(drafter, feeder)
+    calls: list[int] = []
+
+    def feed(token_ids: torch.Tensor, *rest) -> torch.Tensor:
+        calls.append(token_ids.numel())
+        return original_feed(token_ids, *rest)
+
+    def start(root_id: int) -> torch.Tensor:
+        calls.clear()
+        log_probs = original_start(root_id)
+        fed.append(calls[0])  # the tokens start() fed: the root and any verified ones not yet seen
+        return log_probs
+
+    monkeypatch.setattr(drafter, feeder, feed)
+
+    monkeypatch.setattr(drafter, "start", start)
+    propose_s, _ = measure_drafter(drafter, target, context_len=40, repeats=3, shapes=[(1, 2), (2, 2)])
+    assert set(propose_s) == {(1, 2), (2, 2)}
+    assert fed[0] >= 40  # the untimed first proposal takes in the context
+    assert fed[1:] == [1] * (len(fed) - 1) and len(fed) == 1 + 2 * 4  # warm-up round + 3 rounds, 2 shapes

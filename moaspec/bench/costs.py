@@ -3,8 +3,10 @@
 - verify_s[N]: one target forward over a tree of N nodes (root included) on a context of
   `context_len` tokens, plus the cache commit and rollback; N = 1 is a plain decoding step.
   Measured on a binary-tree shape (an additive tree mask, as real trees use), once per target.
-- propose_s[(depth, top_k)]: one `propose` of the drafter's dynamic tree of that shape. The node
-  budget only changes the final selection, so it is not a dimension of the cost.
+- propose_s[(depth, top_k)]: one `propose` of the drafter's dynamic tree of that shape, right
+  after the `accept` of the previous proposal's root, as in an engine cycle that kept only the
+  root (drafters feed the tokens of the last `accept` when they next propose). The node budget
+  only changes the final selection, so it is not a dimension of the cost.
 - accept_s = (fixed, per_token): the drafter's `accept` of n newly verified tokens, fitted as
   fixed + per_token * n from n = 1 and n = 4.
 Every figure is the median over `repeats` rounds; the configurations are interleaved round by
@@ -106,21 +108,33 @@ def measure_drafter(
         times[n].append(time.perf_counter() - begin)  # prefill excluded: only the drafter's share
 
     times: dict[int, list[float]] = {1: [], 4: []}
-    room = (target.max_positions - context_len - 8) // 5
-    for _ in range(max(1, min(repeats, room))):
+    room = (target.max_positions - context_len - 8 - len(shapes)) // (5 + len(shapes))
+    rounds = max(1, min(repeats, room))
+    for _ in range(rounds):
         accept(1)
         accept(4)
     one, four = statistics.median(times[1]), statistics.median(times[4])
     per_token = max(0.0, (four - one) / 3)
     saved = drafter.tree_config
-    root, sampling = int(context[-1]), SamplingConfig()
+    sampling = SamplingConfig()
+    root = int(context[-1])
+    drafter.propose(root, sampling, generator)  # the cycle below starts by accepting this root
 
-    def propose(depth: int, top_k: int) -> None:
+    def propose(depth: int, top_k: int) -> float:
+        """One engine cycle that accepted only the root: the previous proposal's root is verified
+        and accepted (untimed), then the timed proposal from a new root."""
+        nonlocal root
+        ids = torch.tensor([root])
+        start = target.num_cached
+        drafter.accept(VerifiedUpdate(ids, start, target.prefill(ids, hidden).hidden, target))
+        root = int(torch.randint(0, target.vocab_size, (1,), generator=generator))
         drafter.tree_config = TreeConfig(depth=depth, top_k=top_k, budget=depth * top_k)
+        begin = time.perf_counter()
         drafter.propose(root, sampling, generator)
+        return time.perf_counter() - begin
 
     try:
-        propose_s = _interleaved({shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, repeats)
+        propose_s = _interleaved({shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, rounds)
     finally:
         drafter.tree_config = saved
     return propose_s, (max(0.0, one - per_token), per_token)
@@ -128,14 +142,15 @@ def measure_drafter(
 
 def _interleaved(jobs: dict, repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Run every job once per round (order rotated each round), one untimed warm-up round;
-    -> {key: median seconds}."""
+    -> {key: median seconds}. A job that returns a float reports the duration of its timed part
+    itself (its set-up excluded)."""
     keys = list(jobs)
     samples: dict = {key: [] for key in keys}
     for round_index in range(repeats + 1):
         shift = round_index % len(keys)
         for key in keys[shift:] + keys[:shift]:
             begin = clock()
-            jobs[key]()
+            reported = jobs[key]()
             if round_index > 0:
-                samples[key].append(clock() - begin)
+                samples[key].append(reported if isinstance(reported, float) else clock() - begin)
     return {key: statistics.median(values) for key, values in samples.items()}
