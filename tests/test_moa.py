@@ -228,6 +228,45 @@ def test_greedy_output_identical_with_moa(family: str, tli: int, reduced: bool) 
             assert set(tree_proposed.token_ids[1:].tolist()) <= set(draft_vocab.tolist())
 
 
+def test_memory_encoder_dtype_follows_the_setting(monkeypatch) -> None:
+    """bfloat16 where asked (or native, for a float32 drafter): the memory stays close to float32
+    and comes back in the drafter's dtype; float32 is the net's own path; bad values are refused."""
+    import moaspec.nn.encoder_dtype as encoder_dtype
+    from moaspec.drafters.moa import MoAContextEncoder
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    net = random_moa(target)
+    target.prefill(torch.arange(3, 40))
+    update = VerifiedUpdate(torch.arange(3, 40), 0, None, target)
+    with torch.no_grad():
+        exact = net.memory(target.layer_kv(0, 37))
+    monkeypatch.setenv("MOASPEC_ENCODER_DTYPE", "bfloat16")
+    encoder = MoAContextEncoder(net, torch.float32)
+    memory = encoder.encode(update)["memory"]
+    assert encoder.compute_dtype == torch.bfloat16 and memory.dtype == torch.float32
+    assert 0 < float((memory - exact).norm() / exact.norm()) < 2e-2
+    monkeypatch.setenv("MOASPEC_ENCODER_DTYPE", "float32")
+    assert torch.equal(MoAContextEncoder(net, torch.float32).encode(update)["memory"], exact)
+    monkeypatch.setenv("MOASPEC_ENCODER_DTYPE", "auto")
+    cases = [(True, torch.float32, torch.bfloat16), (False, torch.float32, torch.float32), (True, torch.float64, torch.float64)]
+    for native, dtype, expected in cases:
+        monkeypatch.setattr(encoder_dtype, "native_bfloat16_cpu", lambda native=native: native)
+        assert encoder_dtype.encoder_dtype(dtype, torch.device("cpu")) == expected
+    monkeypatch.setenv("MOASPEC_ENCODER_DTYPE", "half")
+    with pytest.raises(MoaspecError, match="MOASPEC_ENCODER_DTYPE must be one of"):
+        MoAContextEncoder(net, torch.float32)
+
+
+def test_greedy_output_identical_with_a_bfloat16_memory_encoder(monkeypatch) -> None:
+    monkeypatch.setenv("MOASPEC_ENCODER_DTYPE", "bfloat16")
+    target = make_tiny_target("qwen2", num_hidden_layers=3, dtype=torch.float32)
+    prompt = [5, 17, 33, 2, 71, 5, 17]
+    drafter = MoADrafter(random_moa(target, tli=1), target, TreeConfig(depth=3, top_k=2, budget=5))
+    assert drafter.context_encoder.compute_dtype == torch.bfloat16
+    result = Engine(target, drafter).generate(prompt, generation=GenerationConfig(max_new_tokens=40), stop_ids=NO_STOP)
+    assert result.token_ids == greedy_reference(target, prompt, 40)
+
+
 def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
     target = make_tiny_target("llama", num_hidden_layers=3)
     net = random_moa(target, tli=1, draft_vocab=torch.arange(0, 97, 2))

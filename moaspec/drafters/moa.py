@@ -25,6 +25,7 @@ import torch
 from moaspec.config import TreeConfig
 from moaspec.drafters.base import Context, VerifiedUpdate
 from moaspec.drafters.tree_drafter import TreeDrafter
+from moaspec.nn.encoder_dtype import encoder_dtype
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 from moaspec.nn.moa import MoADrafterNet
 from moaspec.nn.target_layers import target_layer_forward, target_rope
@@ -44,6 +45,8 @@ class MoAContextEncoder:
 
     def __init__(self, net: MoADrafterNet, dtype: torch.dtype) -> None:
         self.net, self.dtype = net, dtype
+        self.compute_dtype = encoder_dtype(dtype, net.ekv2e.weight.device)  # bfloat16 where native (encoder_dtype.py)
+        self.memory = net.memory_encoder(self.compute_dtype)
 
     @torch.inference_mode()
     def encode(self, update: VerifiedUpdate) -> Context:
@@ -52,10 +55,10 @@ class MoAContextEncoder:
         start, end = update.start_pos, update.start_pos + update.token_ids.numel()
         memory, tli_kv = [], []
         for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
-            layer_kv = update.target.layer_kv(chunk_start, min(end, chunk_start + ENCODE_CHUNK)).to(self.dtype)  # [c, L, kv_dim]
-            memory.append(self.net.memory(layer_kv))
+            layer_kv = update.target.layer_kv(chunk_start, min(end, chunk_start + ENCODE_CHUNK))  # [c, L, kv_dim]
+            memory.append(self.memory(layer_kv.to(self.compute_dtype)).to(self.dtype))
             if self.net.config.tli_layers:
-                tli_kv.append(layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :])
+                tli_kv.append(layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :].to(self.dtype))
         context = {"memory": torch.cat(memory)}
         if tli_kv:
             context["tli_kv"] = torch.cat(tli_kv)

@@ -20,6 +20,9 @@ inference compute the same function.
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -100,6 +103,18 @@ class MoAConfig:
         return asdict(self)
 
 
+def encode_memory(
+    lsa: DecoderLayer, ekv2e: nn.Linear, layer_mix_raw: torch.Tensor | None, layer_kv: torch.Tensor
+) -> torch.Tensor:
+    """The memory path: layer_kv [n, L, kv_dim] -> LSA over the L layers -> pooled over layers
+    (learned softmax weights from layer_mix_raw [L], or the mean when None) -> Ekv2E -> [n, D]."""
+    mixed, _ = lsa(layer_kv, torch.arange(layer_kv.shape[-2]), None)
+    if layer_mix_raw is None:
+        return ekv2e(mixed.mean(dim=-2))
+    weights = torch.softmax(LAYER_MIX_SCALE * layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
+    return ekv2e(torch.einsum("nld,l->nd", mixed, weights))
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi's geometric head slopes 2^(-8 (h + 1) / H), h = 0..H-1 -> [H] float32."""
     return torch.pow(2.0, -8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
@@ -150,12 +165,17 @@ class MoADrafterNet(DrafterNet):
         depths 1-5 within noise (0.378 0.351 0.397 0.371 0.333 -> 0.374 0.353 0.403 0.383 0.340);
         the weights moved to the last layers (layer 27: 0.096 against 0.033 uniform).
         """
-        layer_positions = torch.arange(layer_kv.shape[-2])
-        mixed, _ = self.layer_self_attention(layer_kv, layer_positions, None)
-        if not self.config.layer_mix:
-            return self.ekv2e(mixed.mean(dim=-2))
-        weights = torch.softmax(LAYER_MIX_SCALE * self.layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
-        return self.ekv2e(torch.einsum("nld,l->nd", mixed, weights))
+        layer_mix_raw = self.layer_mix_raw if self.config.layer_mix else None
+        return encode_memory(self.layer_self_attention, self.ekv2e, layer_mix_raw, layer_kv)
+
+    def memory_encoder(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`memory` computed in `dtype` by copies of its modules (e.g. bfloat16 for a float32
+        net, see encoder_dtype.py); this net's own dtype uses the net itself."""
+        if dtype == self.ekv2e.weight.dtype:
+            return self.memory
+        lsa, ekv2e = copy.deepcopy(self.layer_self_attention).to(dtype), copy.deepcopy(self.ekv2e).to(dtype)
+        layer_mix_raw = self.layer_mix_raw.detach().clone() if self.config.layer_mix else None
+        return functools.partial(encode_memory, lsa, ekv2e, layer_mix_raw)
 
     def memory_keys_values(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """memory [n, D] of tokens at positions [n] -> CA keys/values [Hkv, n, d] (cacheable)."""
