@@ -140,6 +140,11 @@ def _add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--out", required=True, help="run directory (rerun the same command to resume)")
     train.add_argument("--target", default=default_target, help=f"target the drafter serves (default {default_target})")
     train.add_argument("--tli-layers", type=int, default=0, help="MoA Target Layer Inference depth k (default 0)")
+    train.add_argument(
+        "--tli-raw-feature-loss", action="store_true",
+        help="compare the pre-TLI state with the raw residual stream, as the reference code does "
+        "(default: both divided by the stream's per-token RMS)",
+    )
     train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192)")
     train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
@@ -194,7 +199,7 @@ def _train(args: argparse.Namespace) -> int:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
             lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, max_seq_len=args.max_seq_len,
-            staircase_fraction=args.staircase_fraction,
+            staircase_fraction=args.staircase_fraction, tli_rms_scaled=not args.tli_raw_feature_loss,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
         )
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)

@@ -26,6 +26,24 @@ def test_staircase_curriculum_anneals_by_steps() -> None:
     assert staircase_probability(TrainConfig(steps=10, staircase_fraction=0.0), 0) == 0.0
 
 
+def test_pre_tli_feature_term_is_relative_to_the_stream_rms() -> None:
+    """Scaled: multiplying the stream and its prediction by 100 leaves the loss unchanged; raw:
+    the term grows with the stream (SmoothL1 is linear there), as in the reference code."""
+    from moaspec.train.losses import drafter_loss
+
+    gen = torch.Generator().manual_seed(0)
+    state, head = torch.randn(5, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    lse = torch.logsumexp(state @ head.T, -1)
+    mask, stream = torch.ones(5), torch.randn(5, 8, generator=gen)
+    predicted = stream + 0.3 * torch.randn(5, 8, generator=gen)
+
+    def loss(scale: float, scaled: bool) -> float:
+        return float(drafter_loss(state, state, head, lse, mask, scale * predicted, scale * stream, mask, scaled).feature)
+
+    assert loss(100.0, True) == pytest.approx(loss(1.0, True), rel=1e-5)
+    assert loss(100.0, False) > 50 * loss(1.0, False)
+
+
 def make_net(method: str, target, tli: int = 0, vocab: torch.Tensor | None = None):
     return build_net(method, target, tli, vocab).to(target.dtype)
 

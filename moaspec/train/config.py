@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class TrainConfig:
     method: str = "moa"  # "moa" | "eagle"
     tli_layers: int = 0
+    tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step
     lr: float = 5e-4

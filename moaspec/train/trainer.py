@@ -85,7 +85,7 @@ def sequence_loss(
         tli_mask = mask * (anchors != torch.arange(length)).float() if config.tli_layers else None
         return drafter_loss(
             out.final, features.final_hidden, head, features.teacher_logsumexp, mask,
-            out.pre_tli, features.tli_hidden, tli_mask,
+            out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled,
         )
     noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
     predicted = net.forward_train(parts, ids, features.final_hidden + noise.to(features.final_hidden.dtype))  # [T-1, D]
