@@ -5,9 +5,10 @@
                   [--feature-cache DIR] [--init-from CHECKPOINT] ...
 
 Rerunning the same command resumes from RUN/train_state.pt (which takes precedence over
---init-from, so a resumed continuation does not restart from the initial weights). The float16 drafter checkpoint is
-written to RUN/checkpoint after every `--ckpt-every` steps and at the end; its config.json records
-the full training config, the data manifest, the exact command line and the wall time.
+--init-from, so a resumed continuation does not restart from the initial weights). The float16
+drafter checkpoint is written to RUN/checkpoint after every `--ckpt-every` steps and at the end;
+its config.json records the full training config, the data manifest, the exact command line and
+the wall time.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     if differing:
         detail = ", ".join(f"{key} {recorded.get(key)} vs {wanted.get(key)}" for key in differing)
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
-    net.load_state_dict({name: value.float() if value.is_floating_point() else value for name, value in weights.items()})
+    net.load_state_dict({name: v.float() if v.is_floating_point() else v for name, v in weights.items()})
     training = record.get("training", {})
     return {"path": str(directory), "step": training.get("step"), "command": training.get("command")}
 

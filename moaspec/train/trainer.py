@@ -248,4 +248,7 @@ def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, gene
     net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
 
 
-__all__ = ["TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask", "staircase_probability", "train", "validate"]
+__all__ = [
+    "TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask",
+    "staircase_probability", "train", "validate",
+]
