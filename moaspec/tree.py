@@ -127,3 +127,37 @@ def prune_to_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     new_parents = torch.where(old_parents >= 0, new_index[old_parents.clamp_min(0)], -1)
     draft_probs = None if tree.draft_probs is None else tree.draft_probs[kept_idx]
     return DraftTree(tree.token_ids[kept_idx], new_parents, draft_probs)
+
+
+def graft(tree: DraftTree, continuations: list[list[int]], max_nodes: int) -> DraftTree:
+    """`tree` with token continuations of its root merged in, in order, until max_nodes nodes.
+
+    A continuation follows existing nodes while its tokens match a child, then adds a chain.
+    Added nodes are deterministic drafts: with `draft_probs`, each gets a one-hot row (a point
+    mass on its own token), which is exactly the law it was drawn from, so stochastic
+    verification stays lossless (verify.py). Existing nodes keep their indices.
+    """
+    token_ids, parents = tree.token_ids.tolist(), tree.parents.tolist()
+    child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, token_ids)) if node > 0}
+    for continuation in continuations:
+        node = 0
+        for token in continuation:
+            existing = child_of.get((node, token))
+            if existing is None:
+                if len(token_ids) >= max_nodes:
+                    break
+                existing = len(token_ids)
+                token_ids.append(token)
+                parents.append(node)
+                child_of[(node, token)] = existing
+            node = existing
+    added = len(token_ids) - tree.num_nodes
+    if added == 0:
+        return tree
+    draft_probs = tree.draft_probs
+    if draft_probs is not None:
+        new_rows = torch.zeros(added, draft_probs.shape[1], dtype=draft_probs.dtype)
+        new_rows[torch.arange(added), torch.tensor(token_ids[tree.num_nodes :])] = 1.0
+        draft_probs = torch.cat([draft_probs, new_rows])
+    return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
+

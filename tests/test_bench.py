@@ -10,7 +10,7 @@ import pytest
 from conftest import make_tiny_target
 
 from moaspec.bench import schema
-from moaspec.bench.methods import MethodRun, MethodSpec, parse_methods
+from moaspec.bench.methods import MethodRun, MethodSpec, check_available, parse_methods
 from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.cli import main
 from moaspec.errors import MoaspecError
@@ -225,6 +225,11 @@ def test_parse_methods_adds_the_baseline_and_labels_directories(tmp_path) -> Non
     assert MethodSpec("x", "hf-pld").drafter is None
     with pytest.raises(MoaspecError, match="reserved"):
         parse_methods("none=ngram")
+    lookup = parse_methods(f"moa+ngram,mine+={tmp_path}+ngram")
+    assert lookup[1:] == (MethodSpec("moa+ngram", "moa+ngram"), MethodSpec("mine+", f"{tmp_path}+ngram"))
+    check_available(lookup[:2], "smollm2-135m")  # the shipped moa checkpoint + lookup
+    with pytest.raises(MoaspecError, match="has no config.json"):
+        check_available(lookup, "smollm2-135m")
 
 
 def test_every_category_loads_with_enough_prompts() -> None:

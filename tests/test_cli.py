@@ -55,6 +55,8 @@ BAD_INPUTS: dict[str, Case] = {
     "max-new-tokens 0": (lambda tmp: _gen("--max-new-tokens", "0"), "max-new-tokens must be >= 1"),
     "seed beyond 64 bits": (lambda tmp: _gen("--seed", str(2**64)), "seed must fit in 64 bits"),
     "unknown drafter": (lambda tmp: _gen("--drafter", "no-such-drafter"), "unknown drafter 'no-such-drafter'"),
+    "lookup on an unknown drafter": (lambda tmp: _gen("--drafter", "nope+ngram"), "unknown drafter 'nope+ngram'"),
+    "lookup on a model-free drafter": (lambda tmp: _gen("--drafter", "none+ngram"), "adds prompt lookup to a model drafter"),
     "missing --prompt": (lambda tmp: ["generate"], "--prompt"),
     "non-integer flag value": (lambda tmp: _gen("--max-new-tokens", "ten"), "invalid int value: 'ten'"),
     "non-float flag value": (lambda tmp: _gen("--temperature", "warm"), "invalid float value: 'warm'"),

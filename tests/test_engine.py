@@ -198,7 +198,8 @@ def far_sampled_drafter(target: HFTarget, later: torch.Tensor) -> SampledTreeDra
 
 def random_model_drafter(method: str, target: HFTarget):
     """An untrained MoA or EAGLE drafter: deterministic dynamic trees, or with "moa-sampled" a
-    tree drawn from the drafter over a reduced vocabulary, with its probabilities."""
+    tree drawn from the drafter over a reduced vocabulary, with its probabilities; "+lookup"
+    grafts prompt-lookup continuations onto its trees."""
     from conftest import make_random_drafter_net
 
     from moaspec.config import TreeConfig
@@ -207,6 +208,10 @@ def random_model_drafter(method: str, target: HFTarget):
     from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
     from moaspec.nn.moa import MoAConfig, MoADrafterNet
 
+    if method.endswith("+lookup"):
+        drafter = random_model_drafter(method.removesuffix("+lookup"), target)
+        drafter.enable_lookup()
+        return drafter
     tree = TreeConfig(depth=3, top_k=2, budget=5)
     if method == "moa-sampled":
         config = MoAConfig.for_target(target.config, draft_vocab_size=4)
@@ -220,11 +225,12 @@ def random_model_drafter(method: str, target: HFTarget):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle", "moa-sampled"])
+@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle", "moa-sampled", "moa-sampled+lookup"])
 def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str) -> None:
     """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
-    their joint law must be the target's, with a sampled-tree drafter (draft_probs) and with the
-    MoA (TLI 1) and EAGLE drafters (deterministic trees). A broken residual fails this test
+    their joint law must be the target's, with a sampled-tree drafter (draft_probs), with the
+    MoA (TLI 1) and EAGLE drafters (deterministic trees), and with prompt-lookup nodes grafted
+    onto a sampled tree. A broken residual fails this test
     (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
     p-value of 1e-8 with the sampled-tree drafter)."""
     vocab = 5
@@ -252,3 +258,40 @@ def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str
         predicted = torch.cat([predicted, expected[~keep].sum().view(1)])
     assert chisquare(observed.numpy(), predicted.numpy()).pvalue > 1e-4
     assert chisquare(counts.sum(1).numpy(), (later.sum(1) * num_samples).numpy()).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_greedy_with_prompt_lookup_grafted_onto_model_trees(method: str) -> None:
+    """`moa+ngram` / `eagle+ngram`: the grafted continuations are verified like any node."""
+    target = make_tiny_target("llama")
+    expected = greedy_reference(target, 60)
+    runs = {}
+    for kind in (method, f"{method}+lookup"):
+        engine = Engine(target, random_model_drafter(kind, target))
+        runs[kind] = engine.generate(PROMPT, generation=GenerationConfig(max_new_tokens=60), stop_ids=NO_STOP)
+        assert runs[kind].token_ids == expected
+    # the output repeats itself: the lookup grafts nodes beyond the model's trees (budget 5),
+    # and they are accepted
+    hybrid, plain = runs[f"{method}+lookup"].stats, runs[method].stats
+    assert hybrid.drafted_nodes / hybrid.num_verifications > plain.drafted_nodes / plain.num_verifications
+    assert hybrid.target_forwards < plain.target_forwards
+
+
+def test_prompt_lookup_restarts_with_the_drafter() -> None:
+    """After a reset, the lookup forgets the previous context: the next proposal is the model's
+    tree alone when the new context has no repeated n-gram, though the old one would match."""
+    target = make_tiny_target("llama")
+    hybrid, plain = random_model_drafter("moa+lookup", target), random_model_drafter("moa", target)
+    hybrid.net.load_state_dict(plain.net.state_dict())
+    first = [1, 2, 3, 4, 1, 2]
+    target.prefill(torch.tensor(first))
+    hybrid.accept(VerifiedUpdate(torch.tensor(first), 0, None, target))
+    assert hybrid.propose(3, SamplingConfig(), torch.Generator()).num_nodes > 6  # (2, 3) -> 4, 1, 2, ...
+    second = [9, 8, 2]
+    for drafter in (hybrid, plain):
+        target.reset()
+        target.prefill(torch.tensor(second))
+        drafter.reset()
+        drafter.accept(VerifiedUpdate(torch.tensor(second), 0, None, target))
+    trees = [drafter.propose(3, SamplingConfig(), torch.Generator()) for drafter in (hybrid, plain)]
+    assert torch.equal(trees[0].token_ids, trees[1].token_ids) and torch.equal(trees[0].parents, trees[1].parents)

@@ -273,7 +273,8 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
     tree = TreeConfig(depth=3, top_k=2, budget=6)
     path = net.save_pretrained(tmp_path / "moa", target, tree=tree.__dict__, dtype=torch.float64)
     loaded = make_drafter(str(path), target)
-    assert isinstance(loaded, MoADrafter) and loaded.tree_config == tree
+    assert isinstance(loaded, MoADrafter) and loaded.tree_config == tree and loaded.lookup is None
+    assert make_drafter(f"{path}+ngram", target).lookup is not None
     assert torch.equal(loaded.net.draft_vocab_ids, net.draft_vocab_ids)
     original = MoADrafter(net, target, tree)
     target.prefill(torch.tensor([4, 8, 15, 16, 23]))

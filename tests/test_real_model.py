@@ -334,10 +334,11 @@ def test_every_shipped_drafter_is_in_the_package(lm: SpeculativeLM) -> None:
 def shipped(lm: SpeculativeLM) -> dict[str, SpeculativeLM]:
     from moaspec.drafters import SHIPPED
 
-    return {name: SpeculativeLM(lm.target, make_drafter(name, lm.target)) for name in SHIPPED}
+    names = [*SHIPPED, "moa+ngram", "eagle+ngram"]
+    return {name: SpeculativeLM(lm.target, make_drafter(name, lm.target)) for name in names}
 
 
-@pytest.mark.parametrize("name", ["moa", "moa-tli1", "eagle"])
+@pytest.mark.parametrize("name", ["moa", "moa-tli1", "eagle", "moa+ngram", "eagle+ngram"])
 @pytest.mark.parametrize("key", list(PROMPTS))
 def test_shipped_drafters_are_lossless(
     name: str, key: str, shipped: dict[str, SpeculativeLM], hf_greedy: Callable[[str], list[int]]

@@ -10,6 +10,7 @@ from moaspec.tree import (
     ancestor_mask,
     children,
     depths,
+    graft,
     leaf_paths,
     path_to,
     prune_to_depth,
@@ -107,3 +108,23 @@ def test_prune_to_depth_keeps_ancestor_closed_subtree() -> None:
 def test_invalid_trees_are_rejected(token_ids: list[int], parents: list[int]) -> None:
     with pytest.raises(ValueError):
         DraftTree(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def test_graft_merges_continuations_into_the_tree() -> None:
+    tree = DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))  # 9 -> {1 -> 3, 2}
+    grafted = graft(tree, [[1, 3, 4, 5], [2, 6], [7]], max_nodes=7)
+    # existing nodes keep their indices; shared prefixes are followed, new tokens become children
+    assert grafted.token_ids.tolist() == [9, 1, 2, 3, 4, 5, 6]
+    assert grafted.parents.tolist() == [-1, 0, 0, 1, 3, 4, 2]
+    assert grafted.draft_probs is None
+    assert graft(tree, [[1, 3]], max_nodes=10) is tree  # nothing new
+    assert graft(tree, [[5, 6]], max_nodes=4) is tree  # no room
+
+
+def test_graft_gives_new_nodes_point_mass_rows() -> None:
+    rows = torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
+    tree = DraftTree(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]), rows)
+    grafted = graft(tree, [[2, 4], [3]], max_nodes=8)
+    assert grafted.parents.tolist() == [-1, 0, 0, 2, 0]
+    assert torch.equal(grafted.draft_probs[:3], rows)
+    assert torch.equal(grafted.draft_probs[3:], torch.eye(5, dtype=torch.float64)[[4, 3]])

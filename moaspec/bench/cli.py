@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 from itertools import accumulate
+from pathlib import Path
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -188,7 +189,7 @@ def add_tune_parser(commands, default_target: str) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, split_lookup
     from moaspec.model_store import resolve_target
 
     # 1. cheap checks before torch loads
@@ -210,6 +211,8 @@ def run_tune(args: argparse.Namespace) -> int:
         check_drafter_spec(spec)
         if spec in MODEL_FREE:
             raise MoaspecError(f"'{spec}' has no draft tree to tune (model drafters only)")
+        if split_lookup(spec)[1] and not Path(spec).expanduser().is_dir():
+            raise MoaspecError(f"tune measures model drafters alone: pass '{split_lookup(spec)[0]}', not '{spec}'")
         if not (checkpoint_directory(spec, target_name) / "config.json").is_file():
             raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
 

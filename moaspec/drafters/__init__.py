@@ -3,7 +3,9 @@
 - `none`, `ngram`: model-free, for any target;
 - `moa`, `eagle`, `moa-tli1`: the shipped checkpoints for the target, in
   `moaspec/checkpoints/<target name>/<drafter name>/`;
-- anything else that is a directory: a drafter checkpoint (config.json says which method).
+- anything else that is a directory: a drafter checkpoint (config.json says which method);
+- any model drafter followed by `+ngram` (`moa+ngram`, `DIR+ngram`): its trees with the n-gram
+  drafter's prompt-lookup continuations grafted on (drafters/tree_drafter.py).
 
 Kept free of heavy imports so the CLI can reject an unknown drafter before torch loads.
 """
@@ -34,17 +36,30 @@ METHODS: dict[str, str] = {
 SHIPPED = ("moa", "moa-tli1", "eagle")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
+LOOKUP_SUFFIX = "+ngram"
 DEFAULT_DRAFTER = "ngram"
+
+
+def split_lookup(spec: str) -> tuple[str, bool]:
+    """`moa+ngram` -> ("moa", True); `moa` -> ("moa", False)."""
+    if spec.endswith(LOOKUP_SUFFIX) and len(spec) > len(LOOKUP_SUFFIX):
+        return spec[: -len(LOOKUP_SUFFIX)], True
+    return spec, False
 
 
 def check_drafter_spec(spec: str) -> None:
     """Fail fast (before any model loads) on a drafter that does not exist."""
-    if spec in MODEL_FREE or spec in SHIPPED:
+    if Path(spec).expanduser().is_dir() or spec in MODEL_FREE or spec in SHIPPED:
         return
-    if Path(spec).expanduser().is_dir():
+    base, lookup = split_lookup(spec)
+    if lookup and base in MODEL_FREE:
+        raise MoaspecError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a model drafter, not to '{base}'")
+    if lookup and (base in SHIPPED or Path(base).expanduser().is_dir()):
         return
     known = ", ".join([*MODEL_FREE, *SHIPPED])
-    raise MoaspecError(f"unknown drafter '{spec}' (known: {known}, or a checkpoint directory)")
+    raise MoaspecError(
+        f"unknown drafter '{spec}' (known: {known}, a checkpoint directory, or a model drafter + '{LOOKUP_SUFFIX}')"
+    )
 
 
 def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None) -> Drafter:
@@ -63,11 +78,16 @@ def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None
     directory = checkpoint_directory(spec, target.name)
     drafter = load_drafter(directory, target)
     drafter.tree_config, drafter.tree_source = resolve_tree(drafter.tree_config, target.name, directory, tree_overrides)
+    if split_lookup(spec)[1] and not Path(spec).expanduser().is_dir():
+        drafter.enable_lookup()
     return drafter
 
 
 def checkpoint_directory(spec: str, target_name: str) -> Path:
-    """The checkpoint directory of a shipped drafter name or a path; MoaspecError when missing."""
+    """The checkpoint directory of a shipped drafter name or a path (either may end in `+ngram`);
+    MoaspecError when missing."""
+    if not Path(spec).expanduser().is_dir():
+        spec = split_lookup(spec)[0]
     if spec in SHIPPED:
         directory = SHIPPED_DIR / target_name / spec
         if not directory.is_dir():

@@ -21,7 +21,7 @@ import torch
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
-from moaspec.tree import DraftTree
+from moaspec.tree import DraftTree, graft
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
@@ -78,9 +78,7 @@ class NgramDrafter:
                     index[tuple(self.history[end + 1 - n : end + 1])].append(end)
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        context = [*self.history, root_id]
-        continuations = self._continuations(context)
-        return _trie(root_id, continuations, self.config.max_nodes)
+        return graft(DraftTree.root_only(root_id), self.continuations(root_id), self.config.max_nodes)
 
     def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
         """The first token of the best continuation, or None when the context has no match."""
@@ -90,8 +88,10 @@ class NgramDrafter:
         self.accept_context(torch.tensor([root_id]), len(self.history), {})
         return int(tree.token_ids[1])
 
-    def _continuations(self, context: list[int]) -> list[list[int]]:
-        """Up to max_branches distinct continuations, longest n-gram and most recent match first."""
+    def continuations(self, root_id: int) -> list[list[int]]:
+        """Up to max_branches distinct continuations of the context + root, longest n-gram and
+        most recent match first (token lists, at most max_depth long)."""
+        context = [*self.history, root_id]
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
@@ -106,22 +106,3 @@ class NgramDrafter:
                     if len(found) == self.config.max_branches:
                         return found
         return found
-
-
-def _trie(root_id: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
-    """Merge continuations into a tree under the root, in order, until max_nodes nodes."""
-    token_ids, parents = [root_id], [-1]
-    child_of: dict[tuple[int, int], int] = {}
-    for continuation in continuations:
-        node = 0
-        for token in continuation:
-            existing = child_of.get((node, token))
-            if existing is None:
-                if len(token_ids) == max_nodes:
-                    break
-                existing = len(token_ids)
-                token_ids.append(token)
-                parents.append(node)
-                child_of[(node, token)] = existing
-            node = existing
-    return DraftTree(torch.tensor(token_ids), torch.tensor(parents))

@@ -6,6 +6,11 @@ A subclass provides `start(root_id) -> [1, Vd]` and `expand(token_ids, parent, d
 holds the borrowed target modules, the (reduced) LM head, checkpoint loading, and the tree
 bookkeeping: the entries a proposal drafted (entry 0 = the root) and, for each, which drafted
 entries it may attend to (its ancestors and itself).
+
+Prompt lookup (`--drafter moa+ngram`): with `enable_lookup()`, every tree also gets the n-gram
+drafter's continuations of the context grafted on (tree.py `graft`). The lookup reads the
+subclass's `history` (verified tokens, then provisional roots: append-only between resets, and a
+reset makes a new list), catching up on the new tokens at each proposal.
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import torch
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
+from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
 from moaspec.nn.fast_linear import use_configured_layout, weight_in_configured_layout
 from moaspec.nn.layers import at_least_fp32
-from moaspec.tree import DraftTree
+from moaspec.tree import DraftTree, graft
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
@@ -33,6 +39,8 @@ class TreeDrafter:
     net_class: type[DrafterNet]
     tree_source: str = "checkpoint"  # where tree_config came from: "checkpoint", "tuned", "explicit" (tuned.py)
     context_encoder: ContextEncoder
+    history: list[int]  # verified tokens (+ provisional roots while drafting alone); set by reset()
+    lookup: NgramDrafter | None = None  # prompt lookup grafted onto each tree (module docstring)
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.net = use_configured_layout(net.eval())
@@ -52,6 +60,11 @@ class TreeDrafter:
 
     def reset(self) -> None:
         raise NotImplementedError
+
+    def enable_lookup(self, config: NgramConfig | None = None) -> None:
+        """Graft prompt-lookup continuations onto every tree from now on."""
+        self.lookup = NgramDrafter(config)
+        self.lookup_history: list[int] | None = None  # the `history` list the lookup has read
 
     def accept(self, update: VerifiedUpdate) -> None:
         """In-process: encode the context here, then accept it (exactly what a split client does)."""
@@ -81,11 +94,25 @@ class TreeDrafter:
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
         start = lambda: self.start(root_id)[0]  # noqa: E731
         if self.tree_config.sampled and not sampling.greedy:
-            return build_sampled_tree(
+            tree = build_sampled_tree(
                 root_id, start, self.expand, self.tree_config, self.target.vocab_size,
                 sampling.temperature, generator, self.draft_vocab_ids,
             )
-        return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
+        else:
+            tree = build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
+        if self.lookup is None:
+            return tree
+        return graft(tree, self._lookup_continuations(root_id), tree.num_nodes + self.lookup.config.max_nodes - 1)
+
+    def _lookup_continuations(self, root_id: int) -> list[list[int]]:
+        """The lookup's continuations after catching up on `history` (restarted after a reset)."""
+        lookup = self.lookup
+        if self.lookup_history is not self.history:
+            lookup.reset()
+            self.lookup_history = self.history
+        known = len(lookup.history)
+        lookup.accept_context(torch.tensor(self.history[known:], dtype=torch.long), known, {})
+        return lookup.continuations(root_id)
 
     # -- tree bookkeeping ----------------------------------------------------------------------
     def _begin_tree(self) -> None:
