@@ -81,6 +81,9 @@ def test_resume_continues_from_the_same_state(tmp_path) -> None:
     assert state.step == 6
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    validated = [record for record in state.history if "acc_depth1" in record]
+    assert [record["step"] for record in validated] == [3, 6]
+    assert all(1.0 <= record["val_tau"] <= 5.0 for record in validated)  # default tree: depth 4
     assert (tmp_path / "resumed" / "checkpoint" / "config.json").is_file()
 
 
@@ -218,3 +221,27 @@ def test_training_from_the_feature_cache_follows_online_training(tmp_path, metho
         net = make_net(method, target, tli)
         histories.append([r["loss"] for r in train(net, target, data, [], config, tmp_path / name, progress=False, source=source).history])
     assert histories[0] == pytest.approx(histories[1], rel=1e-2)
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_tau_probe_runs_the_engine_on_a_copy_of_the_network(method: str) -> None:
+    from moaspec.config import GenerationConfig, TreeConfig
+    from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.engine import Engine
+    from moaspec.train.tau_probe import TAU_NEW_TOKENS, measure_tau
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = make_net(method, target).train()
+    before = {name: tensor.clone() for name, tensor in net.state_dict().items()}
+    val = samples(2, 5)
+    tree = TreeConfig(depth=2, top_k=2, budget=3)
+    tau = measure_tau(net, method, target, val, tree)
+    assert net.training and all(torch.equal(before[name], t) for name, t in net.state_dict().items())
+    # the same measurement by hand, with the inference drafter around the same weights
+    drafter = {"moa": MoADrafter, "eagle": EagleDrafter}[method](make_net(method, target).eval(), target, tree)
+    drafter.net.load_state_dict(before)
+    engine = Engine(target, drafter)
+    runs = [engine.generate(s.input_ids[: s.response_start], generation=GenerationConfig(max_new_tokens=TAU_NEW_TOKENS)).stats for s in val]
+    assert tau == sum(r.forward_tokens for r in runs) / sum(r.target_forwards for r in runs)

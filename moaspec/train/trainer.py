@@ -1,5 +1,6 @@
 """Drafter training loop (nanoGPT-style): online target features, MoA anchors and staircase
-curriculum, AdamW with warm-up and decay, clipping, validation, checkpoints and resume.
+curriculum, AdamW with warm-up and decay, clipping, validation (teacher-forced accuracy per
+depth, and a short τ measurement: tau_probe.py), checkpoints and resume.
 
 MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; every prompt
 position and every response position with index % T == 0 is an anchor; s(i) = the last anchor
@@ -20,11 +21,13 @@ from pathlib import Path
 
 import torch
 
+from moaspec.config import TreeConfig
 from moaspec.nn.drafter_net import TargetParts
 from moaspec.target import HFTarget
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
 from moaspec.train.losses import LossParts, drafter_loss
+from moaspec.train.tau_probe import measure_tau
 
 STATE_FILE = "train_state.pt"
 
@@ -212,6 +215,7 @@ def train(
             bar.update(1)
             if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
                 record.update(validate(net, parts, source, val_samples, config))
+                record["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
                 bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
             state.history.append(record)
             if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
