@@ -16,7 +16,7 @@ import torch
 
 from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import DEFAULT_DRAFTER, make_drafter
+from moaspec.drafters import default_drafter, make_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
@@ -133,21 +133,22 @@ def _load_tokenizer(model_dir):
 
 def load(
     target: str = DEFAULT_TARGET,
-    drafter: str = DEFAULT_DRAFTER,
+    drafter: str | None = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     tree_overrides: dict | None = None,
 ) -> SpeculativeLM:
-    """Load a target and a drafter for it.
+    """Load a target and a drafter for it (default: `moa+ngram` when the target has a shipped MoA
+    drafter, else `ngram`; see moaspec/drafters/__init__.py).
 
     tree_overrides: e.g. {"depth": 5, "top_k": 2, "budget": 12} for a model drafter; fields left
     out come from `moaspec tune`'s saved choice, else the checkpoint (precedence: moaspec/tuned.py).
     """
     loaded = load_target(target, dtype, attn_implementation)
-    return SpeculativeLM(loaded, make_drafter(drafter, loaded, tree_overrides))
+    return SpeculativeLM(loaded, make_drafter(drafter or default_drafter(loaded.name), loaded, tree_overrides))
 
 
-def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str = DEFAULT_DRAFTER, **kwargs) -> GenerationOutput:
+def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, **kwargs) -> GenerationOutput:
     """One-shot convenience: `load(target, drafter).generate(prompt, **kwargs)` (loads every call;
     keep the `SpeculativeLM` from `load()` to generate repeatedly)."""
     return load(target, drafter).generate(prompt, **kwargs)

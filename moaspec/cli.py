@@ -47,15 +47,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from moaspec.drafters import DEFAULT_DRAFTER
+    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
+
+    default_drafter = f"{DEFAULT_DRAFTER} for targets with a shipped MoA drafter, else {FALLBACK_DRAFTER}"
 
     parser = _Parser(prog="moaspec", description="Lossless speculative decoding with Mixture of Attentions.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"built-in name, HF directory or .gguf (default {DEFAULT_TARGET})")
-    gen.add_argument("--drafter", default=DEFAULT_DRAFTER, help=f"drafter name or checkpoint (default {DEFAULT_DRAFTER})")
+    gen.add_argument("--drafter", default=None, help=f"drafter name or checkpoint (default: {default_drafter})")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
@@ -76,7 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
     split.add_argument("--accept-offline", action="store_true", help="if the server stays unreachable, keep the drafter's tokens as final")
     split.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server per request (default 10)")
     split.add_argument("--cafile", default=None, help="CA bundle to verify an https server")
-    _add_serve_parser(commands, DEFAULT_TARGET, DEFAULT_DRAFTER)
+    _add_serve_parser(commands, DEFAULT_TARGET, default_drafter)
     _add_data_parser(commands, DEFAULT_TARGET)
     _add_train_parser(commands, DEFAULT_TARGET)
     from moaspec.bench.cli import add_bench_parser, add_tune_parser
@@ -95,7 +97,7 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--api-key-file", default=None, help="file with the accepted API keys, one per line (default: $MOASPEC_API_KEY)")
     serve.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
-    serve.add_argument("--drafter", default=default_drafter, help=f"drafter whose context encoder the server runs (default {default_drafter})")
+    serve.add_argument("--drafter", default=None, help=f"drafter whose context encoder the server runs (default: {default_drafter})")
     serve.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     serve.add_argument("--max-tree-nodes", type=int, default=limits.max_tree_nodes, help=f"largest draft tree (default {limits.max_tree_nodes})")
@@ -120,11 +122,12 @@ def _serve(args: argparse.Namespace) -> int:
         raise MoaspecError("--idle-timeout-s must be > 0")
     keys = read_api_keys(args.api_key_file)
     ssl_context = check_tls(args.ssl_certfile, args.ssl_keyfile)
-    from moaspec.drafters import check_drafter_spec
+    from moaspec.drafters import check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
 
-    check_drafter_spec(args.drafter)
-    resolve_target(args.target)
+    if args.drafter is not None:
+        check_drafter_spec(args.drafter)
+    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0])
     return serve(args, keys, ssl_context)
 
 
@@ -268,16 +271,18 @@ def _generate(args: argparse.Namespace) -> int:
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
     if not args.prompt.strip():
         raise MoaspecError("the prompt is empty")
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
 
-    check_drafter_spec(args.drafter)
+    if args.drafter is not None:
+        check_drafter_spec(args.drafter)
     tree_overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
     if any(value is not None and value < 1 for value in tree_overrides.values()):
         raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
+    args.drafter = args.drafter or default_drafter(target_name)
     if args.drafter in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{args.drafter}'")
-    resolve_target(args.target)  # unknown name / bad path: fail before torch loads
     if args.server is not None:
         from moaspec.split.commands import generate_remote, read_api_keys
 

@@ -184,3 +184,10 @@ def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "is not a drafter checkpoint" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_default_drafter_is_moa_with_lookup_where_shipped() -> None:
+    from moaspec.drafters import default_drafter
+
+    assert default_drafter("smollm2-135m") == "moa+ngram"
+    assert default_drafter("some-other-target") == "ngram"

@@ -37,7 +37,14 @@ SHIPPED = ("moa", "moa-tli1", "eagle")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 LOOKUP_SUFFIX = "+ngram"
-DEFAULT_DRAFTER = "ngram"
+DEFAULT_DRAFTER = "moa+ngram"  # when no drafter is named, for targets with a shipped MoA drafter
+FALLBACK_DRAFTER = "ngram"  # ... and for any other target
+
+
+def default_drafter(target_name: str) -> str:
+    """The drafter used when none is named: the shipped MoA drafter with prompt lookup, or the
+    model-free `ngram` for a target without a shipped MoA drafter."""
+    return DEFAULT_DRAFTER if (SHIPPED_DIR / target_name / "moa").is_dir() else FALLBACK_DRAFTER
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
