@@ -279,16 +279,21 @@ def _generate(args: argparse.Namespace) -> int:
     tree_overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
     if any(value is not None and value < 1 for value in tree_overrides.values()):
         raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    api_key = None
+    if args.server is not None:  # before resolve_target, which may convert the target first (~30 s)
+        from moaspec.split.commands import read_api_keys
+
+        if not args.timeout > 0:
+            raise MoaspecError("--timeout must be > 0")
+        api_key = read_api_keys(args.api_key_file)[0]
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
     args.drafter = args.drafter or default_drafter(target_name)
     if args.drafter in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{args.drafter}'")
     if args.server is not None:
-        from moaspec.split.commands import generate_remote, read_api_keys
+        from moaspec.split.commands import generate_remote
 
-        if not args.timeout > 0:
-            raise MoaspecError("--timeout must be > 0")
-        return generate_remote(args, read_api_keys(args.api_key_file)[0])
+        return generate_remote(args, api_key)
 
     from moaspec.api import load
 

@@ -21,6 +21,7 @@ from moaspec.cli import main
 )
 def test_split_cli_bad_input(argv: list[str], message: str, capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("MOASPEC_API_KEY", raising=False)
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))  # as on a fresh machine: no converted target yet
     if "--ssl-certfile" in argv or "--timeout" in argv or "--max-tree-nodes" in argv:
         monkeypatch.setenv("MOASPEC_API_KEY", "k")
     assert main(argv) == 2
