@@ -246,3 +246,10 @@ def test_every_category_loads_with_enough_prompts() -> None:
     qa = prompts["qa"][3]
     assert [m["role"] for m in qa.history] == ["user", "assistant"] * (len(qa.history) // 2)
     assert load_prompts(("math",), 3)["math"][2].prompt_id == prompts["math"][2].prompt_id
+
+
+def test_default_methods_include_the_default_drafter() -> None:
+    from moaspec.bench.methods import default_methods
+
+    assert default_methods("smollm2-135m") == "none,hf,hf-pld,ngram,moa,moa-tli1,eagle,moa+ngram"
+    assert default_methods("some-other-target") == "none,hf,hf-pld,ngram"

@@ -1,9 +1,10 @@
 """The methods a benchmark compares, behind one call: `run(prompt_ids, ...) -> MethodRun`.
 
 `--methods` values:
-- `none`, `ngram`, `eagle`, `moa`, `moa-tli1`, or a drafter checkpoint directory: our engine with
-  that drafter (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint
-  directory in the tables (default label: the value as given);
+- `none`, `ngram`, `eagle`, `moa`, `moa-tli1`, or a drafter checkpoint directory, each model
+  drafter optionally with `+ngram` (prompt lookup grafted on): our engine with that drafter
+  (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint directory in the
+  tables (default label: the value as given);
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
   comparison isolates the decode loop); `hf-pld`: the same with prompt-lookup decoding
   (`prompt_lookup_num_tokens=HF_PLD_TOKENS`).
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec, checkpoint_directory
+from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec, checkpoint_directory, default_drafter
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 
@@ -91,9 +92,11 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
 
 
 def default_methods(target_name: str) -> str:
-    """`none,hf,hf-pld,ngram` plus every shipped drafter that exists for the target."""
+    """`none,hf,hf-pld,ngram`, every shipped drafter that exists for the target, and the default
+    drafter (`moa+ngram` where there is a shipped MoA drafter)."""
     shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir()]
-    return ",".join(["none", *HF_METHODS, "ngram", *shipped])
+    methods = ["none", *HF_METHODS, "ngram", *shipped]
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name)]))
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
