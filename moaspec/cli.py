@@ -10,7 +10,7 @@
 
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
-                         [--shard-size N] [--seed S] [--workers N]
+                         [--shard-size N] [--seed S]
     moaspec data stats DIR
     moaspec bench --out DIR [--categories a,b,...] [--limit N] [--methods none,hf,hf-pld,ngram,moa,...]
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
@@ -252,13 +252,6 @@ def _add_data_parser(commands, default_target: str) -> None:
     distill.add_argument(
         "--seed", type=int, default=0, help="prompt shuffle, batch modes and sampling seeds (default 0)"
     )
-    distill.add_argument(
-        "--workers",
-        type=int,
-        default=1,
-        help="generating processes, 1 torch thread each (default 1; 2 on a 2-core CPU is ~2x faster); "
-        "the output does not depend on it",
-    )
     stats = actions.add_parser("stats", help="summarise a distilled data directory")
     stats.add_argument("dir", help="a directory written by `moaspec data distill`")
 
@@ -369,8 +362,6 @@ def _data_distill(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_conversations=args.num_conversations,
     )
-    if args.workers < 1:
-        raise MoaspecError("--workers must be >= 1")
     out = _output_dir(args.out)
     if out.is_dir():
         check_resume(out, {"target": args.target, **asdict(config)})
@@ -378,7 +369,7 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    manifest = run_distill(args.target, out, config, _command_line(args), args.workers)
+    manifest = run_distill(args.target, out, config, _command_line(args))
     totals = manifest["totals"]
     print(
         f"[moaspec] {totals['num_records']} records, {totals['response_tokens']} response tokens "

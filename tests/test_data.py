@@ -224,9 +224,9 @@ PAD_ID = 0
 CONFIG = ds.DistillConfig(max_new_tokens=8, batch_size=3, sampled_fraction=0.5, shard_size=4, seed=1, temperature=1.0)
 
 
-def tiny_distill_model():
-    """float64 with sdpa, as `run_distill` uses on the real target (module level: distill's
-    worker processes build it too).
+@pytest.fixture(scope="module")
+def tiny_model():
+    """float64 with sdpa, as `run_distill` uses on the real target.
 
     Not eager: in float64, eager adds finfo(float64).min for masked keys and then takes the
     softmax in float32, where that is -inf; a fully padded query row becomes NaN and leaks into
@@ -235,11 +235,6 @@ def tiny_distill_model():
     model = make_tiny_target("llama").model
     model.config._attn_implementation = "sdpa"
     return model
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    return tiny_distill_model()
 
 
 def _prompts() -> list[ds.Prompt]:
@@ -348,25 +343,6 @@ def test_distill_resumes_to_the_uninterrupted_result(tiny_model, eos_ids, refere
     assert again.num_new_records == 0
 
 
-def test_worker_processes_write_the_same_shards(tiny_model, eos_ids, reference, tmp_path) -> None:
-    """--workers 2: batches generated in two processes, written in plan order; an interrupted
-    run resumes to the same result (the interruption also stops the workers)."""
-    ref_dir, ref_records = reference
-
-    def stop_after_two(k: int, records: list[dict]) -> None:
-        if k == 1:
-            raise KeyboardInterrupt
-
-    common = dict(pad_id=PAD_ID, eos_ids=eos_ids, progress=False, workers=2, load_model=tiny_distill_model)
-    with pytest.raises(KeyboardInterrupt):
-        ds.distill(tiny_model, _prompts(), CONFIG, tmp_path, on_batch=stop_after_two, **common)
-    assert len(ds.read_shards(tmp_path)) == 6
-    result = ds.distill(tiny_model, _prompts(), CONFIG, tmp_path, **common)
-    assert result.num_new_records == 4
-    for ref_shard in ds.shard_files(ref_dir):
-        assert (tmp_path / ref_shard.name).read_bytes() == ref_shard.read_bytes()
-
-
 def test_partly_finished_batch_is_regenerated_identically(tiny_model, eos_ids, reference, tmp_path) -> None:
     """A lost sampled record is regenerated with its whole batch, identically."""
     ref_dir, ref_records = reference
@@ -416,7 +392,6 @@ BAD_DATA_INPUTS = {
         "[0, 1]",
     ),
     "negative seed": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--seed", "-1"], "seed"),
-    "workers 0": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--workers", "0"], "--workers must be >= 1"),
     "unknown target": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"),
     "resume with other settings": (lambda tmp: ["data", "distill", "--out", str(_old_run(tmp)), "--seed", "5"], "seed"),
     "stats of a missing dir": (lambda tmp: ["data", "stats", str(tmp / "none")], "shard-*.jsonl"),
