@@ -331,8 +331,11 @@ def _output_dir(value: str) -> Path:
 
 def _initial_checkpoint(value: str, target_name: str) -> Path:
     """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its checkpoint/)."""
-    from moaspec.drafters import checkpoint_directory
+    from moaspec.drafters import checkpoint_directory, split_lookup
 
+    base, lookup = split_lookup(value)
+    if lookup and not Path(value).expanduser().is_dir():
+        raise MoaspecError(f"--init-from takes a checkpoint: '{base}', not '{value}' (prompt lookup has no weights)")
     directory = checkpoint_directory(value, target_name)
     if (directory / "checkpoint" / "config.json").is_file():
         directory = directory / "checkpoint"

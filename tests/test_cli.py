@@ -184,6 +184,9 @@ def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "is not a drafter checkpoint" in lines[0]
     assert not (tmp_path / "run").exists()
+    assert main(["train", *flags, "--init-from", "moa+ngram"]) == 2
+    assert "--init-from takes a checkpoint: 'moa'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_default_drafter_is_moa_with_lookup_where_shipped() -> None:
