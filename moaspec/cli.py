@@ -334,7 +334,7 @@ def _initial_checkpoint(value: str, target_name: str) -> Path:
     from moaspec.drafters import checkpoint_directory, split_lookup
 
     base, lookup = split_lookup(value)
-    if lookup and not Path(value).expanduser().is_dir():
+    if lookup:
         raise MoaspecError(f"--init-from takes a checkpoint: '{base}', not '{value}' (prompt lookup has no weights)")
     directory = checkpoint_directory(value, target_name)
     if (directory / "checkpoint" / "config.json").is_file():

@@ -20,7 +20,6 @@ import os
 import platform
 import sys
 from itertools import accumulate
-from pathlib import Path
 
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.errors import MoaspecError
@@ -211,8 +210,9 @@ def run_tune(args: argparse.Namespace) -> int:
         check_drafter_spec(spec)
         if spec in MODEL_FREE:
             raise MoaspecError(f"'{spec}' has no draft tree to tune (model drafters only)")
-        if split_lookup(spec)[1] and not Path(spec).expanduser().is_dir():
-            raise MoaspecError(f"tune measures model drafters alone: pass '{split_lookup(spec)[0]}', not '{spec}'")
+        base, lookup = split_lookup(spec)
+        if lookup:
+            raise MoaspecError(f"tune measures model drafters alone: pass '{base}', not '{spec}'")
         if not (checkpoint_directory(spec, target_name) / "config.json").is_file():
             raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
 

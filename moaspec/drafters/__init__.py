@@ -48,8 +48,9 @@ def default_drafter(target_name: str) -> str:
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
-    """`moa+ngram` -> ("moa", True); `moa` -> ("moa", False)."""
-    if spec.endswith(LOOKUP_SUFFIX) and len(spec) > len(LOOKUP_SUFFIX):
+    """`moa+ngram` -> ("moa", True); `moa` -> ("moa", False); an existing directory is taken as
+    it is, even when its name ends in `+ngram`."""
+    if spec.endswith(LOOKUP_SUFFIX) and len(spec) > len(LOOKUP_SUFFIX) and not Path(spec).expanduser().is_dir():
         return spec[: -len(LOOKUP_SUFFIX)], True
     return spec, False
 
@@ -85,7 +86,7 @@ def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None
     directory = checkpoint_directory(spec, target.name)
     drafter = load_drafter(directory, target)
     drafter.tree_config, drafter.tree_source = resolve_tree(drafter.tree_config, target.name, directory, tree_overrides)
-    if split_lookup(spec)[1] and not Path(spec).expanduser().is_dir():
+    if split_lookup(spec)[1]:
         drafter.enable_lookup()
     return drafter
 
@@ -93,8 +94,7 @@ def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None
 def checkpoint_directory(spec: str, target_name: str) -> Path:
     """The checkpoint directory of a shipped drafter name or a path (either may end in `+ngram`);
     MoaspecError when missing."""
-    if not Path(spec).expanduser().is_dir():
-        spec = split_lookup(spec)[0]
+    spec = split_lookup(spec)[0]
     if spec in SHIPPED:
         directory = SHIPPED_DIR / target_name / spec
         if not directory.is_dir():
