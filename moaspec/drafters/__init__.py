@@ -28,10 +28,10 @@ MODEL_FREE: dict[str, str] = {
     "none": "moaspec.drafters.none:NoDrafter.for_target",
     "ngram": "moaspec.drafters.ngram:NgramDrafter.for_target",
 }
-# checkpoint methods: config.json "method" -> "module:Class.from_pretrained(directory, target)"
+# checkpoint methods: config.json "method" -> "module:Class" (inference drafter around a trained net)
 METHODS: dict[str, str] = {
-    "moa": "moaspec.drafters.moa:MoADrafter.from_pretrained",
-    "eagle": "moaspec.drafters.eagle:EagleDrafter.from_pretrained",
+    "moa": "moaspec.drafters.moa:MoADrafter",
+    "eagle": "moaspec.drafters.eagle:EagleDrafter",
 }
 SHIPPED = ("moa", "moa-tli1", "eagle")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
@@ -111,7 +111,12 @@ def load_drafter(directory: Path, target: HFTarget) -> Drafter:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
-    return _resolve(METHODS[method])(directory, target)
+    return drafter_class(method).from_pretrained(directory, target)
+
+
+def drafter_class(method: str) -> type:
+    """The inference drafter class of a checkpoint method (`moa`, `eagle`); KeyError when unknown."""
+    return _resolve(METHODS[method])
 
 
 def _resolve(reference: str):

@@ -13,6 +13,7 @@ import copy
 import torch
 
 from moaspec.config import GenerationConfig, TreeConfig
+from moaspec.drafters import drafter_class
 from moaspec.engine import Engine
 from moaspec.metrics import SpecStats
 from moaspec.target import HFTarget
@@ -26,11 +27,7 @@ def measure_tau(
     net: torch.nn.Module, method: str, target: HFTarget, samples: list[TrainSample], tree: TreeConfig
 ) -> float:
     """τ of greedy generation from the prompts (response excluded) of the first TAU_PROMPTS samples."""
-    from moaspec.drafters.eagle import EagleDrafter
-    from moaspec.drafters.moa import MoADrafter
-
-    drafter_class = {"moa": MoADrafter, "eagle": EagleDrafter}[method]
-    engine = Engine(target, drafter_class(copy.deepcopy(net).eval(), target, tree))
+    engine = Engine(target, drafter_class(method)(copy.deepcopy(net).eval(), target, tree))
     total = SpecStats()
     for sample in samples[:TAU_PROMPTS]:
         prompt = sample.input_ids[: sample.response_start]  # [P]
