@@ -122,8 +122,18 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
         data, tmp_path / "run2", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
         command="moaspec train --init-from ...", init_from=checkpoint,
     )
-    record = json.loads((run_training(continued, config, TreeConfig()) / "config.json").read_text())
-    assert record["training"]["init_from"] == {"path": str(checkpoint), "step": 3, "command": "moaspec train ..."}
+    second = run_training(continued, config, TreeConfig())
+    first_record = json.loads((checkpoint / "config.json").read_text())["training"]
+    lineage = {"path": str(checkpoint), "step": 3, "command": "moaspec train ...", "num_train_tokens": first_record["num_train_tokens"],
+               "train_wall_s": first_record["train_wall_s"]}
+    assert json.loads((second / "config.json").read_text())["training"]["init_from"] == lineage
+    third = RunSpec(
+        data, tmp_path / "run3", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
+        command="moaspec train --init-from run2", init_from=second,
+    )
+    record = json.loads((run_training(third, config, TreeConfig()) / "config.json").read_text())
+    assert record["training"]["init_from"]["command"] == "moaspec train --init-from ..."
+    assert record["training"]["init_from"]["init_from"] == lineage  # the chain back to the first run
 
 
 def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path) -> None:

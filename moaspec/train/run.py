@@ -78,7 +78,8 @@ def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tenso
 
 def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
     """Copy the weights of the drafter checkpoint in `directory` into `net` (continued training or
-    fine-tuning: the optimizer and schedule start afresh); -> its provenance. The checkpoint's draft
+    fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command, training
+    tokens, wall time, and its own `init_from`, so a chain of continuations stays traceable). The checkpoint's draft
     vocabulary comes with it. MoaspecError when its method, TLI depth or vocabulary size differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
@@ -92,7 +93,10 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
     net.load_state_dict({name: v.float() if v.is_floating_point() else v for name, v in weights.items()})
     training = record.get("training", {})
-    return {"path": str(directory), "step": training.get("step"), "command": training.get("command")}
+    provenance = {key: training[key] for key in ("step", "command", "num_train_tokens", "train_wall_s") if key in training}
+    if "init_from" in training:  # the lineage: what that run itself continued
+        provenance["init_from"] = training["init_from"]
+    return {"path": str(directory), **provenance}
 
 
 def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int):
