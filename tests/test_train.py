@@ -124,8 +124,10 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     )
     second = run_training(continued, config, TreeConfig())
     first_record = json.loads((checkpoint / "config.json").read_text())["training"]
-    lineage = {"path": str(checkpoint), "step": 3, "command": "moaspec train ...", "num_train_tokens": first_record["num_train_tokens"],
-               "train_wall_s": first_record["train_wall_s"]}
+    lineage = {
+        "path": str(checkpoint), "step": 3, "command": "moaspec train ...",
+        "num_train_tokens": first_record["num_train_tokens"], "train_wall_s": first_record["train_wall_s"],
+    }
     assert json.loads((second / "config.json").read_text())["training"]["init_from"] == lineage
     third = RunSpec(
         data, tmp_path / "run3", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,

@@ -78,9 +78,10 @@ def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tenso
 
 def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
     """Copy the weights of the drafter checkpoint in `directory` into `net` (continued training or
-    fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command, training
-    tokens, wall time, and its own `init_from`, so a chain of continuations stays traceable). The checkpoint's draft
-    vocabulary comes with it. MoaspecError when its method, TLI depth or vocabulary size differ."""
+    fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command,
+    training tokens, wall time, and its own `init_from`, so a chain of continuations stays
+    traceable). The checkpoint's draft vocabulary comes with it. MoaspecError when its method, TLI
+    depth or vocabulary size differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
     record, weights = read_checkpoint(directory, target)
@@ -93,7 +94,8 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
     net.load_state_dict({name: v.float() if v.is_floating_point() else v for name, v in weights.items()})
     training = record.get("training", {})
-    provenance = {key: training[key] for key in ("step", "command", "num_train_tokens", "train_wall_s") if key in training}
+    recorded = ("step", "command", "num_train_tokens", "train_wall_s")
+    provenance = {key: training[key] for key in recorded if key in training}
     if "init_from" in training:  # the lineage: what that run itself continued
         provenance["init_from"] = training["init_from"]
     return {"path": str(directory), **provenance}
