@@ -199,7 +199,7 @@ def far_sampled_drafter(target: HFTarget, later: torch.Tensor) -> SampledTreeDra
 def random_model_drafter(method: str, target: HFTarget):
     """An untrained MoA or EAGLE drafter: deterministic dynamic trees, or with "moa-sampled" a
     tree drawn from the drafter over a reduced vocabulary, with its probabilities; "+lookup"
-    grafts prompt-lookup continuations onto its trees."""
+    adds prompt lookup (its continuations when the context has a match, else the model's tree)."""
     from conftest import make_random_drafter_net
 
     from moaspec.config import TreeConfig
@@ -229,8 +229,8 @@ def random_model_drafter(method: str, target: HFTarget):
 def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str) -> None:
     """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
     their joint law must be the target's, with a sampled-tree drafter (draft_probs), with the
-    MoA (TLI 1) and EAGLE drafters (deterministic trees), and with prompt-lookup nodes grafted
-    onto a sampled tree. A broken residual fails this test
+    MoA (TLI 1) and EAGLE drafters (deterministic trees), and with prompt lookup beside a sampled
+    tree (lookup tries where the context repeats, sampled trees elsewhere). A broken residual fails this test
     (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
     p-value of 1e-8 with the sampled-tree drafter)."""
     vocab = 5
@@ -261,32 +261,48 @@ def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str
 
 
 @pytest.mark.parametrize("method", ["moa", "eagle"])
-def test_greedy_with_prompt_lookup_grafted_onto_model_trees(method: str) -> None:
-    """`moa+ngram` / `eagle+ngram`: the grafted continuations are verified like any node."""
+def test_greedy_with_prompt_lookup_beside_model_trees(method: str) -> None:
+    """`moa+ngram` / `eagle+ngram`: lookup tries and model trees alternate, and the model's caches
+    catch up on the tokens verified while it did not draft."""
     target = make_tiny_target("llama")
     expected = greedy_reference(target, 60)
-    runs = {}
+    runs, model_runs = {}, []
     for kind in (method, f"{method}+lookup"):
-        engine = Engine(target, random_model_drafter(kind, target))
+        drafter = random_model_drafter(kind, target)
+        if kind.endswith("+lookup"):
+            model_start = drafter.start
+            drafter.start = lambda root_id: model_runs.append(root_id) or model_start(root_id)
+        engine = Engine(target, drafter)
         runs[kind] = engine.generate(PROMPT, generation=GenerationConfig(max_new_tokens=60), stop_ids=NO_STOP)
         assert runs[kind].token_ids == expected
-    # the output repeats itself: the lookup grafts nodes beyond the model's trees (budget 5),
-    # and they are accepted
+    # the output repeats itself: once it does, the lookup's tries replace the model's trees, and
+    # they are accepted
     hybrid, plain = runs[f"{method}+lookup"].stats, runs[method].stats
-    assert hybrid.drafted_nodes / hybrid.num_verifications > plain.drafted_nodes / plain.num_verifications
+    assert 0 < len(model_runs) < hybrid.num_verifications
     assert hybrid.target_forwards < plain.target_forwards
 
 
-def test_prompt_lookup_restarts_with_the_drafter() -> None:
-    """After a reset, the lookup forgets the previous context: the next proposal is the model's
-    tree alone when the new context has no repeated n-gram, though the old one would match."""
+def test_prompt_lookup_first_then_the_model_and_restarts_with_the_drafter() -> None:
+    """A context with a repeated n-gram gets the n-gram drafter's trie, without running the model;
+    after a reset the lookup forgets that context: with no repeated n-gram the proposal is the
+    model's tree, as without lookup."""
+    from moaspec.drafters.ngram import NgramDrafter
+
     target = make_tiny_target("llama")
     hybrid, plain = random_model_drafter("moa+lookup", target), random_model_drafter("moa", target)
     hybrid.net.load_state_dict(plain.net.state_dict())
     first = [1, 2, 3, 4, 1, 2]
     target.prefill(torch.tensor(first))
     hybrid.accept(VerifiedUpdate(torch.tensor(first), 0, None, target))
-    assert hybrid.propose(3, SamplingConfig(), torch.Generator()).num_nodes > 6  # (2, 3) -> 4, 1, 2, ...
+    lookup = NgramDrafter()
+    lookup.accept_context(torch.tensor(first), 0, {})
+    model_runs = []
+    model_start = hybrid.start
+    hybrid.start = lambda root_id: model_runs.append(root_id) or model_start(root_id)
+    tree = hybrid.propose(3, SamplingConfig(), torch.Generator())
+    expected = lookup.propose(3, SamplingConfig(), torch.Generator())
+    assert tree.token_ids.tolist() == [3, 4, 1, 2, 3] == expected.token_ids.tolist()  # (2, 3) -> 4, 1, 2, 3
+    assert torch.equal(tree.parents, expected.parents) and tree.draft_probs is None and model_runs == []
     second = [9, 8, 2]
     for drafter in (hybrid, plain):
         target.reset()
@@ -294,4 +310,5 @@ def test_prompt_lookup_restarts_with_the_drafter() -> None:
         drafter.reset()
         drafter.accept(VerifiedUpdate(torch.tensor(second), 0, None, target))
     trees = [drafter.propose(3, SamplingConfig(), torch.Generator()) for drafter in (hybrid, plain)]
+    assert model_runs == [3]
     assert torch.equal(trees[0].token_ids, trees[1].token_ids) and torch.equal(trees[0].parents, trees[1].parents)

@@ -544,8 +544,8 @@ def test_verifier_leaves_the_global_rng_alone() -> None:
 
 
 def grafted_tree(root: int, parents: list[int], q_table: torch.Tensor, source: RandomSource) -> DraftTree:
-    """A sampled tree with prompt-lookup continuations grafted on (drafters/tree_drafter.py): the
-    continuations repeat drafted tokens (shared prefixes) and add new siblings and chains."""
+    """A sampled tree with deterministic continuations grafted on (`tree.graft` gives them one-hot
+    rows): the continuations repeat drafted tokens (shared prefixes) and add new siblings and chains."""
     tree = draft_tree(root, parents, q_table, source)
     return graft(tree, [[0, 1, 2], [int(tree.token_ids[1]), 3], [5, 5]], max_nodes=tree.num_nodes + 5)
 

@@ -7,8 +7,13 @@ holds the borrowed target modules, the (reduced) LM head, checkpoint loading, an
 bookkeeping: the entries a proposal drafted (entry 0 = the root) and, for each, which drafted
 entries it may attend to (its ancestors and itself).
 
-Prompt lookup (`--drafter moa+ngram`): with `enable_lookup()`, every tree also gets the n-gram
-drafter's continuations of the context grafted on (tree.py `graft`). The lookup reads the
+Prompt lookup (`--drafter moa+ngram`): with `enable_lookup()`, a proposal first asks the n-gram
+drafter for continuations of the context; when it has some, they alone are the tree (the model
+does not run: its caches catch up at its next proposal), otherwise the model drafts its tree.
+Measured on MT-bench (20 + 20 questions, both turns, interleaved): this made `moa+ngram` 1.22x /
+1.26x where grafting the continuations onto the model's tree (`tree.graft`) made 1.19x / 1.22x;
+a matched continuation is right more often than the model's guess (depth-1 acceptance 0.61 vs
+0.47), and skipping the model saves its proposal and two tree nodes. The lookup reads the
 subclass's `history` (verified tokens, then provisional roots: append-only between resets, and a
 reset makes a new list), catching up on the new tokens at each proposal.
 """
@@ -92,17 +97,17 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        if self.lookup is not None:
+            continuations = self._lookup_continuations(root_id)
+            if continuations:  # deterministic drafts (no draft_probs): the point-mass case of verify.py
+                return graft(DraftTree.root_only(root_id), continuations, self.lookup.config.max_nodes)
         start = lambda: self.start(root_id)[0]  # noqa: E731
         if self.tree_config.sampled and not sampling.greedy:
-            tree = build_sampled_tree(
+            return build_sampled_tree(
                 root_id, start, self.expand, self.tree_config, self.target.vocab_size,
                 sampling.temperature, generator, self.draft_vocab_ids,
             )
-        else:
-            tree = build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
-        if self.lookup is None:
-            return tree
-        return graft(tree, self._lookup_continuations(root_id), tree.num_nodes + self.lookup.config.max_nodes - 1)
+        return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
 
     def _lookup_continuations(self, root_id: int) -> list[list[int]]:
         """The lookup's continuations after catching up on `history` (restarted after a reset)."""
