@@ -2,7 +2,7 @@
 
 `--methods` values:
 - `none`, `ngram`, `eagle`, `moa`, `moa-tli1`, or a drafter checkpoint directory, each model
-  drafter optionally with `+ngram` (prompt lookup grafted on): our engine with that drafter
+  drafter optionally with `+ngram` (prompt lookup first): our engine with that drafter
   (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint directory in the
   tables (default label: the value as given);
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the

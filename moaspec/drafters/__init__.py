@@ -4,8 +4,8 @@
 - `moa`, `eagle`, `moa-tli1`: the shipped checkpoints for the target, in
   `moaspec/checkpoints/<target name>/<drafter name>/`;
 - anything else that is a directory: a drafter checkpoint (config.json says which method);
-- any model drafter followed by `+ngram` (`moa+ngram`, `DIR+ngram`): its trees with the n-gram
-  drafter's prompt-lookup continuations grafted on (drafters/tree_drafter.py).
+- any model drafter followed by `+ngram` (`moa+ngram`, `DIR+ngram`): the n-gram drafter's
+  prompt-lookup trie where the context has a match, else the model's tree (drafters/tree_drafter.py).
 
 Kept free of heavy imports so the CLI can reject an unknown drafter before torch loads.
 """

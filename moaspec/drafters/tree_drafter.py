@@ -45,7 +45,7 @@ class TreeDrafter:
     tree_source: str = "checkpoint"  # where tree_config came from: "checkpoint", "tuned", "explicit" (tuned.py)
     context_encoder: ContextEncoder
     history: list[int]  # verified tokens (+ provisional roots while drafting alone); set by reset()
-    lookup: NgramDrafter | None = None  # prompt lookup grafted onto each tree (module docstring)
+    lookup: NgramDrafter | None = None  # prompt lookup tried before the model (module docstring)
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.net = use_configured_layout(net.eval())
@@ -67,7 +67,7 @@ class TreeDrafter:
         raise NotImplementedError
 
     def enable_lookup(self, config: NgramConfig | None = None) -> None:
-        """Graft prompt-lookup continuations onto every tree from now on."""
+        """Try prompt lookup before the model at every proposal from now on."""
         self.lookup = NgramDrafter(config)
         self.lookup_history: list[int] | None = None  # the `history` list the lookup has read
 
