@@ -32,7 +32,7 @@ from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
 from moaspec.nn.fast_linear import use_configured_layout, weight_in_configured_layout
 from moaspec.nn.layers import at_least_fp32
-from moaspec.tree import DraftTree, graft
+from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
@@ -98,9 +98,9 @@ class TreeDrafter:
     @torch.inference_mode()
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
         if self.lookup is not None:
-            continuations = self._lookup_continuations(root_id)
-            if continuations:  # deterministic drafts (no draft_probs): the point-mass case of verify.py
-                return graft(DraftTree.root_only(root_id), continuations, self.lookup.config.max_nodes)
+            trie = self._lookup_trie(root_id, sampling, generator)
+            if trie.num_nodes > 1:  # deterministic drafts (no draft_probs): the point-mass case of verify.py
+                return trie
         start = lambda: self.start(root_id)[0]  # noqa: E731
         if self.tree_config.sampled and not sampling.greedy:
             return build_sampled_tree(
@@ -109,15 +109,16 @@ class TreeDrafter:
             )
         return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
 
-    def _lookup_continuations(self, root_id: int) -> list[list[int]]:
-        """The lookup's continuations after catching up on `history` (restarted after a reset)."""
+    def _lookup_trie(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        """The lookup's proposal after catching up on `history` (restarted after a reset); the
+        root alone when the context has no match."""
         lookup = self.lookup
         if self.lookup_history is not self.history:
             lookup.reset()
             self.lookup_history = self.history
         known = len(lookup.history)
         lookup.accept_context(torch.tensor(self.history[known:], dtype=torch.long), known, {})
-        return lookup.continuations(root_id)
+        return lookup.propose(root_id, sampling, generator)
 
     # -- tree bookkeeping ----------------------------------------------------------------------
     def _begin_tree(self) -> None:
