@@ -260,6 +260,14 @@ def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str
     assert chisquare(counts.sum(1).numpy(), (later.sum(1) * num_samples).numpy()).pvalue > 1e-4
 
 
+def record_model_proposals(drafter) -> list[int]:
+    """The roots of the proposals the drafter's model makes from now on (its `start` calls)."""
+    roots: list[int] = []
+    model_start = drafter.start
+    drafter.start = lambda root_id: roots.append(root_id) or model_start(root_id)
+    return roots
+
+
 @pytest.mark.parametrize("method", ["moa", "eagle"])
 def test_greedy_with_prompt_lookup_beside_model_trees(method: str) -> None:
     """`moa+ngram` / `eagle+ngram`: lookup tries and model trees alternate, and the model's caches
@@ -270,8 +278,7 @@ def test_greedy_with_prompt_lookup_beside_model_trees(method: str) -> None:
     for kind in (method, f"{method}+lookup"):
         drafter = random_model_drafter(kind, target)
         if kind.endswith("+lookup"):
-            model_start = drafter.start
-            drafter.start = lambda root_id: model_runs.append(root_id) or model_start(root_id)
+            model_runs = record_model_proposals(drafter)
         engine = Engine(target, drafter)
         runs[kind] = engine.generate(PROMPT, generation=GenerationConfig(max_new_tokens=60), stop_ids=NO_STOP)
         assert runs[kind].token_ids == expected
@@ -296,9 +303,7 @@ def test_prompt_lookup_first_then_the_model_and_restarts_with_the_drafter() -> N
     hybrid.accept(VerifiedUpdate(torch.tensor(first), 0, None, target))
     lookup = NgramDrafter()
     lookup.accept_context(torch.tensor(first), 0, {})
-    model_runs = []
-    model_start = hybrid.start
-    hybrid.start = lambda root_id: model_runs.append(root_id) or model_start(root_id)
+    model_runs = record_model_proposals(hybrid)
     tree = hybrid.propose(3, SamplingConfig(), torch.Generator())
     expected = lookup.propose(3, SamplingConfig(), torch.Generator())
     assert tree.token_ids.tolist() == [3, 4, 1, 2, 3] == expected.token_ids.tolist()  # (2, 3) -> 4, 1, 2, 3
