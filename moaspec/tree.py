@@ -129,16 +129,14 @@ def prune_to_depth(tree: DraftTree, max_depth: int) -> DraftTree:
     return DraftTree(tree.token_ids[kept_idx], new_parents, draft_probs)
 
 
-def graft(tree: DraftTree, continuations: list[list[int]], max_nodes: int) -> DraftTree:
-    """`tree` with token continuations of its root merged in, in order, until max_nodes nodes.
+def trie(root_id: int, continuations: list[list[int]], max_nodes: int) -> DraftTree:
+    """The trie of token continuations of `root_id`, inserted in order, at most max_nodes nodes.
 
-    A continuation follows existing nodes while its tokens match a child, then adds a chain.
-    Added nodes are deterministic drafts: with `draft_probs`, each gets a one-hot row (a point
-    mass on its own token), which is exactly the law it was drawn from, so stochastic
-    verification stays lossless (verify.py). Existing nodes keep their indices.
+    A continuation follows existing nodes while its tokens match a child, then adds a chain
+    (cut where the trie is full). Deterministic drafts: no `draft_probs`.
     """
-    token_ids, parents = tree.token_ids.tolist(), tree.parents.tolist()
-    child_of = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, token_ids)) if node > 0}
+    token_ids, parents = [root_id], [-1]
+    child_of: dict[tuple[int, int], int] = {}
     for continuation in continuations:
         node = 0
         for token in continuation:
@@ -151,13 +149,5 @@ def graft(tree: DraftTree, continuations: list[list[int]], max_nodes: int) -> Dr
                 parents.append(node)
                 child_of[(node, token)] = existing
             node = existing
-    added = len(token_ids) - tree.num_nodes
-    if added == 0:
-        return tree
-    draft_probs = tree.draft_probs
-    if draft_probs is not None:
-        new_rows = torch.zeros(added, draft_probs.shape[1], dtype=draft_probs.dtype)
-        new_rows[torch.arange(added), torch.tensor(token_ids[tree.num_nodes :])] = 1.0
-        draft_probs = torch.cat([draft_probs, new_rows])
-    return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
+    return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
 

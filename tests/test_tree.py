@@ -10,11 +10,11 @@ from moaspec.tree import (
     ancestor_mask,
     children,
     depths,
-    graft,
     leaf_paths,
     path_to,
     prune_to_depth,
     tree_attention_bias,
+    trie,
 )
 
 
@@ -110,21 +110,11 @@ def test_invalid_trees_are_rejected(token_ids: list[int], parents: list[int]) ->
         DraftTree(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
-def test_graft_merges_continuations_into_the_tree() -> None:
-    tree = DraftTree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))  # 9 -> {1 -> 3, 2}
-    grafted = graft(tree, [[1, 3, 4, 5], [2, 6], [7]], max_nodes=7)
-    # existing nodes keep their indices; shared prefixes are followed, new tokens become children
-    assert grafted.token_ids.tolist() == [9, 1, 2, 3, 4, 5, 6]
-    assert grafted.parents.tolist() == [-1, 0, 0, 1, 3, 4, 2]
-    assert grafted.draft_probs is None
-    assert graft(tree, [[1, 3]], max_nodes=10) is tree  # nothing new
-    assert graft(tree, [[5, 6]], max_nodes=4) is tree  # no room
-
-
-def test_graft_gives_new_nodes_point_mass_rows() -> None:
-    rows = torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64), -1)
-    tree = DraftTree(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]), rows)
-    grafted = graft(tree, [[2, 4], [3]], max_nodes=8)
-    assert grafted.parents.tolist() == [-1, 0, 0, 2, 0]
-    assert torch.equal(grafted.draft_probs[:3], rows)
-    assert torch.equal(grafted.draft_probs[3:], torch.eye(5, dtype=torch.float64)[[4, 3]])
+def test_trie_merges_continuations() -> None:
+    tree = trie(9, [[1, 3, 4], [2, 6], [1, 3, 5], [7, 8]], max_nodes=8)
+    # shared prefixes are followed, new tokens become children, insertion stops when full
+    assert tree.token_ids.tolist() == [9, 1, 3, 4, 2, 6, 5, 7]
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 0, 4, 2, 0]
+    assert tree.draft_probs is None
+    assert trie(9, [], max_nodes=8).num_nodes == 1
+    assert trie(9, [[1, 2, 3]], max_nodes=2).token_ids.tolist() == [9, 1]

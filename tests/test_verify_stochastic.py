@@ -26,7 +26,7 @@ from scipy.stats import chisquare
 import moaspec.verify
 from moaspec.config import SamplingConfig
 from moaspec.sampling import target_probs
-from moaspec.tree import DraftTree, graft
+from moaspec.tree import DraftTree
 from moaspec.verify import Accepted, RandomSource, TorchRandom, verify_stochastic
 
 V = 6
@@ -541,45 +541,3 @@ def test_verifier_leaves_the_global_rng_alone() -> None:
     state = torch.get_rng_state()
     verify_stochastic(tree, target_rows(tree, p_table), torch.Generator().manual_seed(1))
     assert torch.equal(torch.get_rng_state(), state)
-
-
-def grafted_tree(root: int, parents: list[int], q_table: torch.Tensor, source: RandomSource) -> DraftTree:
-    """A sampled tree with deterministic continuations grafted on (`tree.graft` gives them one-hot
-    rows): the continuations repeat drafted tokens (shared prefixes) and add new siblings and chains."""
-    tree = draft_tree(root, parents, q_table, source)
-    return graft(tree, [[0, 1, 2], [int(tree.token_ids[1]), 3], [5, 5]], max_nodes=tree.num_nodes + 5)
-
-
-@pytest.mark.parametrize(("tables", "shape"), [("dirichlet", SIBLINGS2), ("sparse_q", TREE_SMALL), ("one_hot_p", CHAIN1)])
-def test_exact_joint_with_grafted_lookup_nodes(tables: str, shape: list[int]) -> None:
-    """Grafted point masses mixed into sampled trees keep the first two tokens exactly p x p."""
-    p_table, q_table = TABLES[tables]()
-
-    def run(source: RandomSource) -> tuple[int, ...]:
-        emitted: list[int] = []
-        while len(emitted) < 2:
-            tree = grafted_tree(emitted[-1] if emitted else 4, shape, q_table, source)
-            emitted += verify_stochastic(tree, target_rows(tree, p_table), source).emitted_ids
-        return tuple(emitted[:2])
-
-    dist = enumerate_exact(run)
-    joint = torch.zeros(V, V, dtype=torch.float64)
-    for (x1, x2), prob in dist.items():
-        joint[x1, x2] += prob
-    assert_exact(joint, p_table[4][:, None] * p_table)
-
-
-def test_grafting_sampled_rows_as_the_drafter_law_would_be_lossy() -> None:
-    """Power: the grafted nodes' one-hot rows matter. Giving them the parent's sampled row
-    instead (as if drawn from q) changes the emitted distribution."""
-    p_table, q_table = TABLES["dirichlet"]()
-
-    def run(source: RandomSource) -> int:
-        tree = grafted_tree(4, SIBLINGS2, q_table, source)
-        wrong_rows = tree.draft_probs.clone()
-        wrong_rows[3:] = q_table[4]
-        wrong = DraftTree(tree.token_ids, tree.parents, wrong_rows)
-        return verify_stochastic(wrong, target_rows(wrong, p_table), source).emitted_ids[0]
-
-    gap = float((as_vector(enumerate_exact(run)) - p_table[4]).abs().max())
-    assert gap > 1e-3

@@ -21,7 +21,7 @@ import torch
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
-from moaspec.tree import DraftTree, graft
+from moaspec.tree import DraftTree, trie
 
 if TYPE_CHECKING:
     from moaspec.target import HFTarget
@@ -78,7 +78,7 @@ class NgramDrafter:
                     index[tuple(self.history[end + 1 - n : end + 1])].append(end)
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        return graft(DraftTree.root_only(root_id), self.continuations(root_id), self.config.max_nodes)
+        return trie(root_id, self.continuations(root_id), self.config.max_nodes)
 
     def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
         """The first token of the best continuation, or None when the context has no match."""
