@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
+from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.run import build_net
 from moaspec.train.features import OnlineFeatures, TrainSample
@@ -117,6 +118,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     drafter = make_drafter(str(checkpoint), target)
     assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
     assert (tmp_path / "run" / "runs.jsonl").is_file()
+    assert record["training"]["val_indices"] == [0, 3]  # spaced through the data, not the first two
 
     continued = RunSpec(
         data, tmp_path / "run2", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
@@ -137,9 +139,27 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     assert record["training"]["init_from"]["command"] == "moaspec train --init-from ..."
     assert record["training"]["init_from"]["init_from"] == lineage  # the chain back to the first run
 
+    # a run resumes only with the validation records it started with
+    assert run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3)) == checkpoint
+    stale = json.loads((checkpoint / "config.json").read_text())
+    stale["training"]["val_indices"] = [0, 1]  # as an older moaspec held out the first records
+    (checkpoint / "config.json").write_text(json.dumps(stale))
+    with pytest.raises(MoaspecError, match="other validation records"):
+        run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+
+
+def test_validation_records_are_spaced_through_the_data() -> None:
+    from moaspec.train.run import split_validation
+
+    samples = [TrainSample(torch.arange(4), 2, index=i) for i in range(10)]
+    validation, training = split_validation(samples, 4)
+    assert [s.index for s in validation] == [0, 2, 5, 7]
+    assert [s.index for s in training] == [1, 3, 4, 6, 8, 9]
+    with pytest.raises(MoaspecError, match="cannot spare 10"):
+        split_validation(samples, 10)
+
 
 def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path) -> None:
-    from moaspec.errors import MoaspecError
     from moaspec.nn.checkpoint import read_checkpoint
     from moaspec.train.run import load_initial_weights
 
@@ -165,7 +185,6 @@ def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch
     an interrupted build resumes to the same arrays, and other data or depths are refused."""
     import numpy as np
 
-    from moaspec.errors import MoaspecError
     from moaspec.train import feature_cache
     from moaspec.train.feature_cache import FeatureCache, build_feature_cache
 

@@ -25,7 +25,7 @@ from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import TrainSample
-from moaspec.train.trainer import train
+from moaspec.train.trainer import STATE_FILE, train
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,33 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     return {"path": str(directory), **provenance}
 
 
+def split_validation(samples: list[TrainSample], count: int) -> tuple[list[TrainSample], list[TrainSample]]:
+    """(validation, training): `count` records evenly spaced through the data set, the rest train.
+
+    Spaced rather than the first `count`: `moaspec data distill` writes its batches grouped by
+    prompt length and decoding mode, so the first records are the shortest prompts of one mode
+    (all greedy or all sampled), which makes validation accuracy optimistic or pessimistic.
+    """
+    if len(samples) <= count:
+        raise MoaspecError(f"{len(samples)} records cannot spare {count} for validation")
+    held = {i * len(samples) // count for i in range(count)}
+    validation = [sample for position, sample in enumerate(samples) if position in held]
+    return validation, [sample for position, sample in enumerate(samples) if position not in held]
+
+
+def check_same_validation(out_dir: Path, val_indices: list[int]) -> None:
+    """A run resumes only with the validation records it started with (older versions held out
+    the first records: resuming such a run would move records between the two sets)."""
+    config_path = out_dir / "checkpoint" / "config.json"
+    if not (out_dir / STATE_FILE).is_file() or not config_path.is_file():
+        return
+    recorded = json.loads(config_path.read_text()).get("training", {}).get("val_indices")
+    if recorded != val_indices:
+        raise MoaspecError(
+            f"{out_dir} was started with other validation records (an older moaspec, or other data); use a new --out"
+        )
+
+
 def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int):
     """The FeatureCache of `samples` in `directory`, built (or finished) first when needed.
     A new cache stores TLI depths up to max(2, tli_layers), so the usual runs share one cache."""
@@ -121,9 +148,9 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32)
     samples = load_samples(spec.data_dir, config.max_seq_len)
-    if len(samples) <= spec.val_conversations:
-        raise MoaspecError(f"{len(samples)} records cannot spare {spec.val_conversations} for validation")
-    val_samples, train_samples = samples[: spec.val_conversations], samples[spec.val_conversations :]
+    val_samples, train_samples = split_validation(samples, spec.val_conversations)
+    val_indices = [sample.index for sample in val_samples]
+    check_same_validation(spec.out_dir, val_indices)
     vocab_ids = None
     responses = [s.input_ids[s.response_start :].tolist() for s in train_samples]
     if spec.draft_vocab:
@@ -138,6 +165,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         "command": spec.command,
         "data": str(spec.data_dir),
         "data_manifest": json.loads(manifest_path.read_text()) if manifest_path.is_file() else {},
+        "val_indices": val_indices,
         "num_train_sequences": len(train_samples),
         "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
         "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,

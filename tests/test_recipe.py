@@ -1,0 +1,56 @@
+"""`scripts/recipe` end to end at toy size: distill with the real SmolLM2, train a MoA drafter,
+tune its tree (dry run: the user's cache is left alone), and a rerun resumes (nothing is
+retrained). Marked slow (a minute or two)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+TUNE_ARGS = "--dry-run --repeats 1 --calibration-prompts 1 --calibration-tokens 8"
+TRAIN_ARGS = ("--val-conversations", "1", "--val-every", "2", "--ckpt-every", "2", "--batch-size", "2")
+
+
+def _recipe(out: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, CONVERSATIONS="3", STEPS="2", TUNE_ARGS=TUNE_ARGS)
+    return subprocess.run(
+        [str(ROOT / "scripts" / "recipe"), str(out), *TRAIN_ARGS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+
+
+def test_recipe_distills_trains_and_resumes(tmp_path: Path) -> None:
+    out = tmp_path / "recipe"
+    first = _recipe(out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "Traceback" not in first.stderr
+    assert f"## {out / 'drafter' / 'checkpoint'}:" in first.stdout  # tune's table of trees
+    assert "done in " in first.stdout and str(out / "drafter" / "checkpoint") in first.stdout
+    records = [line for shard in sorted((out / "data").glob("*.jsonl")) for line in shard.read_text().splitlines()]
+    assert len(records) == 3
+    config = json.loads((out / "drafter" / "checkpoint" / "config.json").read_text())
+    assert config["method"] == "moa"
+    assert config["training"]["step"] == 2
+    assert (out / "drafter" / "checkpoint" / "model.safetensors").stat().st_size > 0
+    weights = (out / "drafter" / "checkpoint" / "model.safetensors").read_bytes()
+
+    second = _recipe(out)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert (out / "drafter" / "checkpoint" / "model.safetensors").read_bytes() == weights
+
+
+def test_recipe_needs_an_output_directory() -> None:
+    proc = subprocess.run([str(ROOT / "scripts" / "recipe")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "usage: scripts/recipe OUT_DIR" in proc.stderr
+    assert "Traceback" not in proc.stderr
