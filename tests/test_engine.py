@@ -230,8 +230,8 @@ def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str
     """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
     their joint law must be the target's, with a sampled-tree drafter (draft_probs), with the
     MoA (TLI 1) and EAGLE drafters (deterministic trees), and with prompt lookup beside a sampled
-    tree (lookup tries where the context repeats, sampled trees elsewhere). A broken residual fails this test
-    (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
+    tree (lookup tries where the context repeats, sampled trees elsewhere). A broken residual
+    fails this test (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
     p-value of 1e-8 with the sampled-tree drafter)."""
     vocab = 5
     target = make_tiny_target("llama", vocab_size=vocab)

@@ -11,9 +11,9 @@ Prompt lookup (`--drafter moa+ngram`): with `enable_lookup()`, a proposal first 
 drafter for continuations of the context; when it has some, they alone are the tree (the model
 does not run: its caches catch up at its next proposal), otherwise the model drafts its tree.
 Measured on MT-bench (20 + 20 questions, both turns, interleaved): this made `moa+ngram` 1.22x /
-1.26x where merging the continuations into the model's tree made 1.19x / 1.22x;
-a matched continuation is right more often than the model's guess (depth-1 acceptance 0.61 vs
-0.47), and skipping the model saves its proposal and two tree nodes. The lookup reads the
+1.26x where merging the continuations into the model's tree made 1.19x / 1.22x; a matched
+continuation is right more often than the model's guess (depth-1 acceptance 0.61 vs 0.47), and
+skipping the model saves its proposal and two tree nodes. The lookup reads the
 subclass's `history` (verified tokens, then provisional roots: append-only between resets, and a
 reset makes a new list), catching up on the new tokens at each proposal.
 """
