@@ -14,6 +14,30 @@ PREFIX = torch.tensor([3, 14, 15, 92, 65, 35, 89])
 TREE_PARENTS = torch.tensor([-1, 0, 0, 1, 1, 3, 2, 6])
 TREE_TOKENS = torch.tensor([7, 11, 12, 13, 14, 15, 16, 17])
 
+# sdpa runs the float64 model in float64 throughout (transformers' RMSNorm and RoPE round to
+# float32, but per row, so identical rows stay identical): a tree forward and the causal forward
+# of its path differ by ~1e-14 (summation order only), on any CPU.
+FLOAT64_ATOL = 1e-10
+# transformers' eager attention takes its softmax in float32
+# (`softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)`), so on that path a float64
+# model is only float32-accurate, and how accurate depends on the CPU: the sum over a row of
+# n <= 15 keys is rounded in an order set by the row length (tree vs causal) and the vector width
+# (ATen's avx512 kernel sums it in one 16-lane vector, avx2 in 8-lane pieces, default scalar).
+# Two such orders give one attention weight relative errors differing by up to (n - 1) eps32,
+# plus ~3 eps32 from exp, the division and the cast: ~17 eps32. Perturbing every weight
+# independently by a relative +-eps32 moves logits and hidden states by at most 1.3 eps32 x their
+# max |value| (20 random trials per family). So 17 x 1.3 ~ 22 eps32, rounded up to 32 eps32 of
+# the max |value| (~4e-5 on these logits). Observed: <= 0.93 eps32 with ATen's avx2 and default
+# kernels, ~1e-9 eps32 with avx512. A wrong tree mask moves logits by ~1e4 times the tolerance
+# (test_eager_tolerance_still_catches_a_wrong_tree_mask).
+EAGER_TOLERANCE = 32 * torch.finfo(torch.float32).eps
+
+
+def assert_same_forward(actual: torch.Tensor, expected: torch.Tensor, attn: str) -> None:
+    """actual == expected up to the attention implementation's precision (see the constants above)."""
+    atol = FLOAT64_ATOL if attn == "sdpa" else EAGER_TOLERANCE * float(expected.abs().max())
+    torch.testing.assert_close(actual, expected, rtol=0, atol=atol)
+
 
 def causal_logits(target: HFTarget, token_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()):
     """Logits (and hidden) after the last token, from a fresh causal prefill."""
@@ -36,8 +60,8 @@ def test_tree_forward_equals_causal_forward_of_each_path(family: str, attn: str)
     for node in range(tree.num_nodes):
         path_tokens = TREE_TOKENS[path_to(TREE_PARENTS, node)]
         logits, hidden = causal_logits(reference, torch.cat([PREFIX, path_tokens]), layers)
-        torch.testing.assert_close(out.logits[node], logits, rtol=0, atol=1e-10)
-        torch.testing.assert_close(out.hidden[node], hidden, rtol=0, atol=1e-10)
+        assert_same_forward(out.logits[node], logits, attn)
+        assert_same_forward(out.hidden[node], hidden, attn)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -59,10 +83,24 @@ def test_commit_equals_feeding_accepted_tokens_one_by_one(family: str, path: lis
         reference.verify(DraftTree.chain(token.view(1)))
         reference.commit([0])
     expected = reference.verify(DraftTree.chain(next_token)).logits[-1]
-    torch.testing.assert_close(after_commit, expected, rtol=0, atol=1e-10)
+    assert_same_forward(after_commit, expected, attn)
     for layer, ref_layer in zip(target.cache.layers, reference.cache.layers):
-        torch.testing.assert_close(layer.keys, ref_layer.keys, rtol=0, atol=1e-10)
-        torch.testing.assert_close(layer.values, ref_layer.values, rtol=0, atol=1e-10)
+        assert_same_forward(layer.keys, ref_layer.keys, attn)
+        assert_same_forward(layer.values, ref_layer.values, attn)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eager_tolerance_still_catches_a_wrong_tree_mask(family: str) -> None:
+    """Power check of EAGER_TOLERANCE: hang the last node under the wrong parent (5, not 6) and
+    its logits miss the causal forward of its true path by over 1000x the tolerance."""
+    target = make_tiny_target(family, attn="eager")
+    target.prefill(PREFIX)
+    wrong_parents = TREE_PARENTS.clone()
+    wrong_parents[7] = 5
+    logits = target.verify(DraftTree(TREE_TOKENS, wrong_parents)).logits[7]
+    expected, _ = causal_logits(make_tiny_target(family, attn="eager"), torch.cat([PREFIX, TREE_TOKENS[[0, 2, 6, 7]]]))
+    tolerance = EAGER_TOLERANCE * float(expected.abs().max())
+    assert float((logits - expected).abs().max()) > 1000 * tolerance
 
 
 def test_rollback_restores_earlier_state(tiny_llama: HFTarget) -> None:
