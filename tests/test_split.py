@@ -24,14 +24,21 @@ KEY = "test-key"
 
 
 def make_drafter(method: str, target, tree: TreeConfig | None = None):
-    """A drafter of the given kind for `target` (same weights for every call with the same args)."""
+    """A drafter of the given kind for `target` (same weights for every call with the same args);
+    a model drafter's name may end in "+ngram" (prompt lookup first, as `--drafter moa+ngram`)."""
     tree = tree or TreeConfig(depth=3, top_k=2, budget=5)
     if method == "ngram":
         return NgramDrafter()
-    if method.startswith("moa"):
-        config = MoAConfig.for_target(target.config, tli_layers=1 if method == "moa-tli1" else 0)
-        return MoADrafter(make_random_drafter_net(MoADrafterNet, config, target), target, tree)
-    return EagleDrafter(make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(target.config), target), target, tree)
+    base = method.removesuffix("+ngram")
+    if base.startswith("moa"):
+        config = MoAConfig.for_target(target.config, tli_layers=1 if base == "moa-tli1" else 0)
+        drafter = MoADrafter(make_random_drafter_net(MoADrafterNet, config, target), target, tree)
+    else:
+        net = make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(target.config), target)
+        drafter = EagleDrafter(net, target, tree)
+    if base != method:
+        drafter.enable_lookup()
+    return drafter
 
 
 class SplitPair:

@@ -15,6 +15,7 @@ from conftest import make_tiny_target
 from test_split import KEY, PROMPT, SplitPair, make_drafter
 
 from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.ngram import NgramDrafter
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import ServerRefused, SessionLost, SplitClient
@@ -104,6 +105,42 @@ def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
         proxy.stop()
     assert result.stop_reason == "offline" and result.num_provisional == 6
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
+
+
+# The tiny target's greedy answer to this prompt turns periodic from its 7th token
+# (69 66 27 21 73 45, repeated): a context prompt lookup can continue.
+LOOPING_PROMPT = [5, 17, 33, 2, 71, 5, 17, 33, 2, 71, 5, 17, 33]
+
+
+@pytest.mark.parametrize("pair", ["moa+ngram", "eagle+ngram"], indirect=True)
+def test_offline_drafting_follows_the_prompt_lookup(pair: SplitPair) -> None:
+    """Issue 19 item 7. Bug: with the link down, `X+ngram` drafted alone from the model drafter's
+    top path only, even where prompt lookup had a continuation (online it proposes that alone).
+    After the cut here the verified text repeats a cycle, so the offline tokens must be exactly the
+    lookup's: an n-gram drafter fed the verified text, drafting alone from the same root. The
+    random drafter nets do not continue the cycle (the test fails without the fix). Not flaky:
+    greedy, fixed weights, the cut taken at a token count and the offline tokens counted, not timed."""
+    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
+    try:
+        generator = pair.generator(
+            f"http://127.0.0.1:{proxy.port}", timeout_s=0.2, retry_initial_s=0.02, retry_max_s=0.05,
+            offline_deadline_s=0.5, accept_offline=True, max_provisional=6,
+        )
+        result, before_cut = SplitResult(), None
+        generation = GenerationConfig(max_new_tokens=40)
+        for _ in generator.stream(LOOPING_PROMPT, GREEDY, generation, frozenset(), result):
+            if len(result.token_ids) >= 16 and before_cut is None:
+                before_cut = list(result.token_ids)
+                proxy.cut("reset")
+    finally:
+        proxy.stop()
+    assert result.stop_reason == "offline" and result.num_provisional == 6
+    lookup = NgramDrafter()
+    lookup.accept_context(torch.tensor(LOOPING_PROMPT + before_cut[:-1]), 0, {})
+    expected = [before_cut[-1]]
+    for _ in range(6):
+        expected.append(lookup.draft_alone(expected[-1], GREEDY, torch.Generator()))
+    assert result.token_ids[len(before_cut) :] == expected[1:]
 
 
 @pytest.mark.parametrize("pair", ["moa"], indirect=True)

@@ -13,9 +13,11 @@ does not run: its caches catch up at its next proposal), otherwise the model dra
 Measured on MT-bench (20 + 20 questions, both turns, interleaved): this made `moa+ngram` 1.22x /
 1.26x where merging the continuations into the model's tree made 1.19x / 1.22x; a matched
 continuation is right more often than the model's guess (depth-1 acceptance 0.61 vs 0.47), and
-skipping the model saves its proposal and two tree nodes. The lookup reads the
-subclass's `history` (verified tokens, then provisional roots: append-only between resets, and a
-reset makes a new list), catching up on the new tokens at each proposal.
+skipping the model saves its proposal and two tree nodes. Drafting alone (split deployment, link
+down) follows the same rule one token at a time: the lookup's first token where it has a
+continuation, else the model's top choice. The lookup reads the subclass's `history` (verified
+tokens, then provisional roots: append-only between resets, and a reset makes a new list),
+catching up on the new tokens at each proposal.
 """
 
 from __future__ import annotations
@@ -80,9 +82,16 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int:
-        """The next token without the target: the root becomes provisional context (base.py)."""
-        token = pick_alone(self.start(root_id)[0], sampling, generator)
+        """The next token without the target: the first token of the lookup's trie when it has
+        one (as `propose`), else the model's own choice. The root becomes provisional context
+        (base.py) either way, so the model runs even when the lookup answers (EAGLE keeps its
+        predicted feature of the root)."""
+        trie = self._lookup_proposal(root_id, sampling, generator)
+        log_probs = self.start(root_id)[0]
         self._keep_provisional_root(root_id)
+        if trie is not None:
+            return int(trie.token_ids[1])  # the first child: the longest n-gram's most recent match
+        token = pick_alone(log_probs, sampling, generator)
         return token if self.draft_vocab_ids is None else int(self.draft_vocab_ids[token])
 
     def _keep_provisional_root(self, root_id: int) -> None:
@@ -97,10 +106,9 @@ class TreeDrafter:
 
     @torch.inference_mode()
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        if self.lookup is not None:
-            trie = self._lookup_trie(root_id, sampling, generator)
-            if trie.num_nodes > 1:  # deterministic drafts (no draft_probs): the point-mass case of verify.py
-                return trie
+        trie = self._lookup_proposal(root_id, sampling, generator)
+        if trie is not None:  # deterministic drafts (no draft_probs): the point-mass case of verify.py
+            return trie
         start = lambda: self.start(root_id)[0]  # noqa: E731
         if self.tree_config.sampled and not sampling.greedy:
             return build_sampled_tree(
@@ -109,16 +117,19 @@ class TreeDrafter:
             )
         return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
 
-    def _lookup_trie(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        """The lookup's proposal after catching up on `history` (restarted after a reset); the
-        root alone when the context has no match."""
+    def _lookup_proposal(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree | None:
+        """The lookup's trie after catching up on `history` (restarted after a reset); None
+        when prompt lookup is off or the context has no match."""
         lookup = self.lookup
+        if lookup is None:
+            return None
         if self.lookup_history is not self.history:
             lookup.reset()
             self.lookup_history = self.history
         known = len(lookup.history)
         lookup.accept_context(torch.tensor(self.history[known:], dtype=torch.long), known, {})
-        return lookup.propose(root_id, sampling, generator)
+        trie = lookup.propose(root_id, sampling, generator)
+        return trie if trie.num_nodes > 1 else None
 
     # -- tree bookkeeping ----------------------------------------------------------------------
     def _begin_tree(self) -> None:
