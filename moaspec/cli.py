@@ -108,6 +108,9 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--max-sessions-per-key", type=int, default=limits.max_sessions_per_key, help=f"(default {limits.max_sessions_per_key})")
     serve.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s, help=f"drop idle sessions (default {limits.idle_timeout_s:g})")
     serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help=f"largest request (default {limits.max_body_bytes})")
+    from moaspec.split.serve_flags import add_limit_arguments
+
+    add_limit_arguments(serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -120,6 +123,9 @@ def _serve(args: argparse.Namespace) -> int:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.idle_timeout_s > 0:
         raise MoaspecError("--idle-timeout-s must be > 0")
+    from moaspec.split.serve_flags import server_limits_from_args
+
+    server_limits_from_args(args)
     keys = read_api_keys(args.api_key_file)
     ssl_context = check_tls(args.ssl_certfile, args.ssl_keyfile)
     from moaspec.drafters import check_drafter_spec, default_drafter

@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP API served by `moaspec serve`, decoding speculatively on the server.
 
 Modules: routes (handlers, the step-by-step generation loop, registration on the split server's
-aiohttp app), schemas (request validation, response and error bodies), streaming (stop sequences,
-server-sent events), queue (bounded admission queue, 429 when full), metrics (Prometheus text).
+aiohttp app), validation (requests -> generation jobs, pydantic), schemas (response bodies),
+errors (OpenAI's error shape, used by every route of `moaspec serve`), streaming (stop sequences,
+server-sent events), queue (bounded admission queue, 429 when full), metrics (Prometheus,
+prometheus_client).
 """

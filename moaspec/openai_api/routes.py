@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,17 +33,20 @@ from aiohttp import web
 from moaspec.chat import encode_chat_messages
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
-from moaspec.openai_api import schemas
+from moaspec.openai_api import schemas, validation
+from moaspec.openai_api.errors import APIError, error_body, error_response
 from moaspec.openai_api.metrics import CONTENT_TYPE, ServerMetrics
 from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
-from moaspec.openai_api.schemas import APIError, GenerationJob
+from moaspec.openai_api.validation import ChatRequest, CompletionRequest, GenerationJob
 from moaspec.openai_api.streaming import DONE, TextStream, sse
+from moaspec.split.http_body import read_body
 from moaspec.split.identity import drafter_fingerprint, drafter_method
-from moaspec.split.limits import OpenAILimits
+from moaspec.split.limits import OpenAILimits, ServerLimits
 from moaspec.target import HFTarget
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+logger = logging.getLogger("moaspec.serve")
 
 
 def add_openai_routes(
@@ -52,23 +56,29 @@ def add_openai_routes(
     worker: ThreadPoolExecutor,
     max_new_tokens: int,
     limits: OpenAILimits | None = None,
+    body_timeout_s: float = ServerLimits.body_timeout_s,
 ) -> OpenAIRoutes:
     """Register the OpenAI routes and a request-metrics middleware on `app` (before it starts).
 
-    worker: the single thread that runs all model work; max_new_tokens: per-request cap."""
-    routes = OpenAIRoutes(target, drafter, worker, max_new_tokens, limits or OpenAILimits())
+    worker: the single thread that runs all model work; max_new_tokens: per-request cap;
+    body_timeout_s: how long a request body may take to arrive."""
+    routes = OpenAIRoutes(target, drafter, worker, max_new_tokens, limits or OpenAILimits(), body_timeout_s)
     routes.register(app)
     return routes
 
 
 class OpenAIRoutes:
-    def __init__(self, target: HFTarget, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits) -> None:
+    def __init__(
+        self, target: HFTarget, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits,
+        body_timeout_s: float = ServerLimits.body_timeout_s,
+    ) -> None:
         # Own cache over the shared weights, as split sessions have; the drafter is the server's.
         self.target = HFTarget(target.model, target.tokenizer, target.name)
         self.tokenizer = target.tokenizer
         self.engine = Engine(self.target, drafter)
         self.worker = worker
         self.max_new_tokens = max_new_tokens
+        self.body_timeout_s = body_timeout_s
         self.model_id = target.name
         self.drafter = drafter_method(drafter)
         self.fingerprint = f"moaspec-{self.drafter}-{drafter_fingerprint(drafter)[:8]}"
@@ -99,8 +109,8 @@ class OpenAIRoutes:
         finally:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "other"  # bounded label values
-            self.metrics.requests.inc(1, route, str(status))
-            self.metrics.latency.observe(time.perf_counter() - started, route)
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
 
     # -- small routes -----------------------------------------------------------------------------
     def _model_card(self) -> dict:
@@ -111,7 +121,7 @@ class OpenAIRoutes:
 
     async def _model(self, request: web.Request) -> web.StreamResponse:
         if request.match_info["model"] != self.model_id:
-            return _error_response(APIError(404, f"the model '{request.match_info['model']}' does not exist", "model", "model_not_found"))
+            return error_response(APIError(404, f"the model '{request.match_info['model']}' does not exist", "model", "model_not_found"))
         return web.json_response(self._model_card())
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
@@ -124,49 +134,50 @@ class OpenAIRoutes:
     # -- generation routes ------------------------------------------------------------------------
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            prompt = schemas.completion_prompt(body, self.target.vocab_size)
+            body = await self._body(request, chat=False)
+            prompt = validation.completion_prompt(body, self.target.vocab_size)
             if isinstance(prompt, str):
                 prompt = await self._encode(lambda: list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]))
-            return await self._generate(request, self._job(body, False, prompt), "completions")
+            return await self._generate(request, self._job(body, prompt), "completions")
         except APIError as exc:
-            return _error_response(exc)
+            return error_response(exc)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await self._body(request)
-            messages = schemas.chat_messages(body)
+            body = await self._body(request, chat=True)
+            messages = validation.chat_messages(body)
             prompt = await self._encode(lambda: encode_chat_messages(self.tokenizer, messages))
-            return await self._generate(request, self._job(body, True, prompt), "chat")
+            return await self._generate(request, self._job(body, prompt), "chat")
         except APIError as exc:
-            return _error_response(exc)
+            return error_response(exc)
 
-    async def _body(self, request: web.Request) -> dict:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise APIError(413, f"the request body is too large: {exc.text}", None, "request_too_large") from None
-        body = schemas.parse_body(raw)
-        schemas.check_model(body, self.model_id)
+    async def _body(self, request: web.Request, chat: bool) -> CompletionRequest | ChatRequest:
+        body = validation.parse_body(await read_body(request, self.body_timeout_s))
+        validation.check_model(body, self.model_id)
         if self.tokenizer is None:
             raise APIError(503, "this server's target has no tokenizer", None, "no_tokenizer")
-        return body
+        return validation.parse_request(body, chat)
 
     async def _encode(self, encode) -> list[int]:
         """Tokenise off the event loop (not on the model worker: it may be busy generating)."""
+        from jinja2 import TemplateError
+
         try:
             return await asyncio.get_running_loop().run_in_executor(None, encode)
-        except Exception as exc:  # noqa: BLE001  e.g. a chat template that refuses the roles' order
-            raise APIError(400, f"cannot encode the prompt: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", None, "invalid_prompt") from None
+        except TemplateError as exc:  # e.g. a chat template that refuses the roles' order: its author's message
+            reason = str(exc).splitlines()[0][:200] if str(exc) else "refused"
+            raise APIError(400, f"the chat template refused these messages: {reason}", "messages", "invalid_prompt") from None
+        except Exception:  # noqa: BLE001  the tokenizer's own errors are its internals, not a reason for the client
+            raise APIError(400, "the target's tokenizer cannot encode this prompt", None, "invalid_prompt") from None
 
-    def _job(self, body: dict, chat: bool, prompt_ids: list[int]) -> GenerationJob:
-        context = self.target.max_positions
+    def _job(self, body: CompletionRequest | ChatRequest, prompt_ids: list[int]) -> GenerationJob:
+        chat, context = isinstance(body, ChatRequest), self.target.max_positions
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "messages" if chat else "prompt", "invalid_value")
         if len(prompt_ids) >= context:
             raise APIError(413, f"the prompt has {len(prompt_ids)} tokens but the model's context holds {context}",
                            "messages" if chat else "prompt", "context_length_exceeded")
-        return schemas.parse_job(body, chat, prompt_ids, self.max_new_tokens, context - len(prompt_ids))
+        return validation.parse_job(body, prompt_ids, self.max_new_tokens, context - len(prompt_ids))
 
     async def _generate(self, request: web.Request, job: GenerationJob, endpoint: str) -> web.StreamResponse:
         # Created (not started) before taking a slot: a refusal here cannot leak the slot.
@@ -177,7 +188,7 @@ class OpenAIRoutes:
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}", None, "queue_full") from None
         except ClientGone:
-            self.metrics.generations.inc(1, endpoint, "cancelled")
+            self.metrics.generations.labels(endpoint, "cancelled").inc()
             return web.Response(status=CLIENT_CLOSED)
         wait_s = time.perf_counter() - queued
         self.metrics.queue_wait.observe(wait_s)
@@ -194,7 +205,7 @@ class OpenAIRoutes:
         finally:
             generation.close()  # queued on the worker, so it runs before the next generation's steps
             self.queue.release()
-            self.metrics.generations.inc(1, endpoint, finish)
+            self.metrics.generations.labels(endpoint, finish).inc()
             self.metrics.record_stats(generation.result.stats)
             self.metrics.generation_s.observe(time.perf_counter() - queued - wait_s)
 
@@ -235,9 +246,9 @@ class OpenAIRoutes:
                     await response.write(sse(chunk(delta)))
         except (ClientGone, ConnectionError):
             return response  # headers already sent: end quietly; counted as a cancelled generation
-        except Exception as exc:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
-            message = f"generation failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            await response.write(sse(schemas.error_body(500, message, None, "internal")))
+        except Exception:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
+            logger.exception("generation failed mid-stream")
+            await response.write(sse(error_body(500, "generation failed (internal error)", None, "internal")))
             await response.write(DONE)
             await response.write_eof()
             return response
@@ -294,6 +305,3 @@ def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
-
-def _error_response(exc: APIError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status)

@@ -49,24 +49,21 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
 
 
 def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> int:
-    from aiohttp import web
+    import asyncio
 
     from moaspec.api import load_target
     from moaspec.drafters import make_drafter
-    from moaspec.split.limits import ServerLimits
+    from moaspec.split.serve_flags import server_limits_from_args
     from moaspec.split.server import SplitServer
 
-    limits = ServerLimits(
-        max_body_bytes=args.max_body_bytes, max_tree_nodes=args.max_tree_nodes, max_new_tokens=args.max_new_tokens,
-        max_sessions_per_key=args.max_sessions_per_key, idle_timeout_s=args.idle_timeout_s,
-    )
+    limits = server_limits_from_args(args)
     target = load_target(args.target)
     from moaspec.openai_api.cli import openai_limits_from_args
 
     server = SplitServer(target, make_drafter(args.drafter, target), keys, limits, openai_limits_from_args(args))
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {target.name} + {args.drafter} context encoder on {scheme}://{args.host}:{args.port}", file=sys.stderr)
-    web.run_app(server.build_app(), host=args.host, port=args.port, ssl_context=ssl_context, print=None, access_log=None)
+    asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
     return 0
 
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Bounds on what one client can ask for."""
+    """Bounds on what one client, one key and all clients together can hold.
+
+    Sessions reserve prompt + max_new_tokens cached tokens (the most their KV cache can grow to)
+    against `max_cached_tokens_per_key` and `max_cached_tokens`; on SmolLM2-135M with the MoA
+    drafter a cached token costs ~140 KB (a 2,048-token session ~280 MB).
+    """
 
     max_body_bytes: int = 1 << 20
     max_tree_nodes: int = 64
@@ -16,6 +21,12 @@ class ServerLimits:
     max_sessions: int = 64
     idle_timeout_s: float = 300.0
     max_draft_prob_entries: int = 1 << 16  # sparse drafter probabilities per tree
+    max_cached_tokens_per_key: int = 16384
+    max_cached_tokens: int = 32768
+    max_connections: int = 256
+    header_timeout_s: float = 10.0  # request line + headers, from the connection or the request's first byte
+    body_timeout_s: float = 30.0  # the whole body, from the handler asking for it (1 MiB at 1 Mbit/s: ~8 s)
+    keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
 
 
 @dataclass(frozen=True)

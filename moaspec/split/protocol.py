@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import json
+import math
+import re
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +33,8 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 CONTEXT_DTYPES = ("f16", "i8", "f32")  # what a client may ask the context to be sent as
 MAX_TENSOR_ELEMENTS = 1 << 24
+JSON_RULES = "JSON here is UTF-8, nests at most 200 deep and holds no NaN/Infinity, unpaired surrogates or numbers over 4300 digits"
+_JSON_POSITION = re.compile(r"line (\d+) column (\d+)")
 
 
 class ProtocolError(MoaspecError):
@@ -48,22 +52,37 @@ def dumps(message: dict, content_type: str) -> bytes:
 
 def loads(body: bytes, content_type: str) -> dict:
     """Parse a body; -> a dict (anything else is a ProtocolError)."""
-    try:
-        if content_type == MSGPACK:
-            import msgpack
-
-            message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=len(body), max_str_len=len(body))
-        elif content_type == JSON:
-            message = json.loads(body)
-        else:
-            raise ProtocolError(f"unsupported content type '{content_type}' (use {MSGPACK} or {JSON})")
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack and json raise many types on garbage
-        raise ProtocolError(f"the body is not valid {content_type}: {type(exc).__name__}") from exc
+    if content_type == JSON:
+        message = parse_json(body)
+    elif content_type == MSGPACK:
+        message = _parse_msgpack(body)
+    else:
+        raise ProtocolError(f"unsupported content type '{content_type}' (use {MSGPACK} or {JSON})")
     if not isinstance(message, dict):
         raise ProtocolError("the body must be an object")
     return message
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON (pydantic-core's parser): UTF-8, nesting at most 200 deep, no NaN/Infinity, no
+    unpaired surrogates, integers of at most 4,300 digits. ProtocolError with our own message."""
+    from pydantic_core import from_json
+
+    try:
+        return from_json(body, allow_inf_nan=False)
+    except ValueError as exc:
+        where = _JSON_POSITION.search(str(exc))
+        at = f" at line {where[1]}, column {where[2]}" if where else ""
+        raise ProtocolError(f"the body is not valid JSON{at} ({JSON_RULES})") from None
+
+
+def _parse_msgpack(body: bytes) -> Any:
+    import msgpack
+
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=len(body), max_str_len=len(body))
+    except Exception:  # noqa: BLE001  msgpack raises many types on garbage (ValueError, TypeError, StackError, ...)
+        raise ProtocolError("the body is not valid msgpack (a map with string keys, UTF-8 strings)") from None
 
 
 def _to_json(value: Any) -> Any:
@@ -136,19 +155,18 @@ def decode_tensor(value: Any, name: str, max_elements: int = MAX_TENSOR_ELEMENTS
         raise ProtocolError(f"{name}: expected a tensor object")
     wire_dtype = get_choice(value, "dtype", tuple(WIRE_DTYPES), "")
     shape = value.get("shape")
-    if not isinstance(shape, list) or len(shape) > 4 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s for s in shape):
+    if not isinstance(shape, list) or len(shape) > 4 or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= max_elements for s in shape):
         raise ProtocolError(f"{name}: bad shape")
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel > max_elements:
-        raise ProtocolError(f"{name}: {numel} elements is more than the limit {max_elements}")
+        raise ProtocolError(f"{name}: more elements than the limit {max_elements}")
     dtype, itemsize = WIRE_DTYPES[wire_dtype]
     tensor = _from_raw(_bytes_field(value.get("data"), name), dtype, numel * itemsize, name).reshape(shape)
     if wire_dtype != "i8":
         return tensor
-    rows = numel // shape[-1] if shape and shape[-1] else 0
-    scale = _from_raw(_bytes_field(value.get("scale"), name), torch.float32, rows * 4, name)
+    if not shape:
+        raise ProtocolError(f"{name}: an i8 tensor needs at least one axis (its scales are per vector)")
+    scale = _from_raw(_bytes_field(value.get("scale"), name), torch.float32, math.prod(shape[:-1]) * 4, name)
     return tensor.float() * scale.reshape(*shape[:-1], 1)
 
 

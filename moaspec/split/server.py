@@ -8,14 +8,19 @@ The server holds the target and the drafter's context encoder. Per client sessio
     DELETE /v1/split/sessions/{id}
 Every request needs `Authorization: Bearer <key>` (constant-time compare). Model work runs on one
 worker thread, one request at a time, so sessions never share state; a bad request gets a 4xx
-with {"error": {"code", "message", "type", "param"}} and never affects another session. `build_app`
-also adds the OpenAI-compatible API (moaspec/openai_api, issue 7) to the same application.
+with {"error": {"code", "message", "type", "param"}} and never affects another session. A request
+changes its session only once its body is complete, so a cut or slow upload leaves the session as
+it was (the client retries the same `seq`); a session is dropped only when the model work on it
+fails. Sessions are admitted by `SessionBudget` (sessions and cached tokens per key and in total),
+connections by `http_guard` (count, header/keep-alive time-outs). `build_app` also adds the
+OpenAI-compatible API (moaspec/openai_api, issue 7) to the same application.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +32,13 @@ from aiohttp import web
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
-from moaspec.openai_api.routes import OpenAILimits, add_openai_routes
-from moaspec.openai_api.schemas import error_body
+from moaspec.openai_api.errors import APIError, error_response
+from moaspec.openai_api.routes import OpenAILimits, OpenAIRoutes, add_openai_routes
 from moaspec.session import TargetSession
 from moaspec.split import protocol as wire
+from moaspec.split.budget import Reservation, SessionBudget
+from moaspec.split.http_body import read_body
+from moaspec.split.http_guard import ConnectionGuard, GuardedSite, guard_middleware
 from moaspec.split.identity import drafter_fingerprint, drafter_method
 from moaspec.split.limits import ServerLimits
 from moaspec.split.loop_thread import LoopThread
@@ -39,14 +47,18 @@ from moaspec.tree import DraftTree, depths
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
+logger = logging.getLogger("moaspec.serve")
 
 
-class HTTPError(Exception):
-    """A refusal with a status and a one-line reason."""
+class HTTPError(APIError):
+    """A refusal of the split protocol: a status, a code and a one-line reason."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        super().__init__(status, message, None, code)
+
+
+class ModelFailed(Exception):
+    """The model work of a request raised: a server bug or resource failure (500)."""
 
 
 @dataclass
@@ -57,6 +69,7 @@ class _Session:
     max_new_tokens: int
     root_id: int
     open_ident: tuple[int, str]  # (key, request_id) of the open request
+    reservation: Reservation  # its sessions and cached tokens in the budget
     num_verified: int = 0  # tokens this session added to the context (budget)
     next_seq: int = 0
     last_reply: dict | None = None
@@ -91,36 +104,48 @@ class SplitServer:
             "limits": asdict(limits),
         }
         self.sessions: dict[str, _Session] = {}
+        self.budget = SessionBudget(limits)
+        self.connections = ConnectionGuard(limits)
+        self.openai: OpenAIRoutes | None = None  # set by build_app
         self.opening: dict[tuple[int, str], asyncio.Future] = {}  # open replies by (key, request_id)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-target")
 
     # -- the application ------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors, self._auth])
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[guard_middleware, self._errors, self._auth])
         app.router.add_get("/v1/split/info", self._info)
         app.router.add_post("/v1/split/sessions", self._open)
         app.router.add_post("/v1/split/sessions/{session_id}/verify", self._verify)
         app.router.add_delete("/v1/split/sessions/{session_id}", self._close)
-        add_openai_routes(app, self.target, self.drafter, self.worker, self.limits.max_new_tokens, self.openai_limits)
+        self.openai = add_openai_routes(
+            app, self.target, self.drafter, self.worker, self.limits.max_new_tokens, self.openai_limits, self.limits.body_timeout_s
+        )
+        self.openai.metrics.add_server_gauges(lambda: self.connections.num_open, lambda: len(self.sessions), lambda: self.budget.num_tokens)
+        self.connections.on_refusal = self.openai.metrics.count_refusal
         app.on_startup.append(self._start_reaper)
         app.on_cleanup.append(self._stop)
         return app
+
+    def site(self) -> GuardedSite:
+        """The application behind guarded connections (count, time-outs); serve it with
+        `start(host, port, ssl_context)` or `run_until_signalled(...)`."""
+        return GuardedSite(self.build_app(), self.connections)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except HTTPError as exc:
-            return _error(exc.status, exc.code, exc.message)
+        except APIError as exc:
+            return error_response(exc)
         except wire.ProtocolError as exc:
-            return _error(400, "bad_request", str(exc))
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "too_large", f"the body is larger than {self.limits.max_body_bytes} bytes")
+            return error_response(APIError(400, str(exc), None, "bad_request"))
         except web.HTTPException as exc:
-            return _error(exc.status, "http", exc.reason)
-        except Exception as exc:  # a bug must not take the server down; the session is dropped
-            self._drop(request.match_info.get("session_id", ""))
-            return _error(500, "internal", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            return error_response(APIError(exc.status, exc.reason, None, "http"))
+        except ModelFailed:
+            return error_response(APIError(500, "the model failed on this request; its session was closed", None, "internal"))
+        except Exception:  # a bug must not take the server down; logged with its traceback, no request content
+            logger.exception("internal error on %s %s", request.method, request.path)
+            return error_response(APIError(500, "internal error", None, "internal"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -141,7 +166,7 @@ class SplitServer:
     async def _open(self, request: web.Request) -> web.StreamResponse:
         """Idempotent per (key, request_id): a retried open (its reply was lost or late) gets the
         same session instead of a new one."""
-        message = await _read(request)
+        message = await self._read(request)
         request_id = message.get("request_id")
         if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
             raise wire.ProtocolError("'request_id' must be a string of 8..64 characters")
@@ -152,7 +177,12 @@ class SplitServer:
         try:
             reply = await self._open_session(request, message, ident)
         except BaseException as exc:
-            self.opening.pop(ident).set_exception(exc)
+            pending = self.opening.pop(ident)
+            if isinstance(exc, Exception):
+                pending.set_exception(exc)
+                pending.exception()  # retrieved: a retry waiting on it gets it through its shield, else asyncio logs it
+            else:
+                pending.cancel()
             raise
         self.opening[ident].set_result(reply)
         return _reply(request, reply)
@@ -178,12 +208,23 @@ class SplitServer:
             root_id = wire.get_int(message, "root_id", 0, vocab - 1)
         context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
-        key_index = request[KEY_INDEX]
-        if sum(s.key_index == key_index for s in self.sessions.values()) >= limit.max_sessions_per_key:
-            raise HTTPError(429, "too_many_sessions", f"this key already has {limit.max_sessions_per_key} open sessions")
-        if len(self.sessions) >= limit.max_sessions:
-            raise HTTPError(503, "busy", "the server has no free session slot")
+        reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
+        try:
+            first, target_session, context, server_s = await self._prefill(prompt, sampling, seed, root_id, context_from, context_dtype)
+        except BaseException:
+            self.budget.release(reservation)
+            raise
+        session_id = secrets.token_urlsafe(16)
+        self.sessions[session_id] = _Session(
+            reservation.key_index, target_session, context_dtype, max_new, first, ident, reservation, last_used=time.monotonic()
+        )
+        return {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context, "server_s": server_s}
 
+    async def _prefill(
+        self, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None, context_from: int, context_dtype: str
+    ) -> tuple[int, TargetSession, dict, float]:
+        """A new session's target state: prefill (or resume) on the worker. -> (first token,
+        target session, encoded context, server seconds)."""
         session_target = HFTarget(self.target.model, self.target.tokenizer, self.target.name)
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
         prompt_ids = torch.tensor(prompt)
@@ -198,14 +239,11 @@ class SplitServer:
 
         started = time.perf_counter()
         first, context = await self._compute(prefill)
-        session_id = secrets.token_urlsafe(16)
-        self.sessions[session_id] = _Session(key_index, target_session, context_dtype, max_new, first, ident, last_used=time.monotonic())
-        return {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context,
-                "server_s": time.perf_counter() - started}
+        return first, target_session, context, time.perf_counter() - started
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
+        message = await self._read(request)  # in full before the session is touched: a cut upload changes nothing
         session = self._session(request)
-        message = await _read(request)
         async with session.lock:
             return await self._verify_locked(request, session, message)
 
@@ -236,7 +274,12 @@ class SplitServer:
             }
 
         started = time.perf_counter()
-        reply = await self._compute(verify)
+        try:
+            reply = await self._compute(verify)
+        except Exception as exc:  # its cache may be half-updated: the session cannot go on
+            self._drop(request.match_info["session_id"])
+            logger.exception("model failure on a verify; session closed")
+            raise ModelFailed from exc
         reply["server_s"] = time.perf_counter() - started
         session.num_verified += len(reply["path_node_idx"])
         session.root_id = reply["next_token"]
@@ -252,6 +295,7 @@ class SplitServer:
         session = self.sessions.pop(session_id, None)
         if session is not None:
             self.opening.pop(session.open_ident, None)
+            self.budget.release(session.reservation)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _session(self, request: web.Request) -> _Session:
@@ -265,8 +309,10 @@ class SplitServer:
         limit = self.limits.max_tree_nodes
         token_ids = wire.get_ids(message, "token_ids", self.target.vocab_size, 1, limit)
         parents = message.get("parents")
-        if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(isinstance(p, int) and not isinstance(p, bool) for p in parents):
-            raise wire.ProtocolError("'parents' must be a list of integers, one per node")
+        if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and -1 <= p < len(token_ids) for p in parents
+        ):
+            raise wire.ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
         draft_probs = self._draft_probs(message, len(token_ids)) if "draft_probs" in message else None
         try:
             return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
@@ -292,6 +338,10 @@ class SplitServer:
         dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values
         return dense
 
+    async def _read(self, request: web.Request) -> dict:
+        body = await read_body(request, self.limits.body_timeout_s)
+        return wire.loads(body, request.content_type)
+
     async def _compute(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn)
 
@@ -310,21 +360,12 @@ class SplitServer:
         app[REAPER].cancel()
         self.sessions.clear()
         self.opening.clear()
-
-
-async def _read(request: web.Request) -> dict:
-    body = await request.read()
-    return wire.loads(body, request.content_type)
+        self.budget.clear()
 
 
 def _reply(request: web.Request, message: dict) -> web.Response:
     content_type = wire.MSGPACK if wire.MSGPACK in request.headers.get("Accept", "") or request.content_type == wire.MSGPACK else wire.JSON
     return web.Response(body=wire.dumps(message, content_type), content_type=content_type)
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    # OpenAI's error shape {"error": {"message", "type", "param", "code"}} on every route (issue 7)
-    return web.json_response(error_body(status, message, None, code), status=status)
 
 
 class ServerThread(LoopThread):
@@ -340,11 +381,8 @@ class ServerThread(LoopThread):
 
     async def _serve(self) -> None:
         self._stop_event = asyncio.Event()
-        runner = web.AppRunner(self.server.build_app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context)
-        await site.start()
-        self.port = runner.addresses[0][1]
+        site = self.server.site()
+        self.port = await site.start(self.host, self.port, self.ssl_context)
         self._ready.set()
         await self._stop_event.wait()
-        await runner.cleanup()
+        await site.stop()

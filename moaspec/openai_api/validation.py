@@ -1,0 +1,271 @@
+"""OpenAI request validation: a JSON body becomes a `GenerationJob` or an `APIError` with OpenAI's
+error fields and our own one-line message.
+
+Types are checked by pydantic models in strict mode (no "5" for 5, no bool for a number, no
+float too large for a double); ranges that depend on the server (max tokens, the vocabulary, the
+context) and semantic rules are checked by hand afterwards. Supported: model, prompt / messages,
+max_tokens (max_completion_tokens for chat), temperature, top_p, seed, stop (a string or up to
+4), n = 1, stream, stream_options.include_usage, user. Options that would change the output
+distribution in ways the engine does not implement (penalties, logit_bias, logprobs, echo,
+best_of > 1, tools) are refused with 400 instead of being silently ignored; unknown fields are
+ignored. Defaults follow OpenAI: temperature 1, top_p 1, max_tokens 16 for /v1/completions and
+"up to the context" (bounded by the server's max new tokens) for chat.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.openai_api.errors import APIError
+from moaspec.split.protocol import ProtocolError, parse_json
+
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def _integral(value: int | float) -> int:
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("not an integer")
+        return int(value)
+    return value
+
+
+Integer = Annotated[StrictInt | StrictFloat, AfterValidator(_integral)]  # 16 or 16.0
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # an int or a float that fits a double
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class _StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _ContentPart(_Strict):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class _ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[_ContentPart]
+
+
+class _Request(_Strict):
+    """The fields both endpoints share (types only)."""
+
+    n: Integer | None = None
+    max_tokens: Integer | None = None
+    max_completion_tokens: Integer | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: Integer | None = None
+    stream: StrictBool | None = None
+    stream_options: _StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    response_format: dict[str, Any] | None = None
+    # refused unless neutral (see _REFUSED)
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    suffix: Any = None
+    tools: Any = None
+    functions: Any = None
+
+
+class CompletionRequest(_Request):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+
+
+class ChatRequest(_Request):
+    messages: list[_ChatMessage] = Field(min_length=1)
+
+
+_STOP_RULE = f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters"
+# field -> (message, code) for a value of the wrong type; the first field in this order is reported
+_TYPE_ERRORS: dict[str, tuple[str, str]] = {
+    "prompt": ("'prompt' must be a non-empty string or list of token ids", "invalid_type"),
+    "messages": ("'messages' must be a non-empty list", "invalid_type"),
+    "n": ("'n' must be an integer", "invalid_type"),
+    "max_tokens": ("'max_tokens' must be an integer", "invalid_type"),
+    "max_completion_tokens": ("'max_completion_tokens' must be an integer", "invalid_type"),
+    "temperature": ("'temperature' must be a number", "invalid_type"),
+    "top_p": ("'top_p' must be a number", "invalid_type"),
+    "seed": ("'seed' must be an integer", "invalid_type"),
+    "stream": ("'stream' must be a boolean", "invalid_type"),
+    "stream_options": ("'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"),
+    "stop": (_STOP_RULE, "invalid_value"),
+    "response_format": ("only response_format {'type': 'text'} is supported", "unsupported_parameter"),
+}
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One validated request. prompt_ids: [T] token ids."""
+
+    chat: bool
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    generation: GenerationConfig
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = parse_json(raw)
+    except ProtocolError as exc:
+        raise APIError(400, str(exc), code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_model(body: dict, model_id: str) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required (a string)", "model", "missing_required_parameter")
+    if model != model_id:
+        raise APIError(404, f"the model '{_shown(model)}' does not exist (this server serves '{model_id}')", "model", "model_not_found")
+
+
+def parse_request(body: dict, chat: bool) -> CompletionRequest | ChatRequest:
+    """The body's fields, type-checked (ranges are checked later, with the encoded prompt)."""
+    try:
+        return (ChatRequest if chat else CompletionRequest).model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        raise _type_error(exc) from None
+
+
+def _type_error(exc: ValidationError) -> APIError:
+    """The first error, in _TYPE_ERRORS order, as our own message."""
+    order = list(_TYPE_ERRORS)
+    first = min(exc.errors(), key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else len(order))
+    loc = first["loc"]
+    if len(loc) >= 2 and loc[0] == "messages" and isinstance(loc[1], int):
+        param = f"messages[{loc[1]}]"
+        if len(loc) == 2:
+            return APIError(400, f"{param} must be an object with a role and content", param, "invalid_type")
+        if loc[2] == "role":
+            return APIError(400, f"{param}.role must be one of {', '.join(CHAT_ROLES)}", f"{param}.role", "invalid_value")
+        return APIError(400, f"{param}.content must be a string or a list of text parts", f"{param}.content", "invalid_type")
+    field = str(loc[0]) if loc else "body"
+    message, code = _TYPE_ERRORS.get(field, (f"'{field}' has the wrong type", "invalid_type"))
+    return APIError(400, message, field, code)
+
+
+def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list[int]:
+    """/v1/completions `prompt`: a string, or token ids; a batch of one of either."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
+        return prompt
+    if prompt and all(isinstance(t, int) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", "prompt", "invalid_value")
+        return list(prompt)
+    if len(prompt) > 1:
+        raise APIError(400, "batched prompts are not supported; send one prompt per request", "prompt", "unsupported_value")
+    raise APIError(400, _TYPE_ERRORS["prompt"][0], "prompt", "invalid_type")
+
+
+def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
+    """`messages` as {"role", "content"} dicts with text content (text parts joined)."""
+    out = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if not isinstance(content, str):
+            if not all(part.type == "text" and part.text is not None for part in content):
+                param = f"messages[{i}].content"
+                raise APIError(400, f"{param}: only text parts are supported", param, "unsupported_value")
+            content = "".join(part.text for part in content)
+        out.append({"role": "system" if message.role == "developer" else message.role, "content": content})
+    if not any(m["content"].strip() for m in out):
+        raise APIError(400, "the messages are empty", "messages", "invalid_value")
+    return out
+
+
+def parse_job(request: CompletionRequest | ChatRequest, prompt_ids: list[int], max_new_tokens: int, room: int) -> GenerationJob:
+    """The sampling/limit fields of a request whose prompt is already encoded (`prompt_ids`).
+
+    max_new_tokens: the server's per-request limit; room: context positions left after the prompt.
+    """
+    chat = isinstance(request, ChatRequest)
+    _refuse_unsupported(request)
+    if (request.n if request.n is not None else 1) != 1:
+        raise APIError(400, "only n = 1 is supported", "n", "unsupported_value")
+    name = "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(request, name)
+    if max_tokens is None:
+        max_tokens = min(max_new_tokens, room) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not 1 <= max_tokens <= max_new_tokens:
+        raise APIError(400, f"'{name}' must be in [1, {max_new_tokens}], got {_shown(max_tokens)}", name, "invalid_value")
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise APIError(400, f"'temperature' must be in [0, 2], got {_shown(temperature)}", "temperature", "invalid_value")
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise APIError(400, f"'top_p' must be in (0, 1], got {_shown(top_p)}", "top_p", "invalid_value")
+    seed = request.seed
+    if seed is None:
+        seed = secrets.randbits(63)
+    elif not -(2**63) <= seed < 2**64:
+        raise APIError(400, "'seed' must fit in 64 bits", "seed", "invalid_value")
+    stream = bool(request.stream)
+    return GenerationJob(
+        chat=chat,
+        prompt_ids=tuple(prompt_ids),
+        sampling=SamplingConfig(temperature=temperature, top_p=top_p),
+        generation=GenerationConfig(max_new_tokens=max_tokens, seed=seed),
+        stop=_stop(request.stop),
+        stream=stream,
+        include_usage=stream and request.stream_options is not None and request.stream_options.include_usage,
+    )
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_SEQUENCES or not all(0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise APIError(400, _STOP_RULE, "stop", "invalid_value")
+    return tuple(stops)
+
+
+_REFUSED = {
+    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0, "echo": False,
+    "best_of": 1, "logit_bias": {}, "suffix": "", "tools": [], "functions": [],
+}
+
+
+def _refuse_unsupported(request: _Request) -> None:
+    for name, neutral in _REFUSED.items():
+        value = getattr(request, name)
+        if value is not None and value != neutral and value != {} and value != [] and value is not False:
+            raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    format_ = request.response_format
+    if format_ is not None and format_.get("type") != "text":
+        raise APIError(400, _TYPE_ERRORS["response_format"][0], "response_format", "unsupported_parameter")
+
+
+def _shown(value: object) -> str:
+    """A value for an error message, cut to 40 characters (a 4,000-digit number is not a message)."""
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -1,0 +1,32 @@
+"""Reading a request body on both `moaspec serve` routes (split protocol and OpenAI API).
+
+A body must arrive within `timeout_s` of the handler asking for it and fit in the application's
+`client_max_size`. Failures become `APIError`s that close the connection (the rest of the body was
+not read): 408 too slow, 413 too large, 400 cut off (the connection failed mid-upload). Callers
+read the whole body before they change any state, so a client can retry the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from moaspec.openai_api.errors import APIError
+
+# What request.read() raises when the connection fails or closes before the body's end.
+TRANSPORT_ERRORS = (ConnectionError, web.RequestPayloadError, HttpProcessingError, asyncio.IncompleteReadError)
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", None, "body_timeout", True) from None
+    except web.HTTPRequestEntityTooLarge:
+        message = f"the request body is larger than {request.client_max_size} bytes"
+        raise APIError(413, message, None, "request_too_large", True) from None
+    except TRANSPORT_ERRORS:
+        raise APIError(400, "the request body was cut off before its end", None, "body_incomplete", True) from None

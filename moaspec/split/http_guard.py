@@ -1,0 +1,175 @@
+"""Connections of `moaspec serve`: bounded in number and time, malformed HTTP refused in our shape.
+
+Left to itself aiohttp keeps a connection that never finishes its request headers open for an
+hour, answers a malformed request (e.g. a 10 KB header) in plain text, and logs a traceback that
+quotes the offending bytes, key material included. `GuardedHandler`, an aiohttp RequestHandler,
+changes that:
+- header time-out: a request's line and headers must be complete within `header_timeout_s` of
+  the connection opening, or of the first byte of a later request on it (else 408 and close);
+- idle keep-alive connections close after `keepalive_timeout_s`;
+- connection cap: while more than `max_connections` are open, a new connection's request is
+  answered 503 and the connection closed (so refused clients hold a descriptor only briefly);
+- malformed HTTP: 431 for an over-long request line or header, 400 otherwise, as OpenAI-shaped
+  JSON, with one log line that names the status, never the request's bytes.
+Refusals made here, outside the application, are reported through `on_refusal(status)` so the
+metrics count them. `GuardedSite` serves an application through these handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+
+from moaspec.openai_api.errors import APIError, error_response
+from moaspec.split.limits import ServerLimits
+
+logger = logging.getLogger("moaspec.serve")
+
+
+class ConnectionGuard:
+    """The state shared by all connections of one site (event loop thread only: no locks)."""
+
+    def __init__(self, limits: ServerLimits, on_refusal: Callable[[int], None] | None = None) -> None:
+        self.limits = limits
+        self.num_open = 0
+        self.on_refusal = on_refusal or (lambda status: None)
+
+
+class GuardedHandler(web.RequestHandler):
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(manager, **kwargs)
+        self.guard = guard
+        self.over_capacity = False
+        self._counted = False
+        self._between_requests = False
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.guard.num_open += 1
+        self._counted = True
+        self.over_capacity = self.guard.num_open > self.guard.limits.max_connections
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self.guard.num_open -= 1
+            self._counted = False
+        self.headers_received()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._between_requests and data:  # the first byte of the next request
+            self._between_requests = False
+            self._arm_header_timer()
+        super().data_received(data)
+
+    def headers_received(self) -> None:
+        """A request's headers are complete (its handler starts): stop the header clock."""
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    async def finish_response(self, request, resp, start_time):  # noqa: ANN001, ANN201  aiohttp's signature
+        finished = await super().finish_response(request, resp, start_time)
+        self._between_requests = True
+        return finished
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):  # noqa: ANN001, ANN201
+        """aiohttp's hook for requests it could not parse (and handler failures, which the
+        application's own error middleware already turns into responses)."""
+        self.headers_received()
+        if isinstance(exc, LineTooLong):
+            error = APIError(431, f"the request line or a header is longer than {self.max_field_size} bytes", None, "header_too_large", True)
+        elif isinstance(exc, HttpProcessingError) or status < 500:
+            error = APIError(400, "malformed HTTP request (request line, headers or framing)", None, "bad_http", True)
+        else:
+            logger.error("internal error while handling a request", exc_info=exc)
+            error = APIError(500, "internal error", None, "internal", True)
+        if error.status < 500:
+            logger.info("refused a request from %s: %d %s", request.remote, error.status, error.code)
+        self.guard.on_refusal(error.status)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent on this connection")
+        return error_response(error)
+
+    def _arm_header_timer(self) -> None:
+        self.headers_received()
+        loop = asyncio.get_running_loop()
+        self._header_timer = loop.call_later(self.guard.limits.header_timeout_s, self._header_timeout)
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport is None:
+            return
+        error = APIError(408, f"the request headers did not arrive within {self.guard.limits.header_timeout_s:g} s", None, "header_timeout")
+        self.transport.write(_raw_response(error))
+        self.guard.on_refusal(408)
+        self.force_close()
+
+
+@web.middleware
+async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """First in the application: stops the header clock, refuses connections over the cap."""
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler):
+        protocol.headers_received()
+        if protocol.over_capacity:
+            limit = protocol.guard.limits.max_connections
+            return error_response(APIError(503, f"the server already has {limit} open connections; retry later", None, "too_many_connections", True))
+    return await handler(request)
+
+
+class GuardedSite:
+    """An aiohttp application on host:port, every connection a GuardedHandler."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard) -> None:
+        self.app, self.guard = app, guard
+        self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen; -> the port (useful with port 0)."""
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        manager, loop, limits = self._runner.server, asyncio.get_running_loop(), self.guard.limits
+
+        def connection() -> GuardedHandler:
+            return GuardedHandler(manager, self.guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None)
+
+        self._server = await loop.create_server(connection, host, port, ssl=ssl_context)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def run_until_signalled(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
+        """Serve until SIGINT or SIGTERM (the CLI)."""
+        await self.start(host, port, ssl_context)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+
+def _raw_response(error: APIError) -> bytes:
+    """A whole HTTP/1.1 response for a connection that has no request object to answer."""
+    body = json.dumps(error.body()).encode()
+    head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
