@@ -1,0 +1,356 @@
+"""`moaspec serve` under hostile clients (issue 19, items 3-5): a cut upload keeps the split
+session, half-sent requests and slow bodies time out, connections and cached tokens are capped,
+and bad input on either route gets a 4xx in OpenAI's error shape with our own message, never a
+500, a traceback in the log or key material anywhere.
+
+Loopback only, tiny random models (tests/openai_helpers.py); every socket has a timeout and every
+polling loop a deadline."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import time
+
+import pytest
+from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
+
+from moaspec.split import protocol as wire
+from moaspec.split.client import ServerRefused, SplitClient
+from moaspec.split.server import ServerLimits, ServerThread, SplitServer
+
+PROMPT = [40, 69, 76, 76, 79, 12, 0, 87, 79, 82]
+MODEL = "tiny-llama"
+SOCKET_TIMEOUT_S = 5.0
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def request(port: int, method: str, path: str, body: bytes | None = None, content_type: str = "application/json",
+            key: str = KEY) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
+    try:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": content_type}
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (head + Content-Length bytes), or what came before the server closed."""
+    received = b""
+    while b"\r\n\r\n" not in received and (chunk := sock.recv(65536)):
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")), 0)
+    while len(body) < length and (chunk := sock.recv(65536)):
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def metric(port: int, line_start: str) -> float:
+    _, text = request(port, "GET", "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines() if line.startswith(line_start))
+
+
+def assert_our_error(status: int, body: bytes, expected_status: int | None = None) -> dict:
+    """A refusal (a 4xx unless `expected_status` says otherwise) in OpenAI's shape whose message
+    is ours: one line, no exception class or traceback. -> the error object."""
+    if expected_status is None:
+        assert 400 <= status < 500, (status, body[:200])
+    else:
+        assert status == expected_status, (status, body[:200])
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    message = error["message"]
+    assert message and "\n" not in message and len(message) < 300
+    assert not any(word in message for word in ("Traceback", "Error:", "Exception", "File \""))
+    return error
+
+
+@pytest.fixture(scope="module")
+def server():
+    started = start_server("ngram")
+    yield started
+    started.stop()
+
+
+# -- item 3: a cut upload keeps the session ------------------------------------------------------------
+def test_a_cut_upload_leaves_the_split_session_for_the_retry() -> None:
+    """Bug: a verify whose body was cut mid-upload made the server drop the session (500), so the
+    client's retry with the same seq got 404 and it had to prefill again. Not flaky: the retry is
+    sent only once /metrics shows the cut request was answered (deadline 10 s), so the server has
+    already done whatever it does with the session."""
+    started = start_server("ngram")
+    try:
+        port = started.port
+        client = SplitClient(f"http://127.0.0.1:{port}", KEY, timeout_s=SOCKET_TIMEOUT_S)
+        session_id = client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))["session_id"]
+        next_token = started.server.sessions[session_id].root_id
+        verify = wire.VerifyRequest(0, [next_token], [-1])
+        body = wire.dumps(verify.to_wire(), wire.MSGPACK)
+        path = f"/v1/split/sessions/{session_id}/verify"
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: {wire.MSGPACK}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall(head + body[: len(body) // 2])  # then the connection drops
+        route = 'moaspec_http_requests_total{route="/v1/split/sessions/{session_id}/verify"'
+        assert wait_until(lambda: metric(port, route) >= 1)
+        assert metric(port, route + ',status="500"') == 0
+        reply = client.verify(session_id, verify)  # the same seq: answered, not 404
+        assert reply["seq"] == 0 and reply["path_node_idx"] == [0]
+    finally:
+        started.stop()
+
+
+# -- item 4: time-outs and caps ------------------------------------------------------------------------
+def test_half_sent_requests_and_slow_bodies_time_out() -> None:
+    """Bug: a request whose headers never finished (no key needed) kept its connection open with no
+    time-out, one descriptor each; a body that never finished did the same. Not flaky: 0.3 s
+    time-outs against a 5 s socket deadline, and the server closes every connection itself."""
+    started = start_server("ngram", limits=ServerLimits(header_timeout_s=0.3, body_timeout_s=0.3))
+    try:
+        port = started.port
+        sockets = [socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) for _ in range(20)]
+        for sock in sockets:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bear")
+        for sock in sockets:
+            received = read_response(sock)
+            assert sock.recv(1) == b""  # and then closed by the server
+            sock.close()
+            assert received.startswith(b"HTTP/1.1 408 ") and b'"header_timeout"' in received
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                          "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").encode())
+            slow = read_response(sock)
+        assert slow.startswith(b"HTTP/1.1 408 ") and b'"body_timeout"' in slow and b"connection: close" in slow.lower()
+        assert wait_until(lambda: started.server.connections.num_open == 0)
+        assert request(port, "GET", "/health")[0] == 200
+    finally:
+        started.stop()
+
+
+def test_connections_over_the_cap_get_503_and_room_comes_back() -> None:
+    """Bug: nothing bounded open connections. Not flaky: the held connections are counted by the
+    server before the extra one is made (polled with a deadline), and the header time-out (10 s
+    default) is far longer than the test."""
+    started = start_server("ngram", limits=ServerLimits(max_connections=3))
+    try:
+        port = started.port
+        held = [socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) for _ in range(3)]
+        assert wait_until(lambda: started.server.connections.num_open == 3)
+        error = assert_our_error(*request(port, "GET", "/health"), 503)
+        assert error["code"] == "too_many_connections" and "3 open connections" in error["message"]
+        for sock in held:
+            sock.close()
+        assert wait_until(lambda: started.server.connections.num_open == 0)
+        assert request(port, "GET", "/health")[0] == 200
+    finally:
+        started.stop()
+
+
+def test_cached_token_budgets_per_key_and_per_server() -> None:
+    """Bug: one key could open sessions until memory ran out. Each session reserves prompt +
+    max_new_tokens = 10 + 40 = 50 tokens: the key's share (100) stops its third session with 429,
+    the server's total (150) stops the other key's second with 503, and closing a session makes room.
+    Deterministic: sequential requests, token counts fixed by the request."""
+    target = tiny_chat_target()
+    limits = ServerLimits(max_cached_tokens_per_key=100, max_cached_tokens=150)
+    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"], limits)).start()
+    try:
+        url = f"http://127.0.0.1:{started.port}"
+        first, second = SplitClient(url, KEY), SplitClient(url, "other-key")
+        opened = [first.open(wire.OpenRequest(PROMPT, max_new_tokens=40)) for _ in range(2)]
+        with pytest.raises(ServerRefused, match=r"\(429\).*more than 100 tokens"):
+            first.open(wire.OpenRequest(PROMPT, max_new_tokens=40))
+        second.open(wire.OpenRequest(PROMPT, max_new_tokens=40))
+        status, body = request(started.port, "POST", "/v1/split/sessions", key="other-key",
+                               body=json.dumps(wire.OpenRequest(PROMPT, max_new_tokens=40).to_wire()).encode())
+        assert "more than 150 tokens" in assert_our_error(status, body, 503)["message"]
+        first.close_session(opened[0]["session_id"])
+        second.open(wire.OpenRequest(PROMPT, max_new_tokens=40))
+        assert started.server.budget.num_tokens == 150
+    finally:
+        started.stop()
+
+
+# -- item 5: bad input is a 400 in our shape on every route ------------------------------------------
+DEEP = b"[" * 3000 + b"]" * 3000
+# name -> (body, what the OpenAI routes' message says)
+BAD_BODIES = {
+    "nested 3,000 deep": (b'{"model": "tiny-llama", "prompt": ' + DEEP + b"}", "not valid JSON"),
+    "5,000-digit integer": (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "not valid JSON"),
+    "lone surrogate": (
+        b'{"model": "tiny-llama", "prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}]}', "not valid JSON",
+    ),
+    "400-digit temperature": (
+        b'{"model": "tiny-llama", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "temperature": ' + b"9" * 400 + b"}",
+        "'temperature' must be a number",
+    ),
+}
+OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_bad_json_is_a_400_with_our_message_on_every_route(server, name: str, caplog) -> None:
+    """Bug: a body nested 3,000 deep or holding a 5,000-digit integer got 500 with the internal
+    exception text; a lone surrogate got the tokenizer's internal message; a 400-digit number
+    overflowed float() (500). Deterministic: fixed bodies."""
+    caplog.set_level(logging.INFO)
+    body, says = BAD_BODIES[name]
+    for path in OPENAI_ROUTES:
+        status, reply = request(server.port, "POST", path, body)
+        assert says in assert_our_error(status, reply, 400)["message"]
+    status, reply = request(server.port, "POST", "/v1/split/sessions", body)
+    assert_our_error(status, reply, 400)
+    assert not [r for r in caplog.records if r.exc_info], "a client error was logged with a traceback"
+
+
+def test_an_oversized_header_is_refused_in_our_shape_and_never_logged(server, caplog) -> None:
+    """Bug: a 10 KB Authorization header got aiohttp's plain-text 400 (quoting the header) and a
+    traceback with the start of the key in the server log. Deterministic: one fixed request."""
+    caplog.set_level(logging.DEBUG)
+    secret = "sk-" + "s3cret" * 1700
+    before = metric(server.port, 'moaspec_http_requests_total{route="other",status="431"}')
+    status, body = request(server.port, "GET", "/v1/models", key=secret)
+    error = assert_our_error(status, body, 431)
+    assert error["code"] == "header_too_large" and b"s3cret" not in body
+    assert metric(server.port, 'moaspec_http_requests_total{route="other",status="431"}') == before + 1
+    logged = "\n".join(r.getMessage() + str(r.exc_info or "") + str(r.args) for r in caplog.records)
+    assert "s3cret" not in logged and not [r for r in caplog.records if r.exc_info]
+
+
+# -- fuzz: a few hundred malformed bodies on both routes -----------------------------------------------
+def _nested(rng, depth: int):
+    """[[...[10**30]...]] or {"k": ...}: `depth` levels (over 200 is beyond the JSON parser's limit)."""
+    value: object = [10**30]
+    for _ in range(depth - 1):
+        value = [value] if rng.random() < 0.7 else {"k": value}
+    return value
+
+
+def _hostile(rng):
+    """A value that no field of either route accepts (each field's check is listed in the
+    fuzz test's docstring): huge or negative numbers, long strings, lone surrogates, deep or
+    out-of-vocabulary lists, objects."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return rng.choice((1, -1)) * 10 ** rng.randint(20, 4000)
+    if kind == 1:
+        return rng.choice((-3.5, -3.5e300))
+    if kind == 2:
+        return "x" * rng.randint(1000, 3000)
+    if kind == 3:
+        return "\ud800" + "y" * rng.randint(0, 5)
+    if kind == 4:
+        return _nested(rng, rng.randint(1, 250))
+    if kind == 5:
+        return {"k": _nested(rng, rng.randint(1, 40))}
+    return [rng.randint(10**6, 10**9) for _ in range(rng.randint(2, 5))]
+
+
+def _random_json(rng, depth: int = 0):
+    kind = rng.randrange(8 if depth < 6 else 5)
+    if kind == 0:
+        return rng.choice((0, -1, 2**63, 10 ** rng.randint(1, 300)))
+    if kind == 1:
+        return rng.choice((0.5, -1e308, 1e-300))
+    if kind == 2:
+        return "".join(chr(rng.randint(1, 0x2FFFF)) for _ in range(rng.randint(0, 20)))
+    if kind == 3:
+        return rng.choice((True, False))
+    if kind == 4:
+        return None
+    if kind == 5:
+        return [_random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == 6:
+        return {f"f{rng.randint(0, 99)}": _random_json(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    return _nested(rng, rng.randint(150, 400))
+
+
+def _dumps(value) -> bytes:
+    return json.dumps(value).encode()  # ensure_ascii: a lone surrogate travels as the escape \ud800
+
+
+def _fuzz_bodies(rng, valid: dict, fields: tuple[str, ...], count: int) -> list[tuple[bytes, str]]:
+    """`count` malformed (body, content type) pairs: random bytes, random JSON values, and the
+    valid request with one field made hostile."""
+    bodies = []
+    for i in range(count):
+        family = i % 3
+        if family == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 200)))
+            bodies.append((data, rng.choice(("application/json", wire.MSGPACK, "text/plain"))))
+        elif family == 1:
+            bodies.append((_dumps(_random_json(rng)), "application/json"))
+        else:
+            field = rng.choice(fields)
+            mutated = json.loads(json.dumps(valid))
+            if field.startswith("messages[0]."):
+                mutated["messages"][0][field.split(".")[1]] = _hostile(rng)
+            else:
+                mutated[field] = _hostile(rng)
+            bodies.append((_dumps(mutated), "application/json"))
+    return bodies
+
+
+def test_fuzzed_bodies_get_4xx_and_the_server_keeps_working(caplog) -> None:
+    """A few hundred generated malformed bodies (random bytes in three content types, random JSON
+    of random depth and types, valid requests with one field replaced by a huge/negative number,
+    a long string, a lone surrogate, a deep or out-of-vocabulary list or an object) on both
+    routes: each gets a 4xx in our shape, none a 5xx, no traceback is logged, /metrics counts
+    them as client errors, and afterwards a completion and the split session (still at seq 0:
+    no malformed verify moved it) work. Hostile values are invalid for every mutated field by
+    construction (e.g. the 1,000+-character string is over the 512-token context as a prompt,
+    over 64 characters as a request_id, over 256 as a stop), so each 4xx is required, not
+    likely. Not flaky: fixed seed, sequential requests, bounded socket time-outs."""
+    import random
+
+    caplog.set_level(logging.INFO)
+    rng = random.Random(19)
+    started = start_server("ngram")
+    try:
+        port = started.port
+        client = SplitClient(f"http://127.0.0.1:{port}", KEY, timeout_s=SOCKET_TIMEOUT_S)
+        session_id = client.open(wire.OpenRequest(PROMPT, max_new_tokens=4))["session_id"]
+        root = started.server.sessions[session_id].root_id
+        completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+        targets = [
+            ("/v1/completions", completion, ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
+                                             "stream", "logprobs", "presence_penalty")),
+            ("/v1/chat/completions", chat, ("model", "messages", "messages[0].role", "messages[0].content", "max_tokens",
+                                            "max_completion_tokens", "temperature", "stop", "stream")),
+            ("/v1/split/sessions", wire.OpenRequest(PROMPT, max_new_tokens=4).to_wire(),
+             ("prompt_ids", "version", "temperature", "top_k", "top_p", "seed", "max_new_tokens", "root_id", "context_from",
+              "context_dtype", "request_id")),
+            (f"/v1/split/sessions/{session_id}/verify", {"seq": 0, "token_ids": [root], "parents": [-1]},
+             ("seq", "token_ids", "parents", "draft_probs")),
+        ]
+        num_sent = 0
+        for path, valid, fields in targets:
+            for body, content_type in _fuzz_bodies(rng, valid, fields, 75):
+                status, reply = request(port, "POST", path, body, content_type)
+                assert 400 <= status < 500, (path, status, body[:120], reply[:200])
+                assert_our_error(status, reply)
+                num_sent += 1
+        assert num_sent == 300
+        assert metric(port, 'moaspec_http_requests_total{route="/v1/') >= num_sent
+        assert sum(metric(port, f'moaspec_http_requests_total{{route="{path}",status="5') for path, _, _ in targets) == 0
+        status, reply = request(port, "POST", "/v1/completions", _dumps(completion))
+        assert status == 200 and json.loads(reply)["usage"]["completion_tokens"] == 2
+        assert client.verify(session_id, wire.VerifyRequest(0, [root], [-1]))["seq"] == 0
+    finally:
+        started.stop()
+    assert not [r for r in caplog.records if r.exc_info], "a client error was logged with a traceback"
