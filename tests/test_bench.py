@@ -253,3 +253,17 @@ def test_default_methods_include_the_default_drafter() -> None:
 
     assert default_methods("smollm2-135m") == "none,hf,hf-pld,ngram,moa,moa-tli1,eagle,moa+ngram"
     assert default_methods("some-other-target") == "none,hf,hf-pld,ngram"
+
+
+def test_schema_specs_are_json_schema_and_refuse_bools_for_numbers() -> None:
+    """Issue 19 item 6: results.json is checked by jsonschema against a real JSON Schema (draft
+    2020-12) generated from the compact specs; a bool is not a number there either, and the first
+    wrong value is named. Deterministic: fixed documents."""
+    from jsonschema import Draft202012Validator
+
+    for spec in (schema.RESULTS_SCHEMA, schema.CLIENT_SERVER_SCHEMA):
+        Draft202012Validator.check_schema(schema.json_schema(spec))
+    with pytest.raises(ValueError, match=r"results.schema_version: expected int, got bool"):
+        schema.validate({"schema_version": True})
+    with pytest.raises(ValueError, match=r"results.config.networks.lan.rtt_s: expected int or float, got str"):
+        schema.validate({"config": {"networks": {"lan": {"rtt_s": "fast"}}}}, schema.CLIENT_SERVER_SCHEMA)

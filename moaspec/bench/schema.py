@@ -1,10 +1,12 @@
-"""The results.json schemas (version report.SCHEMA_VERSION) and a small validator:
+"""The results.json schemas (version report.SCHEMA_VERSION), validated with jsonschema:
 `RESULTS_SCHEMA` for `moaspec bench`, `CLIENT_SERVER_SCHEMA` for `moaspec bench --client-server`
 (its documents say `"kind": "client_server"`).
 
-A spec is a type (or tuple of types), a dict of required keys -> spec, a one-element list
-[spec] for a list of items, or `{str: spec}`-style `MapOf(spec)` for free keys. `None` inside a
-tuple allows null. Extra keys are allowed (newer writers may add fields; readers ignore them).
+A spec is written compactly and turned into JSON Schema (`json_schema`): a type (or tuple of
+types) is that JSON type, a dict is an object with those required keys, a one-element list
+[spec] an array of such items, `MapOf(spec)` an object with free keys. `None` inside a tuple
+allows null; a bool is never a number. Extra keys are allowed (newer writers may add fields;
+readers ignore them). Errors name the first offending place: `results.summary[0]: missing key 'tau'`.
 """
 
 from __future__ import annotations
@@ -92,33 +94,39 @@ RESULTS_SCHEMA = {
 
 def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> None:
     """Raise SchemaError naming the first place where `value` does not follow `spec`."""
+    from jsonschema import Draft202012Validator
+
+    error = next(Draft202012Validator(json_schema(spec)).iter_errors(value), None)
+    if error is None:
+        return
+    place = where + "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in error.absolute_path)
+    if error.validator == "required":
+        missing = next(key for key in error.validator_value if key not in error.instance)
+        raise SchemaError(f"{place}: missing key '{missing}'")
+    expected = error.validator_value if isinstance(error.validator_value, list) else [error.validator_value]
+    got = "null" if error.instance is None else type(error.instance).__name__
+    raise SchemaError(f"{place}: expected {' or '.join(_JSON_TYPE_NAMES[t] for t in expected)}, got {got}")
+
+
+_PYTHON_TO_JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array", type(None): "null"}
+_JSON_TYPE_NAMES = {"integer": "int", "number": "int or float", "string": "str", "boolean": "bool", "object": "an object",
+                    "array": "a list", "null": "null"}
+
+
+def json_schema(spec: Any) -> dict:
+    """The JSON Schema (draft 2020-12) of a compact spec."""
     if isinstance(spec, dict):
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
-        for key, sub in spec.items():
-            if key not in value:
-                raise SchemaError(f"{where}: missing key '{key}'")
-            validate(value[key], sub, f"{where}.{key}")
-    elif isinstance(spec, list):
-        if not isinstance(value, list):
-            raise SchemaError(f"{where}: expected a list, got {type(value).__name__}")
-        for index, item in enumerate(value):
-            validate(item, spec[0], f"{where}[{index}]")
-    elif isinstance(spec, MapOf):
-        if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected an object, got {type(value).__name__}")
-        for key, item in value.items():
-            validate(item, spec.value, f"{where}.{key}")
-    else:
-        allowed = spec if isinstance(spec, tuple) else (spec,)
-        if isinstance(value, bool) and bool not in allowed:  # bool is an int subclass
-            raise SchemaError(f"{where}: expected {_names(allowed)}, got bool")
-        if not isinstance(value, allowed):
-            raise SchemaError(f"{where}: expected {_names(allowed)}, got {type(value).__name__}")
-
-
-def _names(types: tuple) -> str:
-    return " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        # "properties" before "required": jsonschema reports in keyword order, so a wrong value
+        # present is named before a key missing later
+        return {"type": "object", "properties": {key: json_schema(sub) for key, sub in spec.items()}, "required": list(spec)}
+    if isinstance(spec, list):
+        return {"type": "array", "items": json_schema(spec[0])}
+    if isinstance(spec, MapOf):
+        return {"type": "object", "additionalProperties": json_schema(spec.value)}
+    types = [_PYTHON_TO_JSON_TYPE[t] for t in (spec if isinstance(spec, tuple) else (spec,))]
+    if "number" in types and "integer" in types:  # a JSON number is either
+        types.remove("integer")
+    return {"type": types[0] if len(types) == 1 else types}
 
 
 # `moaspec bench --client-server` (moaspec/bench/client_server.py, moaspec/split/bench.py)
