@@ -354,3 +354,28 @@ def test_fuzzed_bodies_get_4xx_and_the_server_keeps_working(caplog) -> None:
     finally:
         started.stop()
     assert not [r for r in caplog.records if r.exc_info], "a client error was logged with a traceback"
+
+
+# -- item 6: /metrics from prometheus_client, same names ------------------------------------------------
+def test_metrics_parse_as_prometheus_text_with_the_documented_names(server) -> None:
+    """/metrics is rendered by prometheus_client (was a hand-written registry): it parses with the
+    library's own text parser, keeps every documented name, has no `_created` series, and exposes
+    the server's limits state (connections, split sessions, reserved tokens). Deterministic:
+    names only, values checked where the test set them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    SplitClient(f"http://127.0.0.1:{server.port}", KEY).open(wire.OpenRequest(PROMPT, max_new_tokens=6))
+    _, text = request(server.port, "GET", "/metrics")
+    families = {family.name: family for family in text_string_to_metric_families(text.decode())}
+    documented = (
+        "moaspec_http_requests", "moaspec_http_request_duration_seconds", "moaspec_generations", "moaspec_prompt_tokens",
+        "moaspec_generated_tokens", "moaspec_target_forwards", "moaspec_forward_tokens", "moaspec_verifications",
+        "moaspec_drafted_nodes", "moaspec_accepted_drafts", "moaspec_draft_depth_reached", "moaspec_draft_depth_accepted",
+        "moaspec_mean_tokens_per_forward", "moaspec_request_tokens_per_forward", "moaspec_time_to_first_token_seconds",
+        "moaspec_queue_wait_seconds", "moaspec_generation_seconds", "moaspec_queue_waiting", "moaspec_generations_active",
+        "moaspec_queue_capacity", "moaspec_connections_open", "moaspec_split_sessions_open", "moaspec_split_reserved_tokens",
+    )
+    assert set(documented) <= set(families)
+    assert not [line for line in text.decode().splitlines() if "_created" in line]
+    assert families["moaspec_split_reserved_tokens"].samples[0].value >= len(PROMPT) + 6
+    assert families["moaspec_connections_open"].samples[0].value >= 1
