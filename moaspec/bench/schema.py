@@ -108,9 +108,13 @@ def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> 
     raise SchemaError(f"{place}: expected {' or '.join(_JSON_TYPE_NAMES[t] for t in expected)}, got {got}")
 
 
-_PYTHON_TO_JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array", type(None): "null"}
-_JSON_TYPE_NAMES = {"integer": "int", "number": "int or float", "string": "str", "boolean": "bool", "object": "an object",
-                    "array": "a list", "null": "null"}
+_PYTHON_TO_JSON_TYPE = {
+    int: "integer", float: "number", str: "string", bool: "boolean", dict: "object", list: "array", type(None): "null",
+}
+_JSON_TYPE_NAMES = {
+    "integer": "int", "number": "int or float", "string": "str", "boolean": "bool", "object": "an object", "array": "a list",
+    "null": "null",
+}
 
 
 def json_schema(spec: Any) -> dict:
@@ -118,7 +122,8 @@ def json_schema(spec: Any) -> dict:
     if isinstance(spec, dict):
         # "properties" before "required": jsonschema reports in keyword order, so a wrong value
         # present is named before a key missing later
-        return {"type": "object", "properties": {key: json_schema(sub) for key, sub in spec.items()}, "required": list(spec)}
+        properties = {key: json_schema(sub) for key, sub in spec.items()}
+        return {"type": "object", "properties": properties, "required": list(spec)}
     if isinstance(spec, list):
         return {"type": "array", "items": json_schema(spec[0])}
     if isinstance(spec, MapOf):

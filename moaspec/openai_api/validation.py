@@ -18,7 +18,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
+)
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.openai_api.errors import APIError
@@ -94,7 +96,9 @@ class ChatRequest(_Request):
     messages: list[_ChatMessage] = Field(min_length=1)
 
 
-_STOP_RULE = f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters"
+_STOP_RULE = (
+    f"'stop' must be a string or a list of up to {MAX_STOP_SEQUENCES} non-empty strings of at most {MAX_STOP_CHARS} characters"
+)
 # field -> (message, code) for a value of the wrong type; the first field in this order is reported
 _TYPE_ERRORS: dict[str, tuple[str, str]] = {
     "prompt": ("'prompt' must be a non-empty string or list of token ids", "invalid_type"),
@@ -140,13 +144,15 @@ def check_model(body: dict, model_id: str) -> None:
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' is required (a string)", "model", "missing_required_parameter")
     if model != model_id:
-        raise APIError(404, f"the model '{_shown(model)}' does not exist (this server serves '{model_id}')", "model", "model_not_found")
+        unknown = f"the model '{_shown(model)}' does not exist (this server serves '{model_id}')"
+        raise APIError(404, unknown, "model", "model_not_found")
 
 
 def parse_request(body: dict, chat: bool) -> CompletionRequest | ChatRequest:
     """The body's fields, type-checked (ranges are checked later, with the encoded prompt)."""
     try:
-        return (ChatRequest if chat else CompletionRequest).model_validate({k: v for k, v in body.items() if v is not None})
+        given = {name: value for name, value in body.items() if value is not None}  # null means "the default"
+        return (ChatRequest if chat else CompletionRequest).model_validate(given)
     except ValidationError as exc:
         raise _type_error(exc) from None
 
@@ -202,7 +208,9 @@ def chat_messages(request: ChatRequest) -> list[dict[str, str]]:
     return out
 
 
-def parse_job(request: CompletionRequest | ChatRequest, prompt_ids: list[int], max_new_tokens: int, room: int) -> GenerationJob:
+def parse_job(
+    request: CompletionRequest | ChatRequest, prompt_ids: list[int], max_new_tokens: int, room: int
+) -> GenerationJob:
     """The sampling/limit fields of a request whose prompt is already encoded (`prompt_ids`).
 
     max_new_tokens: the server's per-request limit; room: context positions left after the prompt.

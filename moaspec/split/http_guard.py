@@ -78,17 +78,22 @@ class GuardedHandler(web.RequestHandler):
             self._header_timer.cancel()
             self._header_timer = None
 
-    async def finish_response(self, request, resp, start_time):  # noqa: ANN001, ANN201  aiohttp's signature
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
         finished = await super().finish_response(request, resp, start_time)
         self._between_requests = True
         return finished
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):  # noqa: ANN001, ANN201
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """aiohttp's hook for requests it could not parse (and handler failures, which the
         application's own error middleware already turns into responses)."""
         self.headers_received()
         if isinstance(exc, LineTooLong):
-            error = APIError(431, f"the request line or a header is longer than {self.max_field_size} bytes", None, "header_too_large", True)
+            too_long = f"the request line or a header is longer than {self.max_field_size} bytes"
+            error = APIError(431, too_long, None, "header_too_large", True)
         elif isinstance(exc, HttpProcessingError) or status < 500:
             error = APIError(400, "malformed HTTP request (request line, headers or framing)", None, "bad_http", True)
         else:
@@ -110,7 +115,8 @@ class GuardedHandler(web.RequestHandler):
         self._header_timer = None
         if self.transport is None:
             return
-        error = APIError(408, f"the request headers did not arrive within {self.guard.limits.header_timeout_s:g} s", None, "header_timeout")
+        too_slow = f"the request headers did not arrive within {self.guard.limits.header_timeout_s:g} s"
+        error = APIError(408, too_slow, None, "header_timeout")
         self.transport.write(_raw_response(error))
         self.guard.on_refusal(408)
         self.force_close()
@@ -123,8 +129,8 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
     if isinstance(protocol, GuardedHandler):
         protocol.headers_received()
         if protocol.over_capacity:
-            limit = protocol.guard.limits.max_connections
-            return error_response(APIError(503, f"the server already has {limit} open connections; retry later", None, "too_many_connections", True))
+            full = f"the server already has {protocol.guard.limits.max_connections} open connections; retry later"
+            return error_response(APIError(503, full, None, "too_many_connections", True))
     return await handler(request)
 
 
@@ -143,7 +149,9 @@ class GuardedSite:
         manager, loop, limits = self._runner.server, asyncio.get_running_loop(), self.guard.limits
 
         def connection() -> GuardedHandler:
-            return GuardedHandler(manager, self.guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None)
+            return GuardedHandler(
+                manager, self.guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None
+            )
 
         self._server = await loop.create_server(connection, host, port, ssl=ssl_context)
         return self._server.sockets[0].getsockname()[1]
@@ -170,6 +178,8 @@ class GuardedSite:
 def _raw_response(error: APIError) -> bytes:
     """A whole HTTP/1.1 response for a connection that has no request object to answer."""
     body = json.dumps(error.body()).encode()
-    head = (f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\nContent-Type: application/json; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}\r\n"
+        f"Content-Type: application/json; charset=utf-8\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
     return head.encode() + body
