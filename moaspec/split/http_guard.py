@@ -6,6 +6,7 @@ quotes the offending bytes, key material included. `GuardedHandler`, an aiohttp 
 changes that:
 - header time-out: a request's line and headers must be complete within `header_timeout_s` of
   the connection opening, or of the first byte of a later request on it (else 408 and close);
+  a TLS handshake must finish within it too;
 - idle keep-alive connections close after `keepalive_timeout_s`;
 - connection cap: while more than `max_connections` are open, a new connection's request is
   answered 503 and the connection closed (so refused clients hold a descriptor only briefly);
@@ -153,7 +154,9 @@ class GuardedSite:
                 manager, self.guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None
             )
 
-        self._server = await loop.create_server(connection, host, port, ssl=ssl_context)
+        # a TLS handshake gets the header time-out too (asyncio's default is 60 s)
+        handshake_s = limits.header_timeout_s if ssl_context is not None else None
+        self._server = await loop.create_server(connection, host, port, ssl=ssl_context, ssl_handshake_timeout=handshake_s)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
