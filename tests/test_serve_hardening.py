@@ -117,8 +117,9 @@ def test_a_cut_upload_leaves_the_split_session_for_the_retry() -> None:
 # -- item 4: time-outs and caps ------------------------------------------------------------------------
 def test_half_sent_requests_and_slow_bodies_time_out() -> None:
     """Bug: a request whose headers never finished (no key needed) kept its connection open with no
-    time-out, one descriptor each; a body that never finished did the same. Not flaky: 0.3 s
-    time-outs against a 5 s socket deadline, and the server closes every connection itself."""
+    time-out, one descriptor each, on a new connection or after a keep-alive request; a body that
+    never finished did the same. Not flaky: 0.3 s time-outs against a 5 s socket deadline, and the
+    server closes every connection itself."""
     started = start_server("ngram", limits=ServerLimits(header_timeout_s=0.3, body_timeout_s=0.3))
     try:
         port = started.port
@@ -130,6 +131,11 @@ def test_half_sent_requests_and_slow_bodies_time_out() -> None:
             assert sock.recv(1) == b""  # and then closed by the server
             sock.close()
             assert received.startswith(b"HTTP/1.1 408 ") and b'"header_timeout"' in received
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:  # a keep-alive request, then half of one
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 408 ") and sock.recv(1) == b""
         with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
             sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").encode())

@@ -77,6 +77,14 @@ class _Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a session at a time
 
 
+@dataclass(frozen=True)
+class _Prefilled:
+    first_token: int
+    target_session: TargetSession
+    context: dict  # encoded for the wire
+    server_s: float
+
+
 class SplitServer:
     """Sessions over one target + one drafter's context encoder."""
 
@@ -210,21 +218,22 @@ class SplitServer:
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
         reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
-            first, target_session, context, server_s = await self._prefill(prompt, sampling, seed, root_id, context_from, context_dtype)
+            done = await self._prefill(prompt, sampling, seed, root_id, context_from, context_dtype)
         except BaseException:
             self.budget.release(reservation)
             raise
         session_id = secrets.token_urlsafe(16)
         self.sessions[session_id] = _Session(
-            reservation.key_index, target_session, context_dtype, max_new, first, ident, reservation, last_used=time.monotonic()
+            reservation.key_index, done.target_session, context_dtype, max_new, done.first_token, ident, reservation,
+            last_used=time.monotonic(),
         )
-        return {"session_id": session_id, "next_token": first, "start_pos": context_from, "context": context, "server_s": server_s}
+        return {"session_id": session_id, "next_token": done.first_token, "start_pos": context_from, "context": done.context,
+                "server_s": done.server_s}
 
     async def _prefill(
         self, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None, context_from: int, context_dtype: str
-    ) -> tuple[int, TargetSession, dict, float]:
-        """A new session's target state: prefill (or resume) on the worker. -> (first token,
-        target session, encoded context, server seconds)."""
+    ) -> _Prefilled:
+        """A new session's target state: prefill (or resume) on the worker."""
         session_target = HFTarget(self.target.model, self.target.tokenizer, self.target.name)
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
         prompt_ids = torch.tensor(prompt)
@@ -239,7 +248,7 @@ class SplitServer:
 
         started = time.perf_counter()
         first, context = await self._compute(prefill)
-        return first, target_session, context, time.perf_counter() - started
+        return _Prefilled(first, target_session, context, time.perf_counter() - started)
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
         message = await self._read(request)  # in full before the session is touched: a cut upload changes nothing
