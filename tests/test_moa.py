@@ -115,7 +115,7 @@ def test_context_encoder_in_chunks_equals_one_pass(monkeypatch, tli: int) -> Non
     chunked = moa_drafter.MoAContextEncoder(net, target.dtype).encode(update)
     del net.memory
     assert sizes == [3, 3, 3, 1]
-    assert torch.allclose(chunked["memory"], net.memory(layer_kv), atol=1e-12)
+    torch.testing.assert_close(chunked["memory"], net.memory(layer_kv), rtol=0, atol=1e-12)
     if tli:
         assert torch.equal(chunked["tli_kv"], layer_kv[:, -1:])
     empty = moa_drafter.MoAContextEncoder(net, target.dtype).encode(VerifiedUpdate(torch.arange(0), 10, None, target))
@@ -158,7 +158,7 @@ def test_recency_bias_with_steep_slopes_reads_the_nearest_memory() -> None:
     biased = net.cross_attend(h, positions, memory_kv, additive_mask(visible, torch.float64))
     net.config = dataclasses.replace(net.config, ca_recency_bias=False)
     only_nearest = net.cross_attend(h, positions, memory_kv, additive_mask(nearest, torch.float64))
-    assert torch.allclose(biased, only_nearest, atol=1e-9)
+    torch.testing.assert_close(biased, only_nearest, rtol=0, atol=1e-9)
 
 
 def test_configs_without_the_recency_bias_field_load_as_before() -> None:
@@ -182,12 +182,15 @@ def test_layer_mix_starts_at_the_mean_and_learns_a_weighted_mean() -> None:
     layer_kv = torch.randn(5, 4, net.config.kv_dim, dtype=torch.float64)
     mixed, _ = net.layer_self_attention(layer_kv, torch.arange(4), None)  # [5, L, kv_dim]
     assert net.config.layer_mix and torch.equal(net.layer_mix_raw, torch.zeros(4, dtype=torch.float64))
-    assert torch.allclose(net.memory(layer_kv), net.ekv2e(mixed.mean(dim=1)), atol=1e-12)
+    torch.testing.assert_close(net.memory(layer_kv), net.ekv2e(mixed.mean(dim=1)), rtol=0, atol=1e-12)
     with torch.no_grad():
         net.layer_mix_raw.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
-    weights = torch.softmax(LAYER_MIX_SCALE * net.layer_mix_raw, 0)
+    # the net takes this softmax in float32 (nn/moa.py encode_memory); in float64 the weights
+    # would differ by ~1e-8 relative, which only torch.allclose's default rtol (1e-5) used to hide
+    weights = torch.softmax(LAYER_MIX_SCALE * net.layer_mix_raw.float(), 0).double()
     assert weights.max() > 5 * weights.min()  # far from the mean
-    assert torch.allclose(net.memory(layer_kv), net.ekv2e((mixed * weights[:, None]).sum(dim=1)), atol=1e-12)
+    expected = net.ekv2e((mixed * weights[:, None]).sum(dim=1))
+    torch.testing.assert_close(net.memory(layer_kv), expected, rtol=0, atol=1e-12)
     record = net.config.to_dict()
     del record["layer_mix"]
     old = MoADrafterNet(MoAConfig(**record))
