@@ -15,6 +15,8 @@ from moaspec.cli import main
         (["serve", "--port", "70000"], "--port must be in"),
         (["serve", "--ssl-certfile", "cert.pem"], "both --ssl-certfile and --ssl-keyfile"),
         (["serve", "--max-tree-nodes", "0"], "--max-tree-nodes must be >= 1"),
+        (["serve", "--max-connections", "0"], "--max-connections must be > 0"),
+        (["serve", "--header-timeout-s", "-1"], "--header-timeout-s must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9"], "an API key is required"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--timeout", "0"], "--timeout must be > 0"),
     ],
