@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +23,11 @@ from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.model_store import DEFAULT_TARGET, resolve_target
-from moaspec.nn.fast_linear import use_configured_layout
+from moaspec.nn.fast_linear import requested_layout
 from moaspec.target import HFTarget
+
+if TYPE_CHECKING:
+    from moaspec.calibration.plan import Calibration
 
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
 # sdpa 73.9 ms per decode step and 127 ms for an 8-node tree; eager 81.1 and 161 ms.
@@ -38,20 +42,35 @@ class GenerationOutput:
     token_ids: list[int]
     stats: SpecStats
     stop_reason: str
+    calibration: dict | None = None  # Calibration.to_dict() of the loaded model, None when off
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids, "stop_reason": self.stop_reason, **self.stats.to_dict()}
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "stop_reason": self.stop_reason,
+            **self.stats.to_dict(),
+            "calibration": self.calibration,
+        }
 
 
 class SpeculativeLM:
-    """A target, its tokenizer and a drafter, ready to generate."""
+    """A target, its tokenizer and a drafter, ready to generate.
 
-    def __init__(self, target: HFTarget, drafter: Drafter) -> None:
+    drafter_name: the drafter form in use (`none`, `ngram`, `moa+ngram`, a directory...);
+    calibration: what the machine calibration chose (moaspec/calibration), or None when it was off.
+    """
+
+    def __init__(
+        self, target: HFTarget, drafter: Drafter, drafter_name: str = "", calibration: Calibration | None = None
+    ) -> None:
         if target.tokenizer is None:
             raise MoaspecError("the target has no tokenizer")
         self.target = target
         self.tokenizer = target.tokenizer
         self.drafter = drafter
+        self.drafter_name = drafter_name
+        self.calibration = calibration
         self.engine = Engine(target, drafter)
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
@@ -96,7 +115,8 @@ class SpeculativeLM:
             if streamer is not None:
                 streamer.end()
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return GenerationOutput(text, result.token_ids, result.stats, result.stop_reason)
+        calibration = self.calibration.to_dict() if self.calibration is not None else None
+        return GenerationOutput(text, result.token_ids, result.stats, result.stop_reason, calibration)
 
 
 def load_target(
@@ -118,8 +138,11 @@ def load_target(
         )
     except (OSError, ValueError, KeyError) as exc:
         raise MoaspecError(f"cannot load target {target}: {str(exc).splitlines()[0]}") from exc
-    use_configured_layout(model)  # few-row products differ up to 10x by layout, per CPU (fast_linear.py)
-    return HFTarget(model, tokenizer, name)
+    loaded = HFTarget(model, tokenizer, name)
+    layout = requested_layout()  # else the machine calibration picks the layout (moaspec/calibration)
+    if layout is not None:
+        loaded.use_layout(layout)
+    return loaded
 
 
 def _load_tokenizer(model_dir):
@@ -137,15 +160,29 @@ def load(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     tree_overrides: dict | None = None,
+    calibrate: bool = True,
 ) -> SpeculativeLM:
-    """Load a target and a drafter for it (default: `moa+ngram` when the target has a shipped MoA
-    drafter, else `ngram`; see moaspec/drafters/__init__.py).
+    """Load a target and a drafter for it.
+
+    drafter None (the default): the machine calibration (moaspec/calibration/plan.py) chooses
+    among `none`, `ngram` and the target's default model drafter with prompt lookup (`moa+ngram`
+    where a shipped MoA drafter exists), with the weight layout, tree and lookup trie, by
+    predicted tokens/s on this machine (measured once, ~20 s, cached). A named drafter keeps its
+    form; the calibration still picks its layout, tree and lookup. `calibrate=False` or
+    MOASPEC_NO_CALIBRATION=1: the named drafter, else `moa+ngram` / `ngram`, as configured.
 
     tree_overrides: e.g. {"depth": 5, "top_k": 2, "budget": 12} for a model drafter; fields left
-    out come from `moaspec tune`'s saved choice, else the checkpoint (precedence: moaspec/tuned.py).
+    out come from `moaspec tune`'s saved choice, else the calibration, else the checkpoint
+    (precedence: moaspec/tuned.py).
     """
+    from moaspec.calibration.plan import calibrated_drafter, calibration_enabled
+
     loaded = load_target(target, dtype, attn_implementation)
-    return SpeculativeLM(loaded, make_drafter(drafter or default_drafter(loaded.name), loaded, tree_overrides))
+    if calibrate and calibration_enabled():
+        chosen, calibration = calibrated_drafter(loaded, drafter, tree_overrides)
+        return SpeculativeLM(loaded, chosen, calibration.chosen.drafter, calibration)
+    name = drafter or default_drafter(loaded.name)
+    return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
 
 
 def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, **kwargs) -> GenerationOutput:

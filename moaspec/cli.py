@@ -286,12 +286,13 @@ def _generate(args: argparse.Namespace) -> int:
             raise MoaspecError("--timeout must be > 0")
         api_key = read_api_keys(args.api_key_file)[0]
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
-    args.drafter = args.drafter or default_drafter(target_name)
-    if args.drafter in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
-        raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{args.drafter}'")
+    named = args.drafter or default_drafter(target_name)
+    if named in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
+        raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 
+        args.drafter = named
         return generate_remote(args, api_key)
 
     from moaspec.api import load
@@ -313,7 +314,7 @@ def _generate(args: argparse.Namespace) -> int:
         streamer=streamer,
     )
     if args.json:
-        record = {"target": lm.target.name, "drafter": args.drafter, **out.to_dict()}
+        record = {"target": lm.target.name, "drafter": lm.drafter_name, **out.to_dict()}
         print(json.dumps(record))
     else:
         sys.stdout.flush()

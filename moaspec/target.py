@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from moaspec.errors import MoaspecError
+from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.tree import DraftTree, depths, tree_attention_bias
 
 
@@ -48,6 +49,15 @@ class HFTarget:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.dtype
+
+    @property
+    def weight_layout(self) -> str:
+        """How the Linear weights are stored: "row" or "column" (nn/fast_linear.py)."""
+        return layout_of(self.model)
+
+    def use_layout(self, layout: str) -> None:
+        """Store the Linear weights in `layout` (same values; few-row product speed differs by CPU)."""
+        use_layout(self.model, layout)
 
     @property
     def num_layers(self) -> int:

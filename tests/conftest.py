@@ -6,6 +6,8 @@ near-uniform but deterministic distributions, which is all losslessness tests ne
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -17,6 +19,11 @@ TINY_VOCAB = 97
 # Tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed
 # OpenMP pool makes small ops orders of magnitude slower.
 torch.set_num_threads(1)
+
+# Loading a model calibrates the machine on first use (~20 s of timing, moaspec/calibration);
+# tests that load real models would each pay it in a fresh cache, and timings must not decide
+# test results. tests/test_calibration.py turns it on where it is the subject.
+os.environ.setdefault("MOASPEC_NO_CALIBRATION", "1")
 
 
 def _tiny_config(config_cls, **overrides):

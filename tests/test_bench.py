@@ -153,7 +153,9 @@ def test_greedy_mismatch_is_reported_loudly(tmp_path, tiny_bench, monkeypatch, c
     monkeypatch.setattr(
         methods,
         "build_method",
-        lambda spec, target: FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target),
+        lambda spec, target, calibrated=None: (
+            FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target, calibrated)
+        ),
     )
     out = tmp_path / "res"
     code = main(bench_args(out, "--categories", "translation", "--methods", "none,ngram", "--no-plots"))
@@ -251,8 +253,8 @@ def test_every_category_loads_with_enough_prompts() -> None:
 def test_default_methods_include_the_default_drafter() -> None:
     from moaspec.bench.methods import default_methods
 
-    assert default_methods("smollm2-135m") == "none,hf,hf-pld,ngram,moa,moa-tli1,eagle,moa+ngram"
-    assert default_methods("some-other-target") == "none,hf,hf-pld,ngram"
+    assert default_methods("smollm2-135m") == "none,hf,hf-pld,ngram,moa,moa-tli1,eagle,moa+ngram,default"
+    assert default_methods("some-other-target") == "none,hf,hf-pld,ngram,default"
 
 
 def test_schema_specs_are_json_schema_and_refuse_bools_for_numbers() -> None:

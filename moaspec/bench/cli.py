@@ -90,7 +90,10 @@ def run_bench(args: argparse.Namespace) -> int:
     target = moaspec.api.load_target(args.target)
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
-    methods = [build_method(spec, target) for spec in specs]
+    # The calibration first: it lays out the target (every method then runs on the layout a user
+    # of this machine gets) and gives the `default` method its drafter.
+    default_drafter, calibration = _calibrated_default(target)
+    methods = [build_method(spec, target, default_drafter) for spec in specs]
     data = run_benchmark(
         target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
     )
@@ -106,6 +109,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,
         "method_trees": {method.label: _tree_record(method) for method in methods},
+        "calibration": calibration,
+        "weight_layout": target.weight_layout,
     }
     results = write_report(data, config, out, _command_line(args), plots=not args.no_plots)
     print(render_markdown(results), end="")
@@ -113,6 +118,18 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def _calibrated_default(target):
+    """-> (the drafter `moaspec generate` would use by default, its Calibration.to_dict() or None
+    when the calibration is off)."""
+    from moaspec.calibration.plan import calibrated_drafter, calibration_enabled
+    from moaspec.drafters import default_drafter, make_drafter
+
+    if not calibration_enabled():
+        return make_drafter(default_drafter(target.name), target), None
+    drafter, calibration = calibrated_drafter(target, None)
+    return drafter, calibration.to_dict()
 
 
 def _tree_record(method) -> dict | None:

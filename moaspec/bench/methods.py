@@ -5,6 +5,8 @@
   drafter optionally with `+ngram` (prompt lookup first): our engine with that drafter
   (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint directory in the
   tables (default label: the value as given);
+- `default`: what `moaspec generate` uses when no drafter is named: the machine calibration's
+  choice (moaspec/calibration/plan.py), recorded in results.json's `config.calibration`;
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
   comparison isolates the decode loop); `hf-pld`: the same with prompt-lookup decoding
   (`prompt_lookup_num_tokens=HF_PLD_TOKENS`).
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from moaspec.target import HFTarget
 
 HF_METHODS = ("hf", "hf-pld")
+DEFAULT_METHOD = "default"
 HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
@@ -74,7 +77,7 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
         label, _, path = item.partition("=") if "=" in item else (item, "", item)
         if not label or not path:
             raise MoaspecError(f"bad method '{item}' (expected NAME, DIR or LABEL=DIR)")
-        if path not in HF_METHODS:
+        if path not in (*HF_METHODS, DEFAULT_METHOD):
             check_drafter_spec(path)
         specs.append(MethodSpec(label, path))
     if not specs:
@@ -92,17 +95,18 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
 
 
 def default_methods(target_name: str) -> str:
-    """`none,hf,hf-pld,ngram`, every shipped drafter that exists for the target, and the default
-    drafter (`moa+ngram` where there is a shipped MoA drafter)."""
+    """`none,hf,hf-pld,ngram`, every shipped drafter that exists for the target, the shipped
+    default drafter form (`moa+ngram` where there is a shipped MoA drafter) and `default` (the
+    calibrated choice)."""
     shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir()]
     methods = ["none", *HF_METHODS, "ngram", *shipped]
-    return ",".join(dict.fromkeys([*methods, default_drafter(target_name)]))
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
     """Refuse, before any model loads, drafter methods without a checkpoint for the target."""
     for spec in specs:
-        if spec.drafter is None or spec.drafter in MODEL_FREE:
+        if spec.drafter is None or spec.drafter in (*MODEL_FREE, DEFAULT_METHOD):
             continue
         try:
             directory = checkpoint_directory(spec.drafter, target_name)
@@ -114,9 +118,12 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
             raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
 
 
-def build_method(spec: MethodSpec, target: HFTarget) -> Method:
+def build_method(spec: MethodSpec, target: HFTarget, calibrated=None) -> Method:
+    """calibrated: the drafter of the `default` method (the calibrated choice)."""
     if spec.drafter is None:
         return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None)
+    if spec.drafter == DEFAULT_METHOD:
+        return EngineMethod(spec.label, target, calibrated)
     from moaspec.drafters import make_drafter
 
     return EngineMethod(spec.label, target, make_drafter(spec.drafter, target))

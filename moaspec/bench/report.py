@@ -146,6 +146,21 @@ def _run_row(record: RunRecord) -> dict:
 
 
 # -- markdown -----------------------------------------------------------------------------------
+def _calibration_lines(calibration: dict | None) -> list[str]:
+    """What the machine calibration chose for the `default` method (none when it was off)."""
+    if not calibration:
+        return []
+    parts = [f"drafter `{calibration['drafter']}`", f"{calibration['layout']}-major weights"]
+    if calibration.get("tree"):
+        tree = calibration["tree"]
+        parts.append(f"tree depth {tree['depth']} / top-k {tree['top_k']} / budget {tree['budget']}")
+    if calibration.get("lookup"):
+        parts.append(f"lookup {calibration['lookup']['max_depth']} deep x {calibration['lookup']['max_branches']}")
+    speedup = calibration.get("predicted_speedup")
+    predicted = f", predicted {speedup:.2f}x `none`" if speedup else ""
+    return [f"Calibration (`default`, CPU {calibration['cpu']}): {', '.join(parts)}{predicted}."]
+
+
 def render_markdown(results: dict) -> str:
     config = results["config"]
     decoding = decoding_phrase(config["temperature"])
@@ -157,6 +172,7 @@ def render_markdown(results: dict) -> str:
             f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded."
         ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
+        *_calibration_lines(config.get("calibration")),
         "",
     ]
     for category in results["categories"]:

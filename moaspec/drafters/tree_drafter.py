@@ -32,7 +32,7 @@ from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet, TargetParts
-from moaspec.nn.fast_linear import use_configured_layout, weight_in_configured_layout
+from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
 from moaspec.tree import DraftTree
 
@@ -50,12 +50,12 @@ class TreeDrafter:
     lookup: NgramDrafter | None = None  # prompt lookup tried before the model (module docstring)
 
     def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
-        self.net = use_configured_layout(net.eval())
         self.target = target
+        self.net = use_layout(net.eval(), target.weight_layout)
         self.tree_config = tree or TreeConfig()
         self.parts = TargetParts.from_target(target, tli_layers)
         self.dtype = next(net.parameters()).dtype
-        self.head = weight_in_configured_layout(net.head_weight(self.parts).to(self.dtype))  # [Vd, D]
+        self.head = weight_in_layout(net.head_weight(self.parts).to(self.dtype), target.weight_layout)  # [Vd, D]
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 
@@ -67,6 +67,11 @@ class TreeDrafter:
 
     def reset(self) -> None:
         raise NotImplementedError
+
+    def use_layout(self, layout: str) -> None:
+        """Store the drafter's own weights in `layout` (the target's, after a calibration changed it)."""
+        use_layout(self.net, layout)
+        self.head = weight_in_layout(self.head, layout)
 
     def enable_lookup(self, config: NgramConfig | None = None) -> None:
         """Try prompt lookup before the model at every proposal from now on."""

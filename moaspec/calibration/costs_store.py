@@ -1,0 +1,141 @@
+"""Measured costs per machine, runtime, target and drafter checkpoint, cached as JSON.
+
+Two files under `<cache root>/calibration/<target name>/` (cache root as in model_store.py):
+- `verify-<key>.json`: the target's verify seconds for VERIFY_NODE_COUNTS tree nodes, per weight
+  layout, and the prompt lookup's own seconds per cycle; key = CPU + runtime + target + the
+  layouts measured;
+- `drafter-<key>.json`: a model drafter's propose seconds per tree shape and accept seconds, per
+  layout; key = the same + the checkpoint (tuned.checkpoint_key: config, weights size and mtime).
+A change of any of them is a new key, hence a new measurement. Unreadable files are measured
+again, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from moaspec.bench.costs import CycleCosts, measure_drafter, measure_verify
+from moaspec.calibration.machine import key_of
+from moaspec.model_store import cache_root
+
+FORMAT_VERSION = 1
+CONTEXT_LEN = 128  # a chat prompt's length; the verify cost of this model moves little with it
+REPEATS = 3
+VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+DRAFT_DEPTHS = tuple(range(1, 7))
+DRAFT_TOP_KS = (1, 2, 3, 4)
+
+
+def cache_dir(target_name: str) -> Path:
+    return cache_root() / "calibration" / target_name
+
+
+def load_verify_costs(path: Path, layouts: tuple[str, ...]) -> tuple[dict[str, dict[int, float]], float] | None:
+    """-> (verify seconds per node count, per layout; lookup seconds per cycle), or None."""
+    record = _read(path)
+    try:
+        verify = {layout: {int(n): float(s) for n, s in record["verify_s"][layout].items()} for layout in layouts}
+        return verify, float(record["lookup_s"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def load_drafter_costs(path: Path, layouts: tuple[str, ...]) -> dict[str, tuple[dict, tuple[float, float]]] | None:
+    record = _read(path)
+    try:
+        return {
+            layout: (
+                {_shape(key): float(s) for key, s in record["propose_s"][layout].items()},
+                (float(record["accept_s"][layout][0]), float(record["accept_s"][layout][1])),
+            )
+            for layout in layouts
+        }
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+        return None
+
+
+def verify_key(cpu: str, runtime: str, target_name: str, layouts: tuple[str, ...]) -> str:
+    return key_of(str(FORMAT_VERSION), cpu, runtime, target_name, ",".join(layouts))
+
+
+def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], None]) -> dict[str, dict[int, float]]:
+    """Verify seconds per node count in each layout (the target is left in the last layout)."""
+    found = {}
+    for layout in layouts:
+        say(f"target verify costs, {layout}-major weights")
+        target.use_layout(layout)
+        found[layout] = measure_verify(target, CONTEXT_LEN, REPEATS, VERIFY_NODE_COUNTS)
+    target.reset()
+    return found
+
+
+def measure_drafter_costs(
+    drafter, target, layouts: tuple[str, ...], shapes: list[tuple[int, int]], say: Callable[[str], None]
+) -> dict[str, tuple[dict, tuple[float, float]]]:
+    """Drafter propose / accept seconds in each layout (target and drafter left in the last one)."""
+    found = {}
+    for layout in layouts:
+        say(f"drafter costs, {layout}-major weights")
+        target.use_layout(layout)
+        drafter.use_layout(layout)
+        found[layout] = measure_drafter(drafter, target, CONTEXT_LEN, REPEATS, shapes)
+    target.reset()
+    drafter.reset()
+    return found
+
+
+def measure_lookup_s(sequences) -> float:
+    """The prompt lookup's seconds per cycle (profile.measure_lookup_s), 0 without a profile."""
+    from moaspec.calibration.profile import measure_lookup_s
+
+    return measure_lookup_s(sequences) if sequences else 0.0
+
+
+def save(path: Path, record: dict) -> None:
+    """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(handle, "w") as stream:
+            stream.write(json.dumps({"format_version": FORMAT_VERSION, **record}, indent=1) + "\n")
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def verify_record(costs: dict[str, dict[int, float]], lookup_s: float, identity: dict) -> dict:
+    return {
+        **identity,
+        "verify_s": {layout: {str(n): s for n, s in per.items()} for layout, per in costs.items()},
+        "lookup_s": lookup_s,
+    }
+
+
+def drafter_record(costs: dict[str, tuple[dict, tuple[float, float]]], identity: dict) -> dict:
+    return {
+        **identity,
+        "propose_s": {layout: {f"{d}x{k}": s for (d, k), s in per[0].items()} for layout, per in costs.items()},
+        "accept_s": {layout: list(per[1]) for layout, per in costs.items()},
+    }
+
+
+def cycle_costs(verify_s: dict[int, float], drafter: tuple[dict, tuple[float, float]] | None) -> CycleCosts:
+    propose_s, accept_s = drafter if drafter is not None else ({}, (0.0, 0.0))
+    return CycleCosts(verify_s, propose_s, accept_s)
+
+
+def _shape(key: str) -> tuple[int, int]:
+    depth, _, top_k = key.partition("x")
+    return int(depth), int(top_k)
+
+
+def _read(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) and record.get("format_version") == FORMAT_VERSION else {}

@@ -1,0 +1,246 @@
+"""Machine calibration: choose weight layout, drafter form, tree and lookup by predicted tokens/s.
+
+What is fastest differs by CPU (the AMX Xeon the shipped trees were tuned on verifies few-row
+trees cheaply; the AVX2 and AVX-512 EPYCs do not, and there the tuned default ran 0.75x plain
+decoding). So on first use on a machine, `calibrate` measures what decides speed there:
+- the target's verify seconds for 1-16 tree nodes in each weight layout (nn/fast_linear.py);
+- a model drafter's propose seconds per tree shape and accept seconds, in each layout;
+and combines them with stored, machine-independent acceptance (profile.py) to predict tokens/s
+for every option (predict.py). The measurement takes ~10-20 s with a progress line on stderr and
+is cached per CPU model, runtime and checkpoint (costs_store.py); later loads only predict.
+
+What is chosen, by what the user named:
+- nothing (the default): the form among `none`, `ngram` and the default `X+ngram`, with its
+  layout, tree and lookup trie;
+- a form (`none`, `ngram`, `moa`, `moa+ngram`, a directory...): that form, with the layout and
+  (where it has them) tree and lookup trie chosen for it.
+Fixed choices are kept: MOASPEC_WEIGHT_LAYOUT fixes the layout; explicit `--tree-*` values or a
+`moaspec tune` result fix the tree (precedence in moaspec/tuned.py; the checkpoint's tree is
+only the fallback when calibration is off). MOASPEC_NO_CALIBRATION=1 turns it all off: the
+named (or default) drafter as before, row-major unless MOASPEC_WEIGHT_LAYOUT says otherwise.
+
+The prediction assumes greedy decoding (acceptance under sampling is lower): the choice made for
+greedy is kept for sampled requests.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+from moaspec.calibration import costs_store
+from moaspec.calibration.machine import cpu_description, runtime_description
+from moaspec.calibration.predict import (
+    Option,
+    choose,
+    lookup_configs,
+    lookup_first_option,
+    lookup_option,
+    model_option,
+    plain_option,
+)
+from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
+from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
+from moaspec.nn.fast_linear import LAYOUTS, requested_layout
+from moaspec.tuned import checkpoint_key
+
+DISABLE_ENV = "MOASPEC_NO_CALIBRATION"
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the calibration chose and why (the `calibration` field of `--json` and bench results)."""
+
+    requested: str  # "default" or the drafter spec the user named
+    chosen: Option
+    plain: Option | None  # the best `none` option, when one was evaluated
+    cpu: str
+    runtime: str
+    source: str  # "measured" (this run) or "cached"
+    measure_s: float
+    lookup_profile: str  # where the lookup acceptance came from (profile.py)
+    rates_source: str | None  # where the model drafter's rank rates came from, or None
+    tree_source: str | None  # "calibrated", "tuned" or "explicit" for model drafters
+    runners_up: list[Option] = field(default_factory=list)  # the best option of every other form and layout
+
+    def to_dict(self) -> dict:
+        chosen = self.chosen.to_dict()
+        record = {
+            "requested": self.requested,
+            **chosen,
+            "predicted_speedup": round(self.chosen.tokens_per_s / self.plain.tokens_per_s, 4) if self.plain else None,
+            "cpu": self.cpu,
+            "runtime": self.runtime,
+            "source": self.source,
+            "measure_s": round(self.measure_s, 2),
+            "lookup_profile": self.lookup_profile,
+            "rates_source": self.rates_source,
+            "tree_source": self.tree_source,
+            "runners_up": [option.to_dict() for option in self.runners_up],
+        }
+        return record
+
+
+def calibration_enabled() -> bool:
+    return not os.environ.get(DISABLE_ENV)
+
+
+def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True):
+    """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out.
+
+    MoaspecError for a drafter that cannot be made (as make_drafter).
+    """
+    if spec is None and any(value is not None for value in (tree_overrides or {}).values()):
+        spec = default_drafter(target.name)  # tree settings name the default model drafter's form
+    requested = spec or DEFAULT
+    spec = spec or default_drafter(target.name)
+    base, with_lookup = split_lookup(spec)
+    model = None if base in MODEL_FREE else make_drafter(base, target, tree_overrides)
+    fixed = requested_layout()
+    layouts = (fixed,) if fixed else LAYOUTS
+    cpu, runtime = cpu_description(), runtime_description(str(target.dtype).removeprefix("torch."), _attention(target))
+    say = _progress(progress)
+    sequences, lookup_source = load_lookup_profile(target.name)
+    begin = time.perf_counter()
+    verify_costs, lookup_s, drafter_costs, measured = _costs(target, model, base, layouts, sequences, cpu, runtime, say)
+    measure_s = time.perf_counter() - begin if measured else 0.0
+
+    lookups = [(config, simulate_lookup(sequences, config)) for config in lookup_configs()] if sequences else []
+    rates, rates_source = None, None
+    if model is not None:
+        rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
+    options: list[Option] = []
+    for layout in layouts:
+        costs = costs_store.cycle_costs(verify_costs[layout], drafter_costs[layout] if model is not None else None)
+        options += _options(requested, base, with_lookup, model, layout, costs, rates, lookups, lookup_s)
+    chosen = choose(options)
+    plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
+    drafter = _apply(target, chosen, model, spec)
+    best_per_form: dict[tuple[str, str], Option] = {}
+    for option in sorted(options, key=lambda o: -o.tokens_per_s):
+        best_per_form.setdefault((option.drafter, option.layout), option)
+    calibration = Calibration(
+        requested, chosen, plain, cpu, runtime, "measured" if measured else "cached", measure_s,
+        lookup_source, rates_source,
+        None if model is None or chosen.tree is None else model.tree_source,
+        [o for o in best_per_form.values() if o is not chosen],
+    )
+    if measured:
+        say(f"done in {measure_s:.0f} s: {_summary(chosen, plain)}")
+    return drafter, calibration
+
+
+def _options(
+    requested: str, base: str, with_lookup: bool, model, layout: str, costs, rates, lookups, lookup_s: float
+) -> list[Option]:
+    """The options of one layout for what was requested (module docstring)."""
+    options: list[Option] = []
+    if requested in (DEFAULT, "none"):
+        options.append(plain_option(layout, costs))
+    if requested == DEFAULT or base == "ngram":
+        options += [lookup_option(layout, costs, config, stats, lookup_s) for config, stats in lookups]
+    if model is not None:
+        trees = _tree_candidates(model, costs, rates)
+        if with_lookup and lookups:
+            options += [
+                lookup_first_option(base, layout, costs, tree, config, stats, lookup_s)
+                for tree in trees
+                for config, stats in lookups
+            ]
+        else:
+            options += [model_option(base, layout, tree) for tree in trees]
+    if not options:  # `ngram` without any lookup profile: the named form, in this layout
+        options.append(replace(plain_option(layout, costs), drafter="ngram"))
+    return options
+
+
+def _tree_candidates(model, costs, rates):
+    """Every tree with measured costs, or only the model's own when it was fixed (tuned / explicit)."""
+    from moaspec.bench.tune import Candidate, candidates, expected_tau
+
+    if model.tree_source == "checkpoint":
+        found = [c for c in candidates(costs, rates) if c.num_nodes <= max(costs.verify_s)]  # no extrapolation
+        if found:
+            return found
+    tree = model.tree_config
+    tau, nodes = expected_tau(tree, rates)
+    return [Candidate(tree, nodes, tau, costs.cycle_s(tree, nodes, tau))]
+
+
+def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
+    """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?)."""
+    directory = costs_store.cache_dir(target.name)
+    identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
+    key = costs_store.verify_key(cpu, runtime, target.name, layouts)
+    verify_path = directory / f"verify-{key}.json"
+    measured = False
+    cached = costs_store.load_verify_costs(verify_path, layouts)
+    if cached is None:
+        measured = True
+        verify = costs_store.measure_verify_costs(target, layouts, say)
+        lookup_s = costs_store.measure_lookup_s(sequences)
+        costs_store.save(verify_path, costs_store.verify_record(verify, lookup_s, identity))
+    else:
+        verify, lookup_s = cached
+    drafter = None
+    if model is not None:
+        checkpoint = checkpoint_key(checkpoint_directory(base, target.name))
+        drafter_path = directory / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
+        drafter = costs_store.load_drafter_costs(drafter_path, layouts)
+        shapes = sorted({(d, k) for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
+                        | {(model.tree_config.depth, model.tree_config.top_k)})
+        if drafter is None or any(shape not in drafter[layouts[0]][0] for shape in shapes):
+            measured = True
+            drafter = costs_store.measure_drafter_costs(model, target, layouts, shapes, say)
+            costs_store.save(drafter_path, costs_store.drafter_record(drafter, {**identity, "checkpoint": checkpoint}))
+    return verify, lookup_s, drafter, measured
+
+
+def _apply(target, chosen: Option, model, spec: str):
+    """Lay out the target (and drafter) as chosen; -> the drafter of the chosen form."""
+    from moaspec.drafters.ngram import NgramDrafter
+    from moaspec.drafters.none import NoDrafter
+
+    target.use_layout(chosen.layout)
+    if chosen.drafter == "none":
+        return NoDrafter.for_target(target)
+    if chosen.drafter == "ngram" or model is None:
+        return NgramDrafter(chosen.lookup) if chosen.lookup is not None else make_drafter(spec, target)
+    model.use_layout(chosen.layout)
+    if chosen.tree is not None and model.tree_source == "checkpoint":
+        model.tree_config, model.tree_source = chosen.tree, "calibrated"
+    if chosen.drafter.endswith("+ngram"):
+        model.enable_lookup(chosen.lookup)
+    return model
+
+
+def _attention(target) -> str:
+    return str(getattr(target.config, "_attn_implementation", None) or "default")
+
+
+def _summary(chosen: Option, plain: Option | None) -> str:
+    parts = [f"drafter {chosen.drafter}", f"{chosen.layout}-major"]
+    if chosen.tree is not None:
+        parts.append(f"tree depth {chosen.tree.depth} top-k {chosen.tree.top_k} budget {chosen.tree.budget}")
+    if chosen.lookup is not None:
+        parts.append(f"lookup depth {chosen.lookup.max_depth} x {chosen.lookup.max_branches}")
+    if plain is not None:
+        parts.append(f"predicted {chosen.tokens_per_s / plain.tokens_per_s:.2f}x plain decoding")
+    return ", ".join(parts)
+
+
+def _progress(enabled: bool):
+    """A `say(what)` printing one stderr line per measured part, with seconds since the first."""
+    started: list[float] = []
+
+    def say(what: str) -> None:
+        if not enabled:
+            return
+        now = time.perf_counter()
+        started.append(started[0] if started else now)
+        print(f"moaspec: calibrating this machine (once): {what} [{now - started[0]:.0f} s]", file=sys.stderr, flush=True)
+
+    return say

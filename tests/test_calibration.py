@@ -1,0 +1,238 @@
+"""Machine calibration: lookup replay equals the engine, the prediction and choice rule, the cache,
+and the choice applied to target and drafter.
+
+Every test injects its costs (no timing decides an assertion), so the results do not depend on
+the CPU that runs them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_random_drafter_net, make_tiny_target
+
+import moaspec.calibration.plan as plan
+from moaspec.bench.costs import CycleCosts
+from moaspec.calibration import costs_store
+from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_option, plain_option
+from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
+from moaspec.config import GenerationConfig
+from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.engine import Engine
+
+
+def test_accepted_length_walks_the_matching_path() -> None:
+    # root -> 5 -> 6 -> 7 ; root -> 5 -> 8 ; root -> 9
+    tokens, parents = [0, 5, 6, 7, 8, 9], [-1, 0, 1, 2, 1, 0]
+    assert accepted_length(tokens, parents, [5, 8, 1]) == 2
+    assert accepted_length(tokens, parents, [5, 6, 7, 3]) == 3
+    assert accepted_length(tokens, parents, [4]) == 0
+    assert accepted_length(tokens, parents, []) == 0
+
+
+@pytest.mark.parametrize("config", [NgramConfig(), NgramConfig(max_depth=2, max_branches=1, max_nodes=3)])
+def test_lookup_replay_equals_the_engine_with_the_ngram_drafter(config: NgramConfig) -> None:
+    """The replay over the target's greedy text counts exactly the engine's cycles, tokens and nodes.
+
+    A random tiny target falls into loops under greedy decoding, so the lookup matches often
+    (asserted, so the comparison is not vacuous)."""
+    target = make_tiny_target("llama", max_position_embeddings=512)
+    prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59]]
+    cycles = tokens = nodes = 0
+    sequences = []
+    for prompt in prompts:
+        result = Engine(target, NgramDrafter(config)).generate(prompt, generation=GenerationConfig(max_new_tokens=120))
+        sequences.append(LookupSequence(prompt, result.token_ids))
+        cycles += result.stats.num_verifications
+        tokens += result.stats.new_tokens - 1  # the first token comes from the prefill
+        nodes += result.stats.drafted_nodes + result.stats.num_verifications  # roots included
+    stats = simulate_lookup(sequences, config)
+    assert stats.matched_cycles > 10
+    assert (stats.cycles, stats.tokens, stats.matched_nodes + stats.unmatched_cycles) == (cycles, tokens, nodes)
+
+
+def _costs(verify_ms: dict[int, float], level_ms: float = 2.0, accept_ms: float = 1.0) -> CycleCosts:
+    propose = {(d, k): d * level_ms / 1000 for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
+    return CycleCosts({n: ms / 1000 for n, ms in verify_ms.items()}, propose, (accept_ms / 1000, 0.0))
+
+
+def test_lookup_prediction_is_tokens_over_seconds() -> None:
+    costs = _costs({1: 50, 2: 60, 4: 80, 8: 120})
+    stats = LookupStats(matched_cycles=10, matched_tokens=40, matched_nodes=40, unmatched_cycles=60)
+    option = lookup_option("row", costs, NgramConfig(), stats, lookup_s=0.0)
+    # 10 matched cycles of a 4-node tree (80 ms) + 60 plain steps (50 ms): 100 tokens in 3.8 s
+    assert option.tokens_per_s == pytest.approx(100 / 3.8)
+    assert option.expected_tau == pytest.approx(100 / 70)
+
+
+def test_speculation_must_beat_plain_decoding_by_the_margin() -> None:
+    plain = Option("none", "row", 20.0)
+    barely = Option("moa+ngram", "row", 20.0 * (MIN_GAIN - 0.01))
+    clearly = Option("moa+ngram", "column", 20.0 * (MIN_GAIN + 0.01))
+    assert choose([plain, barely]) is plain
+    assert choose([plain, barely, clearly]) is clearly
+    faster_plain = Option("none", "column", 23.0)
+    assert choose([plain, faster_plain, barely]) is faster_plain
+
+
+# -- the whole procedure on a tiny target with a tiny MoA checkpoint -----------------------------
+# Costs as measured on the two kinds of CPU (ms per target forward over N nodes): where few-row
+# products are cheap (the AMX Xeon) a 3-node tree costs 1.2 plain steps; on the AVX-512 EPYC of
+# the hardening issue a MoA cycle cost 1.9 plain steps and the old default ran 0.75x.
+CHEAP_TREES = {1: 33.0, 2: 36.0, 3: 40.0, 4: 44.0, 5: 48.0, 6: 52.0, 8: 60.0, 10: 68.0, 12: 75.0, 16: 90.0}
+COSTLY_TREES = {1: 55.0, 2: 95.0, 3: 105.0, 4: 160.0, 5: 170.0, 6: 180.0, 8: 220.0, 10: 260.0, 12: 300.0, 16: 380.0}
+
+
+@pytest.fixture
+def tiny_default(tmp_path, monkeypatch):
+    """A tiny target whose default drafter is a tiny MoA checkpoint + lookup, a lookup profile of
+    its own greedy text, hit rates for the checkpoint, and an injected cost measurement."""
+    import moaspec.calibration.profile as profile
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_WEIGHT_LAYOUT", raising=False)
+    monkeypatch.setenv("MOASPEC_NO_TUNED", "1")
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    target = make_tiny_target("llama", max_position_embeddings=512, dtype=torch.float32)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 1, "top_k": 2, "budget": 2})
+    (checkpoint / profile.PROFILE_FILE).write_text(
+        json.dumps({"hit_rate_by_top_k": [0.6, 0.7, 0.75, 0.8], "weights_sha256": profile.weights_digest(checkpoint)})
+    )
+    prompt = [3, 14, 15, 92, 65]
+    text = Engine(target, NgramDrafter()).generate(prompt, generation=GenerationConfig(max_new_tokens=60)).token_ids
+    shipped = tmp_path / "shipped-profile.json"
+    shipped.write_text(json.dumps({"lookup_sequences": [{"prompt_ids": prompt, "generated_ids": text}]}))
+    monkeypatch.setattr(profile, "shipped_profile_path", lambda name: shipped)
+    monkeypatch.setattr(plan, "default_drafter", lambda name: f"{checkpoint}+ngram")
+    calls = []
+
+    def set_costs(verify_ms: dict[int, float], column_factor: float = 1.0) -> None:
+        def measure_verify_costs(target, layouts, say):
+            calls.append("verify")
+            say("target verify costs")
+            factors = {"row": 1.0, "column": column_factor}
+            return {layout: {n: ms * factors[layout] / 1000 for n, ms in verify_ms.items()} for layout in layouts}
+
+        def measure_drafter_costs(drafter, target, layouts, shapes, say):
+            calls.append("drafter")
+            return {layout: ({shape: shape[0] * 0.002 for shape in shapes}, (0.001, 0.0002)) for layout in layouts}
+
+        monkeypatch.setattr(costs_store, "measure_verify_costs", measure_verify_costs)
+        monkeypatch.setattr(costs_store, "measure_lookup_s", lambda sequences: 1e-4)
+        monkeypatch.setattr(costs_store, "measure_drafter_costs", measure_drafter_costs)
+
+    return target, checkpoint, set_costs, calls
+
+
+def test_default_is_plain_decoding_where_trees_cost_too_much(tiny_default, monkeypatch, capsys) -> None:
+    """Regression (hardening issue): the tuned default ran at 0.75x plain decoding on CPUs where
+    verifying a few nodes costs nearly as much as several steps. With such costs the calibration
+    must not choose a model drafter; where trees are cheap it must."""
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(COSTLY_TREES)
+    drafter, costly = plan.calibrated_drafter(target, None)
+    assert costly.chosen.drafter in ("none", "ngram")
+    assert costly.chosen.tokens_per_s >= costly.plain.tokens_per_s
+    assert "calibrating this machine" in capsys.readouterr().err
+
+    monkeypatch.setattr(plan, "cpu_description", lambda: "A CPU with cheap few-row products [amx_tile]")
+    set_costs(CHEAP_TREES)
+    drafter, cheap = plan.calibrated_drafter(target, None)
+    assert cheap.chosen.drafter == f"{checkpoint}+ngram" and cheap.chosen.tree is not None
+    assert drafter.lookup is not None and drafter.tree_config == cheap.chosen.tree
+    assert drafter.tree_source == "calibrated" and cheap.to_dict()["predicted_speedup"] >= MIN_GAIN
+
+
+def test_layout_follows_the_measured_costs_and_is_applied(tiny_default) -> None:
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES, column_factor=0.8)
+    drafter, calibration = plan.calibrated_drafter(target, f"{checkpoint}+ngram")
+    assert calibration.chosen.layout == "column" and target.weight_layout == "column"
+    assert drafter.head.stride(0) == 1  # the drafter's head followed the target
+    assert calibration.requested == f"{checkpoint}+ngram"
+
+
+def test_costs_are_cached_per_cpu_and_checkpoint(tiny_default, monkeypatch, capsys) -> None:
+    target, checkpoint, set_costs, calls = tiny_default
+    set_costs(CHEAP_TREES)
+    _, first = plan.calibrated_drafter(target, None)
+    assert first.source == "measured" and calls == ["verify", "drafter"]
+    _, again = plan.calibrated_drafter(target, None)
+    assert again.source == "cached" and calls == ["verify", "drafter"]
+    assert again.chosen == first.chosen
+    capsys.readouterr()
+    _, quiet = plan.calibrated_drafter(target, None)
+    assert "calibrating" not in capsys.readouterr().err
+
+    monkeypatch.setattr(plan, "cpu_description", lambda: "Another CPU [avx2]")
+    _, other_cpu = plan.calibrated_drafter(target, None)
+    assert other_cpu.source == "measured" and calls[-2:] == ["verify", "drafter"]
+
+    weights = checkpoint / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # retrained (new mtime): the drafter is measured again
+    import os
+
+    os.utime(weights, ns=(1, 1))
+    _, retrained = plan.calibrated_drafter(target, None)
+    assert calls[-1] == "drafter" and calls.count("verify") == 2
+
+
+def test_a_damaged_cache_file_is_measured_again(tiny_default) -> None:
+    target, _, set_costs, calls = tiny_default
+    set_costs(CHEAP_TREES)
+    plan.calibrated_drafter(target, None)
+    for path in costs_store.cache_dir(target.name).glob("*.json"):
+        path.write_text("{not json")
+    _, again = plan.calibrated_drafter(target, None)
+    assert again.source == "measured" and calls.count("verify") == 2
+
+
+def test_explicit_choices_are_kept(tiny_default, monkeypatch) -> None:
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES, column_factor=0.5)
+    drafter, calibration = plan.calibrated_drafter(target, "none")
+    assert calibration.chosen.drafter == "none" and calibration.chosen.layout == "column"
+    drafter, calibration = plan.calibrated_drafter(target, str(checkpoint), {"depth": 3, "top_k": 1, "budget": None})
+    assert calibration.chosen.drafter == str(checkpoint)
+    assert (drafter.tree_config.depth, drafter.tree_config.top_k) == (3, 1) and drafter.tree_source == "explicit"
+    monkeypatch.setenv("MOASPEC_WEIGHT_LAYOUT", "row")
+    _, fixed = plan.calibrated_drafter(target, "ngram")
+    assert fixed.chosen.layout == "row" and fixed.chosen.drafter == "ngram" and fixed.chosen.lookup is not None
+
+
+def test_load_reports_the_calibration_and_can_turn_it_off(tiny_default, monkeypatch) -> None:
+    from test_bench import char_tokenizer
+
+    import moaspec.api
+
+    target, _, set_costs, _ = tiny_default
+    set_costs(COSTLY_TREES)
+    target.tokenizer = char_tokenizer()
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *args, **kwargs: target)
+    lm = moaspec.api.load("tiny")
+    out = lm.generate([3, 14, 15], max_new_tokens=4).to_dict()
+    assert out["calibration"]["drafter"] == lm.drafter_name and out["calibration"]["requested"] == "default"
+    assert {"layout", "predicted_tokens_per_s", "predicted_speedup", "cpu", "runtime"} <= set(out["calibration"])
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
+    off = moaspec.api.load("tiny")
+    assert off.calibration is None and off.generate([3, 14, 15], max_new_tokens=4).to_dict()["calibration"] is None
+
+
+def test_real_profiles_are_shipped_for_the_default_target() -> None:
+    """The shipped drafters' hit rates belong to the shipped weights (digest checked), and the
+    lookup profile holds the target's greedy text."""
+    from moaspec.calibration.profile import load_lookup_profile, load_rank_rates
+    from moaspec.drafters import SHIPPED, SHIPPED_DIR
+
+    sequences, source = load_lookup_profile("smollm2-135m")
+    assert source in ("shipped", "tuned") and sum(len(s.generated_ids) for s in sequences) > 300
+    for name in SHIPPED:
+        rates, rates_source = load_rank_rates("smollm2-135m", SHIPPED_DIR / "smollm2-135m" / name)
+        assert rates_source in ("checkpoint", "tuned") and 0.1 < rates[0] < 0.9, name
+    assert Path(SHIPPED_DIR / "smollm2-135m" / "acceptance.json").is_file()
