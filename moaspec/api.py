@@ -175,14 +175,15 @@ def load(
     out come from `moaspec tune`'s saved choice, else the calibration, else the checkpoint
     (precedence: moaspec/tuned.py).
     """
-    from moaspec.calibration.plan import calibrated_drafter, calibration_enabled
+    from moaspec.calibration.plan import drafter_for
 
     loaded = load_target(target, dtype, attn_implementation)
-    if calibrate and calibration_enabled():
-        chosen, calibration = calibrated_drafter(loaded, drafter, tree_overrides)
-        return SpeculativeLM(loaded, chosen, calibration.chosen.drafter, calibration)
-    name = drafter or default_drafter(loaded.name)
-    return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
+    if not calibrate:
+        name = drafter or default_drafter(loaded.name)
+        return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
+    chosen, calibration = drafter_for(loaded, drafter, tree_overrides)
+    name = calibration.chosen.drafter if calibration is not None else drafter or default_drafter(loaded.name)
+    return SpeculativeLM(loaded, chosen, name, calibration)
 
 
 def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, **kwargs) -> GenerationOutput:

@@ -123,13 +123,10 @@ def run_bench(args: argparse.Namespace) -> int:
 def _calibrated_default(target):
     """-> (the drafter `moaspec generate` would use by default, its Calibration.to_dict() or None
     when the calibration is off)."""
-    from moaspec.calibration.plan import calibrated_drafter, calibration_enabled
-    from moaspec.drafters import default_drafter, make_drafter
+    from moaspec.calibration.plan import drafter_for
 
-    if not calibration_enabled():
-        return make_drafter(default_drafter(target.name), target), None
-    drafter, calibration = calibrated_drafter(target, None)
-    return drafter, calibration.to_dict()
+    drafter, calibration = drafter_for(target, None)
+    return drafter, calibration.to_dict() if calibration is not None else None
 
 
 def _tree_record(method) -> dict | None:

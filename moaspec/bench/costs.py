@@ -117,20 +117,24 @@ def measure_drafter(
     per_token = max(0.0, (four - one) / 3)
     saved = drafter.tree_config
     sampling = SamplingConfig()
-    root = int(context[-1])
-    drafter.propose(root, sampling, generator)  # the cycle below starts by accepting this root
+    # Every cycle's root is verified in one prefill up front (the cycles below feed it to the
+    # drafter one token at a time, as the engine would): one forward instead of one per cycle.
+    roots = torch.randint(0, target.vocab_size, ((rounds + 1) * len(shapes) + 1,), generator=generator)
+    start = target.num_cached
+    verified = target.prefill(roots[:-1], hidden)
+    drafter.propose(int(roots[0]), sampling, generator)  # the first cycle starts by accepting this root
+    cycle = [0]
 
     def propose(depth: int, top_k: int) -> float:
-        """One engine cycle that accepted only the root: the previous proposal's root is verified
-        and accepted (untimed), then the timed proposal from a new root."""
-        nonlocal root
-        ids = torch.tensor([root])
-        start = target.num_cached
-        drafter.accept(VerifiedUpdate(ids, start, target.prefill(ids, hidden).hidden, target))
-        root = int(torch.randint(0, target.vocab_size, (1,), generator=generator))
+        """One engine cycle that accepted only the root: the previous proposal's root is accepted
+        (untimed), then the timed proposal from the next root."""
+        i = cycle[0]
+        cycle[0] += 1
+        rows = None if verified.hidden is None else verified.hidden[i : i + 1]
+        drafter.accept(VerifiedUpdate(roots[i : i + 1], start + i, rows, target))
         drafter.tree_config = TreeConfig(depth=depth, top_k=top_k, budget=depth * top_k)
         begin = time.perf_counter()
-        drafter.propose(root, sampling, generator)
+        drafter.propose(int(roots[i + 1]), sampling, generator)
         return time.perf_counter() - begin
 
     try:

@@ -88,6 +88,14 @@ def calibration_enabled() -> bool:
     return not os.environ.get(DISABLE_ENV)
 
 
+def drafter_for(target, spec: str | None, tree_overrides: dict | None = None):
+    """-> (drafter, Calibration or None): calibrated unless MOASPEC_NO_CALIBRATION is set, else
+    the named drafter (or the target's default) as configured."""
+    if calibration_enabled():
+        return calibrated_drafter(target, spec, tree_overrides)
+    return make_drafter(spec or default_drafter(target.name), target, tree_overrides), None
+
+
 def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True):
     """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out.
 

@@ -52,7 +52,7 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     import asyncio
 
     from moaspec.api import load_target
-    from moaspec.drafters import make_drafter
+    from moaspec.calibration.plan import drafter_for
     from moaspec.split.serve_flags import server_limits_from_args
     from moaspec.split.server import SplitServer
 
@@ -60,7 +60,10 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     target = load_target(args.target)
     from moaspec.openai_api.cli import openai_limits_from_args
 
-    server = SplitServer(target, make_drafter(args.drafter, target), keys, limits, openai_limits_from_args(args))
+    # The named (or default) drafter form is kept (split clients need its context encoder); the
+    # machine calibration picks the weight layout, tree and lookup trie for this machine.
+    drafter, _ = drafter_for(target, args.drafter)
+    server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args))
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {target.name} + {args.drafter} context encoder on {scheme}://{args.host}:{args.port}", file=sys.stderr)
     asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
