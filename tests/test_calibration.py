@@ -236,3 +236,24 @@ def test_real_profiles_are_shipped_for_the_default_target() -> None:
         rates, rates_source = load_rank_rates("smollm2-135m", SHIPPED_DIR / "smollm2-135m" / name)
         assert rates_source in ("checkpoint", "tuned") and 0.1 < rates[0] < 0.9, name
     assert Path(SHIPPED_DIR / "smollm2-135m" / "acceptance.json").is_file()
+
+
+@pytest.mark.slow
+def test_real_target_calibrates_once_and_stays_lossless(tmp_path, monkeypatch, capsys) -> None:
+    """On the real default target: the first load measures (progress on stderr), the second
+    reads the cache, and the calibrated default's greedy tokens equal plain decoding's."""
+    from moaspec.api import load
+
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    monkeypatch.delenv("MOASPEC_WEIGHT_LAYOUT", raising=False)
+    monkeypatch.setattr(costs_store, "cache_dir", lambda name: tmp_path / "calibration" / name)
+    first = load()
+    assert first.calibration.source == "measured" and "calibrating this machine" in capsys.readouterr().err
+    assert first.target.weight_layout == first.calibration.chosen.layout
+    second = load()
+    assert second.calibration.source == "cached" and second.calibration.chosen == first.calibration.chosen
+    prompt = "Repeat the following line twice: the quick brown fox jumps over the lazy dog."
+    out = second.generate(prompt, max_new_tokens=32)
+    plain = load(drafter="none", calibrate=False).generate(prompt, max_new_tokens=32)
+    assert out.token_ids == plain.token_ids
+    assert out.to_dict()["calibration"]["drafter"] == second.drafter_name
