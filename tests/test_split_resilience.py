@@ -293,3 +293,45 @@ def test_int8_context_round_trip_is_close() -> None:
     assert decoded.shape == x.shape
     assert float((decoded - x).abs().max()) <= float(x.abs().amax(-1).max()) / 254 + 1e-6
     assert int(wire.encode_tensor(x, "i8")["data"].__len__()) == 7 * 64
+
+
+class FlakyClient(SplitClient):
+    """Cuts the first verify's connection: before the request reaches the server ("request"), or
+    after the server handled it, so its reply is lost ("reply")."""
+
+    def __init__(self, *args, lose: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose, self.cuts, self.opens = lose, 0, 0
+
+    def open(self, request):
+        self.opens += 1
+        return super().open(request)
+
+    def verify(self, session_id, request):
+        from moaspec.split.client import LinkDown
+
+        if self.cuts == 0:
+            self.cuts += 1
+            if self.lose == "reply":
+                super().verify(session_id, request)
+            raise LinkDown("connection reset by peer")
+        return super().verify(session_id, request)
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+@pytest.mark.parametrize("lose", ["request", "reply"])
+def test_a_cut_verify_is_retried_on_the_same_session(pair: SplitPair, lose: str) -> None:
+    """Regression (hardening issue): a verify cut mid-request dropped the client into offline mode,
+    and the reconnect re-prefilled the whole context (14 s for a 2,048-token prompt). Now the same
+    `seq` is retried at once on the same session: no reconnect, no second open, same tokens.
+    Not flaky: the cut is injected by the client wrapper, not by timing."""
+    generation = GenerationConfig(max_new_tokens=20)
+    expected = pair.reference(GREEDY, generation)
+    client = FlakyClient(pair.url, KEY, timeout_s=10.0, lose=lose)
+    generator = SplitGenerator(client, pair.client_drafter, SplitOptions())
+    result = SplitResult()
+    for _ in generator.stream(PROMPT, GREEDY, generation, frozenset(), result):
+        pass
+    assert client.cuts == 1 and client.opens == 1
+    assert result.num_reconnects == 0 and result.num_provisional == 0
+    assert result.token_ids == expected

@@ -5,6 +5,10 @@ and returns the accepted path, the next token and the context (per-token tensors
 needs for the newly verified tokens. Greedy output is identical to in-process generation, and
 seeded sampling reproduces it (session.py: separate drafter and verifier streams).
 
+A verify whose connection is cut (not timed out) is first retried once on a new connection with
+the same `seq`: the server kept the session as it was, or replays the reply it could not deliver,
+so a brief cut costs one round trip, not a re-prefill.
+
 Offline (the server is unreachable or times out), the drafter continues alone (`draft_alone`)
 and its tokens are *provisional*. The client retries with exponential back-off; on reconnect it
 resynchronises a fresh server session from its verified text (re-prefill, no context sent back:
@@ -38,6 +42,8 @@ from moaspec.split.identity import drafter_fingerprint
 from moaspec.tree import DraftTree, depths, prune_to_depth
 
 T = TypeVar("T")
+# A verify that failed within this fraction of the client's time-out was cut, not timed out: retry it once.
+FAST_FAILURE = 0.5
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,17 @@ class _Run:
             draft_probs = [(ids.tolist(), row[ids].double()) for ids, row in zip(rows, tree.draft_probs)]
         request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs)
         tick = time.perf_counter()
-        reply = self.client.verify(self.session_id, request)
+        try:
+            reply = self.client.verify(self.session_id, request)
+        except LinkDown:
+            # A connection cut under a request (not a time-out) is retried once, at once, on a
+            # new connection with the same seq: the server left the session as it was, or
+            # replays the reply it could not deliver, so no re-prefill is needed. A second
+            # failure, or a time-out, means the link is down: drafting alone takes over.
+            if time.perf_counter() - tick >= FAST_FAILURE * self.client.timeout_s:
+                raise
+            self.client.drop_connection()
+            reply = self.client.verify(self.session_id, request)
         round_trip_s = time.perf_counter() - tick
         self.seq += 1
         return wire.parse_verification(reply, self.owner.vocab_size, tree.num_nodes), round_trip_s
