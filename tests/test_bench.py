@@ -247,7 +247,22 @@ def test_every_category_loads_with_enough_prompts() -> None:
         assert len({p.prompt_id for p in prompts[category]}) == len(prompts[category])
     qa = prompts["qa"][3]
     assert [m["role"] for m in qa.history] == ["user", "assistant"] * (len(qa.history) // 2)
-    assert load_prompts(("math",), 3)["math"][2].prompt_id == prompts["math"][2].prompt_id
+    count = len(prompts["math"])
+    assert [p.prompt_id for p in load_prompts(("math",), 3)["math"]] == [
+        prompts["math"][i].prompt_id for i in (0, count // 3, 2 * count // 3)
+    ]  # evenly spaced
+
+
+def test_limit_draws_from_every_mt_bench_subcategory() -> None:
+    """Regression: `--limit 20` used to take MT-bench ids 81-100, writing and roleplay only."""
+    twenty = load_prompts(("mt_bench",), 20)["mt_bench"]
+    subcategories = [p.subcategory for p in twenty]
+    assert set(subcategories) == {
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"
+    }
+    assert max(subcategories.count(name) for name in subcategories) == 3  # 20 = 8 + 8 + 4
+    assert len({p.prompt_id for p in twenty}) == 20
+    assert [p.prompt_id for p in load_prompts(("mt_bench",), None)["mt_bench"]][:2] == ["81", "82"]
 
 
 def test_default_methods_include_the_default_drafter() -> None:

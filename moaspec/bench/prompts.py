@@ -10,8 +10,12 @@ Category ids and sources:
 - `translation`, `summarization`, `math`: hand-written for this project (license: the project's own,
   Apache-2.0), >= 20 prompts each, one JSON object per line: {"id", "prompt"}.
 
-Every set has a fixed order; `--limit N` takes its first N prompts. Data files are located
-without importing their packages (some import heavy or missing dependencies).
+Every set has a fixed order. `--limit N` draws N prompts evenly from each set: MT-bench round-robin
+over its 8 sub-categories (writing, roleplay, reasoning, math, coding, extraction, stem,
+humanities: the first of each, then the second of each, ...), the other sets evenly spaced
+(`spread`). Taking the first N instead gave MT-bench's writing and roleplay questions only (ids
+81-100, the two highest-entropy sub-categories) for N <= 20. Data files are located without
+importing their packages (some import heavy or missing dependencies).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class BenchPrompt:
     turns:      the user turns to answer, in order; turn t > 0 is asked after the baseline's answer
                 to turn t - 1 (see runner.py for the protocol).
     references: reference answers to the first turn, where the set has them (QA), for task scores.
+    subcategory: the set's own grouping where it has one (MT-bench), else "".
     """
 
     category: str
@@ -45,6 +50,7 @@ class BenchPrompt:
     turns: tuple[str, ...]
     history: tuple[dict[str, str], ...] = field(default=())
     references: tuple[str, ...] = field(default=())
+    subcategory: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,10 @@ def package_file(spec: _PackageFile) -> Path:
 def load_mt_bench() -> list[BenchPrompt]:
     lines = package_file(MT_BENCH).read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
-    return [BenchPrompt("mt_bench", str(r["question_id"]), tuple(r["turns"])) for r in records]
+    return [
+        BenchPrompt("mt_bench", str(r["question_id"]), tuple(r["turns"]), subcategory=str(r.get("category", "")))
+        for r in records
+    ]
 
 
 def load_humaneval() -> list[BenchPrompt]:
@@ -155,6 +164,22 @@ def parse_categories(value: str) -> tuple[str, ...]:
     return parse_names(value, "--categories", CATEGORIES, "category")
 
 
+def spread(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
+    """`limit` prompts drawn evenly (all when None or more than there are), in set order within a
+    sub-category: round-robin over sub-categories when the set has them, else evenly spaced."""
+    if limit is None or limit >= len(prompts):
+        return list(prompts)
+    groups: dict[str, list[BenchPrompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.subcategory, []).append(prompt)
+    if len(groups) == 1:
+        return [prompts[(i * len(prompts)) // limit] for i in range(limit)]
+    picked: list[BenchPrompt] = []
+    for rank in range(max(len(group) for group in groups.values())):
+        picked += [group[rank] for group in groups.values() if rank < len(group)]
+    return picked[:limit]
+
+
 def load_prompts(categories: tuple[str, ...], limit: int | None) -> dict[str, list[BenchPrompt]]:
-    """category -> its first `limit` prompts (all when None)."""
-    return {category: LOADERS[category]()[:limit] for category in categories}
+    """category -> `limit` of its prompts drawn evenly (`spread`; all when None)."""
+    return {category: spread(LOADERS[category](), limit) for category in categories}
