@@ -4,8 +4,11 @@
         [--max-new-tokens 128]
 
 - `moaspec/checkpoints/<target>/acceptance.json`: the target's greedy continuations of
-  bench/tune.py's CALIBRATION_PROMPTS (chat template applied), generated through the engine with
-  the n-gram drafter (lossless, so these are the target's own greedy tokens);
+  bench/tune.py's CALIBRATION_PROMPTS and of CONTEXT_PROMPTS below (chat template applied),
+  generated through the engine with the n-gram drafter (lossless, so these are the target's own
+  greedy tokens). Open-ended chat alone repeats little, so it undervalues prompt lookup for the
+  requests where users feed text in (summaries, edits, questions about a document); the context
+  prompts, written for this file and taken from no benchmark, stand for those;
 - `moaspec/checkpoints/<target>/<drafter>/acceptance.json` for each shipped drafter: `moaspec
   tune`'s calibration (greedy generation with one-level trees of top-k 1..4 on the same prompts)
   and the digest of the weights it measured.
@@ -27,25 +30,46 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import SHIPPED, SHIPPED_DIR, make_drafter
 from moaspec.engine import Engine
 
+CONTEXT_PROMPTS = (  # written for the lookup profile; not from any benchmark set
+    "Summarize this note in two sentences:\n\nThe garden club met on Tuesday evening. Members agreed to "
+    "plant tulips along the north fence in October, to buy two new watering cans, and to hold the spring "
+    "sale on the first Saturday of May. Maria will ask the library for a room for the sale.",
+    "Fix the bug in this function and return the corrected function:\n\ndef average(values):\n"
+    "    total = 0\n    for value in values:\n        total += value\n    return total / len(value)\n",
+    "Rewrite this message so it sounds more polite:\n\nSend me the report today. I asked for it last week "
+    "and I still do not have it. I need the numbers for the meeting on Friday.",
+    "Using only the text below, answer: when does the shop open on Sundays?\n\nThe shop on Green Street "
+    "opens at 8 am from Monday to Friday and at 9 am on Saturdays. On Sundays it opens at 10 am and closes "
+    "at 4 pm. It is closed on public holidays.",
+    "Translate into French: The train to the coast leaves at seven. Please buy two tickets and wait for me "
+    "at the station entrance.",
+    "Add a docstring and type hints to this function and return the whole function:\n\n"
+    "def clamp(x, low, high):\n    if x < low:\n        return low\n    if x > high:\n        return high\n"
+    "    return x\n",
+)
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--lookup-only", action="store_true", help="write the target's lookup profile only")
     args = parser.parse_args()
     command = " ".join(["bench/acceptance_profile.py", *sys.argv[1:]])
     target = load_target(args.target)
     prompts = [encode_chat_prompt(target.tokenizer, prompt) for prompt in CALIBRATION_PROMPTS]
+    lookup_prompts = prompts + [encode_chat_prompt(target.tokenizer, prompt) for prompt in CONTEXT_PROMPTS]
 
     engine = Engine(target, make_drafter("ngram", target))
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    sequences = [LookupSequence(ids, engine.generate(ids, generation=generation).token_ids) for ids in prompts]
+    sequences = [LookupSequence(ids, engine.generate(ids, generation=generation).token_ids) for ids in lookup_prompts]
     directory = SHIPPED_DIR / target.name
     _write(directory / PROFILE_FILE, {
-        "target": target.name, "command": command, "prompts": "moaspec/bench/tune.py CALIBRATION_PROMPTS",
+        "target": target.name, "command": command,
+        "prompts": "moaspec/bench/tune.py CALIBRATION_PROMPTS + bench/acceptance_profile.py CONTEXT_PROMPTS",
         "max_new_tokens": args.max_new_tokens, "lookup_sequences": sequences_to_json(sequences),
     })
-    for name in SHIPPED:
+    for name in () if args.lookup_only else SHIPPED:
         checkpoint = directory / name
         if not checkpoint.is_dir():
             continue

@@ -88,8 +88,9 @@ def test_server_killed_and_restarted_mid_generation(pair: SplitPair) -> None:
     assert restarted and result.token_ids == expected and result.num_reconnects >= 1
 
 
-@pytest.mark.parametrize("pair", ["moa"], indirect=True)
-def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
+def cut_for_good(pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int) -> tuple[SplitResult, list[int]]:
+    """Generate, cutting the link for good once `cut_after` tokens are verified; the client keeps
+    up to 6 tokens drafted alone as final output. -> (result, verified tokens before the cut)."""
     proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
     try:
         generator = pair.generator(
@@ -97,12 +98,18 @@ def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
             offline_deadline_s=0.5, accept_offline=True, max_provisional=6,
         )
         result, before_cut = SplitResult(), None
-        for _ in generator.stream(PROMPT, GREEDY, GenerationConfig(max_new_tokens=30), frozenset(), result):
-            if len(result.token_ids) >= 5 and before_cut is None:
+        for _ in generator.stream(prompt, GREEDY, GenerationConfig(max_new_tokens=max_new_tokens), frozenset(), result):
+            if len(result.token_ids) >= cut_after and before_cut is None:
                 before_cut = list(result.token_ids)
                 proxy.cut("reset")
     finally:
         proxy.stop()
+    return result, before_cut
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
+    result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30)
     assert result.stop_reason == "offline" and result.num_provisional == 6
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
 
@@ -120,20 +127,7 @@ def test_offline_drafting_follows_the_prompt_lookup(pair: SplitPair) -> None:
     lookup's: an n-gram drafter fed the verified text, drafting alone from the same root. The
     random drafter nets do not continue the cycle (the test fails without the fix). Not flaky:
     greedy, fixed weights, the cut taken at a token count and the offline tokens counted, not timed."""
-    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
-    try:
-        generator = pair.generator(
-            f"http://127.0.0.1:{proxy.port}", timeout_s=0.2, retry_initial_s=0.02, retry_max_s=0.05,
-            offline_deadline_s=0.5, accept_offline=True, max_provisional=6,
-        )
-        result, before_cut = SplitResult(), None
-        generation = GenerationConfig(max_new_tokens=40)
-        for _ in generator.stream(LOOPING_PROMPT, GREEDY, generation, frozenset(), result):
-            if len(result.token_ids) >= 16 and before_cut is None:
-                before_cut = list(result.token_ids)
-                proxy.cut("reset")
-    finally:
-        proxy.stop()
+    result, before_cut = cut_for_good(pair, LOOPING_PROMPT, cut_after=16, max_new_tokens=40)
     assert result.stop_reason == "offline" and result.num_provisional == 6
     lookup = NgramDrafter()
     lookup.accept_context(torch.tensor(LOOPING_PROMPT + before_cut[:-1]), 0, {})
