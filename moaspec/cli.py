@@ -57,7 +57,12 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="generate text from a prompt")
     gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"built-in name, HF directory or .gguf (default {DEFAULT_TARGET})")
-    gen.add_argument("--drafter", default=None, help=f"drafter name or checkpoint (default: {default_drafter})")
+    gen.add_argument(
+        "--drafter",
+        default=None,
+        help=f"drafter name or checkpoint (default: the fastest of none, ngram and {DEFAULT_DRAFTER} on this "
+        "machine, chosen by the machine calibration; see README 'Machine calibration')",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
