@@ -49,6 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
+    from moaspec.tuned import add_tree_arguments
 
     default_drafter = f"{DEFAULT_DRAFTER} for targets with a shipped MoA drafter, else {FALLBACK_DRAFTER}"
 
@@ -70,11 +71,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    for name, what in (("depth", "drafted levels"), ("top-k", "beams and children per level"), ("budget", "drafted nodes")):
-        gen.add_argument(
-            f"--tree-{name}", type=int, default=None,
-            help=f"model drafters: tree {what} (default: `moaspec tune`'s choice, else the checkpoint's)",
-        )
+    add_tree_arguments(gen, "model drafters")
     split = gen.add_argument_group("client-server split (docs/protocol.md)")
     split.add_argument("--server", default=None, help="URL of a `moaspec serve` server: draft here, verify there")
     split.add_argument("--api-key-file", default=None, help="file holding the API key (default: $MOASPEC_API_KEY)")
@@ -277,12 +274,11 @@ def _generate(args: argparse.Namespace) -> int:
         raise MoaspecError("the prompt is empty")
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
+    from moaspec.tuned import tree_overrides
 
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
-    tree_overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
-    if any(value is not None and value < 1 for value in tree_overrides.values()):
-        raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    overrides = tree_overrides(args)
     api_key = None
     if args.server is not None:  # before resolve_target, which may convert the target first (~30 s)
         from moaspec.split.commands import read_api_keys
@@ -292,7 +288,7 @@ def _generate(args: argparse.Namespace) -> int:
         api_key = read_api_keys(args.api_key_file)[0]
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
     named = args.drafter or default_drafter(target_name)
-    if named in MODEL_FREE and any(value is not None for value in tree_overrides.values()):
+    if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if args.server is not None:
         from moaspec.split.commands import generate_remote
@@ -302,7 +298,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from moaspec.api import load
 
-    lm = load(target=args.target, drafter=args.drafter, tree_overrides=tree_overrides)
+    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides)
     streamer = None
     if not args.json:
         from transformers import TextStreamer

@@ -78,6 +78,24 @@ def load_tuned_tree(target_name: str, directory: Path) -> TreeConfig | None:
         return None  # a damaged cache file must never break generation; `moaspec tune` rewrites it
 
 
+def add_tree_arguments(parser, applies_to: str) -> None:
+    """--tree-depth / --tree-top-k / --tree-budget (each None unless given; see `tree_overrides`)."""
+    for name, what in (("depth", "drafted levels"), ("top-k", "beams and children per level"), ("budget", "drafted nodes")):
+        parser.add_argument(
+            f"--tree-{name}", type=int, default=None,
+            help=f"{applies_to}: tree {what} (default: `moaspec tune`'s choice, else the machine calibration's, "
+            "else the checkpoint's)",
+        )
+
+
+def tree_overrides(args) -> dict:
+    """The --tree-* values as `make_drafter` overrides; MoaspecError for a value < 1."""
+    overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
+    if any(value is not None and value < 1 for value in overrides.values()):
+        raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    return overrides
+
+
 def resolve_tree(
     base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None
 ) -> tuple[TreeConfig, str]:

@@ -107,6 +107,14 @@ def test_checkpoint_drafter_is_lossless_and_reports_acceptance(tmp_path, tiny_be
     assert set(row["time_s"]) == {"prefill", "draft", "verify", "other"} and row["time_s"]["draft"] > 0
     assert results["config"]["method_sources"]["mymoa"] == str(checkpoint) and results["mismatches"] == []
 
+    fixed = tmp_path / "fixed"
+    tree_flags = ["--tree-depth", "6", "--tree-top-k", "4", "--tree-budget", "16"]
+    code = main(bench_args(fixed, "--categories", "math", "--methods", f"ngram,mymoa={checkpoint}", "--no-plots", *tree_flags))
+    assert code == 0, capsys.readouterr().err
+    trees = json.loads((fixed / "results.json").read_text())["config"]["method_trees"]
+    assert trees["mymoa"] == {"depth": 6, "top_k": 4, "budget": 16, "sampled": False, "source": "explicit"}
+    assert trees["ngram"] is None  # the flags reach model drafters only
+
 
 def test_sampled_run_skips_the_greedy_check(tmp_path, tiny_bench, capsys) -> None:
     out = tmp_path / "res"
@@ -153,8 +161,8 @@ def test_greedy_mismatch_is_reported_loudly(tmp_path, tiny_bench, monkeypatch, c
     monkeypatch.setattr(
         methods,
         "build_method",
-        lambda spec, target, calibrated=None: (
-            FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target, calibrated)
+        lambda spec, target, *rest: (
+            FlipLastToken(spec.label, target) if spec.label == "ngram" else real_build(spec, target, *rest)
         ),
     )
     out = tmp_path / "res"
@@ -205,6 +213,7 @@ def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatc
         (["--methods", "ngram,ngram"], "names a method twice"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--tree-depth", "0"], "--tree-depth, --tree-top-k and --tree-budget must be >= 1"),
     ],
 )
 def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:

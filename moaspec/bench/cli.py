@@ -49,6 +49,9 @@ def add_bench_parser(commands, default_target: str) -> None:
     )
     bench.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i for every method (default 0)")
     bench.add_argument("--no-plots", action="store_true", help="skip the PNG plots (no matplotlib needed)")
+    from moaspec.tuned import add_tree_arguments
+
+    add_tree_arguments(bench, "model-drafter methods except `default` (e.g. the reference tree: 6 / 4 / 16)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     from moaspec.bench.client_server import add_client_server_arguments
 
@@ -72,6 +75,9 @@ def run_bench(args: argparse.Namespace) -> int:
         raise MoaspecError("--limit must be >= 1")
     sampling = SamplingConfig(temperature=args.temperature)
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    from moaspec.tuned import tree_overrides
+
+    overrides = tree_overrides(args)
     out = _output_dir(args.out)
     target_name, _ = resolve_target(args.target)
     if args.client_server:
@@ -93,7 +99,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # The calibration first: it lays out the target (every method then runs on the layout a user
     # of this machine gets) and gives the `default` method its drafter.
     default_drafter, calibration = _calibrated_default(target)
-    methods = [build_method(spec, target, default_drafter) for spec in specs]
+    methods = [build_method(spec, target, default_drafter, overrides) for spec in specs]
     data = run_benchmark(
         target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
     )

@@ -88,13 +88,13 @@ def parse_network(value: str | None) -> tuple[str, ...]:
 
 def client_server_methods(value: str | None, target_name: str):
     """`--methods` for client-server: drafters only; default ngram plus the target's shipped drafters."""
-    from moaspec.bench.methods import HF_METHODS, check_available, default_methods, parse_methods
+    from moaspec.bench.methods import DEFAULT_METHOD, HF_METHODS, check_available, default_methods, parse_methods
 
     if value is None:
-        value = ",".join(m for m in default_methods(target_name).split(",") if m not in HF_METHODS)
+        value = ",".join(m for m in default_methods(target_name).split(",") if m not in (*HF_METHODS, DEFAULT_METHOD))
     specs = parse_methods(value)
     for spec in specs:
-        if spec.drafter is None:
+        if spec.drafter is None or spec.drafter == DEFAULT_METHOD:
             raise MoaspecError(
                 f"method '{spec.label}' has no client-server form (use drafters: ngram, moa, eagle, DIR)"
             )
@@ -127,7 +127,15 @@ def run_client_server_bench(
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     prompts, skipped = first_turns(target, items)
-    drafters = {spec.label: functools.partial(make_drafter, spec.drafter) for spec in specs if spec.label != BASELINE}
+    from moaspec.drafters import MODEL_FREE
+    from moaspec.tuned import tree_overrides
+
+    overrides = tree_overrides(args)
+    drafters = {
+        spec.label: functools.partial(make_drafter, spec.drafter, tree_overrides=None if spec.drafter in MODEL_FREE else overrides)
+        for spec in specs
+        if spec.label != BASELINE
+    }
     config = _config(args, target.name, categories, specs, profiles)
     data = run_client_server(
         target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress

@@ -118,15 +118,17 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
             raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
 
 
-def build_method(spec: MethodSpec, target: HFTarget, calibrated=None) -> Method:
-    """calibrated: the drafter of the `default` method (the calibrated choice)."""
+def build_method(spec: MethodSpec, target: HFTarget, calibrated=None, tree_overrides: dict | None = None) -> Method:
+    """calibrated: the drafter of the `default` method (the calibrated choice); tree_overrides:
+    --tree-* values for the model-drafter methods (the model-free ones have no tree)."""
     if spec.drafter is None:
         return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None)
     if spec.drafter == DEFAULT_METHOD:
         return EngineMethod(spec.label, target, calibrated)
     from moaspec.drafters import make_drafter
 
-    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target))
+    overrides = None if spec.drafter in MODEL_FREE else tree_overrides
+    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target, overrides))
 
 
 class EngineMethod:
