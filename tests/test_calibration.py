@@ -17,7 +17,7 @@ from conftest import make_random_drafter_net, make_tiny_target
 import moaspec.calibration.plan as plan
 from moaspec.bench.costs import CycleCosts
 from moaspec.calibration import costs_store
-from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_option, plain_option
+from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
 from moaspec.config import GenerationConfig
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter

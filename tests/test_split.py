@@ -4,7 +4,6 @@ generation (greedy and seeded sampling), for MoA (with and without TLI), EAGLE-2
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
