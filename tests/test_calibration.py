@@ -257,3 +257,20 @@ def test_real_target_calibrates_once_and_stays_lossless(tmp_path, monkeypatch, c
     plain = load(drafter="none", calibrate=False).generate(prompt, max_new_tokens=32)
     assert out.token_ids == plain.token_ids
     assert out.to_dict()["calibration"]["drafter"] == second.drafter_name
+
+
+def test_a_target_too_short_to_time_falls_back_to_the_configured_drafter(tmp_path, monkeypatch, capsys) -> None:
+    """A target whose context cannot hold the drafter timing (here 64 positions) still loads:
+    one warning line, then the drafter as configured (measured for real: tiny models, no timing
+    decides the assertion)."""
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    target = make_tiny_target("llama", max_position_embeddings=64, dtype=torch.float32)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 1, "top_k": 2, "budget": 2})
+    drafter, calibration = plan.drafter_for(target, f"{checkpoint}+ngram")
+    assert calibration is None and drafter.lookup is not None and target.weight_layout == "row"
+    assert "warning: no machine calibration" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moaspec.bench.costs import CycleCosts, measure_drafter, measure_verify
 from moaspec.calibration.machine import key_of
+from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 
 FORMAT_VERSION = 1
@@ -28,6 +29,11 @@ REPEATS = 3
 VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_DEPTHS = tuple(range(1, 7))
 DRAFT_TOP_KS = (1, 2, 3, 4)
+
+
+def context_len(target) -> int:
+    """CONTEXT_LEN, or a quarter of a smaller target's context."""
+    return max(1, min(CONTEXT_LEN, target.max_positions // 4))
 
 
 def cache_dir(target_name: str) -> Path:
@@ -68,7 +74,7 @@ def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], 
     for layout in layouts:
         say(f"target verify costs, {layout}-major weights")
         target.use_layout(layout)
-        found[layout] = measure_verify(target, CONTEXT_LEN, REPEATS, VERIFY_NODE_COUNTS)
+        found[layout] = measure_verify(target, context_len(target), REPEATS, VERIFY_NODE_COUNTS)
     target.reset()
     return found
 
@@ -77,12 +83,15 @@ def measure_drafter_costs(
     drafter, target, layouts: tuple[str, ...], shapes: list[tuple[int, int]], say: Callable[[str], None]
 ) -> dict[str, tuple[dict, tuple[float, float]]]:
     """Drafter propose / accept seconds in each layout (target and drafter left in the last one)."""
+    needed = context_len(target) + 5 * REPEATS + (REPEATS + 1) * len(shapes) + 8  # see bench/costs.py
+    if needed > target.max_positions:
+        raise MoaspecError(f"the target's context ({target.max_positions} tokens) is too short to time the drafter")
     found = {}
     for layout in layouts:
         say(f"drafter costs, {layout}-major weights")
         target.use_layout(layout)
         drafter.use_layout(layout)
-        found[layout] = measure_drafter(drafter, target, CONTEXT_LEN, REPEATS, shapes)
+        found[layout] = measure_drafter(drafter, target, context_len(target), REPEATS, shapes)
     target.reset()
     drafter.reset()
     return found

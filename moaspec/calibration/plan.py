@@ -43,6 +43,7 @@ from moaspec.calibration.predict import (
 )
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
 from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
+from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
 
@@ -84,6 +85,10 @@ class Calibration:
         return record
 
 
+class CalibrationUnavailable(MoaspecError):
+    """The costs cannot be measured for this target (e.g. its context is too short)."""
+
+
 def calibration_enabled() -> bool:
     return not os.environ.get(DISABLE_ENV)
 
@@ -92,7 +97,11 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None):
     """-> (drafter, Calibration or None): calibrated unless MOASPEC_NO_CALIBRATION is set, else
     the named drafter (or the target's default) as configured."""
     if calibration_enabled():
-        return calibrated_drafter(target, spec, tree_overrides)
+        try:
+            return calibrated_drafter(target, spec, tree_overrides)
+        except CalibrationUnavailable as exc:
+            print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
+            target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
     return make_drafter(spec or default_drafter(target.name), target, tree_overrides), None
 
 
@@ -113,7 +122,10 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     say = _progress(progress)
     sequences, lookup_source = load_lookup_profile(target.name)
     begin = time.perf_counter()
-    verify_costs, lookup_s, drafter_costs, measured = _costs(target, model, base, layouts, sequences, cpu, runtime, say)
+    try:
+        verify_costs, lookup_s, drafter_costs, measured = _costs(target, model, base, layouts, sequences, cpu, runtime, say)
+    except MoaspecError as exc:  # raised by the measurement only: the drafter was made above
+        raise CalibrationUnavailable(str(exc)) from exc
     measure_s = time.perf_counter() - begin if measured else 0.0
 
     lookups = [(config, simulate_lookup(sequences, config)) for config in lookup_configs()] if sequences else []
