@@ -10,8 +10,10 @@ Precedence of the tree a model drafter uses (highest first):
    `moaspec generate` (each given field replaces that field only);
 2. the tuned choice for this machine, target and checkpoint, when one was saved
    (set MOASPEC_NO_TUNED=1 to ignore it);
-3. the tree recorded in the checkpoint at training time;
-4. the `TreeConfig` defaults.
+3. the machine calibration's choice (moaspec/calibration/plan.py; applied by `load()`, `moaspec
+   generate`, `bench` and `serve` to a drafter whose tree came from the checkpoint);
+4. the tree recorded in the checkpoint at training time;
+5. the `TreeConfig` defaults.
 The tuned choice outranks the checkpoint's tree because it was measured on the machine that runs
 it, while the checkpoint's was chosen wherever the drafter was trained.
 """
