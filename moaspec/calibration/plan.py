@@ -123,7 +123,9 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     sequences, lookup_source = load_lookup_profile(target.name)
     begin = time.perf_counter()
     try:
-        verify_costs, lookup_s, drafter_costs, measured = _costs(target, model, base, layouts, sequences, cpu, runtime, say)
+        verify_costs, lookup_s, drafter_costs, measured = _costs(
+            target, model, base, layouts, sequences, cpu, runtime, say
+        )
     except MoaspecError as exc:  # raised by the measurement only: the drafter was made above
         raise CalibrationUnavailable(str(exc)) from exc
     measure_s = time.perf_counter() - begin if measured else 0.0
@@ -133,9 +135,12 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     if model is not None:
         rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
     options: list[Option] = []
+    trees = None  # the model's tree candidates: their acceptance is the same in every layout
     for layout in layouts:
         costs = costs_store.cycle_costs(verify_costs[layout], drafter_costs[layout] if model is not None else None)
-        options += _options(requested, base, with_lookup, model, layout, costs, rates, lookups, lookup_s)
+        if model is not None:
+            trees = _tree_candidates(model, costs, rates) if trees is None else _recost(trees, costs)
+        options += _options(requested, base, with_lookup, trees, layout, costs, lookups, lookup_s)
     chosen = choose(options)
     plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
     drafter = _apply(target, chosen, model, spec)
@@ -154,16 +159,16 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
 
 
 def _options(
-    requested: str, base: str, with_lookup: bool, model, layout: str, costs, rates, lookups, lookup_s: float
+    requested: str, base: str, with_lookup: bool, trees, layout: str, costs, lookups, lookup_s: float
 ) -> list[Option]:
-    """The options of one layout for what was requested (module docstring)."""
+    """The options of one layout for what was requested (module docstring); trees: the model
+    drafter's candidates costed in this layout, None without a model drafter."""
     options: list[Option] = []
     if requested in (DEFAULT, "none"):
         options.append(plain_option(layout, costs))
     if requested == DEFAULT or base == "ngram":
         options += [lookup_option(layout, costs, config, stats, lookup_s) for config, stats in lookups]
-    if model is not None:
-        trees = _tree_candidates(model, costs, rates)
+    if trees is not None:
         if with_lookup and lookups:
             options += [
                 lookup_first_option(base, layout, costs, tree, config, stats, lookup_s)
@@ -188,6 +193,16 @@ def _tree_candidates(model, costs, rates):
     tree = model.tree_config
     tau, nodes = expected_tau(tree, rates)
     return [Candidate(tree, nodes, tau, costs.cycle_s(tree, nodes, tau))]
+
+
+def _recost(trees, costs):
+    """The same candidates with this layout's cycle seconds."""
+    from moaspec.bench.tune import Candidate
+
+    return [
+        Candidate(c.tree, c.num_nodes, c.expected_tau, costs.cycle_s(c.tree, c.num_nodes, c.expected_tau))
+        for c in trees
+    ]
 
 
 def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
@@ -261,6 +276,7 @@ def _progress(enabled: bool):
             return
         now = time.perf_counter()
         started.append(started[0] if started else now)
-        print(f"moaspec: calibrating this machine (once): {what} [{now - started[0]:.0f} s]", file=sys.stderr, flush=True)
+        line = f"moaspec: calibrating this machine (once): {what} [{now - started[0]:.0f} s]"
+        print(line, file=sys.stderr, flush=True)
 
     return say

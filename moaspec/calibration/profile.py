@@ -4,8 +4,8 @@ Acceptance under greedy decoding depends on the target and the drafter, never on
 is measured once and stored; the machine calibration combines it with costs measured where it
 runs (calibration/predict.py).
 
-- **Lookup profile** (per target): the target's own greedy continuations of a few chat prompts
-  (`bench/tune.py` CALIBRATION_PROMPTS). Prompt lookup is model-free, so its acceptance on that
+- **Lookup profile** (per target): the target's own greedy continuations of a few prompts (chat
+  and prompts that feed text in; bench/acceptance_profile.py). Prompt lookup is model-free, so its acceptance on that
   text is obtained exactly by replaying greedy decoding with the n-gram drafter over the known
   sequence (`simulate_lookup`): no target forward is needed, and any lookup configuration can be
   evaluated at calibration time.
@@ -13,9 +13,8 @@ runs (calibration/predict.py).
   candidate), from `moaspec tune`'s calibration (bench/tune.py).
 
 Where they come from (first found wins):
-- lookup: `moaspec tune`'s recorded sequences for the target (cache), else the shipped
-  `moaspec/checkpoints/<target>/acceptance.json`, else the shipped SmolLM2-135M profile as a
-  prior (labelled "prior": text repetition is mostly a property of the prompts, not the model);
+- lookup: the shipped `moaspec/checkpoints/<target>/acceptance.json`, else the shipped
+  SmolLM2-135M profile as a prior (labelled "prior": text repetition is mostly a property of the prompts, not the model);
 - rank rates: `moaspec tune`'s saved record for the checkpoint (cache), else the checkpoint's
   `acceptance.json` (when its weights digest matches), else a geometric prior with top-1
   PRIOR_TOP1 (the shipped drafters' measured top-1 on chat is 0.25-0.35).
@@ -98,7 +97,9 @@ def simulate_lookup(sequences: list[LookupSequence], config: NgramConfig) -> Loo
         position = 0  # index in `generated` of the current root
         while position < len(generated) - 1:
             tree = drafter.propose(generated[position], sampling, generator)
-            tree = prune_to_depth(tree, len(generated) - position - 2)  # as the engine: no deeper than useful
+            useful_depth = len(generated) - position - 2
+            if useful_depth < config.max_depth:  # as the engine: no deeper than still useful
+                tree = prune_to_depth(tree, useful_depth)
             emitted = accepted_length(tree.token_ids.tolist(), tree.parents.tolist(), generated[position + 1 :]) + 1
             if tree.num_nodes > 1:
                 matched_cycles += 1
@@ -141,12 +142,6 @@ def shipped_profile_path(target_name: str) -> Path:
     return SHIPPED_DIR / target_name / PROFILE_FILE
 
 
-def tuned_lookup_path(target_name: str) -> Path:
-    from moaspec.model_store import cache_root
-
-    return cache_root() / "tuned" / target_name / "lookup-profile.json"
-
-
 def sequences_to_json(sequences: list[LookupSequence]) -> list[dict]:
     return [{"prompt_ids": s.prompt_ids, "generated_ids": s.generated_ids} for s in sequences]
 
@@ -156,9 +151,8 @@ def sequences_from_json(records: list[dict]) -> list[LookupSequence]:
 
 
 def load_lookup_profile(target_name: str) -> tuple[list[LookupSequence], str]:
-    """-> (sequences, source) with source "tuned", "shipped" or "prior" (see the module docstring)."""
+    """-> (sequences, source) with source "shipped" or "prior" (see the module docstring)."""
     for path, source in (
-        (tuned_lookup_path(target_name), "tuned"),
         (shipped_profile_path(target_name), "shipped"),
         (shipped_profile_path(PRIOR_TARGET), "prior"),
     ):

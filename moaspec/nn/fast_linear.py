@@ -62,9 +62,9 @@ def check_layout(layout: str) -> None:
 def use_layout(module: nn.Module, layout: str) -> nn.Module:
     """Re-lay out every Linear weight of `module` in `layout`, in place (tied weights once).
 
-    When a weight moved, every other parameter and buffer is copied as well (once): transformers loads safetensors
-    through a memory map, and one tensor left on it keeps the whole map, with every page the
-    re-layout touched, resident (measured on SmolLM2: 1,424 MB RSS instead of 911 MB).
+    When a weight moved, every other parameter and buffer is copied as well (once): transformers
+    loads safetensors through a memory map, and one tensor left on it keeps the whole map, with
+    every page the re-layout touched, resident (measured on SmolLM2: 1,424 MB RSS instead of 911 MB).
     """
     check_layout(layout)
     relaid: set[int] = set()
