@@ -132,7 +132,7 @@ def load_target(
     hf_logging.disable_progress_bar()
     name, model_dir = resolve_target(target)
     try:
-        tokenizer = _load_tokenizer(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
@@ -145,7 +145,7 @@ def load_target(
     return loaded
 
 
-def _load_tokenizer(model_dir):
+def load_tokenizer(model_dir):
     """The fast tokenizer straight from tokenizer.json when there is one (2 s faster than AutoTokenizer)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -11,18 +11,23 @@
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
                          [--shard-size N] [--seed S]
+    moaspec data sharegpt --out DIR [--target NAME|PATH] [--num-conversations N] [--max-seq-len N]
+                          [--shard-size N] [--seed S]
     moaspec data stats DIR
     moaspec bench --out DIR [--categories a,b,...] [--limit N] [--methods none,hf,hf-pld,ngram,moa,...]
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,...]
                   [--disconnect-after N [--offline-tokens M]] [--categories ...] [--limit N] ...
     moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--dry-run]
-    moaspec train --method moa|eagle --data DIR --out RUN [--tli-layers K] [--draft-vocab N]
+    moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
+                  [--anchor-loss-weight W] [--draft-vocab N]
                   [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
 Text streams to stdout as it is verified; `--json` prints one JSON object at the end instead.
 `data distill` has the target regenerate ShareGPT responses into resumable jsonl shards (rerun the
-same command to resume); `data stats` summarises such a directory.
+same command to resume); `data sharegpt` writes whole ShareGPT conversations for teacher-forced
+training (every assistant turn learned, the target's labels computed while training); `data stats`
+summarises either kind.
 Bad input prints one line `moaspec: error: ...` on stderr and exits with status 2.
 """
 
@@ -147,7 +152,10 @@ def _add_train_parser(commands, default_target: str) -> None:
     tree = TreeConfig()
     train = commands.add_parser("train", help="train a MoA or EAGLE-2 drafter on distilled data (resumable)")
     train.add_argument("--method", choices=["moa", "eagle"], required=True, help="drafter architecture")
-    train.add_argument("--data", required=True, help="directory written by `moaspec data distill`")
+    train.add_argument(
+        "--data", required=True, nargs="+",
+        help="one or more directories written by `moaspec data distill` or `moaspec data sharegpt` (read in order)",
+    )
     train.add_argument("--out", required=True, help="run directory (rerun the same command to resume)")
     train.add_argument("--target", default=default_target, help=f"target the drafter serves (default {default_target})")
     train.add_argument("--tli-layers", type=int, default=0, help="MoA Target Layer Inference depth k (default 0)")
@@ -155,6 +163,16 @@ def _add_train_parser(commands, default_target: str) -> None:
         "--tli-raw-feature-loss", action="store_true",
         help="compare the pre-TLI state with the raw residual stream, as the reference code does "
         "(default: both divided by the stream's per-token RMS)",
+    )
+    train.add_argument(
+        "--memory-layers", type=int, default=defaults.memory_layers,
+        help="MoA memory reads the last N target layers' keys/values, 0 = all of them as in the paper "
+        f"(default {defaults.memory_layers})",
+    )
+    train.add_argument(
+        "--anchor-loss-weight", type=float, default=defaults.anchor_loss_weight,
+        help="MoA loss weight at anchor positions, where the drafter sees the token's own memory, which "
+        f"inference never does (0-1, default {defaults.anchor_loss_weight})",
     )
     train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192)")
     train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
@@ -174,7 +192,8 @@ def _add_train_parser(commands, default_target: str) -> None:
     train.add_argument(
         "--feature-cache", default=None,
         help="directory of memory-mapped fp16 target features, built on first use and shared by runs on the same data "
-        "(about 2x faster training; ~25 KB per token for SmolLM2); default: run the target online",
+        "reading the same features (about 2x faster training; per SmolLM2 token 1.2 KB for EAGLE-2, 4.2 KB for MoA "
+        "with --memory-layers 4, 24 KB with all layers); default: run the target online",
     )
     train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
     train.add_argument(
@@ -202,9 +221,12 @@ def _train(args: argparse.Namespace) -> int:
         raise MoaspecError("--staircase-fraction must be within [0, 1]")
     if args.method == "eagle" and args.tli_layers:
         raise MoaspecError("--tli-layers applies to --method moa only")
-    data = Path(args.data).expanduser()
-    if not data.is_dir() or not shard_files(data):
-        raise MoaspecError(f"{data} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+    data = tuple(Path(directory).expanduser() for directory in args.data)
+    for directory in data:
+        if not directory.is_dir() or not shard_files(directory):
+            raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+    if args.method == "eagle" and args.memory_layers:
+        raise MoaspecError("--memory-layers applies to --method moa only")
     out = _output_dir(args.out)
     try:
         config = TrainConfig(
@@ -212,6 +234,7 @@ def _train(args: argparse.Namespace) -> int:
             lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, max_seq_len=args.max_seq_len,
             staircase_fraction=args.staircase_fraction, tli_rms_scaled=not args.tli_raw_feature_loss,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
+            memory_layers=args.memory_layers, anchor_loss_weight=args.anchor_loss_weight,
         )
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
@@ -223,7 +246,7 @@ def _train(args: argparse.Namespace) -> int:
     from moaspec.train.run import RunSpec, run_training
 
     spec = RunSpec(
-        data_dir=data, out_dir=out, target=args.target, draft_vocab=args.draft_vocab,
+        data_dirs=data, out_dir=out, target=args.target, draft_vocab=args.draft_vocab,
         val_conversations=args.val_conversations,
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
         command=_command_line(args),
@@ -240,7 +263,9 @@ def _train(args: argparse.Namespace) -> int:
 
 def _add_data_parser(commands, default_target: str) -> None:
     data = commands.add_parser("data", help="build drafter-training data")
-    actions = data.add_subparsers(dest="data_command", metavar="{distill,stats}", required=True, parser_class=_Parser)
+    actions = data.add_subparsers(
+        dest="data_command", metavar="{distill,sharegpt,stats}", required=True, parser_class=_Parser
+    )
     distill = actions.add_parser("distill", help="the target regenerates ShareGPT responses (resumable)")
     distill.add_argument("--out", required=True, help="output directory (rerun the same command to resume)")
     distill.add_argument(
@@ -260,8 +285,19 @@ def _add_data_parser(commands, default_target: str) -> None:
     distill.add_argument(
         "--seed", type=int, default=0, help="prompt shuffle, batch modes and sampling seeds (default 0)"
     )
-    stats = actions.add_parser("stats", help="summarise a distilled data directory")
-    stats.add_argument("dir", help="a directory written by `moaspec data distill`")
+    sharegpt = actions.add_parser(
+        "sharegpt", help="whole ShareGPT conversations, every assistant turn a loss span (teacher-forced, no generation)"
+    )
+    sharegpt.add_argument("--out", required=True, help="output directory")
+    sharegpt.add_argument(
+        "--target", default=default_target, help=f"target whose chat template encodes them (default {default_target})"
+    )
+    sharegpt.add_argument("--num-conversations", type=int, default=None, help="how many conversations (default all)")
+    sharegpt.add_argument("--max-seq-len", type=int, default=768, help="cut each conversation here (default 768)")
+    sharegpt.add_argument("--shard-size", type=int, default=1000, help="records per jsonl shard (default 1000)")
+    sharegpt.add_argument("--seed", type=int, default=0, help="conversation shuffle (default 0)")
+    stats = actions.add_parser("stats", help="summarise a training data directory")
+    stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -390,14 +426,52 @@ def _data_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_sharegpt(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from moaspec.train.distill import check_resume
+    from moaspec.train.sharegpt import sharegpt_path
+    from moaspec.train.teacher_forced import MODE, TeacherForcedConfig, run_teacher_forced
+
+    config = TeacherForcedConfig(
+        max_seq_len=args.max_seq_len, num_conversations=args.num_conversations,
+        shard_size=args.shard_size, seed=args.seed,
+    )
+    out = _output_dir(args.out)
+    if out.is_dir():
+        check_resume(out, {"kind": MODE, "target": args.target, **asdict(config)})
+    sharegpt_path()
+    from moaspec.model_store import resolve_target
+
+    resolve_target(args.target)
+    manifest = run_teacher_forced(args.target, out, config, _command_line(args))
+    totals = manifest["totals"]
+    print(
+        f"[moaspec] {totals['num_records']} conversations, {totals['tokens']} tokens "
+        f"({totals['assistant_tokens']} in assistant turns) in {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def _data_stats(args: argparse.Namespace) -> int:
     from moaspec.train.distill import MANIFEST, read_shards, shard_files, summarize
+    from moaspec.train.teacher_forced import MODE, summarize_teacher_forced
 
     root = Path(args.dir)
     if not root.is_dir() or not shard_files(root):
         raise MoaspecError(f"{root} is not a directory with shard-*.jsonl files")
     manifest = json.loads((root / MANIFEST).read_text()) if (root / MANIFEST).is_file() else {}
-    summary = summarize(read_shards(root), manifest.get("eos_ids", ()))
+    records = read_shards(root)
+    if records and records[0].get("mode") == MODE:
+        summary = summarize_teacher_forced(records)
+        print(f"records          {summary['num_records']} teacher-forced conversations")
+        print(f"tokens           {summary['tokens']} (mean {summary['mean_tokens']:.1f})")
+        print(f"assistant tokens {summary['assistant_tokens']} in {summary['assistant_spans']} turns")
+        if manifest:
+            print(f"target           {manifest.get('target')}")
+        return 0
+    summary = summarize(records, manifest.get("eos_ids", ()))
     n = summary["num_records"]
     print(f"records          {n} ({summary['num_greedy']} greedy, {summary['num_sampled']} sampled)")
     print(f"prompt tokens    {summary['prompt_tokens']} (mean {summary['mean_prompt_tokens']:.1f})")
@@ -429,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         args.argv = argv
         if args.command == "data":
-            return _data_distill(args) if args.data_command == "distill" else _data_stats(args)
+            handlers = {"distill": _data_distill, "sharegpt": _data_sharegpt, "stats": _data_stats}
+            return handlers[args.data_command](args)
         if args.command == "train":
             return _train(args)
         if args.command in ("bench", "tune"):

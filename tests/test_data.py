@@ -362,7 +362,7 @@ def test_partly_finished_batch_is_regenerated_identically(tiny_model, eos_ids, r
 # CLI
 
 BAD_DATA_INPUTS = {
-    "no action": (lambda tmp: ["data"], "distill,stats"),
+    "no action": (lambda tmp: ["data"], "distill,sharegpt,stats"),
     "missing --out": (lambda tmp: ["data", "distill"], "--out"),
     "out parent missing": (lambda tmp: ["data", "distill", "--out", str(tmp / "no" / "dir")], "parent directory"),
     "out is a file": (lambda tmp: ["data", "distill", "--out", str(_touch(tmp / "f"))], "not a directory"),
@@ -394,6 +394,18 @@ BAD_DATA_INPUTS = {
     "negative seed": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--seed", "-1"], "seed"),
     "unknown target": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"),
     "resume with other settings": (lambda tmp: ["data", "distill", "--out", str(_old_run(tmp)), "--seed", "5"], "seed"),
+    "sharegpt max-seq-len 0": (
+        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--max-seq-len", "0"], "max-seq-len must be >= 8"
+    ),
+    "sharegpt num-conversations 0": (
+        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--num-conversations", "0"], "num-conversations"
+    ),
+    "sharegpt unknown target": (
+        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"
+    ),
+    "sharegpt over distilled data": (
+        lambda tmp: ["data", "sharegpt", "--out", str(_old_run(tmp))], "different settings"
+    ),
     "stats of a missing dir": (lambda tmp: ["data", "stats", str(tmp / "none")], "shard-*.jsonl"),
     "stats of an empty dir": (lambda tmp: ["data", "stats", str(tmp)], "shard-*.jsonl"),
 }

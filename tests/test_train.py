@@ -15,10 +15,21 @@ from moaspec.train.trainer import last_anchors, loss_mask, staircase_probability
 
 
 def test_anchor_and_mask_conventions() -> None:
-    anchors = last_anchors(12, response_start=4, every=3)
+    anchors = last_anchors(12, ((4, 12),), every=3)
     # prompt 0..3 are anchors, then 6 and 9 (multiples of 3 in the response)
     assert anchors.tolist() == [0, 1, 2, 3, 3, 3, 6, 6, 6, 9, 9, 9]
-    assert loss_mask(6, 2).tolist() == [0, 0, 1, 1, 1, 0]
+    assert loss_mask(6, ((2, 6),)).tolist() == [0, 0, 1, 1, 1, 0]
+
+
+def test_multi_span_anchors_and_masks() -> None:
+    """Two assistant turns [2, 6) and [8, 12): the user turn between them is verified context
+    (every position an anchor) and each span's last token is predicted, never beyond it."""
+    spans = ((2, 6), (8, 12))
+    assert last_anchors(12, spans, every=3).tolist() == [0, 1, 1, 3, 3, 3, 6, 7, 7, 9, 9, 9]
+    assert loss_mask(12, spans).tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0]
+    sample = TrainSample(torch.arange(12), 2, loss_spans=spans)
+    assert sample.learned_tokens() == [2, 3, 4, 5, 8, 9, 10, 11]
+    assert TrainSample(torch.arange(5), 3).spans() == ((3, 5),)
 
 
 def test_staircase_curriculum_anneals_by_steps() -> None:
@@ -108,7 +119,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
         for i in range(6)
     ]
     (data / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    spec = RunSpec(data, tmp_path / "run", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None, command="moaspec train ...")
+    spec = RunSpec((data,), tmp_path / "run", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None, command="moaspec train ...")
     config = TrainConfig(method="moa", steps=3, batch_size=2, val_every=3, ckpt_every=3)
     checkpoint = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
     record = json.loads((checkpoint / "config.json").read_text())
@@ -121,7 +132,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     assert record["training"]["val_indices"] == [0, 3]  # spaced through the data, not the first two
 
     continued = RunSpec(
-        data, tmp_path / "run2", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
+        (data,), tmp_path / "run2", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
         command="moaspec train --init-from ...", init_from=checkpoint,
     )
     second = run_training(continued, config, TreeConfig())
@@ -132,7 +143,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     }
     assert json.loads((second / "config.json").read_text())["training"]["init_from"] == lineage
     third = RunSpec(
-        data, tmp_path / "run3", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
+        (data,), tmp_path / "run3", "tiny", draft_vocab=20, val_conversations=2, time_limit_s=None,
         command="moaspec train --init-from run2", init_from=second,
     )
     record = json.loads((run_training(third, config, TreeConfig()) / "config.json").read_text())
@@ -180,6 +191,62 @@ def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path)
         load_initial_weights(build_net("eagle", target, 0, None), checkpoint, target, TrainConfig(method="eagle"))
 
 
+def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tmp_path, monkeypatch) -> None:
+    """Both record kinds train together (the draft vocabulary comes from learned tokens only), and
+    an all-layer MoA checkpoint starts a last-layer MoA: the layer mix keeps that layer's weight."""
+    import json
+
+    import moaspec.api
+    from moaspec.config import TreeConfig
+    from moaspec.nn.checkpoint import read_checkpoint
+    from moaspec.train.run import RunSpec, load_samples, run_training
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None: target)
+    gen = torch.Generator().manual_seed(5)
+    distilled, conversations = tmp_path / "distilled", tmp_path / "conversations"
+    distilled.mkdir(), conversations.mkdir()
+    rows = [
+        {"id": str(i), "prompt_ids": torch.randint(0, 97, (6,), generator=gen).tolist(),
+         "response_ids": torch.randint(0, 40, (10,), generator=gen).tolist(), "mode": "greedy", "seed": None}
+        for i in range(4)
+    ]
+    (distilled / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    user = lambda: torch.randint(60, 97, (5,), generator=gen).tolist()  # noqa: E731
+    reply = lambda: torch.randint(40, 60, (6,), generator=gen).tolist()  # noqa: E731
+    rows = [
+        {"id": f"c{i}", "input_ids": user() + reply() + user() + reply(), "loss_spans": [[5, 11], [16, 22]],
+         "mode": "teacher-forced"}
+        for i in range(4)
+    ]
+    (conversations / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = load_samples((distilled, conversations), max_seq_len=20)
+    assert [s.index for s in loaded] == list(range(8))
+    assert loaded[4].spans() == ((5, 11), (16, 20)) and loaded[0].spans() == ((6, 16),)
+    config = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2)
+    spec = RunSpec((distilled, conversations), tmp_path / "all", "tiny", draft_vocab=70, val_conversations=2,
+                   time_limit_s=None, command="moaspec train ...")
+    all_layers = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+    record, weights = read_checkpoint(all_layers, target)
+    assert set(record["training"]["last"]) >= {"acc_depth1", "val_tau"}
+    vocab = set(weights["draft_vocab_ids"].tolist())
+    assert not vocab & set(range(60, 97)) - set(rows[0]["input_ids"][:5]) or vocab <= set(range(60))
+    narrowed = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, memory_layers=1)
+    spec = RunSpec((distilled, conversations), tmp_path / "last", "tiny", draft_vocab=70, val_conversations=2,
+                   time_limit_s=None, command="moaspec train --memory-layers 1 ...", init_from=all_layers)
+    mix = weights["layer_mix_raw"].float()
+    last = run_training(spec, narrowed, TreeConfig(depth=2, top_k=2, budget=3))
+    record, _ = read_checkpoint(last, target)
+    assert record["config"]["memory_layers"] == 1
+    initial = build_net("moa", target, 0, weights["draft_vocab_ids"], memory_layers=1)
+    from moaspec.train.run import load_initial_weights
+
+    load_initial_weights(initial, all_layers, target, narrowed)
+    assert torch.equal(initial.layer_mix_raw.detach(), mix[2:])
+    with pytest.raises(MoaspecError, match="memory_layers 1 vs 0"):
+        load_initial_weights(build_net("moa", target, 0, weights["draft_vocab_ids"]), last, target, config)
+
+
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:
     """The fp16 cache gives the online features to fp16 precision (TLI keys/values included),
     an interrupted build resumes to the same arrays, and other data or depths are refused."""
@@ -191,15 +258,17 @@ def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch
     target = make_tiny_target("qwen2", num_hidden_layers=3, dtype=torch.float32)
     data = [TrainSample(sample.input_ids[: 10 + 3 * sample.index], 4, sample.index) for sample in samples(5, 7)]
     monkeypatch.setattr(feature_cache, "SAVE_EVERY", 2)
-    cache = build_feature_cache(target, data, tmp_path / "full", "fp", tli_max=2, progress=False)
+    all_layers = (0, 1, 2)
+    cache = build_feature_cache(target, data, tmp_path / "full", "fp", tli_max=2, kv_layers=all_layers, progress=False)
     online = OnlineFeatures(target)
     for sample in data:
         for tli in (0, 1, 2):
-            expected, got = online.features(sample, tli, True), cache.features(sample, tli, True)
+            expected, got = online.features(sample, tli, all_layers), cache.features(sample, tli, all_layers)
             scale = dict(rtol=2e-3, atol=2e-3)
             torch.testing.assert_close(got.layer_kv, expected.layer_kv, **scale)
             torch.testing.assert_close(got.final_hidden, expected.final_hidden, **scale)
             torch.testing.assert_close(got.teacher_logsumexp, expected.teacher_logsumexp, **scale)
+            assert torch.equal(got.teacher_argmax, expected.teacher_argmax)
             assert len(got.tli_kv) == tli
             for (k, v), (k_ref, v_ref) in zip(got.tli_kv, expected.tli_kv):
                 torch.testing.assert_close(k, k_ref, **scale)
@@ -221,20 +290,41 @@ def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch
 
     monkeypatch.setattr(target, "prefill", failing_prefill)
     with pytest.raises(Interrupt):
-        build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, progress=False)
+        build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, kv_layers=all_layers, progress=False)
     monkeypatch.setattr(target, "prefill", original)
     with pytest.raises(MoaspecError, match="incomplete"):
         FeatureCache(tmp_path / "resumed")
-    resumed = build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, progress=False)
-    for name in ("layer_kv", "hidden", "lse"):
+    resumed = build_feature_cache(target, data, tmp_path / "resumed", "fp", tli_max=2, kv_layers=all_layers, progress=False)
+    for name in ("layer_kv", "hidden", "lse", "argmax"):
         assert np.array_equal(np.load(tmp_path / "full" / f"{name}.npy"), np.load(tmp_path / "resumed" / f"{name}.npy"))
-    resumed.check(data, "fp", 2)
+    resumed.check(data, "fp", 2, all_layers)
     with pytest.raises(MoaspecError, match="other data"):
-        resumed.check(data[:4], "fp", 0)
+        resumed.check(data[:4], "fp", 0, ())
     with pytest.raises(MoaspecError, match="another target"):
-        resumed.check(data, "other", 0)
+        resumed.check(data, "other", 0, ())
     with pytest.raises(MoaspecError, match="TLI depths up to 2"):
-        resumed.check(data, "fp", 3)
+        resumed.check(data, "fp", 3, ())
+
+
+def test_feature_cache_stores_only_what_the_drafter_reads(tmp_path) -> None:
+    """EAGLE's cache holds no keys/values and one hidden state per token; a MoA cache reading the
+    last layer holds that layer only and refuses a drafter that reads more."""
+    import numpy as np
+
+    from moaspec.train.feature_cache import build_feature_cache
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data = samples(2, 3)
+    eagle = build_feature_cache(target, data, tmp_path / "eagle", "fp", tli_max=0, kv_layers=(), progress=False)
+    assert np.load(tmp_path / "eagle" / "layer_kv.npy").shape[1] == 0
+    assert np.load(tmp_path / "eagle" / "hidden.npy").shape[1] == 1
+    eagle.check(data, "fp", 0, ())
+    moa = build_feature_cache(target, data, tmp_path / "moa", "fp", tli_max=0, kv_layers=(2,), progress=False)
+    assert np.load(tmp_path / "moa" / "layer_kv.npy").shape[1] == 1
+    online = OnlineFeatures(target).features(data[0], 0, (2,))
+    torch.testing.assert_close(moa.features(data[0], 0, (2,)).layer_kv, online.layer_kv, rtol=2e-3, atol=2e-3)
+    with pytest.raises(MoaspecError, match=r"lacks the keys/values of target layers \[1\]"):
+        moa.check(data, "fp", 0, (1, 2))
 
 
 @pytest.mark.parametrize("method, tli", [("moa", 1), ("eagle", 0)])
@@ -244,7 +334,8 @@ def test_training_from_the_feature_cache_follows_online_training(tmp_path, metho
 
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
     data = samples(3, 4)
-    cache = build_feature_cache(target, data, tmp_path / "cache", "fp", tli_max=2, progress=False)
+    kv_layers = (0, 1, 2) if method == "moa" else ()
+    cache = build_feature_cache(target, data, tmp_path / "cache", "fp", tli_max=tli, kv_layers=kv_layers, progress=False)
     config = TrainConfig(method=method, tli_layers=tli, steps=4, batch_size=2, warmup_steps=1, val_every=1000, ckpt_every=1000)
     histories = []
     for name, source in (("online", None), ("cached", cache)):

@@ -33,7 +33,10 @@ def add_bench_parser(commands, default_target: str) -> None:
     bench.add_argument(
         "--categories", default=",".join(CATEGORIES), help=f"comma-separated (default all: {','.join(CATEGORIES)})"
     )
-    bench.add_argument("--limit", type=int, default=None, help="first N prompts of each category (default all)")
+    bench.add_argument(
+        "--limit", type=int, default=None,
+        help="N prompts of each category, spread evenly over it (MT-bench: over its sub-categories; default all)",
+    )
     bench.add_argument(
         "--methods",
         default=None,

@@ -56,7 +56,8 @@ class MoAContextEncoder:
         memory, tli_kv = [], []
         for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
             layer_kv = update.target.layer_kv(chunk_start, min(end, chunk_start + ENCODE_CHUNK))  # [c, L, kv_dim]
-            memory.append(self.memory(layer_kv.to(self.compute_dtype)).to(self.dtype))
+            memory_kv = layer_kv[:, self.net.config.memory_layer_ids[0] :]  # [c, Lm, kv_dim]: the last Lm layers
+            memory.append(self.memory(memory_kv.to(self.compute_dtype)).to(self.dtype))
             if self.net.config.tli_layers:
                 tli_kv.append(layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :].to(self.dtype))
         context = {"memory": torch.cat(memory)}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class TrainConfig:
     method: str = "moa"  # "moa" | "eagle"
     tli_layers: int = 0
+    memory_layers: int = 0  # MoA: the memory reads the last N target layers, 0 = all (MoAConfig)
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step
@@ -20,6 +21,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     anchor_min: int = 6
     anchor_max: int = 14
+    anchor_loss_weight: float = 1.0  # MoA: loss weight where i = s(i) (the CA sees i's own memory: never at inference)
     staircase_fraction: float = 0.5
     eagle_noise: float = 0.2
     max_seq_len: int = 768
@@ -32,3 +34,7 @@ class TrainConfig:
             raise ValueError(f"method must be moa or eagle, got {self.method}")
         if not 1 <= self.anchor_min <= self.anchor_max:
             raise ValueError("need 1 <= anchor_min <= anchor_max")
+        if not 0.0 <= self.anchor_loss_weight <= 1.0:
+            raise ValueError("anchor_loss_weight must be within [0, 1]")
+        if self.memory_layers < 0:
+            raise ValueError("memory_layers must be >= 0")

@@ -205,7 +205,7 @@ def read_shards(out_dir: str | Path) -> list[dict]:
     return records
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
@@ -237,7 +237,7 @@ class ShardWriter:
 
     def _write(self, shard: int, records: list[dict]) -> None:
         text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-        _write_atomic(self.out_dir / SHARD_PATTERN.format(shard), text)
+        write_atomic(self.out_dir / SHARD_PATTERN.format(shard), text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
     from moaspec.api import load_target
     from moaspec.train.sharegpt import load_training_conversations
 
-    conversations, data_counts = load_training_conversations(_log)
+    conversations, data_counts = load_training_conversations(log_progress)
     # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
     # on 2 cores (eager only wins at batch 1).
     loaded = load_target(target, attn_implementation="sdpa")
@@ -360,7 +360,7 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)
     eos_ids.discard(None)
-    _log(f"distilling {len(prompts)} prompts with {loaded.name} into {out_dir}")
+    log_progress(f"distilling {len(prompts)} prompts with {loaded.name} into {out_dir}")
     manifest: dict[str, Any] = {
         "command": command,
         "target": loaded.name,
@@ -371,7 +371,7 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
         "complete": False,
         "wall_s_total": previous.get("wall_s_total", 0.0) if previous else 0.0,
     }
-    _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     result = None
     try:
         result = distill(model, prompts, config, out_dir, pad_id=pad_id, eos_ids=eos_ids)
@@ -386,11 +386,11 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
             new_tokens_per_s_last_run=(result.new_tokens / result.wall_s) if result and result.wall_s else None,
             totals=summarize(records, eos_ids),
         )
-        _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def _log(message: str) -> None:
+def log_progress(message: str) -> None:
     print(f"moaspec: {message}", file=sys.stderr, flush=True)
 
 

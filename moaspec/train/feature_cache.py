@@ -5,15 +5,20 @@ computing the features online costs about half of every training step (12 s of 2
 tokens: the target's prefill plus its full-vocabulary LM head for the teacher). A data set is
 trained on for several epochs and by three drafters (MoA TLI 0, MoA TLI k, EAGLE-2), so running
 the target once per token and reading fp16 features back from the page cache is the better deal.
-Size: (L * kv_dim + (k_max + 1) * D) * 2 bytes + 4 per token, 25 KB for SmolLM2, so 6 GB for the
-240k tokens of the shipped data: fine on disk, never committed.
+A cache holds what its drafter reads and no more (`kv_layers`, `tli_max`): per token
+(Lk * kv_dim + (k_max + 1) * D) * 2 + 8 bytes. SmolLM2: EAGLE-2 (Lk = 0, k_max = 0) 1.2 KB,
+MoA reading the last 4 layers 4.2 KB, the paper's all-layer MoA (Lk = 30) 24 KB; so 3 M tokens
+take 3.5 / 12.6 / 72 GB. Never committed.
 
 Layout of a cache directory (one data set, one target):
-  layer_kv.npy   [N, L, kv_dim] float16  per-layer [k_h, v_h] of every token (post-RoPE keys)
+  layer_kv.npy   [N, Lk, kv_dim] float16  per-layer [k_h, v_h] (post-RoPE keys) of the target
+                 layers `kv_layers` (ascending); Lk may be 0
   hidden.npy     [N, k_max + 1, D] float16  residual streams entering layers L-k_max .. L-1,
                  then the post-norm final hidden state
   lse.npy        [N] float32  log-sum-exp of the full-vocabulary logits of the fp16 final state
-  index.json     offsets per record, the data key, the target fingerprint, progress, `complete`
+  argmax.npy     [N] int32  the argmax of those logits (the target's next token)
+  index.json     offsets per record, the data key, the target fingerprint, what is stored,
+                 progress, `complete`
 Building is resumable (progress is saved every few sequences) and the cache refuses data or a
 target it was not built from.
 """
@@ -31,11 +36,11 @@ import torch
 
 from moaspec.errors import MoaspecError
 from moaspec.target import HFTarget
-from moaspec.train.features import TargetFeatures, TrainSample, logsumexp_of_logits
+from moaspec.train.features import TargetFeatures, TrainSample, teacher_summary
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 INDEX = "index.json"
-ARRAYS = ("layer_kv", "hidden", "lse")
+ARRAYS = ("layer_kv", "hidden", "lse", "argmax")
 SAVE_EVERY = 16  # sequences between progress saves while building
 
 
@@ -43,7 +48,7 @@ def data_key(samples: list[TrainSample]) -> str:
     """A digest of the token ids and response starts of `samples`, in order."""
     digest = hashlib.sha256()
     for sample in samples:
-        digest.update(np.int64(sample.response_start).tobytes())
+        digest.update(np.asarray(sample.spans(), dtype=np.int64).tobytes())
         digest.update(sample.input_ids.to(torch.int64).numpy().tobytes())
         digest.update(b"|")
     return digest.hexdigest()
@@ -66,45 +71,70 @@ class FeatureCache:
         self.index = index
         self.offsets = index["offsets"]  # [N_records + 1]
         self.tli_max = index["tli_max"]
+        self.kv_layers: list[int] = index["kv_layers"]
+        self.num_layers = index["num_layers"]
         self.num_kv_heads, self.head_dim = index["num_kv_heads"], index["head_dim"]
-        self.layer_kv, self.hidden, self.lse = (np.load(directory / f"{name}.npy", mmap_mode="r") for name in ARRAYS)
+        self.layer_kv, self.hidden, self.lse, self.argmax = (
+            np.load(directory / f"{name}.npy", mmap_mode="r") for name in ARRAYS
+        )
 
-    def check(self, samples: list[TrainSample], fingerprint: str, tli_layers: int) -> None:
-        """Refuse a cache built from other data, for another target, or without the TLI depth needed."""
+    def check(self, samples: list[TrainSample], fingerprint: str, tli_layers: int, kv_layers: tuple[int, ...]) -> None:
+        """Refuse a cache built from other data, for another target, or without the TLI depth or
+        the layers' keys/values needed."""
         if self.index["data_key"] != data_key(samples) or self.index["num_records"] != len(samples):
             raise MoaspecError(f"feature cache {self.directory} was built from other data; use another --feature-cache directory")
         if self.index["target_fingerprint"] != fingerprint:
             raise MoaspecError(f"feature cache {self.directory} was built for another target")
         if tli_layers > self.tli_max:
             raise MoaspecError(f"feature cache {self.directory} holds TLI depths up to {self.tli_max}, not {tli_layers}")
+        missing = sorted((set(kv_layers) | set(tli_kv_layers(self.num_layers, tli_layers))) - set(self.kv_layers))
+        if missing:
+            raise MoaspecError(
+                f"feature cache {self.directory} lacks the keys/values of target layers {missing}; "
+                "use another --feature-cache"
+            )
 
-    def features(self, sample: TrainSample, tli_layers: int, layer_kv: bool) -> TargetFeatures:
+    def features(self, sample: TrainSample, tli_layers: int, kv_layers: tuple[int, ...]) -> TargetFeatures:
         start, end = self.offsets[sample.index], self.offsets[sample.index + 1]
         if end - start != sample.input_ids.numel():
             raise MoaspecError(f"feature cache {self.directory} does not match record {sample.index}")
         hidden = torch.from_numpy(np.array(self.hidden[start:end])).float()  # [T, k_max + 1, D]
-        kv = torch.from_numpy(np.array(self.layer_kv[start:end])).float() if layer_kv or tli_layers else torch.empty(0)
+        wanted = list(kv_layers) + tli_kv_layers(self.num_layers, tli_layers)
+        rows = [self.kv_layers.index(layer) for layer in wanted]
+        kv = torch.from_numpy(np.array(self.layer_kv[start:end][:, rows])).float() if rows else torch.empty(0)
         tli_kv = []
-        num_layers = kv.shape[1] if tli_layers else 0
-        for layer in range(num_layers - tli_layers, num_layers):
-            per_head = kv[:, layer].view(end - start, self.num_kv_heads, 2, self.head_dim)  # [T, Hkv, 2, d]
+        for position in range(len(kv_layers), len(wanted)):
+            per_head = kv[:, position].view(end - start, self.num_kv_heads, 2, self.head_dim)  # [T, Hkv, 2, d]
             tli_kv.append((per_head[:, :, 0].transpose(0, 1).contiguous(), per_head[:, :, 1].transpose(0, 1).contiguous()))
         return TargetFeatures(
-            layer_kv=kv if layer_kv else torch.empty(0),
+            layer_kv=kv[:, : len(kv_layers)] if kv_layers else torch.empty(0),
             final_hidden=hidden[:, -1],
             teacher_logsumexp=torch.from_numpy(np.array(self.lse[start:end])),
+            teacher_argmax=torch.from_numpy(np.array(self.argmax[start:end])).long(),
             tli_kv=tli_kv,
             tli_hidden=hidden[:, self.tli_max - tli_layers] if tli_layers else None,
         )
 
 
+def tli_kv_layers(num_layers: int, tli_layers: int) -> list[int]:
+    """The target layers whose keys/values TLI k reads: L-k .. L-1."""
+    return list(range(num_layers - tli_layers, num_layers))
+
+
 @torch.no_grad()
 def build_feature_cache(
-    target: HFTarget, samples: list[TrainSample], directory: Path, fingerprint: str, tli_max: int, progress: bool = True
+    target: HFTarget,
+    samples: list[TrainSample],
+    directory: Path,
+    fingerprint: str,
+    tli_max: int,
+    kv_layers: tuple[int, ...],
+    progress: bool = True,
 ) -> FeatureCache:
-    """Run the target once over every sample and store its features in `directory`; resumes a
-    partial build of the same data. A complete cache is returned as it is: call
-    `FeatureCache.check` to see that it fits."""
+    """Run the target once over every sample and store its features in `directory`: the
+    keys/values of `kv_layers` and the TLI streams up to depth `tli_max` (with their layers'
+    keys/values); resumes a partial build of the same data. A complete cache is returned as it
+    is: call `FeatureCache.check` to see that it fits."""
     from tqdm import tqdm
 
     key = data_key(samples)
@@ -113,26 +143,32 @@ def build_feature_cache(
     offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     config = target.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_layers, hidden_size = target.num_layers, target.hidden_size
+    stored = sorted(set(kv_layers) | set(tli_kv_layers(num_layers, tli_max)))
     index = {
         "version": CACHE_VERSION, "data_key": key, "target_fingerprint": fingerprint, "num_records": len(samples),
-        "offsets": offsets, "tli_max": tli_max, "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
+        "offsets": offsets, "tli_max": tli_max, "kv_layers": stored, "num_layers": num_layers,
+        "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
         "done": 0, "complete": False, "build_wall_s": 0.0,
     }
     if index_path.is_file():
         previous = json.loads(index_path.read_text())
         if previous.get("complete"):
             return FeatureCache(directory)
-        same = {name: previous.get(name) for name in ("version", "data_key", "target_fingerprint", "tli_max")}
+        compared = ("version", "data_key", "target_fingerprint", "tli_max", "kv_layers")
+        same = {name: previous.get(name) for name in compared}
         if same != {name: index[name] for name in same}:
-            raise MoaspecError(f"{directory} holds a feature cache of other data, target or TLI depth; use another directory")
+            raise MoaspecError(
+                f"{directory} holds a feature cache of other data, target, layers or TLI depth; use another directory"
+            )
         index = previous
     else:
         directory.mkdir(parents=True, exist_ok=True)
-    num_layers, hidden_size = target.num_layers, target.hidden_size
     shapes = {
-        "layer_kv": ((offsets[-1], num_layers, 2 * config.num_key_value_heads * head_dim), np.float16),
+        "layer_kv": ((offsets[-1], len(stored), 2 * config.num_key_value_heads * head_dim), np.float16),
         "hidden": ((offsets[-1], tli_max + 1, hidden_size), np.float16),
         "lse": ((offsets[-1],), np.float32),
+        "argmax": ((offsets[-1],), np.int32),
     }
     fresh = index["done"] == 0
     arrays = {
@@ -150,9 +186,12 @@ def build_feature_cache(
         target.reset()
         out = target.prefill(ids, hidden_layers)
         hidden = out.hidden.to(torch.float16)  # [T, k_max + 1, D]
-        arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel()).to(torch.float16).numpy()
+        if stored:
+            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel())[:, stored].to(torch.float16).numpy()
         arrays["hidden"][start:end] = hidden.numpy()
-        arrays["lse"][start:end] = logsumexp_of_logits(hidden[:, -1].float(), target.lm_head.weight).numpy()
+        lse, argmax = teacher_summary(hidden[:, -1].float(), target.lm_head.weight)
+        arrays["lse"][start:end] = lse.numpy()
+        arrays["argmax"][start:end] = argmax.to(torch.int32).numpy()
         bar.update(end - start)
         if (position + 1) % SAVE_EVERY == 0 or position + 1 == len(samples):
             for array in arrays.values():

@@ -20,21 +20,35 @@ from moaspec.target import HFTarget
 @dataclass(frozen=True)
 class TrainSample:
     """input_ids [T]: prompt then response; response_start: index of the first response token;
-    index: the record's position in the data set (the feature cache's key), -1 when not from one."""
+    index: the record's position in the data set (the feature cache's key), -1 when not from one;
+    loss_spans: the [start, end) token ranges to learn (assistant turns of a whole conversation),
+    None for one response from response_start to the end."""
 
     input_ids: torch.Tensor
     response_start: int
     index: int = -1
+    loss_spans: tuple[tuple[int, int], ...] | None = None
+
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """The [start, end) ranges of tokens to learn, in order."""
+        return self.loss_spans if self.loss_spans is not None else ((self.response_start, self.input_ids.numel()),)
+
+    def learned_tokens(self) -> list[int]:
+        """The token ids inside the spans (what the draft vocabulary is chosen from)."""
+        ids = self.input_ids.tolist()
+        return [token for start, end in self.spans() for token in ids[start:end]]
 
 
 @dataclass(frozen=True)
 class TargetFeatures:
     """For a sequence of T tokens.
 
-    layer_kv:          [T, L, kv_dim] per-layer [k_h, v_h] (MoA memory input; empty for EAGLE).
+    layer_kv:          [T, Lk, kv_dim] per-layer [k_h, v_h] of the requested layers (MoA memory
+                       input; empty for EAGLE).
     final_hidden:      [T, D] post-norm last hidden state (h_t: predicts token t+1).
     teacher_logsumexp: [T] log-sum-exp of the target's full-vocabulary logits final_hidden @ W.T,
                        so the teacher's probabilities of any vocabulary subset are exp(logit - lse).
+    teacher_argmax:    [T] long, the target's most likely next token (full vocabulary) after t.
     tli_kv:            the last k layers' keys/values, each [Hkv, T, d] (empty without TLI).
     tli_hidden:        [T, D] residual stream entering layer L-k, or None without TLI.
     """
@@ -42,6 +56,7 @@ class TargetFeatures:
     layer_kv: torch.Tensor
     final_hidden: torch.Tensor
     teacher_logsumexp: torch.Tensor
+    teacher_argmax: torch.Tensor
     tli_kv: list[tuple[torch.Tensor, torch.Tensor]]
     tli_hidden: torch.Tensor | None
 
@@ -49,17 +64,30 @@ class TargetFeatures:
 class FeatureSource(Protocol):
     """Where the trainer gets a sample's target features from."""
 
-    def features(self, sample: TrainSample, tli_layers: int, layer_kv: bool) -> TargetFeatures: ...
+    def features(self, sample: TrainSample, tli_layers: int, kv_layers: tuple[int, ...]) -> TargetFeatures:
+        """kv_layers: the target layers whose keys/values `layer_kv` holds (in that order)."""
+        ...
 
 
-def logsumexp_of_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """hidden [T, D], lm_head_weight [V, D] -> [T] float32 log-sum-exp of hidden @ W.T (chunked)."""
-    rows = [torch.logsumexp((part @ lm_head_weight.T).float(), dim=-1) for part in hidden.split(chunk)]
-    return torch.cat(rows) if rows else torch.zeros(0)
+def teacher_summary(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, D], lm_head_weight [V, D] -> ([T] float32 log-sum-exp, [T] long argmax) of the
+    logits hidden @ W.T, computed in chunks of rows."""
+    lse, argmax = [], []
+    for part in hidden.split(chunk):
+        logits = (part @ lm_head_weight.T).float()
+        lse.append(torch.logsumexp(logits, dim=-1))
+        argmax.append(logits.argmax(-1))
+    if not lse:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(lse), torch.cat(argmax)
 
 
 @torch.no_grad()
-def target_features(target: HFTarget, input_ids: torch.Tensor, tli_layers: int = 0, layer_kv: bool = True) -> TargetFeatures:
+def target_features(
+    target: HFTarget, input_ids: torch.Tensor, tli_layers: int = 0, kv_layers: tuple[int, ...] = ()
+) -> TargetFeatures:
     """Run the target over input_ids [T] once and collect what the drafters need.
 
     Everything is copied out of the (inference-mode) target, so the tensors can feed trainable
@@ -69,13 +97,15 @@ def target_features(target: HFTarget, input_ids: torch.Tensor, tli_layers: int =
     hidden_layers = (num_layers - tli_layers, num_layers) if tli_layers else (num_layers,)
     target.reset()
     out = target.prefill(input_ids, hidden_layers)
-    kv = target.layer_kv(0, input_ids.numel()).clone() if layer_kv else torch.empty(0)
+    kv = target.layer_kv(0, input_ids.numel())[:, list(kv_layers)].clone() if kv_layers else torch.empty(0)
     tli_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in target.cache.layers[num_layers - tli_layers :]] if tli_layers else []
     final_hidden = out.hidden[:, -1].clone()
+    lse, argmax = teacher_summary(final_hidden, target.lm_head.weight)
     features = TargetFeatures(
         layer_kv=kv,
         final_hidden=final_hidden,
-        teacher_logsumexp=logsumexp_of_logits(final_hidden, target.lm_head.weight),
+        teacher_logsumexp=lse,
+        teacher_argmax=argmax,
         tli_kv=tli_kv,
         tli_hidden=out.hidden[:, 0].clone() if tli_layers else None,
     )
@@ -89,5 +119,5 @@ class OnlineFeatures:
     def __init__(self, target: HFTarget) -> None:
         self.target = target
 
-    def features(self, sample: TrainSample, tli_layers: int, layer_kv: bool) -> TargetFeatures:
-        return target_features(self.target, sample.input_ids, tli_layers, layer_kv)
+    def features(self, sample: TrainSample, tli_layers: int, kv_layers: tuple[int, ...]) -> TargetFeatures:
+        return target_features(self.target, sample.input_ids, tli_layers, kv_layers)

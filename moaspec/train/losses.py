@@ -36,7 +36,7 @@ class LossParts:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """values [T], mask [T] (0/1) -> scalar."""
+    """values [T], mask [T] (weights in [0, 1]) -> scalar weighted mean."""
     return (values * mask).sum() / (mask.sum() + 1e-5)
 
 
@@ -50,12 +50,17 @@ def drafter_loss(
     tli_target: torch.Tensor | None = None,
     tli_mask: torch.Tensor | None = None,
     tli_rms_scaled: bool = True,
+    wanted_ids: torch.Tensor | None = None,
 ) -> LossParts:
     """drafter_state, target_state [T, D]; head_weight [Vd, D] (the target's LM head rows of the
     draft vocabulary); teacher_logsumexp [T] (over the full vocabulary); mask [T];
     with TLI: pre_tli, tli_target [T, D] and tli_mask [T]; tli_rms_scaled: compare the pre-TLI
-    state and its target divided by the target's per-token RMS (see the module docstring)."""
+    state and its target divided by the target's per-token RMS (see the module docstring);
+    wanted_ids [T]: the target's own next token as a draft-vocabulary row (-1 outside it) for
+    `top1`, None to compare with the best of the draft vocabulary's teacher logits.
+    The mask may weigh positions (values in [0, 1]): every term is a weighted mean."""
     rows = mask.bool()
+    row_weights = mask[rows].float()  # [M]
     teacher_logits = (target_state[rows].to(head_weight.dtype) @ head_weight.T).float()
     teacher = torch.exp(teacher_logits - teacher_logsumexp[rows, None].float())  # [M, Vd]
     draft_log_probs = torch.log_softmax((drafter_state[rows] @ head_weight.T).float(), dim=-1)
@@ -69,6 +74,7 @@ def drafter_loss(
             predicted, wanted = predicted / rms, wanted / rms
         pre = F.smooth_l1_loss(predicted, wanted, reduction="none", beta=1.0).mean(-1)
         feature_loss = 0.5 * feature_loss + 0.5 * masked_mean(pre, tli_mask)
-    ce_loss = soft_ce.sum() / (rows.sum() + 1e-5)
-    top1 = (draft_log_probs.argmax(-1) == teacher_logits.argmax(-1)).float().sum() / (rows.sum() + 1e-5)
+    ce_loss = (soft_ce * row_weights).sum() / (row_weights.sum() + 1e-5)
+    wanted = teacher_logits.argmax(-1) if wanted_ids is None else wanted_ids[rows]
+    top1 = (draft_log_probs.argmax(-1) == wanted).float().sum() / (rows.sum() + 1e-5)
     return LossParts(CE_WEIGHT * ce_loss + feature_loss, ce_loss.detach(), feature_loss.detach(), top1.detach())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +26,14 @@ from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import TrainSample
-from moaspec.train.trainer import STATE_FILE, train
+from moaspec.train.trainer import STATE_FILE, kv_layers_read, train
 
 
 @dataclass(frozen=True)
 class RunSpec:
     """Everything `moaspec train` needs besides the TrainConfig."""
 
-    data_dir: Path
+    data_dirs: tuple[Path, ...]
     out_dir: Path
     target: str
     draft_vocab: int
@@ -43,30 +44,45 @@ class RunSpec:
     init_from: Path | None = None  # a drafter checkpoint whose weights start the run (fresh optimizer)
 
 
-def load_samples(data_dir: Path, max_seq_len: int) -> list[TrainSample]:
-    """Distilled records (prompt_ids + response_ids) -> TrainSamples cut to max_seq_len, in file
-    order (records with under 2 response tokens inside the cut are skipped)."""
+def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSample]:
+    """Records of every directory, in order, as TrainSamples cut to max_seq_len: distilled ones
+    (prompt_ids + response_ids; under 2 response tokens inside the cut are skipped) and
+    teacher-forced conversations (input_ids + loss_spans, `moaspec data sharegpt`)."""
     from moaspec.train.distill import read_shards
 
     samples = []
-    for record in read_shards(data_dir):
-        prompt, response = record["prompt_ids"], record["response_ids"]
-        if len(response) < 2 or len(prompt) >= max_seq_len - 2:
-            continue
-        ids = torch.tensor(prompt + response, dtype=torch.long)[:max_seq_len]
-        samples.append(TrainSample(ids, len(prompt), index=len(samples)))
-    if not samples:
-        raise MoaspecError(f"{data_dir} has no usable distilled records (run `moaspec data distill` first)")
+    for data_dir in data_dirs:
+        found = len(samples)
+        for record in read_shards(data_dir):
+            if "loss_spans" in record:
+                ids = torch.tensor(record["input_ids"][:max_seq_len], dtype=torch.long)
+                cut = [(start, min(end, ids.numel())) for start, end in record["loss_spans"]]
+                spans = tuple((start, end) for start, end in cut if end - start >= 2)
+                if spans:
+                    samples.append(TrainSample(ids, spans[0][0], index=len(samples), loss_spans=spans))
+                continue
+            prompt, response = record["prompt_ids"], record["response_ids"]
+            if len(response) < 2 or len(prompt) >= max_seq_len - 2:
+                continue
+            ids = torch.tensor(prompt + response, dtype=torch.long)[:max_seq_len]
+            samples.append(TrainSample(ids, len(prompt), index=len(samples)))
+        if len(samples) == found:
+            raise MoaspecError(
+                f"{data_dir} has no usable records (run `moaspec data distill` or `moaspec data sharegpt` first)"
+            )
     return samples
 
 
-def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tensor | None):
+def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tensor | None, memory_layers: int = 0):
     """A freshly initialised drafter for `target` (float32 master weights)."""
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
     if method == "moa":
         from moaspec.nn.moa import MoAConfig, MoADrafterNet
 
-        net = MoADrafterNet(MoAConfig.for_target(target.config, tli_layers=tli_layers, draft_vocab_size=size))
+        config = MoAConfig.for_target(
+            target.config, tli_layers=tli_layers, draft_vocab_size=size, memory_layers=memory_layers
+        )
+        net = MoADrafterNet(config)
     else:
         from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 
@@ -80,17 +96,24 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     """Copy the weights of the drafter checkpoint in `directory` into `net` (continued training or
     fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command,
     training tokens, wall time, and its own `init_from`, so a chain of continuations stays
-    traceable). The checkpoint's draft vocabulary comes with it. MoaspecError when its method, TLI
-    depth or vocabulary size differ."""
+    traceable). The checkpoint's draft vocabulary comes with it. A MoA checkpoint may read more
+    target layers than this net (`memory_layers`): the layer mix keeps those layers' weights.
+    MoaspecError when its method, TLI depth, vocabulary size or other sizes differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
     record, weights = read_checkpoint(directory, target)
     if record["method"] != config.method:
         raise MoaspecError(f"--init-from {directory} is a {record['method']} drafter, not {config.method}")
-    wanted, recorded = net.config.to_dict(), record.get("config", {})
-    differing = sorted(key for key in wanted.keys() | recorded.keys() if wanted.get(key) != recorded.get(key))
-    if differing:
-        detail = ", ".join(f"{key} {recorded.get(key)} vs {wanted.get(key)}" for key in differing)
+    try:
+        recorded_config = net.config_class(**record.get("config", {}))
+    except (TypeError, ValueError) as exc:
+        raise MoaspecError(f"--init-from {directory} has an unreadable drafter config ({exc})") from exc
+    wanted, recorded = net.config.to_dict(), recorded_config.to_dict()
+    differing = sorted(key for key in wanted if wanted[key] != recorded[key])
+    if differing == ["memory_layers"] and set(net.config.memory_layer_ids) <= set(recorded_config.memory_layer_ids):
+        weights = _narrow_layer_mix(weights, recorded_config.memory_layer_ids, net.config.memory_layer_ids)
+    elif differing:
+        detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in differing)
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
     net.load_state_dict({name: v.float() if v.is_floating_point() else v for name, v in weights.items()})
     training = record.get("training", {})
@@ -99,6 +122,15 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     if "init_from" in training:  # the lineage: what that run itself continued
         provenance["init_from"] = training["init_from"]
     return {"path": str(directory), **provenance}
+
+
+def _narrow_layer_mix(weights: dict, recorded_ids: tuple[int, ...], wanted_ids: tuple[int, ...]) -> dict:
+    """A MoA state dict reading `recorded_ids` cut down to read `wanted_ids` (a subset): only the
+    layer mix [Lm] depends on the layers read (the LSA places layers by their index)."""
+    if "layer_mix_raw" not in weights:
+        return weights
+    rows = torch.tensor([recorded_ids.index(layer) for layer in wanted_ids])
+    return {**weights, "layer_mix_raw": weights["layer_mix_raw"][rows]}
 
 
 def split_validation(samples: list[TrainSample], count: int) -> tuple[list[TrainSample], list[TrainSample]]:
@@ -128,15 +160,15 @@ def check_same_validation(out_dir: Path, val_indices: list[int]) -> None:
         )
 
 
-def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int):
-    """The FeatureCache of `samples` in `directory`, built (or finished) first when needed.
-    A new cache stores TLI depths up to max(2, tli_layers), so the usual runs share one cache."""
+def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int, kv_layers: tuple[int, ...]):
+    """The FeatureCache of `samples` in `directory`, built (or finished) first when needed, sized
+    to what this drafter reads: the keys/values of `kv_layers` and TLI depth `tli_layers`."""
     from moaspec.nn.checkpoint import target_fingerprint
     from moaspec.train.feature_cache import build_feature_cache
 
     fingerprint = target_fingerprint(target)
-    cache = build_feature_cache(target, samples, directory, fingerprint, tli_max=max(2, tli_layers))
-    cache.check(samples, fingerprint, tli_layers)
+    cache = build_feature_cache(target, samples, directory, fingerprint, tli_max=tli_layers, kv_layers=kv_layers)
+    cache.check(samples, fingerprint, tli_layers, kv_layers)
     return cache
 
 
@@ -147,34 +179,35 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32)
-    samples = load_samples(spec.data_dir, config.max_seq_len)
+    samples = load_samples(spec.data_dirs, config.max_seq_len)
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
     check_same_validation(spec.out_dir, val_indices)
     vocab_ids = None
-    responses = [s.input_ids[s.response_start :].tolist() for s in train_samples]
+    responses = [s.learned_tokens() for s in train_samples]
     if spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
-    net = build_net(config.method, target, config.tli_layers, vocab_ids)
+    net = build_net(config.method, target, config.tli_layers, vocab_ids, config.memory_layers)
     initial = None
     if spec.init_from is not None:
         initial = load_initial_weights(net, spec.init_from, target, config)
         vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
-    manifest_path = spec.data_dir / "manifest.json"
+    manifests = [directory / "manifest.json" for directory in spec.data_dirs]
     provenance = {
         "command": spec.command,
-        "data": str(spec.data_dir),
-        "data_manifest": json.loads(manifest_path.read_text()) if manifest_path.is_file() else {},
+        "data": [str(directory) for directory in spec.data_dirs],
+        "data_manifest": [json.loads(path.read_text()) if path.is_file() else {} for path in manifests],
         "val_indices": val_indices,
         "num_train_sequences": len(train_samples),
         "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
+        "num_learned_tokens": int(sum(end - start for s in train_samples for start, end in s.spans())),
         "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
     }
     if initial is not None:
         provenance["init_from"] = initial
     source = None
     if spec.feature_cache is not None:
-        source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers)
+        source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers, kv_layers_read(net, config))
         provenance["feature_cache"] = {"path": str(spec.feature_cache), "build_wall_s": source.index.get("build_wall_s")}
     state = train(
         net, target, train_samples, val_samples, config, spec.out_dir,

@@ -54,17 +54,27 @@ def staircase_probability(config: TrainConfig, step: int) -> float:
     return 0.0 if span <= 0 else 1.0 - min(1.0, step / span)
 
 
-def last_anchors(length: int, response_start: int, every: int) -> torch.Tensor:
-    """s(i) for i < length: prompt positions and response positions i % every == 0 are anchors."""
+def _in_spans(length: int, spans: tuple[tuple[int, int], ...], end_offset: int = 0) -> torch.Tensor:
+    """[length] bool: start <= i < end - end_offset for some span."""
     positions = torch.arange(length)
-    is_anchor = (positions < response_start) | (positions % every == 0)
+    inside = torch.zeros(length, dtype=torch.bool)
+    for start, end in spans:
+        inside |= (positions >= start) & (positions < end - end_offset)
+    return inside
+
+
+def last_anchors(length: int, spans: tuple[tuple[int, int], ...], every: int) -> torch.Tensor:
+    """s(i) for i < length: positions outside the learned spans (context the target verified)
+    and span positions with i % every == 0 are anchors."""
+    positions = torch.arange(length)
+    is_anchor = ~_in_spans(length, spans) | (positions % every == 0)
     return torch.cummax(torch.where(is_anchor, positions, 0), dim=0).values
 
 
-def loss_mask(length: int, response_start: int) -> torch.Tensor:
-    """Positions predicting a response token that exists: response_start <= i <= length - 2."""
-    positions = torch.arange(length)
-    return ((positions >= response_start) & (positions <= length - 2)).float()
+def loss_mask(length: int, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """[length] 0/1: positions predicting a later token of their span, start <= i <= end - 2 (a
+    span's first token is the target's own at inference: the root, never a draft)."""
+    return _in_spans(length, spans, end_offset=1).float()
 
 
 def sequence_loss(
@@ -81,24 +91,45 @@ def sequence_loss(
     ids = sample.input_ids
     length = ids.numel()
     head = net.head_weight(parts).to(next(net.parameters()).dtype)
-    mask = loss_mask(length, sample.response_start)
+    mask = loss_mask(length, sample.spans())
+    wanted = target_choice_in_draft_vocab(net, features.teacher_argmax)  # [T]
     if config.method == "moa":
-        anchors = last_anchors(length, sample.response_start, every)
+        anchors = last_anchors(length, sample.spans(), every)
         out = net.forward_train(parts, ids, features.layer_kv, anchors, staircase, features.tli_kv, features.tli_hidden)
-        tli_mask = mask * (anchors != torch.arange(length)).float() if config.tli_layers else None
+        at_anchor = anchors == torch.arange(length)
+        tli_mask = mask * (~at_anchor).float() if config.tli_layers else None
+        weights = mask * torch.where(at_anchor, config.anchor_loss_weight, 1.0)
         return drafter_loss(
-            out.final, features.final_hidden, head, features.teacher_logsumexp, mask,
-            out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled,
+            out.final, features.final_hidden, head, features.teacher_logsumexp, weights,
+            out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
         )
     noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
     predicted = net.forward_train(parts, ids, features.final_hidden + noise.to(features.final_hidden.dtype))  # [T-1, D]
-    return drafter_loss(predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:])
+    return drafter_loss(
+        predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:], wanted_ids=wanted[1:]
+    )
+
+
+def target_choice_in_draft_vocab(net: torch.nn.Module, target_argmax: torch.Tensor) -> torch.Tensor:
+    """target_argmax [T] (full-vocabulary ids) -> [T] their rows in the drafter's vocabulary,
+    -1 where the target's choice lies outside it (a miss whatever the drafter says)."""
+    if not net.config.draft_vocab_size:
+        return target_argmax
+    lookup = torch.full((int(max(net.draft_vocab_ids.max(), target_argmax.max())) + 1,), -1, dtype=torch.long)
+    lookup[net.draft_vocab_ids] = torch.arange(net.draft_vocab_ids.numel())
+    return lookup[target_argmax]
+
+
+def kv_layers_read(net: torch.nn.Module, config: TrainConfig) -> tuple[int, ...]:
+    """The target layers whose keys/values the drafter's training reads (MoA's memory)."""
+    return net.config.memory_layer_ids if config.method == "moa" else ()
 
 
 @torch.no_grad()
 def validate(net, parts, source: FeatureSource, samples: list[TrainSample], config: TrainConfig, max_depth: int = 6) -> dict:
-    """Top-1 agreement with the target per draft depth (MoA: depth = i - s(i) on a fixed anchor
-    grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
+    """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
+    outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
+    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
     net.eval()
     hits = torch.zeros(max_depth + 1)
     counts = torch.zeros(max_depth + 1)
@@ -107,18 +138,18 @@ def validate(net, parts, source: FeatureSource, samples: list[TrainSample], conf
     for sample in samples:
         ids = sample.input_ids
         length = ids.numel()
-        features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
+        features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
         parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
         losses.append(float(parts_loss.total))
         head = net.head_weight(parts)
         vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0])
-        mask = loss_mask(length, sample.response_start)
+        mask = loss_mask(length, sample.spans())
         if config.method == "moa":
-            anchors = last_anchors(length, sample.response_start, max_depth + 1)
+            anchors = last_anchors(length, sample.spans(), max_depth + 1)
             out = net.forward_train(parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden)
             predicted = vocab[(out.final @ head.T).argmax(-1)]
             depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
-            correct = predicted[:-1] == ids[1:]
+            correct = predicted[:-1] == features.teacher_argmax[:-1]
             for d in range(1, max_depth + 1):
                 selected = (depth[:-1] == d) & mask[:-1].bool()
                 hits[d] += correct[selected].sum()
@@ -127,7 +158,7 @@ def validate(net, parts, source: FeatureSource, samples: list[TrainSample], conf
             out = net.forward_train(parts, ids, features.final_hidden)
             predicted = vocab[(out @ head.T).argmax(-1)]  # row t predicts x_{t+2}
             selected = mask[1:-1].bool()
-            hits[1] += (predicted[:-1] == ids[2:])[selected].sum()
+            hits[1] += (predicted[:-1] == features.teacher_argmax[1:-1])[selected].sum()
             counts[1] += selected.sum()
     net.train()
     accuracy = {f"acc_depth{d}": round(float(hits[d] / counts[d]), 4) for d in range(1, max_depth + 1) if counts[d] > 0}
@@ -197,7 +228,7 @@ def train(
             for _ in range(config.batch_size):
                 sample = train_samples[rng.randrange(len(train_samples))]
                 every = rng.randint(config.anchor_min, config.anchor_max)
-                features = source.features(sample, config.tli_layers, layer_kv=config.method == "moa")
+                features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
                 parts_loss = sequence_loss(net, parts, sample, features, config, rng.random() < staircase_p, every, generator)
                 (parts_loss.total / config.batch_size).backward()
                 totals["loss"] += float(parts_loss.total.detach()) / config.batch_size

@@ -1,0 +1,60 @@
+"""Teacher-forced conversations: assistant spans from the chat template, cut and skipped exactly."""
+
+from __future__ import annotations
+
+from moaspec.train.teacher_forced import TeacherForcedConfig, build_records, encode_conversation
+from moaspec.train.sharegpt import Conversation
+
+ROLE = {"user": 1, "assistant": 2}
+END, NEWLINE, START = 3, 4, 5
+
+
+class ChatMLTokenizer:
+    """ChatML over characters: <start> role content <end> \\n; the generation prompt is <start> assistant."""
+
+    eos_token_id = END
+    chat_template = "chatml"
+
+    def __init__(self, rewrites_history: bool = False) -> None:
+        self.rewrites_history = rewrites_history
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        ids = []
+        for number, message in enumerate(messages):
+            content = message["content"]
+            if self.rewrites_history and number < len(messages) - 1:
+                content = content[:1]  # a template that shortens earlier turns: not prefix-stable
+            ids += [START, ROLE[message["role"]], *(ord(c) for c in content), END, NEWLINE]
+        if add_generation_prompt:
+            ids += [START, ROLE["assistant"]]
+        return {"input_ids": ids}
+
+
+def turns(*texts: str) -> list[dict[str, str]]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text} for i, text in enumerate(texts)]
+
+
+def test_spans_cover_each_assistant_turn_up_to_its_end_token() -> None:
+    ids, spans = encode_conversation(ChatMLTokenizer(), turns("hi", "hello", "why", "because"), 100, END)
+    assert spans == [(8, 14), (24, 32)]
+    assert ids[8:14] == [ord(c) for c in "hello"] + [END]  # the newline after <end> is not learned
+    assert ids[6:8] == [START, ROLE["assistant"]] and ids[24:32] == [ord(c) for c in "because"] + [END]
+
+
+def test_cut_conversations_keep_the_spans_inside_and_drop_short_ones() -> None:
+    tokenizer = ChatMLTokenizer()
+    ids, spans = encode_conversation(tokenizer, turns("hi", "hello", "why", "because"), 26, END)
+    assert len(ids) == 26 and spans == [(8, 14), (24, 26)]
+    ids, spans = encode_conversation(tokenizer, turns("hi", "hello", "why", "because"), 25, END)
+    assert spans == [(8, 14)]  # one token of the second answer fits: nothing to learn from it
+    assert encode_conversation(tokenizer, turns("hi", "hello"), 9, END) is None
+
+
+def test_templates_that_rewrite_earlier_turns_are_skipped_and_counted() -> None:
+    assert encode_conversation(ChatMLTokenizer(rewrites_history=True), turns("hi", "hello", "why", "x"), 100, END) is None
+    conversations = [Conversation(str(i), turns("hi", "hello", "why", "because")) for i in range(5)]
+    records, skipped = build_records(conversations, ChatMLTokenizer(), TeacherForcedConfig(num_conversations=3), False)
+    assert len(records) == 3 and skipped["not_prefix_stable_or_empty"] == 0
+    assert all(r["mode"] == "teacher-forced" and r["loss_spans"] == [[8, 14], [24, 32]] for r in records)
+    records, skipped = build_records(conversations, ChatMLTokenizer(True), TeacherForcedConfig(), False)
+    assert records == [] and skipped["not_prefix_stable_or_empty"] == 5
