@@ -243,6 +243,23 @@ def test_parse_methods_adds_the_baseline_and_labels_directories(tmp_path) -> Non
         check_available(lookup, "smollm2-135m")
 
 
+def test_reference_tree_methods_sit_beside_the_tuned_ones(tmp_path) -> None:
+    """`moa@ref` is the same checkpoint drafting with the fixed reference tree, whatever --tree-*."""
+    from moaspec.bench.methods import REFERENCE_TREE, drafter_tree
+
+    specs = parse_methods(f"moa,moa@ref,mine={tmp_path}@ref")
+    assert specs[1:] == (
+        MethodSpec("moa", "moa"), MethodSpec("moa@ref", "moa", True), MethodSpec("mine", str(tmp_path), True)
+    )
+    assert specs[2].described == "moa@ref" and specs[1].described == "moa"
+    given = {"depth": 2, "top_k": None, "budget": None}
+    assert drafter_tree(specs[2], given) == REFERENCE_TREE == {"depth": 6, "top_k": 4, "budget": 16}
+    assert drafter_tree(specs[1], given) == given and drafter_tree(MethodSpec("ngram", "ngram"), given) is None
+    for bad in ("ngram@ref", "hf@ref", "default@ref"):
+        with pytest.raises(MoaspecError, match="model drafters only"):
+            parse_methods(bad)
+
+
 def test_every_category_loads_with_enough_prompts() -> None:
     prompts = load_prompts(CATEGORIES, None)
     assert len(prompts["mt_bench"]) == 80 and all(len(p.turns) == 2 for p in prompts["mt_bench"])

@@ -40,7 +40,8 @@ def add_bench_parser(commands, default_target: str) -> None:
     bench.add_argument(
         "--methods",
         default=None,
-        help="comma-separated: none, hf, hf-pld, ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR "
+        help="comma-separated: none, hf, hf-pld, ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR; a model "
+        "drafter ending in @ref drafts with the reference tree (depth 6, top-k 4, 16 nodes) "
         "(default none,hf,hf-pld,ngram plus the shipped drafters of the target); none is always included",
     )
     bench.add_argument(
@@ -113,7 +114,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],
-        "method_sources": {spec.label: spec.source for spec in specs},
+        "method_sources": {spec.label: spec.described for spec in specs},
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
         "seed": args.seed,

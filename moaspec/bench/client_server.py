@@ -127,12 +127,12 @@ def run_client_server_bench(
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     prompts, skipped = first_turns(target, items)
-    from moaspec.drafters import MODEL_FREE
+    from moaspec.bench.methods import drafter_tree
     from moaspec.tuned import tree_overrides
 
     overrides = tree_overrides(args)
     drafters = {
-        spec.label: functools.partial(make_drafter, spec.drafter, tree_overrides=None if spec.drafter in MODEL_FREE else overrides)
+        spec.label: functools.partial(make_drafter, spec.drafter, tree_overrides=drafter_tree(spec, overrides))
         for spec in specs
         if spec.label != BASELINE
     }
@@ -188,7 +188,7 @@ def _config(
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],
-        "method_sources": {spec.label: spec.source for spec in specs},
+        "method_sources": {spec.label: spec.described for spec in specs},
         "networks": {name: asdict(PROFILES[name]) for name in profiles},
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,

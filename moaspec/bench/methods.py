@@ -5,6 +5,9 @@
   drafter optionally with `+ngram` (prompt lookup first): our engine with that drafter
   (`none` = plain decoding, the speed baseline); `LABEL=DIR` names a checkpoint directory in the
   tables (default label: the value as given);
+- `X@ref` for a model drafter X: the same checkpoint with the fixed reference tree
+  (REFERENCE_TREE: depth 6, top-k 4, 16 drafted nodes) whatever its tuned or --tree-* tree, so a
+  run can show `moa` and `moa@ref` side by side (acceptance per depth needs a deep tree);
 - `default`: what `moaspec generate` uses when no drafter is named: the machine calibration's
   choice (moaspec/calibration/plan.py), recorded in results.json's `config.calibration`;
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
@@ -32,14 +35,23 @@ if TYPE_CHECKING:
 HF_METHODS = ("hf", "hf-pld")
 DEFAULT_METHOD = "default"
 HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+REFERENCE_SUFFIX = "@ref"
+REFERENCE_TREE = {"depth": 6, "top_k": 4, "budget": 16}  # issue 20's fixed tree for comparing drafters
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """label: the name in the tables. source: `hf`, `hf-pld`, or a drafter spec for our engine."""
+    """label: the name in the tables. source: `hf`, `hf-pld`, or a drafter spec for our engine.
+    reference_tree: draft with REFERENCE_TREE instead of the drafter's own tree."""
 
     label: str
     source: str
+    reference_tree: bool = False
+
+    @property
+    def described(self) -> str:
+        """The source as given in --methods (with @ref when the reference tree is used)."""
+        return self.source + (REFERENCE_SUFFIX if self.reference_tree else "")
 
     @property
     def drafter(self) -> str | None:
@@ -75,11 +87,15 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
         if not item:
             continue
         label, _, path = item.partition("=") if "=" in item else (item, "", item)
+        reference = path.endswith(REFERENCE_SUFFIX)
+        path = path.removesuffix(REFERENCE_SUFFIX)
         if not label or not path:
-            raise MoaspecError(f"bad method '{item}' (expected NAME, DIR or LABEL=DIR)")
+            raise MoaspecError(f"bad method '{item}' (expected NAME, DIR or LABEL=DIR, optionally ending in @ref)")
+        if reference and path in (*HF_METHODS, DEFAULT_METHOD, *MODEL_FREE):
+            raise MoaspecError(f"method '{item}': {REFERENCE_SUFFIX} applies to model drafters only")
         if path not in (*HF_METHODS, DEFAULT_METHOD):
             check_drafter_spec(path)
-        specs.append(MethodSpec(label, path))
+        specs.append(MethodSpec(label, path, reference))
     if not specs:
         raise MoaspecError("--methods is empty")
     if any(spec.label == "none" and spec.source != "none" for spec in specs):
@@ -127,8 +143,15 @@ def build_method(spec: MethodSpec, target: HFTarget, calibrated=None, tree_overr
         return EngineMethod(spec.label, target, calibrated)
     from moaspec.drafters import make_drafter
 
-    overrides = None if spec.drafter in MODEL_FREE else tree_overrides
-    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target, overrides))
+    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target, drafter_tree(spec, tree_overrides)))
+
+
+def drafter_tree(spec: MethodSpec, tree_overrides: dict | None) -> dict | None:
+    """The tree overrides `make_drafter` gets for an engine method: REFERENCE_TREE for `X@ref`,
+    the --tree-* values for the other model drafters, none for the model-free ones."""
+    if spec.reference_tree:
+        return REFERENCE_TREE
+    return None if spec.drafter in MODEL_FREE else tree_overrides
 
 
 class EngineMethod:

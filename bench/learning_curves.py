@@ -1,0 +1,79 @@
+"""Learning curves of drafter training runs: validation top-1 per draft depth and τ over steps.
+
+    .venv/bin/python bench/learning_curves.py --out docs/learning_curves RUN_DIR [RUN_DIR ...]
+
+Reads each run's `train_state.pt` history (the validation records written every --val-every
+steps) and writes `<out>.png` (one panel per quantity, one line per run) and `<out>.json` (the
+points, small enough to commit). Draft depth follows inference: for MoA, draft depth d is the
+trainer's `acc_depth{d+1}` (its `acc_depth1` is the anchor's own position, the target's bonus
+token at inference); for EAGLE, `acc_depth1` is draft depth 1 (teacher-forced features).
+Top-1 is against the target's argmax over the full vocabulary (runs from before 2026-11-24
+compared with the data's next token; their points are not comparable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+DEPTHS = (1, 2, 3)
+
+
+def run_curve(run_dir: Path) -> dict:
+    """{"name", "method", "steps", "depth{d}": [...], "val_tau": [...]} of one run."""
+    state_path = run_dir / "train_state.pt"
+    if not state_path.is_file():
+        raise SystemExit(f"learning_curves: {run_dir} has no train_state.pt")
+    state = torch.load(state_path, weights_only=False)
+    method = state["config"]["method"]
+    offset = 1 if method == "moa" else 0
+    points = [record for record in state["history"] if "val_loss" in record]
+    curve = {"name": run_dir.name, "method": method, "steps": [record["step"] for record in points]}
+    for depth in DEPTHS:
+        curve[f"depth{depth}"] = [record.get(f"acc_depth{depth + offset}") for record in points]
+    curve["val_tau"] = [record.get("val_tau") for record in points]
+    curve["val_loss"] = [record["val_loss"] for record in points]
+    return curve
+
+
+def plot(curves: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [f"depth{d}" for d in DEPTHS] + ["val_tau"]
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    for axis, key in zip(axes, panels):
+        for curve in curves:
+            pairs = [(s, v) for s, v in zip(curve["steps"], curve[key]) if v is not None]
+            if pairs:
+                axis.plot(*zip(*pairs), marker="o", label=curve["name"])
+        axis.set_title("τ (greedy, val prompts)" if key == "val_tau" else f"top-1, draft depth {key[5:]}")
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output path without extension (.png and .json are written)")
+    parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`")
+    args = parser.parse_args(argv)
+    curves = [run_curve(Path(run)) for run in args.runs]
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
+    plot(curves, out.with_suffix(".png"))
+    print(f"learning_curves: {out.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
