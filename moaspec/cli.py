@@ -197,6 +197,11 @@ def _add_train_parser(commands, default_target: str) -> None:
     )
     train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
     train.add_argument(
+        "--device", default="cpu",
+        help="where the target's features and the training run: cpu or cuda[:N] (bfloat16 autocast on a GPU; "
+        "a run resumes on either) (default cpu)",
+    )
+    train.add_argument(
         "--init-from", default=None,
         help="start from the weights of a drafter checkpoint, an earlier run directory or a shipped name, "
         "with a fresh optimizer and schedule (continued training, fine-tuning)",
@@ -239,6 +244,7 @@ def _train(args: argparse.Namespace) -> int:
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
+    _check_device(args.device)
     init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
     from moaspec.model_store import resolve_target
 
@@ -252,6 +258,7 @@ def _train(args: argparse.Namespace) -> int:
         command=_command_line(args),
         feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
         init_from=init_from,
+        device=args.device,
     )
     try:
         checkpoint = run_training(spec, config, tree)
@@ -282,6 +289,9 @@ def _add_data_parser(commands, default_target: str) -> None:
         help="share of batches sampled at temperature 0.7, the rest greedy (default 0.5)",
     )
     distill.add_argument("--shard-size", type=int, default=1000, help="records per jsonl shard (default 1000)")
+    distill.add_argument(
+        "--device", default="cpu", help="where the target generates: cpu or cuda[:N] (sampled rows differ by device)"
+    )
     distill.add_argument(
         "--seed", type=int, default=0, help="prompt shuffle, batch modes and sampling seeds (default 0)"
     )
@@ -416,7 +426,8 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    manifest = run_distill(args.target, out, config, _command_line(args))
+    _check_device(args.device)
+    manifest = run_distill(args.target, out, config, _command_line(args), device=args.device)
     totals = manifest["totals"]
     print(
         f"[moaspec] {totals['num_records']} records, {totals['response_tokens']} response tokens "
@@ -424,6 +435,21 @@ def _data_distill(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _check_device(device: str) -> None:
+    """`--device`: cpu, or a CUDA device this machine has (MoaspecError otherwise)."""
+    import re
+
+    if device == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise MoaspecError(f"--device must be cpu or cuda[:N], got '{device}'")
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise MoaspecError(f"--device {device}: this machine has no such CUDA device")
 
 
 def _data_sharegpt(args: argparse.Namespace) -> int:

@@ -93,6 +93,11 @@ class HFTarget:
         return self.model.get_input_embeddings()
 
     @property
+    def device(self) -> torch.device:
+        """Where the model's weights live (training may run the target on a GPU)."""
+        return self.model.get_input_embeddings().weight.device
+
+    @property
     def lm_head(self) -> torch.nn.Module:
         return self.model.get_output_embeddings()
 
@@ -185,10 +190,11 @@ class HFTarget:
         hidden_layers: tuple[int, ...],
         logits_to_keep: int,
     ) -> TargetOutput:
+        device = self.device  # inputs are made on the CPU; .to() is a no-op there
         out = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=attention_bias,
+            input_ids=input_ids[None].to(device),
+            position_ids=positions[None].to(device),
+            attention_mask=None if attention_bias is None else attention_bias.to(device),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=bool(hidden_layers),

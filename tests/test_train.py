@@ -367,3 +367,32 @@ def test_tau_probe_runs_the_engine_on_a_copy_of_the_network(method: str) -> None
     engine = Engine(target, drafter)
     runs = [engine.generate(s.input_ids[: s.response_start], generation=GenerationConfig(max_new_tokens=TAU_NEW_TOKENS)).stats for s in val]
     assert tau == sum(r.forward_tokens for r in runs) / sum(r.target_forwards for r in runs)
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_mixed_precision_training_runs_the_gpu_code_path_on_the_cpu(tmp_path, method: str) -> None:
+    """The path `--device cuda` takes (features moved to the target's device, bfloat16 autocast,
+    CPU-made masks moved over, val_tau skipped off the CPU only) runs here with autocast on the
+    CPU: the loss is finite and within bfloat16 error of the float32 run's, validation works."""
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data = samples(4, 11)
+    config = TrainConfig(method=method, steps=2, batch_size=2, warmup_steps=1, val_every=2, ckpt_every=1000)
+    losses = []
+    for autocast in (False, True):
+        torch.manual_seed(0)
+        net = make_net(method, target)
+        state = train(net, target, data[:3], data[3:], config, tmp_path / str(autocast), progress=False, autocast=autocast)
+        losses.append(state.history[0]["loss"])
+        assert "acc_depth1" in state.history[-1] and "val_tau" in state.history[-1]
+    assert losses[1] == pytest.approx(losses[0], rel=0.05) and losses[1] == losses[1]
+
+
+def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:
+    from moaspec.cli import main
+
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text("{}\n")
+    for device, message in (("gpu", "cpu or cuda"), ("cuda:7", "no such CUDA device")):
+        code = main(["train", "--method", "moa", "--data", str(data), "--out", str(tmp_path / "o"), "--device", device])
+        assert code != 0 and message in capsys.readouterr().err

@@ -39,7 +39,7 @@ def target_fingerprint(target: HFTarget) -> str:
     }
     embeddings = target.embed_tokens.weight.detach()
     stride = max(1, embeddings.shape[0] // 512)
-    sample = embeddings[::stride].to(torch.float32).contiguous().numpy().tobytes()
+    sample = embeddings[::stride].to(torch.float32).cpu().contiguous().numpy().tobytes()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + sample)
     return digest.hexdigest()[:16]
 
@@ -65,7 +65,7 @@ def save_checkpoint(
         "training": training or {},
     }
     tensors = {
-        name: (value.to(dtype) if value.is_floating_point() else value).contiguous()
+        name: (value.to(dtype) if value.is_floating_point() else value).cpu().contiguous()
         for name, value in net.state_dict().items()
     }
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))

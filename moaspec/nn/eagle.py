@@ -93,7 +93,7 @@ class EagleDrafterNet(DrafterNet):
         logits predict x_{t+2}. Training noise, if any, is the caller's (added to target_hidden).
         """
         num_pairs = input_ids.numel() - 1
-        positions = torch.arange(num_pairs)
+        positions = torch.arange(num_pairs, device=input_ids.device)
         inputs = self.pair_inputs(parts, input_ids[1:], target_hidden[:-1])
         causal = positions[None, :] <= positions[:, None]
         out, _ = self.decoder_layer(inputs, positions, additive_mask(causal, inputs.dtype))

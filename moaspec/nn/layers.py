@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin for rotary embeddings at `positions` [T] -> two [T, head_dim] tensors."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim))
     freqs = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -131,7 +131,7 @@ class DecoderLayer(nn.Module):
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool visibility [Tq, Tk] -> additive float mask (0 visible, dtype min hidden)."""
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

@@ -126,7 +126,7 @@ def encode_memory(
     layer_mix_raw [Lm], or the mean when None) -> Ekv2E -> [n, D]."""
     if layer_kv.shape[-2] != len(layer_ids):
         raise ValueError(f"the memory reads {len(layer_ids)} target layers, got keys/values of {layer_kv.shape[-2]}")
-    mixed, _ = lsa(layer_kv, torch.tensor(layer_ids), None)
+    mixed, _ = lsa(layer_kv, torch.tensor(layer_ids, device=layer_kv.device), None)
     if layer_mix_raw is None:
         return ekv2e(mixed.mean(dim=-2))
     weights = torch.softmax(LAYER_MIX_SCALE * layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
@@ -223,7 +223,8 @@ class MoADrafterNet(DrafterNet):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         q = self.cross_attention.queries(self.ca_norm(h), cos, sin)
         if self.config.ca_recency_bias:
-            distance = (positions[:, None] - torch.arange(memory_kv[0].shape[-2])[None, :]).clamp(min=0).to(h.dtype)
+            memory_positions = torch.arange(memory_kv[0].shape[-2], device=positions.device)
+            distance = (positions[:, None] - memory_positions[None, :]).clamp(min=0).to(h.dtype)
             bias = -self.ca_recency_slopes.to(h.dtype)[:, None, None] * distance  # [H, T, n]
             mask = bias if mask is None else (mask + bias).clamp(min=torch.finfo(h.dtype).min)
         c = h + self.cross_attention.output(q, memory_kv[0], memory_kv[1], mask)
@@ -248,11 +249,11 @@ class MoADrafterNet(DrafterNet):
         layers, tli_true_hidden [T, D] = the residual stream entering layer L-k.
         """
         n = input_ids.numel()
-        positions = torch.arange(n)
+        positions = torch.arange(n, device=input_ids.device)
         dtype = self.ekv2e.weight.dtype
         embeds = parts.embed_tokens(input_ids).to(dtype)
         causal = positions[None, :] <= positions[:, None]
-        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | torch.eye(n, dtype=torch.bool) if staircase else causal
+        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | torch.eye(n, dtype=torch.bool, device=input_ids.device) if staircase else causal
         h, _ = self.self_attention(embeds, positions, additive_mask(sa_visible, dtype))
         memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype)), positions)
         ca_visible = positions[None, :] <= last_anchor[:, None]

@@ -170,7 +170,9 @@ def generate_batch(model, batch: Batch, config: DistillConfig, pad_id: int, eos_
     with torch.inference_mode(), torch.random.fork_rng(devices=[]):
         if sampled:
             torch.manual_seed(batch.seed)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=generation)
+        out = model.generate(
+            input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device), generation_config=generation
+        )
     new_rows = out[:, width:].tolist()  # [B, new]
     return [
         {
@@ -340,8 +342,10 @@ def check_resume(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
     return previous
 
 
-def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command: str) -> dict[str, Any]:
-    """The `moaspec data distill` pipeline: data, target, prompts, generation, manifest."""
+def run_distill(
+    target: str, out_dir: str | Path, config: DistillConfig, command: str, device: str = "cpu"
+) -> dict[str, Any]:
+    """The `moaspec data distill` pipeline: data, target, prompts, generation (on `device`), manifest."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(exist_ok=True)
@@ -355,7 +359,7 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
     # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
     # on 2 cores (eager only wins at batch 1).
     loaded = load_target(target, attn_implementation="sdpa")
-    tokenizer, model = loaded.tokenizer, loaded.model
+    tokenizer, model = loaded.tokenizer, loaded.model.to(device)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)
@@ -364,6 +368,7 @@ def run_distill(target: str, out_dir: str | Path, config: DistillConfig, command
     manifest: dict[str, Any] = {
         "command": command,
         "target": loaded.name,
+        "device": device,
         "settings": settings,
         "pad_id": pad_id,
         "eos_ids": sorted(eos_ids),

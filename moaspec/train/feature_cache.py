@@ -185,13 +185,13 @@ def build_feature_cache(
         start, end = offsets[position], offsets[position + 1]
         target.reset()
         out = target.prefill(ids, hidden_layers)
-        hidden = out.hidden.to(torch.float16)  # [T, k_max + 1, D]
+        hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
         if stored:
-            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel())[:, stored].to(torch.float16).numpy()
+            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel())[:, stored].to(torch.float16).cpu().numpy()
         arrays["hidden"][start:end] = hidden.numpy()
-        lse, argmax = teacher_summary(hidden[:, -1].float(), target.lm_head.weight)
-        arrays["lse"][start:end] = lse.numpy()
-        arrays["argmax"][start:end] = argmax.to(torch.int32).numpy()
+        lse, argmax = teacher_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
+        arrays["lse"][start:end] = lse.cpu().numpy()
+        arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
         bar.update(end - start)
         if (position + 1) % SAVE_EVERY == 0 or position + 1 == len(samples):
             for array in arrays.values():

@@ -61,7 +61,8 @@ def drafter_loss(
     The mask may weigh positions (values in [0, 1]): every term is a weighted mean."""
     rows = mask.bool()
     row_weights = mask[rows].float()  # [M]
-    teacher_logits = (target_state[rows].to(head_weight.dtype) @ head_weight.T).float()
+    with torch.autocast(device_type=target_state.device.type, enabled=False):  # the teacher stays float32
+        teacher_logits = (target_state[rows].to(head_weight.dtype) @ head_weight.T).float()
     teacher = torch.exp(teacher_logits - teacher_logsumexp[rows, None].float())  # [M, Vd]
     draft_log_probs = torch.log_softmax((drafter_state[rows] @ head_weight.T).float(), dim=-1)
     soft_ce = -(teacher * draft_log_probs).sum(-1)

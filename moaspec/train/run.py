@@ -42,6 +42,7 @@ class RunSpec:
     command: str
     feature_cache: Path | None = None  # memory-mapped target features (built on first use)
     init_from: Path | None = None  # a drafter checkpoint whose weights start the run (fresh optimizer)
+    device: str = "cpu"  # where the target's features and the drafter's training run ("cuda": bf16 autocast)
 
 
 def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSample]:
@@ -179,6 +180,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     started = time.perf_counter()
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32)
+    target.model.to(spec.device)
     samples = load_samples(spec.data_dirs, config.max_seq_len)
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]

@@ -12,6 +12,8 @@ Loss on response positions only (a position predicts the token after it).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import random
@@ -87,16 +89,19 @@ def sequence_loss(
     every: int,
     generator: torch.Generator,
 ) -> LossParts:
-    """Loss of one sequence (MoA or EAGLE) given the target's features of it."""
-    ids = sample.input_ids
+    """Loss of one sequence (MoA or EAGLE) given the target's features of it (on the device the
+    net trains on; ids, masks and noise are made on the CPU and moved there)."""
+    device = features.final_hidden.device
+    ids = sample.input_ids.to(device)
     length = ids.numel()
     head = net.head_weight(parts).to(next(net.parameters()).dtype)
-    mask = loss_mask(length, sample.spans())
+    mask = loss_mask(length, sample.spans()).to(device)
     wanted = target_choice_in_draft_vocab(net, features.teacher_argmax)  # [T]
     if config.method == "moa":
         anchors = last_anchors(length, sample.spans(), every)
+        at_anchor = (anchors == torch.arange(length)).to(device)
+        anchors = anchors.to(device)
         out = net.forward_train(parts, ids, features.layer_kv, anchors, staircase, features.tli_kv, features.tli_hidden)
-        at_anchor = anchors == torch.arange(length)
         tli_mask = mask * (~at_anchor).float() if config.tli_layers else None
         weights = mask * torch.where(at_anchor, config.anchor_loss_weight, 1.0)
         return drafter_loss(
@@ -104,7 +109,8 @@ def sequence_loss(
             out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
         )
     noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
-    predicted = net.forward_train(parts, ids, features.final_hidden + noise.to(features.final_hidden.dtype))  # [T-1, D]
+    noisy = features.final_hidden + noise.to(device=device, dtype=features.final_hidden.dtype)
+    predicted = net.forward_train(parts, ids, noisy)  # [T-1, D]
     return drafter_loss(
         predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:], wanted_ids=wanted[1:]
     )
@@ -115,9 +121,28 @@ def target_choice_in_draft_vocab(net: torch.nn.Module, target_argmax: torch.Tens
     -1 where the target's choice lies outside it (a miss whatever the drafter says)."""
     if not net.config.draft_vocab_size:
         return target_argmax
-    lookup = torch.full((int(max(net.draft_vocab_ids.max(), target_argmax.max())) + 1,), -1, dtype=torch.long)
-    lookup[net.draft_vocab_ids] = torch.arange(net.draft_vocab_ids.numel())
-    return lookup[target_argmax]
+    vocab = net.draft_vocab_ids
+    lookup = torch.full((int(max(vocab.max(), target_argmax.max())) + 1,), -1, dtype=torch.long, device=vocab.device)
+    lookup[vocab] = torch.arange(vocab.numel(), device=vocab.device)
+    return lookup[target_argmax.to(vocab.device)]
+
+
+def features_on(features: TargetFeatures, device: torch.device) -> TargetFeatures:
+    """The same features on `device` (no copy when they are there already)."""
+    moved = {
+        name: value.to(device) if isinstance(value, torch.Tensor) else value
+        for name, value in ((f.name, getattr(features, f.name)) for f in dataclasses.fields(features))
+    }
+    moved["tli_kv"] = [(k.to(device), v.to(device)) for k, v in features.tli_kv]
+    return TargetFeatures(**moved)
+
+
+def mixed_precision(device: torch.device, enabled: bool):
+    """bfloat16 autocast on `device` when enabled (the drafter's matmuls; losses stay float32),
+    else nothing. CUDA training uses it; tests run the same path on the CPU."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def kv_layers_read(net: torch.nn.Module, config: TrainConfig) -> tuple[int, ...]:
@@ -126,7 +151,16 @@ def kv_layers_read(net: torch.nn.Module, config: TrainConfig) -> tuple[int, ...]
 
 
 @torch.no_grad()
-def validate(net, parts, source: FeatureSource, samples: list[TrainSample], config: TrainConfig, max_depth: int = 6) -> dict:
+def validate(
+    net,
+    parts,
+    source: FeatureSource,
+    samples: list[TrainSample],
+    config: TrainConfig,
+    max_depth: int = 6,
+    device: torch.device | str = "cpu",
+    autocast: bool = False,
+) -> dict:
     """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
     outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
     fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
@@ -135,34 +169,46 @@ def validate(net, parts, source: FeatureSource, samples: list[TrainSample], conf
     counts = torch.zeros(max_depth + 1)
     losses = []
     generator = torch.Generator().manual_seed(0)
+    device = torch.device(device)
     for sample in samples:
-        ids = sample.input_ids
-        length = ids.numel()
-        features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
-        parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
-        losses.append(float(parts_loss.total))
-        head = net.head_weight(parts)
-        vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0])
+        length = sample.input_ids.numel()
+        features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
+        with mixed_precision(device, autocast):
+            parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
+            losses.append(float(parts_loss.total))
+            predicted = _predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
+        target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
         mask = loss_mask(length, sample.spans())
         if config.method == "moa":
             anchors = last_anchors(length, sample.spans(), max_depth + 1)
-            out = net.forward_train(parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden)
-            predicted = vocab[(out.final @ head.T).argmax(-1)]
             depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
-            correct = predicted[:-1] == features.teacher_argmax[:-1]
+            correct = predicted[:-1] == target_next[:-1]
             for d in range(1, max_depth + 1):
                 selected = (depth[:-1] == d) & mask[:-1].bool()
                 hits[d] += correct[selected].sum()
                 counts[d] += selected.sum()
-        else:
-            out = net.forward_train(parts, ids, features.final_hidden)
-            predicted = vocab[(out @ head.T).argmax(-1)]  # row t predicts x_{t+2}
+        else:  # row t of predicted is the token after t + 1
             selected = mask[1:-1].bool()
-            hits[1] += (predicted[:-1] == features.teacher_argmax[1:-1])[selected].sum()
+            hits[1] += (predicted[:-1] == target_next[1:-1])[selected].sum()
             counts[1] += selected.sum()
     net.train()
     accuracy = {f"acc_depth{d}": round(float(hits[d] / counts[d]), 4) for d in range(1, max_depth + 1) if counts[d] > 0}
     return {"val_loss": round(sum(losses) / max(1, len(losses)), 5), **accuracy}
+
+
+def _predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int):
+    """The drafter's argmax (full-vocabulary ids) teacher-forced: MoA [T] on the fixed anchor grid
+    of max_depth + 1 (row i predicts the token after i); EAGLE [T - 1] with the true features
+    (row t predicts the token after t + 1)."""
+    ids = sample.input_ids.to(features.final_hidden.device)
+    head = net.head_weight(parts)
+    vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0], device=head.device)
+    if config.method == "moa":
+        anchors = last_anchors(ids.numel(), sample.spans(), max_depth + 1).to(ids.device)
+        out = net.forward_train(parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden)
+        return vocab[(out.final @ head.T.to(out.final.dtype)).argmax(-1)]
+    out = net.forward_train(parts, ids, features.final_hidden)
+    return vocab[(out @ head.T.to(out.dtype)).argmax(-1)]
 
 
 def train(
@@ -178,10 +224,14 @@ def train(
     stop_at_step: int | None = None,
     stop_after_s: float | None = None,
     source: FeatureSource | None = None,
+    autocast: bool | None = None,
 ) -> TrainState:
     """Train `net` in place; resume from out_dir/train_state.pt when it exists.
 
     source: where target features come from (default: run the target online per sequence).
+    The net trains where the target's weights are (`target.device`: a GPU when the caller put the
+    target there), with bfloat16 autocast when `autocast` (default: on a GPU only). `val_tau`
+    runs the CPU engine, so it is measured on the CPU only.
 
     stop_at_step / stop_after_s end this call early (state saved), e.g. to fit a time box;
     calling again with the same config continues exactly where it stopped.
@@ -192,6 +242,9 @@ def train(
         raise ValueError(f"training samples must be cut to max_seq_len={config.max_seq_len} tokens first")
     out_dir.mkdir(parents=True, exist_ok=True)
     source = source or OnlineFeatures(target)
+    device = target.device
+    autocast = device.type == "cuda" if autocast is None else autocast
+    net.to(device)
     parts = TargetParts.from_target(target, config.tli_layers)
     for param in target.model.parameters():
         param.requires_grad_(False)
@@ -201,7 +254,7 @@ def train(
     generator = torch.Generator().manual_seed(config.seed)
     state_path = out_dir / STATE_FILE
     if state_path.is_file():
-        saved = torch.load(state_path, weights_only=False)
+        saved = torch.load(state_path, weights_only=False, map_location="cpu")
         if saved["config"] != asdict(config):
             raise ValueError(f"{state_path} was written with another training config; use a new --out")
         net.load_state_dict(saved["net"])
@@ -228,8 +281,10 @@ def train(
             for _ in range(config.batch_size):
                 sample = train_samples[rng.randrange(len(train_samples))]
                 every = rng.randint(config.anchor_min, config.anchor_max)
-                features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
-                parts_loss = sequence_loss(net, parts, sample, features, config, rng.random() < staircase_p, every, generator)
+                features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
+                staircase = rng.random() < staircase_p
+                with mixed_precision(device, autocast):
+                    parts_loss = sequence_loss(net, parts, sample, features, config, staircase, every, generator)
                 (parts_loss.total / config.batch_size).backward()
                 totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
                 totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
@@ -245,8 +300,10 @@ def train(
             bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
-                record.update(validate(net, parts, source, val_samples, config))
-                record["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
+                record.update(validate(net, parts, source, val_samples, config, device=device, autocast=autocast))
+                if device.type == "cpu":
+                    tau = measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {})))
+                    record["val_tau"] = round(tau, 4)
                 bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
             state.history.append(record)
             if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):

@@ -1,0 +1,167 @@
+"""Teacher-forced top-1 of drafters on all 80 MT-bench questions (both turns), per sub-category.
+
+    MOASPEC_NO_CALIBRATION=1 .venv/bin/python bench/mtbench_top1.py --out bench/results/NAME \\
+        --drafters moa,eagle,LABEL=DIR,... [--max-new-tokens 128]
+
+1. The target's greedy answers to both turns (the second asked after its own first answer), made
+   once with batched `generate` and kept in `bench/results/mtbench-greedy-<target>.jsonl`
+   (reused when present; the text the drafters read, committed).
+2. The target's features over those conversations, once (a feature cache in `--cache`, all
+   layers' keys/values and TLI depth 1, so every drafter reads it).
+3. Each drafter reads the conversations teacher-forced, every answer token a position
+   (`trainer.validate`): its top-1 against the target's argmax over the full vocabulary per draft
+   depth. For MoA, draft depth d = the trainer's acc_depth{d+1} (positions d steps after the last
+   verified token, on a fixed anchor grid); for EAGLE, depth 1 only (the target's true features).
+   Greedy decoding follows exactly this text, so depth-1 top-1 is the chance that the drafter's
+   first guess is accepted.
+Writes `<out>/top1.json` and `<out>/top1.md` (per sub-category and overall).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_DEPTH = 6  # validate's anchor grid: MoA draft depths 1..5
+
+
+def greedy_answers(target, prompts, max_new_tokens: int, batch_size: int = 16) -> list[list[str]]:
+    """[[answer to turn 1, answer to turn 2]] per prompt: batched greedy generate, left padded."""
+    from moaspec.chat import encode_chat_messages
+
+    tokenizer, model = target.tokenizer, target.model
+    stop = sorted(target.stop_ids)
+    answers: list[list[str]] = [[] for _ in prompts]
+    for turn in range(2):
+        messages = []
+        for prompt, done in zip(prompts, answers):
+            history = [m for t in range(turn) for m in ({"role": "user", "content": prompt.turns[t]},
+                                                        {"role": "assistant", "content": done[t]})]
+            messages.append(history + [{"role": "user", "content": prompt.turns[turn]}])
+        encoded = [encode_chat_messages(tokenizer, m) for m in messages]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        for start in range(0, len(order), batch_size):
+            rows = order[start : start + batch_size]
+            width = max(len(encoded[i]) for i in rows)
+            ids = torch.tensor([[stop[0]] * (width - len(encoded[i])) + encoded[i] for i in rows])
+            mask = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in rows])
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                     eos_token_id=stop, pad_token_id=stop[0])
+            for row, i in enumerate(rows):
+                new = out[row, width:].tolist()
+                cut = next((k + 1 for k, token in enumerate(new) if token in stop), len(new))
+                answers[i].append(tokenizer.decode(new[:cut], skip_special_tokens=True))
+            print(f"mtbench_top1: turn {turn + 1}, {min(start + batch_size, len(order))}/{len(order)}", file=sys.stderr)
+    return answers
+
+
+def conversations(target, max_new_tokens: int) -> list[dict]:
+    """The committed greedy conversations, made first when missing."""
+    from moaspec.bench.prompts import load_mt_bench
+
+    path = ROOT / "bench" / "results" / f"mtbench-greedy-{target.name}.jsonl"
+    if path.is_file():
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    prompts = load_mt_bench()
+    answers = greedy_answers(target, prompts, max_new_tokens)
+    records = [
+        {"question_id": p.prompt_id, "category": p.subcategory, "turns": list(p.turns), "answers": a,
+         "max_new_tokens": max_new_tokens}
+        for p, a in zip(prompts, answers)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def samples_of(target, records: list[dict]):
+    """TrainSamples: each conversation through the chat template, both answers learned."""
+    from moaspec.train.features import TrainSample
+    from moaspec.train.teacher_forced import encode_conversation
+
+    samples, categories = [], []
+    for record in records:
+        turns = []
+        for question, answer in zip(record["turns"], record["answers"]):
+            turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        encoded = encode_conversation(target.tokenizer, turns, 4096, target.tokenizer.eos_token_id)
+        if encoded is None:
+            raise SystemExit(f"mtbench_top1: question {record['question_id']} does not encode")
+        ids, spans = encoded
+        samples.append(TrainSample(torch.tensor(ids), spans[0][0], len(samples), tuple(spans)))
+        categories.append(record["category"])
+    return samples, categories
+
+
+def evaluate(label: str, spec: str, target, source, samples, categories) -> dict:
+    from moaspec.drafters import checkpoint_directory
+    from moaspec.nn.drafter_net import TargetParts
+    from moaspec.nn.eagle import EagleDrafterNet
+    from moaspec.nn.moa import MoADrafterNet
+    from moaspec.train.config import TrainConfig
+    from moaspec.train.trainer import validate
+
+    directory = checkpoint_directory(spec, target.name)
+    method = json.loads((directory / "config.json").read_text())["method"]
+    net, _ = (MoADrafterNet if method == "moa" else EagleDrafterNet).from_pretrained(directory, target)
+    net = net.float()
+    tli = net.config.tli_layers if method == "moa" else 0
+    config = TrainConfig(method=method, tli_layers=tli)
+    parts = TargetParts.from_target(target, tli)
+    offset = 1 if method == "moa" else 0
+    depths = range(1, MAX_DEPTH - offset + 1) if method == "moa" else range(1, 2)
+    rows = {}
+    for category in [*sorted(set(categories)), "all"]:
+        chosen = [s for s, c in zip(samples, categories) if category in (c, "all")]
+        accuracy = validate(net, parts, source, chosen, config, MAX_DEPTH)
+        rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
+        print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
+    return {"label": label, "source": spec, "method": method, "by_category": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--drafters", required=True, help="comma-separated NAME or LABEL=DIR")
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per answer (default 128)")
+    parser.add_argument("--cache", default="/work/cache/mtbench-features", help="feature cache directory")
+    args = parser.parse_args(argv)
+    from moaspec.api import load_target
+    from moaspec.nn.checkpoint import target_fingerprint
+    from moaspec.train.feature_cache import build_feature_cache
+
+    target = load_target(args.target, dtype=torch.float32)
+    records = conversations(target, args.max_new_tokens)
+    samples, categories = samples_of(target, records)
+    fingerprint = target_fingerprint(target)
+    layers = tuple(range(target.num_layers))
+    source = build_feature_cache(target, samples, Path(args.cache), fingerprint, tli_max=1, kv_layers=layers)
+    source.check(samples, fingerprint, 1, layers)
+    results = []
+    for item in args.drafters.split(","):
+        label, _, spec = item.partition("=") if "=" in item else (item, "", item)
+        results.append(evaluate(label, spec, target, source, samples, categories))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    learned = sum(end - start for s in samples for start, end in s.spans())
+    (out / "top1.json").write_text(json.dumps({"target": target.name, "answer_tokens": learned,
+                                               "conversations": len(samples), "drafters": results}, indent=1) + "\n")
+    lines = [f"Teacher-forced top-1 vs the target's argmax, 80 MT-bench questions x 2 turns ({learned} answer tokens)",
+             "", "| drafter | category | depth 1 | 2 | 3 | 4 | 5 |", "|---|---|---:|---:|---:|---:|---:|"]
+    for result in results:
+        for category, row in result["by_category"].items():
+            cells = [f"{row.get(f'depth{d}'):.3f}" if row.get(f"depth{d}") is not None else "–" for d in range(1, 6)]
+            lines.append(f"| {result['label']} | {category} | " + " | ".join(cells) + " |")
+    (out / "top1.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
