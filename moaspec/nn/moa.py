@@ -253,7 +253,8 @@ class MoADrafterNet(DrafterNet):
         dtype = self.ekv2e.weight.dtype
         embeds = parts.embed_tokens(input_ids).to(dtype)
         causal = positions[None, :] <= positions[:, None]
-        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | torch.eye(n, dtype=torch.bool, device=input_ids.device) if staircase else causal
+        own = torch.eye(n, dtype=torch.bool, device=input_ids.device)
+        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | own if staircase else causal
         h, _ = self.self_attention(embeds, positions, additive_mask(sa_visible, dtype))
         memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype)), positions)
         ca_visible = positions[None, :] <= last_anchor[:, None]

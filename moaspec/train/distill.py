@@ -170,8 +170,9 @@ def generate_batch(model, batch: Batch, config: DistillConfig, pad_id: int, eos_
     with torch.inference_mode(), torch.random.fork_rng(devices=[]):
         if sampled:
             torch.manual_seed(batch.seed)
+        device = model.device
         out = model.generate(
-            input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device), generation_config=generation
+            input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), generation_config=generation
         )
     new_rows = out[:, width:].tolist()  # [B, new]
     return [
