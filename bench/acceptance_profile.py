@@ -1,7 +1,7 @@
 """Write the shipped acceptance profiles the machine calibration reads (moaspec/calibration/profile.py).
 
     MOASPEC_NO_CALIBRATION=1 .venv/bin/python bench/acceptance_profile.py [--target smollm2-135m]
-        [--max-new-tokens 128]
+        [--max-new-tokens 128] [--lookup-only | --drafters eagle,...]
 
 - `moaspec/checkpoints/<target>/acceptance.json`: the target's greedy continuations of
   bench/tune.py's CALIBRATION_PROMPTS and of CONTEXT_PROMPTS below (chat template applied),
@@ -54,22 +54,33 @@ def main() -> int:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--lookup-only", action="store_true", help="write the target's lookup profile only")
+    parser.add_argument(
+        "--drafters", default=None,
+        help="comma-separated shipped drafters to recalibrate, nothing else (default all + the lookup profile)",
+    )
     args = parser.parse_args()
+    chosen = SHIPPED if args.drafters is None else tuple(args.drafters.split(","))
+    unknown = sorted(set(chosen) - set(SHIPPED))
+    if unknown:
+        parser.error(f"not shipped drafters: {', '.join(unknown)}")
     command = " ".join(["bench/acceptance_profile.py", *sys.argv[1:]])
     target = load_target(args.target)
     prompts = [encode_chat_prompt(target.tokenizer, prompt) for prompt in CALIBRATION_PROMPTS]
     lookup_prompts = prompts + [encode_chat_prompt(target.tokenizer, prompt) for prompt in CONTEXT_PROMPTS]
 
-    engine = Engine(target, make_drafter("ngram", target))
-    generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    sequences = [LookupSequence(ids, engine.generate(ids, generation=generation).token_ids) for ids in lookup_prompts]
     directory = SHIPPED_DIR / target.name
-    _write(directory / PROFILE_FILE, {
-        "target": target.name, "command": command,
-        "prompts": "moaspec/bench/tune.py CALIBRATION_PROMPTS + bench/acceptance_profile.py CONTEXT_PROMPTS",
-        "max_new_tokens": args.max_new_tokens, "lookup_sequences": sequences_to_json(sequences),
-    })
-    for name in () if args.lookup_only else SHIPPED:
+    if args.drafters is None:
+        engine = Engine(target, make_drafter("ngram", target))
+        generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
+        sequences = [
+            LookupSequence(ids, engine.generate(ids, generation=generation).token_ids) for ids in lookup_prompts
+        ]
+        _write(directory / PROFILE_FILE, {
+            "target": target.name, "command": command,
+            "prompts": "moaspec/bench/tune.py CALIBRATION_PROMPTS + bench/acceptance_profile.py CONTEXT_PROMPTS",
+            "max_new_tokens": args.max_new_tokens, "lookup_sequences": sequences_to_json(sequences),
+        })
+    for name in () if args.lookup_only else chosen:
         checkpoint = directory / name
         if not checkpoint.is_dir():
             continue
