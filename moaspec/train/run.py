@@ -1,8 +1,8 @@
-"""`moaspec train`: load distilled data, build the drafter, train, write the checkpoint.
+"""`moaspec train`: load the training data, build the drafter, train, write the checkpoint.
 
-    moaspec train --method moa --data DIR --out RUN [--tli-layers K] [--draft-vocab N] [--steps S]
-                  [--batch-size B] [--lr LR] [--val-conversations V] [--time-limit-min M]
-                  [--feature-cache DIR] [--init-from CHECKPOINT] ...
+    moaspec train --method moa --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
+                  [--draft-vocab N] [--steps S] [--batch-size B] [--lr LR] [--val-conversations V]
+                  [--time-limit-min M] [--feature-cache DIR] [--init-from CHECKPOINT] [--device D] ...
 
 Rerunning the same command resumes from RUN/train_state.pt (which takes precedence over
 --init-from, so a resumed continuation does not restart from the initial weights). The float16

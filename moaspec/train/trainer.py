@@ -2,12 +2,16 @@
 curriculum, AdamW with warm-up and decay, clipping, validation (teacher-forced accuracy per
 depth, and a short τ measurement: tau_probe.py), checkpoints and resume.
 
-MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; every prompt
-position and every response position with index % T == 0 is an anchor; s(i) = the last anchor
-<= i; the CA at i sees memory up to s(i). Staircase SA curriculum: a sequence uses the staircase
-mask with probability 1 - min(1, step / (staircase_fraction * total_steps)), annealed by steps.
+MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; every position
+outside the learned spans (prompt, user turns) and every span position with index % T == 0 is an
+anchor; s(i) = the last anchor <= i; the CA at i sees memory up to s(i). Staircase SA curriculum:
+a sequence uses the staircase mask with probability 1 - min(1, step / (staircase_fraction *
+total_steps)), annealed by steps.
 EAGLE (§4.3): true features in, next feature out, U(-noise/2, noise/2) added to the input features.
-Loss on response positions only (a position predicts the token after it).
+Loss inside the learned spans only (a response, or every assistant turn of a conversation; a
+position predicts the token after it); accuracy against the target's argmax.
+Device: the net trains where the target's weights are (a GPU when `--device cuda`), bfloat16
+autocast there; features, masks and noise are moved to it.
 """
 
 from __future__ import annotations
