@@ -250,6 +250,8 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:
     """The fp16 cache gives the online features to fp16 precision (TLI keys/values included),
     an interrupted build resumes to the same arrays, and other data or depths are refused."""
+    import json
+
     import numpy as np
 
     from moaspec.train import feature_cache
@@ -304,6 +306,10 @@ def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch
         resumed.check(data, "other", 0, ())
     with pytest.raises(MoaspecError, match="TLI depths up to 2"):
         resumed.check(data, "fp", 3, ())
+    index = json.loads((tmp_path / "full" / "index.json").read_text())
+    (tmp_path / "full" / "index.json").write_text(json.dumps({**index, "version": 1}))  # an older moaspec's cache
+    with pytest.raises(MoaspecError, match="another moaspec version"):
+        build_feature_cache(target, data, tmp_path / "full", "fp", tli_max=2, kv_layers=all_layers, progress=False)
 
 
 def test_feature_cache_stores_only_what_the_drafter_reads(tmp_path) -> None:

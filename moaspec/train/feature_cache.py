@@ -66,6 +66,10 @@ class FeatureCache:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         index = json.loads((directory / INDEX).read_text())
+        if index.get("version") != CACHE_VERSION:
+            raise MoaspecError(
+                f"feature cache {directory} was written by another moaspec version; use another directory"
+            )
         if not index.get("complete"):
             raise MoaspecError(f"feature cache {directory} is incomplete; rerun the same command to finish it")
         self.index = index
@@ -153,6 +157,10 @@ def build_feature_cache(
     }
     if index_path.is_file():
         previous = json.loads(index_path.read_text())
+        if previous.get("version") != CACHE_VERSION:
+            raise MoaspecError(
+                f"feature cache {directory} was written by another moaspec version; use another directory"
+            )
         if previous.get("complete"):
             return FeatureCache(directory)
         compared = ("version", "data_key", "target_fingerprint", "tli_max", "kv_layers")
