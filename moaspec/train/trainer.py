@@ -259,7 +259,8 @@ def train(
     state_path = out_dir / STATE_FILE
     if state_path.is_file():
         saved = torch.load(state_path, weights_only=False, map_location="cpu")
-        if saved["config"] != asdict(config):
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
+        if {**defaults, **saved["config"]} != asdict(config):
             raise ValueError(f"{state_path} was written with another training config; use a new --out")
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
