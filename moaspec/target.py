@@ -16,6 +16,7 @@ Drafters read activations through `hidden_states` in the outputs (layer index as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -167,16 +168,18 @@ class HFTarget:
             self.cache.crop(-excess)
         self.num_cached = length
 
-    def layer_kv(self, start: int, end: int) -> torch.Tensor:
+    def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Per-layer keys (post-RoPE) and values of verified positions start..end-1.
 
         -> [end - start, L, 2 * n_kv * head_dim], laid out per KV head as [k_h, v_h]
-        (the MoA Layer-Self-Attention input, moa_reference.md §1.2).
+        (the MoA Layer-Self-Attention input, moa_reference.md §1.2); with `layers`, only those
+        layers, in that order ([end - start, len(layers), ...]).
         """
         if not 0 <= start <= end <= self.num_cached:
             raise ValueError(f"positions {start}..{end} are not all verified ({self.num_cached})")
         per_layer = []
-        for layer in self.cache.layers:
+        cached = self.cache.layers
+        for layer in cached if layers is None else [cached[i] for i in layers]:
             kv = torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]], dim=2)
             per_layer.append(kv.permute(1, 0, 2, 3).flatten(1))  # [n, n_kv * 2 * head_dim]
         return torch.stack(per_layer, dim=1)

@@ -126,6 +126,8 @@ def test_layer_kv_layout_is_per_head_key_then_value(tiny_llama: HFTarget) -> Non
             value = kv[:, layer_idx, head * 2 * head_dim + head_dim : (head + 1) * 2 * head_dim]
             assert torch.equal(key, layer.keys[0, head, 2:5])
             assert torch.equal(value, layer.values[0, head, 2:5])
+    last = tiny_llama.num_layers - 1
+    assert torch.equal(tiny_llama.layer_kv(2, 5, [last, 0]), kv[:, [last, 0]])  # chosen layers, in that order
     with pytest.raises(ValueError):
         tiny_llama.layer_kv(0, PREFIX.numel() + 1)
 

@@ -53,13 +53,17 @@ class MoAContextEncoder:
         """Per token independent, so a long prompt is encoded ENCODE_CHUNK tokens at a time: the
         LSA's activations ([n, L, ...] per tensor) then stay small whatever the prompt length."""
         start, end = update.start_pos, update.start_pos + update.token_ids.numel()
+        config = self.net.config
+        memory_first, tli_layers = config.memory_layer_ids[0], config.tli_layers
+        first = min(memory_first, config.num_target_layers - tli_layers)  # both read the last layers
         memory, tli_kv = [], []
         for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
-            layer_kv = update.target.layer_kv(chunk_start, min(end, chunk_start + ENCODE_CHUNK))  # [c, L, kv_dim]
-            memory_kv = layer_kv[:, self.net.config.memory_layer_ids[0] :]  # [c, Lm, kv_dim]: the last Lm layers
+            chunk_end = min(end, chunk_start + ENCODE_CHUNK)
+            layer_kv = update.target.layer_kv(chunk_start, chunk_end, range(first, config.num_target_layers))
+            memory_kv = layer_kv[:, memory_first - first :]  # [c, Lm, kv_dim]
             memory.append(self.memory(memory_kv.to(self.compute_dtype)).to(self.dtype))
-            if self.net.config.tli_layers:
-                tli_kv.append(layer_kv[:, layer_kv.shape[1] - self.net.config.tli_layers :].to(self.dtype))
+            if tli_layers:
+                tli_kv.append(layer_kv[:, layer_kv.shape[1] - tli_layers :].to(self.dtype))
         context = {"memory": torch.cat(memory)}
         if tli_kv:
             context["tli_kv"] = torch.cat(tli_kv)

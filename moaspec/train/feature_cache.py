@@ -195,7 +195,7 @@ def build_feature_cache(
         out = target.prefill(ids, hidden_layers)
         hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
         if stored:
-            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel())[:, stored].to(torch.float16).cpu().numpy()
+            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
         arrays["hidden"][start:end] = hidden.numpy()
         lse, argmax = teacher_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
         arrays["lse"][start:end] = lse.cpu().numpy()

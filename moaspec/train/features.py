@@ -97,7 +97,7 @@ def target_features(
     hidden_layers = (num_layers - tli_layers, num_layers) if tli_layers else (num_layers,)
     target.reset()
     out = target.prefill(input_ids, hidden_layers)
-    kv = target.layer_kv(0, input_ids.numel())[:, list(kv_layers)].clone() if kv_layers else torch.empty(0)
+    kv = target.layer_kv(0, input_ids.numel(), kv_layers) if kv_layers else torch.empty(0)
     tli_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in target.cache.layers[num_layers - tli_layers :]] if tli_layers else []
     final_hidden = out.hidden[:, -1].clone()
     lse, argmax = teacher_summary(final_hidden, target.lm_head.weight)
