@@ -20,7 +20,9 @@ Writes `<out>/top1.json` and `<out>/top1.md` (per sub-category and overall).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import operator
 import sys
 from pathlib import Path
 
@@ -104,7 +106,7 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     from moaspec.nn.eagle import EagleDrafterNet
     from moaspec.nn.moa import MoADrafterNet
     from moaspec.train.config import TrainConfig
-    from moaspec.train.trainer import validate
+    from moaspec.train.trainer import validation_counts
 
     directory = checkpoint_directory(spec, target.name)
     method = json.loads((directory / "config.json").read_text())["method"]
@@ -115,10 +117,14 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     parts = TargetParts.from_target(target, tli)
     offset = 1 if method == "moa" else 0
     depths = range(1, MAX_DEPTH - offset + 1) if method == "moa" else range(1, 2)
+    by_category = {}
+    for category in sorted(set(categories)):
+        chosen = [s for s, c in zip(samples, categories) if c == category]
+        by_category[category] = validation_counts(net, parts, source, chosen, config, MAX_DEPTH)
+    by_category["all"] = functools.reduce(operator.add, by_category.values())  # the categories are disjoint
     rows = {}
-    for category in [*sorted(set(categories)), "all"]:
-        chosen = [s for s, c in zip(samples, categories) if category in (c, "all")]
-        accuracy = validate(net, parts, source, chosen, config, MAX_DEPTH)
+    for category, counts in by_category.items():
+        accuracy = counts.summary()
         rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
         print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
     return {"label": label, "source": spec, "method": method, "by_category": rows}

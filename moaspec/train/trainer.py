@@ -154,7 +154,75 @@ def kv_layers_read(net: torch.nn.Module, config: TrainConfig) -> tuple[int, ...]
     return net.config.memory_layer_ids if config.method == "moa" else ()
 
 
+@dataclass
+class ValidationCounts:
+    """Teacher-forced hits and positions per draft depth ([max_depth + 1], index 0 unused) and the
+    summed sequence losses; counts of disjoint sample sets add up."""
+
+    hits: torch.Tensor
+    counts: torch.Tensor
+    loss_sum: float = 0.0
+    sequences: int = 0
+
+    def __add__(self, other: ValidationCounts) -> ValidationCounts:
+        return ValidationCounts(
+            self.hits + other.hits, self.counts + other.counts,
+            self.loss_sum + other.loss_sum, self.sequences + other.sequences,
+        )
+
+    def summary(self) -> dict:
+        """{"val_loss", "acc_depth{d}"...} (depths without positions left out)."""
+        accuracy = {
+            f"acc_depth{d}": round(float(self.hits[d] / self.counts[d]), 4)
+            for d in range(1, self.hits.numel()) if self.counts[d] > 0
+        }
+        return {"val_loss": round(self.loss_sum / max(1, self.sequences), 5), **accuracy}
+
+
 @torch.no_grad()
+def validation_counts(
+    net,
+    parts,
+    source: FeatureSource,
+    samples: list[TrainSample],
+    config: TrainConfig,
+    max_depth: int = 6,
+    device: torch.device | str = "cpu",
+    autocast: bool = False,
+) -> ValidationCounts:
+    """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
+    outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
+    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the losses."""
+    net.eval()
+    totals = ValidationCounts(torch.zeros(max_depth + 1), torch.zeros(max_depth + 1))
+    generator = torch.Generator().manual_seed(0)
+    device = torch.device(device)
+    for sample in samples:
+        length = sample.input_ids.numel()
+        features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
+        with mixed_precision(device, autocast):
+            parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
+            totals.loss_sum += float(parts_loss.total)
+            totals.sequences += 1
+            predicted = _predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
+        target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
+        mask = loss_mask(length, sample.spans())
+        if config.method == "moa":
+            anchors = last_anchors(length, sample.spans(), max_depth + 1)
+            depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
+            correct = predicted[:-1] == target_next[:-1]
+            for d in range(1, max_depth + 1):
+                selected = (depth[:-1] == d) & mask[:-1].bool()
+                totals.hits[d] += correct[selected].sum()
+                totals.counts[d] += selected.sum()
+        else:  # row t of predicted is the token after t + 1
+            selected = mask[1:-1].bool()
+            totals.hits[1] += (predicted[:-1] == target_next[1:-1])[selected].sum()
+            totals.counts[1] += selected.sum()
+    net.train()
+    return totals
+
+
 def validate(
     net,
     parts,
@@ -165,39 +233,8 @@ def validate(
     device: torch.device | str = "cpu",
     autocast: bool = False,
 ) -> dict:
-    """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
-    outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
-    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the mean losses."""
-    net.eval()
-    hits = torch.zeros(max_depth + 1)
-    counts = torch.zeros(max_depth + 1)
-    losses = []
-    generator = torch.Generator().manual_seed(0)
-    device = torch.device(device)
-    for sample in samples:
-        length = sample.input_ids.numel()
-        features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
-        with mixed_precision(device, autocast):
-            parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
-            losses.append(float(parts_loss.total))
-            predicted = _predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
-        target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
-        mask = loss_mask(length, sample.spans())
-        if config.method == "moa":
-            anchors = last_anchors(length, sample.spans(), max_depth + 1)
-            depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
-            correct = predicted[:-1] == target_next[:-1]
-            for d in range(1, max_depth + 1):
-                selected = (depth[:-1] == d) & mask[:-1].bool()
-                hits[d] += correct[selected].sum()
-                counts[d] += selected.sum()
-        else:  # row t of predicted is the token after t + 1
-            selected = mask[1:-1].bool()
-            hits[1] += (predicted[:-1] == target_next[1:-1])[selected].sum()
-            counts[1] += selected.sum()
-    net.train()
-    accuracy = {f"acc_depth{d}": round(float(hits[d] / counts[d]), 4) for d in range(1, max_depth + 1) if counts[d] > 0}
-    return {"val_loss": round(sum(losses) / max(1, len(losses)), 5), **accuracy}
+    """`validation_counts` as the record the training history keeps: val_loss and acc_depth{d}."""
+    return validation_counts(net, parts, source, samples, config, max_depth, device, autocast).summary()
 
 
 def _predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int):
@@ -347,5 +384,5 @@ def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, gene
 
 __all__ = [
     "TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask",
-    "staircase_probability", "train", "validate",
+    "staircase_probability", "train", "validate", "validation_counts",
 ]
