@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     learned = sum(end - start for s in samples for start, end in s.spans())
-    (out / "top1.json").write_text(json.dumps({"target": target.name, "answer_tokens": learned,
+    command = " ".join(["bench/mtbench_top1.py", *(sys.argv[1:] if argv is None else argv)])
+    (out / "top1.json").write_text(json.dumps({"target": target.name, "command": command, "answer_tokens": learned,
                                                "conversations": len(samples), "drafters": results}, indent=1) + "\n")
     lines = [f"Teacher-forced top-1 vs the target's argmax, 80 MT-bench questions x 2 turns ({learned} answer tokens)",
              "", "| drafter | category | depth 1 | 2 | 3 | 4 | 5 |", "|---|---|---:|---:|---:|---:|---:|"]
