@@ -39,7 +39,8 @@ _EXPORTS = {
     "verify_greedy": "moaspec.verify",
     "verify_stochastic": "moaspec.verify",
     "SpecStats": "moaspec.metrics",
-    "HFTarget": "moaspec.target",
+    "HFTarget": "moaspec.targets.hf",
+    "LlamaCppTarget": "moaspec.targets.llamacpp",
     "MoaspecError": "moaspec.errors",
 }
 

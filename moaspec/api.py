@@ -24,7 +24,7 @@ from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.model_store import DEFAULT_TARGET, resolve_target
 from moaspec.nn.fast_linear import requested_layout
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 
 if TYPE_CHECKING:
     from moaspec.calibration.plan import Calibration

@@ -25,7 +25,7 @@ from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.session import TargetSession, draft_generator
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 from moaspec.tree import depths, prune_to_depth
 
 
@@ -41,7 +41,7 @@ class GenerationResult:
 class Engine:
     """Speculative generation with one target and one drafter (batch size 1)."""
 
-    def __init__(self, target: HFTarget, drafter: Drafter) -> None:
+    def __init__(self, target: Target, drafter: Drafter) -> None:
         self.target = target
         self.drafter = drafter
 

@@ -17,7 +17,7 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.sampling import sample, target_probs
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 from moaspec.tree import DraftTree
 from moaspec.verify import Accepted, verify_greedy, verify_stochastic
 
@@ -42,7 +42,7 @@ class Verified:
 class TargetSession:
     """Prefill / verify / commit on one target for one sequence (batch size 1)."""
 
-    def __init__(self, target: HFTarget, hidden_layers: tuple[int, ...], sampling: SamplingConfig, seed: int) -> None:
+    def __init__(self, target: Target, hidden_layers: tuple[int, ...], sampling: SamplingConfig, seed: int) -> None:
         self.target = target
         self.hidden_layers = hidden_layers
         self.sampling = sampling

@@ -30,7 +30,7 @@ from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:
     from moaspec.config import SamplingConfig
-    from moaspec.target import HFTarget
+    from moaspec.targets.hf import HFTarget
 
 HF_METHODS = ("hf", "hf-pld")
 DEFAULT_METHOD = "default"

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from moaspec.bench.methods import Method, MethodRun
     from moaspec.bench.prompts import BenchPrompt
     from moaspec.config import SamplingConfig
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 BASELINE = "none"
 WARMUP_TOKENS = 16
@@ -66,7 +66,7 @@ class BenchData:
 
 
 def run_benchmark(
-    target: HFTarget,
+    target: Target,
     methods: list[Method],
     prompts: dict[str, list[BenchPrompt]],
     sampling: SamplingConfig,
@@ -99,7 +99,7 @@ def run_benchmark(
 
 
 def _run_prompt(
-    target: HFTarget,
+    target: Target,
     order: list[Method],
     prompt: BenchPrompt,
     sampling: SamplingConfig,

@@ -21,7 +21,7 @@ from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
     from moaspec.drafters.base import Drafter
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 # model-free drafters: name -> "module:factory(target)"
 MODEL_FREE: dict[str, str] = {
@@ -70,7 +70,7 @@ def check_drafter_spec(spec: str) -> None:
     )
 
 
-def make_drafter(spec: str, target: HFTarget, tree_overrides: dict | None = None) -> Drafter:
+def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) -> Drafter:
     """Build the drafter `spec` names for `target`; MoaspecError when it cannot.
 
     Model drafters get their tree by the precedence in moaspec/tuned.py: `tree_overrides`
@@ -103,7 +103,7 @@ def checkpoint_directory(spec: str, target_name: str) -> Path:
     return Path(spec).expanduser()
 
 
-def load_drafter(directory: Path, target: HFTarget) -> Drafter:
+def load_drafter(directory: Path, target: Target) -> Drafter:
     """Load a drafter checkpoint directory, dispatching on its recorded method."""
     try:
         method = json.loads((directory / "config.json").read_text())["method"]

@@ -36,7 +36,7 @@ from moaspec.config import SamplingConfig
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 # name -> per-token tensor [n, ...] (row i belongs to the i-th verified token of the update)
@@ -54,7 +54,7 @@ class VerifiedUpdate:
     token_ids: torch.Tensor
     start_pos: int
     hidden: torch.Tensor | None
-    target: HFTarget
+    target: Target
 
 
 class Drafter(Protocol):

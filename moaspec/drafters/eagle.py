@@ -36,7 +36,7 @@ from moaspec.nn.eagle import EagleDrafterNet
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 class HiddenStateEncoder:
@@ -56,7 +56,7 @@ class EagleDrafter(TreeDrafter):
 
     net_class = EagleDrafterNet
 
-    def __init__(self, net: EagleDrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
+    def __init__(self, net: EagleDrafterNet, target: Target, tree: TreeConfig | None = None) -> None:
         self.context_encoder = HiddenStateEncoder(target.num_layers)  # post-final-norm last hidden state
         self.hidden_layers = self.context_encoder.hidden_layers
         super().__init__(net, target, tree)

@@ -31,7 +31,7 @@ from moaspec.nn.moa import MoADrafterNet
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 ENCODE_CHUNK = 64  # verified tokens per LSA pass (bounds the transient memory of a long prompt)
@@ -76,7 +76,7 @@ class MoADrafter(TreeDrafter):
     net_class = MoADrafterNet
     hidden_layers: tuple[int, ...] = ()
 
-    def __init__(self, net: MoADrafterNet, target: HFTarget, tree: TreeConfig | None = None) -> None:
+    def __init__(self, net: MoADrafterNet, target: Target, tree: TreeConfig | None = None) -> None:
         super().__init__(net, target, tree, net.config.tli_layers)
         self.context_encoder = MoAContextEncoder(self.net, self.dtype)
 

@@ -24,7 +24,7 @@ from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree, trie
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class NgramDrafter:
         self.reset()
 
     @classmethod
-    def for_target(cls, target: HFTarget) -> NgramDrafter:
+    def for_target(cls, target: Target) -> NgramDrafter:
         """The registry's factory; this drafter does not depend on the target."""
         return cls()
 

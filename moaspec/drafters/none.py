@@ -11,7 +11,7 @@ from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 class NoDrafter:
@@ -21,7 +21,7 @@ class NoDrafter:
     context_encoder = NoContext()
 
     @classmethod
-    def for_target(cls, target: HFTarget) -> NoDrafter:
+    def for_target(cls, target: Target) -> NoDrafter:
         """The registry's factory; this drafter does not depend on the target."""
         return cls()
 

@@ -31,13 +31,13 @@ from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
-from moaspec.nn.drafter_net import DrafterNet, TargetParts
+from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 class TreeDrafter:
@@ -49,18 +49,18 @@ class TreeDrafter:
     history: list[int]  # verified tokens (+ provisional roots while drafting alone); set by reset()
     lookup: NgramDrafter | None = None  # prompt lookup tried before the model (module docstring)
 
-    def __init__(self, net: DrafterNet, target: HFTarget, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
+    def __init__(self, net: DrafterNet, target: Target, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.target = target
         self.net = use_layout(net.eval(), target.weight_layout)
         self.tree_config = tree or TreeConfig()
-        self.parts = TargetParts.from_target(target, tli_layers)
+        self.parts = target.parts(tli_layers)
         self.dtype = next(net.parameters()).dtype
         self.head = weight_in_layout(net.head_weight(self.parts).to(self.dtype), target.weight_layout)  # [Vd, D]
         self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
         self.reset()
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> TreeDrafter:
+    def from_pretrained(cls, directory: str | Path, target: Target) -> TreeDrafter:
         """Load a checkpoint directory (refused for another target); its tree config is the default."""
         net, record = cls.net_class.from_pretrained(directory, target)
         return cls(net, target, TreeConfig(**record.get("tree", {})))

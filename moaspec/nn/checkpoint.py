@@ -23,21 +23,21 @@ from safetensors.torch import load_file, save_file
 from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def target_fingerprint(target: HFTarget) -> str:
+def target_fingerprint(target: Target) -> str:
     """Identify a target by its architecture and (a strided sample of) its token embeddings."""
     config = target.config
     shape = {
         key: getattr(config, key, None)
         for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     }
-    embeddings = target.embed_tokens.weight.detach()
+    embeddings = target.parts(0).embed_tokens.weight.detach()
     stride = max(1, embeddings.shape[0] // 512)
     sample = embeddings[::stride].to(torch.float32).cpu().contiguous().numpy().tobytes()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + sample)
@@ -48,7 +48,7 @@ def save_checkpoint(
     directory: str | Path,
     method: str,
     net: torch.nn.Module,
-    target: HFTarget,
+    target: Target,
     tree: dict[str, Any],
     training: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float16,
@@ -80,7 +80,7 @@ def save_checkpoint(
     return directory
 
 
-def read_checkpoint(directory: str | Path, target: HFTarget) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_checkpoint(directory: str | Path, target: Target) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """-> (config record, state dict). MoaspecError when unreadable or made for another target."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE

@@ -8,7 +8,6 @@ Subclasses (`MoADrafterNet`, `EagleDrafterNet`) set `method` (the checkpoint's m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,37 +17,16 @@ from torch import nn
 from moaspec.errors import MoaspecError
 from moaspec.nn.checkpoint import read_checkpoint, save_checkpoint
 from moaspec.nn.layers import RMSNorm
+from moaspec.targets.base import TargetParts
 
 if TYPE_CHECKING:
-    from moaspec.target import HFTarget
+    from moaspec.targets.base import Target
 
 
 def target_rope_theta(target_config) -> float:
     """rope theta of a transformers config (5.x keeps it in rope_parameters)."""
     params = getattr(target_config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
-
-
-@dataclass
-class TargetParts:
-    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
-
-    embed_tokens: nn.Module
-    lm_head_weight: torch.Tensor  # [V, D]
-    final_norm: nn.Module
-    tli_layers: list[nn.Module]  # the target's last k decoder layers
-    rotary_emb: nn.Module
-
-    @staticmethod
-    def from_target(target, tli_layers: int) -> TargetParts:
-        layers = list(target.decoder_layers)
-        return TargetParts(
-            embed_tokens=target.embed_tokens,
-            lm_head_weight=target.lm_head.weight,
-            final_norm=target.final_norm,
-            tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
-            rotary_emb=target.rotary_emb,
-        )
 
 
 class DrafterNet(nn.Module):
@@ -87,7 +65,7 @@ class DrafterNet(nn.Module):
     def save_pretrained(
         self,
         directory: str | Path,
-        target: HFTarget,
+        target: Target,
         tree: dict[str, Any] | None = None,
         training: dict[str, Any] | None = None,
         dtype: torch.dtype = torch.float16,
@@ -96,7 +74,7 @@ class DrafterNet(nn.Module):
         return save_checkpoint(directory, self.method, self, target, tree or {}, training, dtype)  # type: ignore[arg-type]
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, target: HFTarget) -> tuple[Any, dict[str, Any]]:
+    def from_pretrained(cls, directory: str | Path, target: Target) -> tuple[Any, dict[str, Any]]:
         """-> (net in the target's dtype, the checkpoint's config record)."""
         record, state = read_checkpoint(directory, target)
         if record["method"] != cls.method:

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, TargetParts, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
+from moaspec.targets.base import TargetParts
 from moaspec.nn.layers import DecoderLayer, additive_mask
 
 

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, TargetParts, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
+from moaspec.targets.base import TargetParts
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 

@@ -41,7 +41,7 @@ from moaspec.openai_api.streaming import DONE, TextStream, sse
 from moaspec.split.http_body import read_body
 from moaspec.split.identity import drafter_fingerprint, drafter_method
 from moaspec.split.limits import OpenAILimits, ServerLimits
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -50,7 +50,7 @@ logger = logging.getLogger("moaspec.serve")
 
 def add_openai_routes(
     app: web.Application,
-    target: HFTarget,
+    target: Target,
     drafter: Drafter,
     worker: ThreadPoolExecutor,
     max_new_tokens: int,
@@ -68,11 +68,11 @@ def add_openai_routes(
 
 class OpenAIRoutes:
     def __init__(
-        self, target: HFTarget, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits,
+        self, target: Target, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits,
         body_timeout_s: float = ServerLimits.body_timeout_s,
     ) -> None:
         # Own cache over the shared weights, as split sessions have; the drafter is the server's.
-        self.target = HFTarget(target.model, target.tokenizer, target.name)
+        self.target = target.new_session()
         self.tokenizer = target.tokenizer
         self.engine = Engine(self.target, drafter)
         self.worker = worker

@@ -56,7 +56,7 @@ from moaspec.split.bench_cases import (
 from moaspec.split.client import SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 from moaspec.split.limits import ServerLimits
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 
 DISCONNECTION_PROFILE = "lan"
 # The experiment's servers: a session orphaned by a cut expires after DISCONNECTION_IDLE_S, and
@@ -129,7 +129,7 @@ class DisconnectionRow:
 
 # -- the benchmark --------------------------------------------------------------------------------
 def run_client_server(
-    target: HFTarget,
+    target: Target,
     drafters: dict[str, DrafterFactory],
     prompts: list[NamedPrompt],
     profiles: tuple[str, ...],
@@ -235,7 +235,7 @@ def _row(profile: str, method: str, mode: str, runs: list[CaseRun]) -> ClientSer
 
 # -- disconnection ------------------------------------------------------------------------------------
 def run_disconnection(
-    target: HFTarget,
+    target: Target,
     drafters: dict[str, DrafterFactory],
     prompts: list[NamedPrompt],
     cut_after: int = 16,
@@ -287,7 +287,7 @@ def _progress_bar(total: int, desc: str, progress: bool):
     return tqdm(total=total, desc=desc, unit="gen", file=sys.stderr, disable=not progress, dynamic_ncols=True)
 
 
-def _answer_f1(target: HFTarget, token_ids: list[int], references: tuple[str, ...]) -> float:
+def _answer_f1(target: Target, token_ids: list[int], references: tuple[str, ...]) -> float:
     return token_f1(target.tokenizer.decode(token_ids, skip_special_tokens=True), references)
 
 

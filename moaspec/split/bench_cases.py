@@ -29,12 +29,12 @@ from moaspec.split.generator import SplitGenerator, SplitOptions
 from moaspec.split.limits import ServerLimits
 from moaspec.split.netem import NetemProxy
 from moaspec.split.server import ServerThread, SplitServer
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 
 SPLIT, SERVER = "split", "server"  # where the drafting happens: client (split) or server (streamed)
 CLIENT_TIMEOUT_S = 120.0  # per request; a 3g link with a long prompt still answers well within it
 
-DrafterFactory = Callable[[HFTarget], Drafter]
+DrafterFactory = Callable[[Target], Drafter]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class SplitCase:
 
     mode = SPLIT
 
-    def __init__(self, method: str, proxy: NetemProxy, key: str, drafter: SplitDrafter, target: HFTarget) -> None:
+    def __init__(self, method: str, proxy: NetemProxy, key: str, drafter: SplitDrafter, target: Target) -> None:
         self.method, self.proxy, self.target = method, proxy, target
         self.client = SplitClient(f"http://127.0.0.1:{proxy.port}", key, timeout_s=CLIENT_TIMEOUT_S)
         self.generator = SplitGenerator(self.client, drafter, SplitOptions())
@@ -165,9 +165,9 @@ def _link_bytes(proxy: NetemProxy) -> int:
     return proxy.bytes_up + proxy.bytes_down
 
 
-def target_view(target: HFTarget) -> HFTarget:
+def target_view(target: Target) -> Target:
     """Another adapter over the same weights, with its own cache."""
-    return HFTarget(target.model, target.tokenizer, target.name)
+    return target.new_session()
 
 
 # -- the servers ----------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ class LoopbackServers:
     """One `SplitServer` per method (`none` first) on loopback, plus the client's copy of each
     drafter; a context manager that stops them all."""
 
-    def __init__(self, target: HFTarget, drafters: dict[str, DrafterFactory], limits: ServerLimits) -> None:
+    def __init__(self, target: Target, drafters: dict[str, DrafterFactory], limits: ServerLimits) -> None:
         self.target, self.key = target, secrets.token_urlsafe(24)
         self.servers: dict[str, ServerThread] = {}
         self.client_drafters: dict[str, SplitDrafter] = {}

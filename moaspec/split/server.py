@@ -42,7 +42,7 @@ from moaspec.split.http_guard import ConnectionGuard, GuardedSite, guard_middlew
 from moaspec.split.identity import drafter_fingerprint, drafter_method
 from moaspec.split.limits import ServerLimits
 from moaspec.split.loop_thread import LoopThread
-from moaspec.target import HFTarget
+from moaspec.targets.base import Target
 from moaspec.tree import DraftTree, depths
 
 REAPER = web.AppKey("reaper", asyncio.Task)
@@ -89,7 +89,7 @@ class SplitServer:
     """Sessions over one target + one drafter's context encoder."""
 
     def __init__(
-        self, target: HFTarget, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits(),
+        self, target: Target, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits(),
         openai_limits: OpenAILimits | None = None,
     ) -> None:
         if not api_keys or not all(api_keys):
@@ -234,7 +234,7 @@ class SplitServer:
         self, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None, context_from: int, context_dtype: str
     ) -> _Prefilled:
         """A new session's target state: prefill (or resume) on the worker."""
-        session_target = HFTarget(self.target.model, self.target.tokenizer, self.target.name)
+        session_target = self.target.new_session()
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
         prompt_ids = torch.tensor(prompt)
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from moaspec.errors import MoaspecError
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 from moaspec.train.features import TargetFeatures, TrainSample, teacher_summary
 
 CACHE_VERSION = 2

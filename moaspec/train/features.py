@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from moaspec.config import GenerationConfig, TreeConfig
 from moaspec.drafters import drafter_class
 from moaspec.engine import Engine
 from moaspec.metrics import SpecStats
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 from moaspec.train.features import TrainSample
 
 TAU_PROMPTS = 2  # held-out prompts per measurement

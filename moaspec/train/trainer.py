@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from moaspec.config import TreeConfig
-from moaspec.nn.drafter_net import TargetParts
-from moaspec.target import HFTarget
+from moaspec.targets.base import TargetParts
+from moaspec.targets.hf import HFTarget
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
 from moaspec.train.losses import LossParts, drafter_loss
@@ -286,7 +286,7 @@ def train(
     device = target.device
     autocast = device.type == "cuda" if autocast is None else autocast
     net.to(device)
-    parts = TargetParts.from_target(target, config.tli_layers)
+    parts = target.parts(config.tli_layers)
     for param in target.model.parameters():
         param.requires_grad_(False)
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)

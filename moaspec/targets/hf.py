@@ -1,4 +1,4 @@
-"""The target LLM: a transformers causal LM behind prefill / verify / commit / rollback.
+"""The transformers runtime: a Hugging Face causal LM behind the target protocol (base.py), on CPU or CUDA.
 
 State: one KV cache holding exactly `num_cached` verified tokens (positions 0..num_cached-1).
 - `prefill(ids)` appends ids to the verified context.
@@ -17,26 +17,20 @@ Drafters read activations through `hidden_states` in the outputs (layer index as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from moaspec.errors import MoaspecError
+from moaspec.targets.base import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
+from moaspec.targets.base import TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    """logits: [N, V] (float32 or the model dtype). hidden: [N, H, D] at the requested layers, or None."""
-
-    logits: torch.Tensor
-    hidden: torch.Tensor | None
 
 
 class HFTarget:
     """Adapter over a transformers Llama/Qwen2-style `*ForCausalLM` (batch size 1)."""
+
+    runtime = "transformers"
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
         self.model = model.eval()
@@ -114,7 +108,22 @@ class HFTarget:
     def rotary_emb(self) -> torch.nn.Module:
         return self.model.model.rotary_emb
 
+    def parts(self, tli_layers: int) -> TargetParts:
+        """The frozen modules a drafter borrows (its last `tli_layers` decoder layers for TLI)."""
+        layers = list(self.decoder_layers)
+        return TargetParts(
+            embed_tokens=self.embed_tokens,
+            lm_head_weight=self.lm_head.weight,
+            final_norm=self.final_norm,
+            tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
+            rotary_emb=self.rotary_emb,
+        )
+
     # -- lifecycle ----------------------------------------------------------------------------
+    def new_session(self) -> HFTarget:
+        """A target sharing these weights with an empty cache of its own."""
+        return HFTarget(self.model, self.tokenizer, self.name)
+
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
         self.cache = DynamicCache(config=self.config)

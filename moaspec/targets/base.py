@@ -1,0 +1,111 @@
+"""The target runtime protocol: what the engine, verifiers, drafters and servers ask of a target.
+
+A runtime holds one sequence's verified context (batch size 1) and answers five operations:
+- `prefill(ids)` appends verified tokens and returns the logits after the last one;
+- `verify(tree)` scores every node of a draft tree in one forward (each node sees the verified
+  context and its own ancestors), leaving the nodes pending;
+- `commit(path)` keeps the accepted path's pending entries (root first) and drops the rest;
+- `rollback(length)` forgets verified tokens at positions >= length;
+- `reset()` forgets everything.
+Invariant: `num_cached` verified tokens sit at positions 0..num_cached-1; a tree's root sits at
+position num_cached, a node at depth d at num_cached + d.
+
+Drafters read target activations through the runtime, never through its internals:
+- `hidden_layers` passed to prefill / verify: hidden states in the outputs (index as in
+  transformers' `output_hidden_states`: 0 = embeddings, l = after layer l, num_layers = after the
+  final norm);
+- `layer_kv(start, end, layers)`: per-layer keys (post-RoPE) and values of verified positions;
+- `parts(tli_layers)`: the frozen torch modules a drafter shares with the target (embeddings, LM
+  head, final norm, rotary embedding, the last k decoder layers for Target Layer Inference).
+
+Runtimes: `hf.HFTarget` (transformers, CPU or CUDA, training and features) and
+`llamacpp.LlamaCppTarget` (GGUF on llama.cpp, the fast CPU path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from moaspec.tree import DraftTree
+
+RUNTIMES = ("transformers", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """logits: [N, V] (float32 or the model dtype). hidden: [N, H, D] at the requested layers, or None."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None
+
+
+@dataclass
+class TargetParts:
+    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
+
+    embed_tokens: nn.Module
+    lm_head_weight: torch.Tensor  # [V, D]
+    final_norm: nn.Module
+    tli_layers: list[nn.Module]  # the target's last k decoder layers
+    rotary_emb: nn.Module
+
+
+class Target(Protocol):
+    """A target LLM behind prefill / verify / commit / rollback (see the module docstring)."""
+
+    name: str
+    runtime: str  # one of RUNTIMES
+    tokenizer: Any  # a transformers fast tokenizer, or None
+    config: Any  # the transformers config of the architecture (shapes, rope, model_type)
+    num_cached: int
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    @property
+    def stop_ids(self) -> frozenset[int]: ...
+
+    @property
+    def weight_layout(self) -> str: ...
+
+    def use_layout(self, layout: str) -> None: ...
+
+    def new_session(self) -> Target:
+        """A target sharing these weights with an empty context of its own (one per client)."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def commit(self, path_node_idx: list[int]) -> None: ...
+
+    def rollback(self, length: int) -> None: ...
+
+    def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor: ...
+
+    def parts(self, tli_layers: int) -> TargetParts: ...

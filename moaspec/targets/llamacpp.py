@@ -1,0 +1,346 @@
+"""The llama.cpp runtime: a GGUF target on llama.cpp (llama-cpp-python's C API) behind the target protocol.
+
+One `llama_context` per sequence, its KV cache unified across sequence ids. The verified context
+lives in sequence 0, in order (token at position p in cell p, as plain decoding leaves it).
+
+Tree verification is one `llama_decode`: every node is a batch token at position
+num_cached + depth with logits on. llama.cpp attends by sequence: a token sees the cells that
+carry its *first* sequence id at positions up to its own. So each leaf of the tree gets a sequence
+id, each node carries the ids of the leaves below it (its first id is any of them: every cell
+carrying it is an ancestor, the node itself, a later position, or the verified context), and the
+verified context is first copied into every leaf's sequence. `commit(path)` keeps the sequence of
+a leaf below the last accepted node, trims it after the path and makes it sequence 0 again; the
+other nodes' cells are freed. No accepted token is decoded twice.
+
+Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
+embeddings output). Per-layer keys/values and intermediate hidden states are not available on
+this runtime yet: drafters that need them are refused with a clear error.
+
+Exactness: llama.cpp quantizes activations to 8 bits inside its matrix products and picks kernels
+by batch size, so a tree's logits equal plain decoding's up to rounding, as on the transformers
+runtime. Greedy equality with plain decoding is checked on real prompts (tests/test_llamacpp.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moaspec.errors import MoaspecError
+from moaspec.targets.base import TargetOutput, TargetParts
+from moaspec.tree import DraftTree, children, depths
+
+DEFAULT_CONTEXT = 4096  # tokens of KV cache allocated up front (~23 KB per token for SmolLM2-135M)
+MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
+MAX_LEAVES = 63  # leaves per verified tree (llama.cpp sequence ids, one per leaf)
+
+
+def _llama():
+    """The llama-cpp-python bindings, imported on first use (a clear error when missing)."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise MoaspecError(
+            "the llama.cpp runtime needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
+            "(or --runtime transformers)"
+        ) from exc
+    return llama_cpp
+
+
+_LOG_CALLBACK = None  # keeps the ctypes callback alive
+
+
+def _quiet_logs(llama_cpp) -> None:
+    """Silence llama.cpp's stderr chatter (errors included: ours are raised with context)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class LlamaCppModel:
+    """Weights of one GGUF file loaded by llama.cpp, shared by every context made from them."""
+
+    def __init__(self, gguf: Path, n_gpu_layers: int = 0) -> None:
+        lib = _llama()
+        _quiet_logs(lib)
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.lib = lib
+        self.path = gguf
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
+        if not self.model:
+            raise MoaspecError(f"llama.cpp cannot load {gguf}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
+        self.num_layers = lib.llama_model_n_layer(self.model)
+        self.hidden_size = lib.llama_model_n_embd(self.model)
+        self.context_train = lib.llama_model_n_ctx_train(self.model)
+
+    def __del__(self) -> None:
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaCppTarget:
+    """A GGUF target on llama.cpp (batch size 1); see the module docstring."""
+
+    runtime = "llama.cpp"
+    weight_layout = "native"  # llama.cpp keeps its own (quantized) layout
+
+    def __init__(
+        self,
+        model: LlamaCppModel,
+        tokenizer: Any,
+        config: Any,
+        name: str,
+        *,
+        context: int = DEFAULT_CONTEXT,
+        threads: int | None = None,
+        parts_loader=None,
+        flash_attention: bool = True,
+    ) -> None:
+        self.weights = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.threads = threads or min(os.cpu_count() or 1, 8)
+        self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
+        self._parts: dict[int, TargetParts] = {}
+        self._context_tokens = min(context, model.context_train) if model.context_train > 0 else context
+        self._flash_attention = flash_attention
+        lib = model.lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = self._context_tokens
+        params.n_batch = params.n_ubatch = MAX_BATCH
+        params.n_seq_max = MAX_LEAVES + 1
+        params.n_threads = params.n_threads_batch = self.threads
+        params.kv_unified = True
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.no_perf = True
+        self.lib = lib
+        self.ctx = lib.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise MoaspecError(f"llama.cpp cannot create a context of {self._context_tokens} tokens for {name}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(MAX_BATCH, 0, MAX_LEAVES + 1)
+        self.num_cached = 0
+        self._pending_seq: list[int] | None = None  # after verify: the first sequence id of every node
+        self._embeddings_on = False
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is not None and getattr(self, "ctx", None):
+            lib.llama_batch_free(self.batch)
+            lib.llama_free(self.ctx)
+            self.ctx = None
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def use_layout(self, layout: str) -> None:
+        """No-op: llama.cpp keeps its weights in its own layout."""
+
+    @property
+    def num_layers(self) -> int:
+        return self.weights.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weights.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weights.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self._context_tokens
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """End-of-generation ids: the GGUF's own (eos, eot), as plain llama.cpp stops."""
+        ids = {self.lib.llama_vocab_eos(self.weights.vocab), self.lib.llama_vocab_eot(self.weights.vocab)}
+        tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(tokenizer_eos, int):
+            ids.add(tokenizer_eos)
+        return frozenset(i for i in ids if i >= 0)
+
+    def parts(self, tli_layers: int) -> TargetParts:
+        """Torch copies of the frozen modules a drafter borrows, loaded on first use."""
+        if self._parts_loader is None:
+            raise MoaspecError(f"target '{self.name}' on llama.cpp has no torch weights for a model drafter")
+        if tli_layers not in self._parts:
+            self._parts[tli_layers] = self._parts_loader(tli_layers)
+        return self._parts[tli_layers]
+
+    def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
+        raise MoaspecError(
+            "per-layer keys/values are not available on the llama.cpp runtime yet: "
+            "use --runtime transformers for this drafter"
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def new_session(self) -> LlamaCppTarget:
+        """A context of its own on the same weights."""
+        return LlamaCppTarget(
+            self.weights, self.tokenizer, self.config, self.name, context=self._context_tokens,
+            threads=self.threads, parts_loader=self._parts_loader, flash_attention=self._flash_attention,
+        )
+
+    def reset(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+        self.num_cached = 0
+        self._pending_seq = None
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, 1, D]."""
+        self._check_hidden(hidden_layers)
+        ids = input_ids.tolist()
+        if self.num_cached + len(ids) > self.max_positions:
+            raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
+        self._drop_pending()
+        hidden_chunks, logits = [], None
+        for start in range(0, len(ids), MAX_BATCH):
+            chunk = ids[start : start + MAX_BATCH]
+            last = start + len(chunk) == len(ids)
+            outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
+            self._fill(chunk, [self.num_cached + i for i in range(len(chunk))], [[0]] * len(chunk), outputs)
+            self._decode()
+            if hidden_layers:
+                hidden_chunks.append(self._embeddings(len(chunk)))
+            if last:
+                logits = self._logits(len(outputs))[-1:]
+            self.num_cached += len(chunk)
+        hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
+        return TargetOutput(logits, hidden)
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Score every node of `tree` in one llama_decode.  -> logits [N, V], hidden [N, 1, D]."""
+        self._check_hidden(hidden_layers)
+        self._drop_pending()
+        count = tree.num_nodes
+        if count > MAX_BATCH:
+            raise MoaspecError(f"a tree of {count} nodes exceeds the llama.cpp batch ({MAX_BATCH})")
+        node_depths = depths(tree.parents)
+        if self.num_cached + int(node_depths.max()) + 1 > self.max_positions:
+            raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
+        seq_sets = _leaf_sequences(tree.parents)
+        num_seqs = 1 + max(max(s) for s in seq_sets)
+        if num_seqs > MAX_LEAVES + 1:
+            raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES + 1}")
+        for seq in range(1, num_seqs):
+            self.lib.llama_memory_seq_cp(self.memory, 0, seq, -1, -1)
+        positions = (self.num_cached + node_depths).tolist()
+        self._fill(tree.token_ids.tolist(), positions, seq_sets, range(count))
+        self._pending_seq = [s[0] for s in seq_sets]
+        self._decode()
+        hidden = self._embeddings(count)[:, None] if hidden_layers else None
+        return TargetOutput(self._logits(count), hidden)
+
+    def commit(self, path_node_idx: list[int]) -> None:
+        """Keep the accepted path (root first) in sequence 0, free every other node's cell."""
+        if self._pending_seq is None:
+            raise ValueError("commit without a verified tree")
+        keep = self._pending_seq[path_node_idx[-1]]  # its cells: the context and the whole path
+        end = self.num_cached + len(path_node_idx)
+        lib, memory = self.lib, self.memory
+        lib.llama_memory_seq_keep(memory, keep)
+        lib.llama_memory_seq_rm(memory, keep, end, -1)
+        if keep != 0:
+            lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
+            lib.llama_memory_seq_rm(memory, keep, -1, -1)
+        self.num_cached = end
+        self._pending_seq = None
+
+    def rollback(self, length: int) -> None:
+        """Forget verified tokens at positions >= length (and anything pending)."""
+        if not 0 <= length <= self.num_cached:
+            raise ValueError(f"cannot roll back to {length} with {self.num_cached} verified tokens")
+        self._drop_pending()
+        self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+        self.num_cached = length
+
+    # -- internals ----------------------------------------------------------------------------
+    def _check_hidden(self, hidden_layers: tuple[int, ...]) -> None:
+        """Refuse hidden states this runtime cannot give; switch llama.cpp's embeddings output
+        (every token an output, logits included) on only when they are asked for."""
+        if hidden_layers and tuple(hidden_layers) != (self.num_layers,):
+            raise MoaspecError(
+                f"the llama.cpp runtime provides the hidden state after the final norm (layer {self.num_layers}) "
+                f"only, not layers {list(hidden_layers)}: use --runtime transformers for this drafter"
+            )
+        wanted = bool(hidden_layers)
+        if wanted != self._embeddings_on:
+            self.lib.llama_set_embeddings(self.ctx, wanted)
+            self._embeddings_on = wanted
+
+    def _drop_pending(self) -> None:
+        """Forget the nodes of a verified tree that was never committed."""
+        if self._pending_seq is not None:
+            self.lib.llama_memory_seq_keep(self.memory, 0)
+            self.lib.llama_memory_seq_rm(self.memory, 0, self.num_cached, -1)
+            self._pending_seq = None
+
+    def _fill(self, tokens: list[int], positions: list[int], seq_sets: list[list[int]], outputs) -> None:
+        batch = self.batch
+        batch.n_tokens = len(tokens)
+        wanted = set(outputs)
+        for i, (token, pos, seqs) in enumerate(zip(tokens, positions, seq_sets)):
+            batch.token[i] = token
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = len(seqs)
+            row = batch.seq_id[i]
+            for j, seq in enumerate(seqs):
+                row[j] = seq
+            batch.logits[i] = i in wanted
+
+    def _decode(self) -> None:
+        status = self.lib.llama_decode(self.ctx, self.batch)
+        if status != 0:
+            self.reset()
+            raise MoaspecError(f"llama_decode failed (status {status}); the context was reset")
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        """The last decode's logits of its `rows` output tokens, in batch order: [rows, V]."""
+        pointer = self.lib.llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy())
+
+    def _embeddings(self, rows: int) -> torch.Tensor:
+        """The last decode's final-norm hidden states of its `rows` output tokens: [rows, D]."""
+        pointer = self.lib.llama_get_embeddings(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.hidden_size)).copy())
+
+
+def _leaf_sequences(parents: torch.Tensor) -> list[list[int]]:
+    """Sequence ids of every node: one id per leaf, a node carrying those of the leaves below it.
+
+    parents: [N] (parents[0] = -1, parents[i] < i). -> N lists, each sorted, the root's [0, 1, ...].
+    Leaves are numbered in node order, so a chain (one leaf) is sequence 0 alone.
+    """
+    kids = children(parents)
+    count = len(kids)
+    seqs: list[list[int]] = [[] for _ in range(count)]
+    leaves = [node for node in range(count) if not kids[node]]
+    for seq, leaf in enumerate(leaves):
+        node = leaf
+        while node >= 0:
+            seqs[node].append(seq)
+            node = int(parents[node])
+    return seqs
