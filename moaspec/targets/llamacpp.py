@@ -1,7 +1,7 @@
 """The llama.cpp runtime: a GGUF target on llama.cpp (llama-cpp-python's C API) behind the target protocol.
 
 One `llama_context` per sequence, its KV cache unified across sequence ids. The verified context
-lives in sequence 0, in order (token at position p in cell p, as plain decoding leaves it).
+lives in sequence 0.
 
 Tree verification is one `llama_decode`: every node is a batch token at position
 num_cached + depth with logits on. llama.cpp attends by sequence: a token sees the cells that
@@ -9,16 +9,28 @@ carry its *first* sequence id at positions up to its own. So each leaf of the tr
 id, each node carries the ids of the leaves below it (its first id is any of them: every cell
 carrying it is an ancestor, the node itself, a later position, or the verified context), and the
 verified context is first copied into every leaf's sequence. `commit(path)` keeps the sequence of
-a leaf below the last accepted node, trims it after the path and makes it sequence 0 again; the
-other nodes' cells are freed. No accepted token is decoded twice.
+a leaf below the last accepted node, trims it after the path and makes it sequence 0 again. No
+accepted token is decoded twice.
+
+Exactness (the same tokens as plain decoding on this runtime). llama.cpp quantizes activations to
+8 bits inside its matrix products, so a rounding difference anywhere upstream moves logits by
+~0.5 and flips near-ties: a tree's logits must be *bit-identical* to what one-token decoding
+computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
+- the weight products are per-row kernels (chains of up to 40 tokens equal one-token decoding);
+- attention is not, with an f16 KV cache: one-token decoding switches to a split-KV flash-attention
+  kernel past 512 cells and accumulates V in f16, and the non-flash path changes kernels with the
+  batch size. With flash attention and a q8_0 KV cache every decode runs the same per-query kernel
+  (f32 accumulation; masked cells skipped exactly), whatever the batch;
+- that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
+  llama.cpp refills freed cells from the lowest one, so a rejected node placed *before* the last
+  accepted one is parked (moved to sequence PARKED, never attended) instead of freed. Parked cells
+  are reclaimed by re-decoding the verified context in order when the cache fills (`_compact`),
+  which reproduces the same keys and values.
+Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
 embeddings output). Per-layer keys/values and intermediate hidden states are not available on
 this runtime yet: drafters that need them are refused with a clear error.
-
-Exactness: llama.cpp quantizes activations to 8 bits inside its matrix products and picks kernels
-by batch size, so a tree's logits equal plain decoding's up to rounding, as on the transformers
-runtime. Greedy equality with plain decoding is checked on real prompts (tests/test_llamacpp.py).
 """
 
 from __future__ import annotations
@@ -36,9 +48,12 @@ from moaspec.errors import MoaspecError
 from moaspec.targets.base import TargetOutput, TargetParts
 from moaspec.tree import DraftTree, children, depths
 
-DEFAULT_CONTEXT = 4096  # tokens of KV cache allocated up front (~23 KB per token for SmolLM2-135M)
+DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0: ~12 KB per cell for SmolLM2-135M)
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
-MAX_LEAVES = 63  # leaves per verified tree (llama.cpp sequence ids, one per leaf)
+MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
+PARKED = MAX_LEAVES + 1  # the sequence of parked cells (see the module docstring)
+Q8_0 = 8  # ggml_type of the KV cache (keys and values)
+COMPACT_CHUNK = 32  # tokens per decode when re-decoding the context (per-row kernels up to 40 measured)
 
 
 def _llama():
@@ -103,10 +118,9 @@ class LlamaCppTarget:
         config: Any,
         name: str,
         *,
-        context: int = DEFAULT_CONTEXT,
+        cells: int = DEFAULT_CELLS,
         threads: int | None = None,
         parts_loader=None,
-        flash_attention: bool = True,
     ) -> None:
         self.weights = model
         self.tokenizer = tokenizer
@@ -115,26 +129,25 @@ class LlamaCppTarget:
         self.threads = threads or min(os.cpu_count() or 1, 8)
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts: dict[int, TargetParts] = {}
-        self._context_tokens = min(context, model.context_train) if model.context_train > 0 else context
-        self._flash_attention = flash_attention
+        self.cells = cells
         lib = model.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = self._context_tokens
+        params.n_ctx = cells
         params.n_batch = params.n_ubatch = MAX_BATCH
-        params.n_seq_max = MAX_LEAVES + 1
+        params.n_seq_max = PARKED + 1
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = True
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_k = params.type_v = Q8_0
         params.no_perf = True
         self.lib = lib
         self.ctx = lib.llama_init_from_model(model.model, params)
         if not self.ctx:
-            raise MoaspecError(f"llama.cpp cannot create a context of {self._context_tokens} tokens for {name}")
+            raise MoaspecError(f"llama.cpp cannot create a context of {cells} cells for {name}")
         self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(MAX_BATCH, 0, MAX_LEAVES + 1)
-        self.num_cached = 0
-        self._pending_seq: list[int] | None = None  # after verify: the first sequence id of every node
+        self.batch = lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
         self._embeddings_on = False
+        self.reset()
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -169,12 +182,14 @@ class LlamaCppTarget:
 
     @property
     def max_positions(self) -> int:
-        return self._context_tokens
+        trained = self.weights.context_train
+        return min(trained, self.cells) if trained > 0 else self.cells
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        """End-of-generation ids: the GGUF's own (eos, eot), as plain llama.cpp stops."""
-        ids = {self.lib.llama_vocab_eos(self.weights.vocab), self.lib.llama_vocab_eot(self.weights.vocab)}
+        """End-of-generation ids: the GGUF's own (eos, eot) and the tokenizer's eos."""
+        vocab = self.weights.vocab
+        ids = {self.lib.llama_vocab_eos(vocab), self.lib.llama_vocab_eot(vocab)}
         tokenizer_eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(tokenizer_eos, int):
             ids.add(tokenizer_eos)
@@ -198,14 +213,17 @@ class LlamaCppTarget:
     def new_session(self) -> LlamaCppTarget:
         """A context of its own on the same weights."""
         return LlamaCppTarget(
-            self.weights, self.tokenizer, self.config, self.name, context=self._context_tokens,
-            threads=self.threads, parts_loader=self._parts_loader, flash_attention=self._flash_attention,
+            self.weights, self.tokenizer, self.config, self.name,
+            cells=self.cells, threads=self.threads, parts_loader=self._parts_loader,
         )
 
     def reset(self) -> None:
+        """Forget everything: an empty verified context."""
         self.lib.llama_memory_clear(self.memory, True)
         self.num_cached = 0
-        self._pending_seq = None
+        self._tokens: list[int] = []  # the verified tokens (to re-decode them when compacting)
+        self._parked = 0  # cells held in sequence PARKED
+        self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -215,24 +233,28 @@ class LlamaCppTarget:
         if self.num_cached + len(ids) > self.max_positions:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
+        self._make_room(len(ids))
         hidden_chunks, logits = [], None
         for start in range(0, len(ids), MAX_BATCH):
             chunk = ids[start : start + MAX_BATCH]
             last = start + len(chunk) == len(ids)
             outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
-            self._fill(chunk, [self.num_cached + i for i in range(len(chunk))], [[0]] * len(chunk), outputs)
+            self._fill(chunk, range(self.num_cached, self.num_cached + len(chunk)), [[0]] * len(chunk), outputs)
             self._decode()
             if hidden_layers:
-                hidden_chunks.append(self._embeddings(len(chunk)))
+                hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size))
             if last:
-                logits = self._logits(len(outputs))[-1:]
+                logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size)[-1:]
             self.num_cached += len(chunk)
+            self._tokens.extend(chunk)
         hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
         return TargetOutput(logits, hidden)
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """Score every node of `tree` in one llama_decode.  -> logits [N, V], hidden [N, 1, D]."""
+        """Score every node of `tree` in one llama_decode.  -> logits [N, V], hidden [N, 1, D].
+
+        The nodes stay pending in the cache until `commit`."""
         self._check_hidden(hidden_layers)
         self._drop_pending()
         count = tree.num_nodes
@@ -242,32 +264,47 @@ class LlamaCppTarget:
         if self.num_cached + int(node_depths.max()) + 1 > self.max_positions:
             raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
         seq_sets = _leaf_sequences(tree.parents)
-        num_seqs = 1 + max(max(s) for s in seq_sets)
-        if num_seqs > MAX_LEAVES + 1:
-            raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES + 1}")
+        num_seqs = len(seq_sets[0])  # the root carries every leaf's sequence
+        if num_seqs > MAX_LEAVES:
+            raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES}")
+        self._make_room(count)
         for seq in range(1, num_seqs):
             self.lib.llama_memory_seq_cp(self.memory, 0, seq, -1, -1)
         positions = (self.num_cached + node_depths).tolist()
-        self._fill(tree.token_ids.tolist(), positions, seq_sets, range(count))
-        self._pending_seq = [s[0] for s in seq_sets]
+        tokens = tree.token_ids.tolist()
+        self._fill(tokens, positions, seq_sets, range(count))
+        self._pending = ([seqs[0] for seqs in seq_sets], positions, tokens, num_seqs)
         self._decode()
-        hidden = self._embeddings(count)[:, None] if hidden_layers else None
-        return TargetOutput(self._logits(count), hidden)
+        hidden = None
+        if hidden_layers:
+            hidden = self._outputs(self.lib.llama_get_embeddings, count, self.hidden_size)[:, None]
+        return TargetOutput(self._outputs(self.lib.llama_get_logits, count, self.vocab_size), hidden)
 
     def commit(self, path_node_idx: list[int]) -> None:
-        """Keep the accepted path (root first) in sequence 0, free every other node's cell."""
-        if self._pending_seq is None:
+        """Keep the accepted path (root first) in sequence 0. Rejected nodes placed before the
+        last accepted one are parked; the others are freed (module docstring)."""
+        if self._pending is None:
             raise ValueError("commit without a verified tree")
-        keep = self._pending_seq[path_node_idx[-1]]  # its cells: the context and the whole path
-        end = self.num_cached + len(path_node_idx)
+        first_seq, positions, tokens, num_seqs = self._pending
+        last = path_node_idx[-1]
+        keep = first_seq[last]  # its cells: the context and the whole path
+        on_path = set(path_node_idx)
         lib, memory = self.lib, self.memory
-        lib.llama_memory_seq_keep(memory, keep)
+        for node in range(last):  # nodes are placed in cells in batch order
+            if node not in on_path:  # one node per (sequence, position): this parks exactly its cell
+                lib.llama_memory_seq_cp(memory, first_seq[node], PARKED, positions[node], positions[node] + 1)
+                self._parked += 1
+        for seq in range(num_seqs):
+            if seq != keep:
+                lib.llama_memory_seq_rm(memory, seq, -1, -1)
+        end = self.num_cached + len(path_node_idx)
         lib.llama_memory_seq_rm(memory, keep, end, -1)
         if keep != 0:
             lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
             lib.llama_memory_seq_rm(memory, keep, -1, -1)
+        self._tokens.extend(tokens[i] for i in path_node_idx)
         self.num_cached = end
-        self._pending_seq = None
+        self._pending = None
 
     def rollback(self, length: int) -> None:
         """Forget verified tokens at positions >= length (and anything pending)."""
@@ -275,6 +312,7 @@ class LlamaCppTarget:
             raise ValueError(f"cannot roll back to {length} with {self.num_cached} verified tokens")
         self._drop_pending()
         self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
+        del self._tokens[length:]
         self.num_cached = length
 
     # -- internals ----------------------------------------------------------------------------
@@ -292,13 +330,26 @@ class LlamaCppTarget:
             self._embeddings_on = wanted
 
     def _drop_pending(self) -> None:
-        """Forget the nodes of a verified tree that was never committed."""
-        if self._pending_seq is not None:
-            self.lib.llama_memory_seq_keep(self.memory, 0)
+        """Free the nodes of a verified tree that was never committed (all after the context)."""
+        if self._pending is not None:
+            for seq in range(1, self._pending[3]):
+                self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
             self.lib.llama_memory_seq_rm(self.memory, 0, self.num_cached, -1)
-            self._pending_seq = None
+            self._pending = None
 
-    def _fill(self, tokens: list[int], positions: list[int], seq_sets: list[list[int]], outputs) -> None:
+    def _make_room(self, count: int) -> None:
+        """Reclaim parked cells when `count` more would not fit after the used ones."""
+        if self.num_cached + self._parked + count <= self.cells or not self._parked:
+            return
+        tokens = self._tokens
+        self.lib.llama_memory_clear(self.memory, True)
+        self._parked = 0
+        for start in range(0, len(tokens), COMPACT_CHUNK):
+            chunk = tokens[start : start + COMPACT_CHUNK]
+            self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
+            self._decode()
+
+    def _fill(self, tokens: list[int], positions: Sequence[int], seq_sets: list[list[int]], outputs) -> None:
         batch = self.batch
         batch.n_tokens = len(tokens)
         wanted = set(outputs)
@@ -315,17 +366,11 @@ class LlamaCppTarget:
         status = self.lib.llama_decode(self.ctx, self.batch)
         if status != 0:
             self.reset()
-            raise MoaspecError(f"llama_decode failed (status {status}); the context was reset")
+            raise MoaspecError(f"llama_decode failed (status {status}); the target's context was reset")
 
-    def _logits(self, rows: int) -> torch.Tensor:
-        """The last decode's logits of its `rows` output tokens, in batch order: [rows, V]."""
-        pointer = self.lib.llama_get_logits(self.ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy())
-
-    def _embeddings(self, rows: int) -> torch.Tensor:
-        """The last decode's final-norm hidden states of its `rows` output tokens: [rows, D]."""
-        pointer = self.lib.llama_get_embeddings(self.ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.hidden_size)).copy())
+    def _outputs(self, getter, rows: int, width: int) -> torch.Tensor:
+        """A copy of the last decode's logits or embeddings of its `rows` outputs: [rows, width]."""
+        return torch.from_numpy(np.ctypeslib.as_array(getter(self.ctx), shape=(rows, width)).copy())
 
 
 def _leaf_sequences(parents: torch.Tensor) -> list[list[int]]:
