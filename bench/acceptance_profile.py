@@ -64,7 +64,7 @@ def main() -> int:
     if unknown:
         parser.error(f"not shipped drafters: {', '.join(unknown)}")
     command = " ".join(["bench/acceptance_profile.py", *sys.argv[1:]])
-    target = load_target(args.target)
+    target = load_target(args.target, runtime="transformers")
     prompts = [encode_chat_prompt(target.tokenizer, prompt) for prompt in CALIBRATION_PROMPTS]
     lookup_prompts = prompts + [encode_chat_prompt(target.tokenizer, prompt) for prompt in CONTEXT_PROMPTS]
 

@@ -77,7 +77,7 @@ def main() -> None:
     torch.set_num_threads(min(2, os.cpu_count() or 2))
     tree = TreeConfig(depth=args.depth, top_k=args.top_k, budget=args.budget)
 
-    target = load_target()
+    target = load_target(runtime="transformers")
     context = torch.randint(100, 20000, (CONTEXT + 64,), generator=torch.Generator().manual_seed(1))
     variants = build_variants(target, tree, args.reduced_vocab)
     sampling, generator = SamplingConfig(), torch.Generator()

@@ -102,7 +102,6 @@ def samples_of(target, records: list[dict]):
 
 def evaluate(label: str, spec: str, target, source, samples, categories) -> dict:
     from moaspec.drafters import checkpoint_directory
-    from moaspec.nn.drafter_net import TargetParts
     from moaspec.nn.eagle import EagleDrafterNet
     from moaspec.nn.moa import MoADrafterNet
     from moaspec.train.config import TrainConfig
@@ -114,7 +113,7 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     net = net.float()
     tli = net.config.tli_layers if method == "moa" else 0
     config = TrainConfig(method=method, tli_layers=tli)
-    parts = TargetParts.from_target(target, tli)
+    parts = target.parts(tli)
     offset = 1 if method == "moa" else 0
     depths = range(1, MAX_DEPTH - offset + 1) if method == "moa" else range(1, 2)
     by_category = {}
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from moaspec.nn.checkpoint import target_fingerprint
     from moaspec.train.feature_cache import build_feature_cache
 
-    target = load_target(args.target, dtype=torch.float32)
+    target = load_target(args.target, dtype=torch.float32, runtime="transformers")
     records = conversations(target, args.max_new_tokens)
     samples, categories = samples_of(target, records)
     fingerprint = target_fingerprint(target)

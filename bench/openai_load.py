@@ -165,7 +165,7 @@ def bench_in_process(args: argparse.Namespace, client_counts: list[int]) -> list
     from moaspec.split.server import ServerThread, SplitServer
 
     torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_target(args.target, runtime="transformers")
     key = secrets.token_urlsafe(16)
     rows = []
     for spec in args.drafters.split(","):

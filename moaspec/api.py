@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,17 +21,13 @@ from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
-from moaspec.model_store import DEFAULT_TARGET, resolve_target
-from moaspec.nn.fast_linear import requested_layout
-from moaspec.targets.hf import HFTarget
+from moaspec.model_store import DEFAULT_TARGET
+from moaspec.targets import load as targets_load
+from moaspec.targets.base import Target
+from moaspec.targets.load import DEFAULT_ATTN_IMPLEMENTATION, load_tokenizer  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
     from moaspec.calibration.plan import Calibration
-
-# Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
-# sdpa 73.9 ms per decode step and 127 ms for an 8-node tree; eager 81.1 and 161 ms.
-DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
-
 
 @dataclass(frozen=True)
 class GenerationOutput:
@@ -62,7 +57,7 @@ class SpeculativeLM:
     """
 
     def __init__(
-        self, target: HFTarget, drafter: Drafter, drafter_name: str = "", calibration: Calibration | None = None
+        self, target: Target, drafter: Drafter, drafter_name: str = "", calibration: Calibration | None = None
     ) -> None:
         if target.tokenizer is None:
             raise MoaspecError("the target has no tokenizer")
@@ -123,35 +118,17 @@ def load_target(
     target: str = DEFAULT_TARGET,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
-) -> HFTarget:
-    """Load a target by built-in name, HF directory or .gguf path (offline only)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    name, model_dir = resolve_target(target)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise MoaspecError(f"cannot load target {target}: {str(exc).splitlines()[0]}") from exc
-    loaded = HFTarget(model, tokenizer, name)
-    layout = requested_layout()  # else the machine calibration picks the layout (moaspec/calibration)
-    if layout is not None:
-        loaded.use_layout(layout)
-    return loaded
-
-
-def load_tokenizer(model_dir):
-    """The fast tokenizer straight from tokenizer.json when there is one (2 s faster than AutoTokenizer)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (model_dir / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    runtime: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    gpu_layers: int = 0,
+) -> Target:
+    """Load a target by built-in name, HF directory or .gguf path (offline only) on `runtime`
+    ("llama.cpp" or "transformers"; None: llama.cpp for GGUF targets, see targets/load.py)."""
+    return targets_load.load_target(
+        target, runtime, dtype=dtype, attn_implementation=attn_implementation, device=device,
+        threads=threads, gpu_layers=gpu_layers,
+    )
 
 
 def load(
@@ -161,6 +138,10 @@ def load(
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
+    runtime: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    gpu_layers: int = 0,
 ) -> SpeculativeLM:
     """Load a target and a drafter for it.
 
@@ -174,15 +155,19 @@ def load(
     tree_overrides: e.g. {"depth": 5, "top_k": 2, "budget": 12} for a model drafter; fields left
     out come from `moaspec tune`'s saved choice, else the calibration, else the checkpoint
     (precedence: moaspec/tuned.py).
+
+    runtime: "llama.cpp" or "transformers" (None: llama.cpp for GGUF targets, targets/load.py);
+    device (transformers: "cpu", "cuda", ...), threads and gpu_layers (llama.cpp).
     """
     from moaspec.calibration.plan import drafter_for
 
-    loaded = load_target(target, dtype, attn_implementation)
+    loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers)
+    default = default_drafter(loaded.name, loaded.runtime)
     if not calibrate:
-        name = drafter or default_drafter(loaded.name)
+        name = drafter or default
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
     chosen, calibration = drafter_for(loaded, drafter, tree_overrides)
-    name = calibration.chosen.drafter if calibration is not None else drafter or default_drafter(loaded.name)
+    name = calibration.chosen.drafter if calibration is not None else drafter or default
     return SpeculativeLM(loaded, chosen, name, calibration)
 
 

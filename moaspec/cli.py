@@ -52,11 +52,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
+    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER, LLAMA_CPP_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
+    from moaspec.targets.load import add_runtime_arguments
     from moaspec.tuned import add_tree_arguments
 
-    default_drafter = f"{DEFAULT_DRAFTER} for targets with a shipped MoA drafter, else {FALLBACK_DRAFTER}"
+    default_drafter = (
+        f"{DEFAULT_DRAFTER} ({LLAMA_CPP_DRAFTER} on llama.cpp) for targets with a shipped model drafter, "
+        f"else {FALLBACK_DRAFTER}"
+    )
 
     parser = _Parser(prog="moaspec", description="Lossless speculative decoding with Mixture of Attentions.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -77,6 +81,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_tree_arguments(gen, "model drafters")
+    add_runtime_arguments(gen)
     split = gen.add_argument_group("client-server split (docs/protocol.md)")
     split.add_argument("--server", default=None, help="URL of a `moaspec serve` server: draft here, verify there")
     split.add_argument("--api-key-file", default=None, help="file holding the API key (default: $MOASPEC_API_KEY)")
@@ -116,8 +121,10 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s, help=f"drop idle sessions (default {limits.idle_timeout_s:g})")
     serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help=f"largest request (default {limits.max_body_bytes})")
     from moaspec.split.serve_flags import add_limit_arguments
+    from moaspec.targets.load import add_runtime_arguments
 
     add_limit_arguments(serve)
+    add_runtime_arguments(serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -138,9 +145,12 @@ def _serve(args: argparse.Namespace) -> int:
     from moaspec.drafters import check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
 
+    from moaspec.targets.load import runtime_options
+
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
-    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0])
+    args.runtime_options = runtime_options(args, args.target)
+    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0], args.runtime_options["runtime"])
     return serve(args, keys, ssl_context)
 
 
@@ -244,7 +254,9 @@ def _train(args: argparse.Namespace) -> int:
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
-    _check_device(args.device)
+    from moaspec.targets.load import check_device
+
+    check_device(args.device)
     init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
     from moaspec.model_store import resolve_target
 
@@ -332,8 +344,12 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")
         api_key = read_api_keys(args.api_key_file)[0]
+    from moaspec.targets.load import runtime_options
+
+    options = runtime_options(args, args.target)
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
-    named = args.drafter or default_drafter(target_name)
+    # a split client drafts for the server's runtime (transformers unless its operator chose llama.cpp)
+    named = args.drafter or default_drafter(target_name, "transformers" if args.server else options["runtime"])
     if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if args.server is not None:
@@ -344,7 +360,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from moaspec.api import load
 
-    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides)
+    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, **options)
     streamer = None
     if not args.json:
         from transformers import TextStreamer
@@ -361,7 +377,7 @@ def _generate(args: argparse.Namespace) -> int:
         streamer=streamer,
     )
     if args.json:
-        record = {"target": lm.target.name, "drafter": lm.drafter_name, **out.to_dict()}
+        record = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name, **out.to_dict()}
         print(json.dumps(record))
     else:
         sys.stdout.flush()
@@ -426,7 +442,9 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    _check_device(args.device)
+    from moaspec.targets.load import check_device
+
+    check_device(args.device)
     manifest = run_distill(args.target, out, config, _command_line(args), device=args.device)
     totals = manifest["totals"]
     print(
@@ -435,21 +453,6 @@ def _data_distill(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
-
-
-def _check_device(device: str) -> None:
-    """`--device`: cpu, or a CUDA device this machine has (MoaspecError otherwise)."""
-    import re
-
-    if device == "cpu":
-        return
-    if not re.fullmatch(r"cuda(:\d+)?", device):
-        raise MoaspecError(f"--device must be cpu or cuda[:N], got '{device}'")
-    import torch
-
-    index = int(device.partition(":")[2] or 0)
-    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise MoaspecError(f"--device {device}: this machine has no such CUDA device")
 
 
 def _data_sharegpt(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 
 TINY_VOCAB = 97
 

@@ -14,7 +14,7 @@ from moaspec.drafters.ngram import NgramDrafter
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
 from moaspec.split.limits import OpenAILimits
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 
 KEY = "test-key"
 CHAT_TEMPLATE = (

@@ -14,10 +14,10 @@ from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.nn.drafter_net import TargetParts
+from moaspec.targets.base import TargetParts
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.layers import additive_mask
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree, depths
 
 NO_STOP: frozenset[int] = frozenset()
@@ -75,7 +75,7 @@ def test_root_step_equals_training_forward_and_deeper_steps_use_predicted_featur
     root before the real one, or after it (then accept must not keep the wrong root's pair)."""
     target = make_tiny_target(family)
     net = random_eagle(target)
-    parts = TargetParts.from_target(target, 0)
+    parts = target.parts(0)
     length, prompt_len, boundaries = 26, 6, [5, 9, 14, 15, 16, 22, 25]
     tokens = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
     layers = (target.num_layers,)
@@ -130,7 +130,7 @@ def test_tree_nodes_see_only_their_own_path() -> None:
     recomputation along its own root-to-node path (tree mask and parent-feature indexing)."""
     target = make_tiny_target("llama")
     net = random_eagle(target, seed=3)
-    parts = TargetParts.from_target(target, 0)
+    parts = target.parts(0)
     prompt = torch.tensor([4, 8, 15, 16, 23, 42])
     out = target.prefill(prompt, (target.num_layers,))
     drafter = EagleDrafter(net, target)
@@ -185,7 +185,7 @@ def overfit(net: EagleDrafterNet, target: HFTarget, token_ids: list[int], steps:
     with torch.no_grad():
         hidden = target.prefill(tokens, (target.num_layers,)).hidden[:, 0].clone()  # [T, D]
     target.reset()
-    parts = TargetParts.from_target(target, 0)
+    parts = target.parts(0)
     optimizer = torch.optim.Adam(net.parameters(), lr=3e-3)
     for _ in range(steps):
         loss = torch.nn.functional.smooth_l1_loss(net.forward_train(parts, tokens, hidden), hidden[1:])

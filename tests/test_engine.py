@@ -17,7 +17,7 @@ from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 from moaspec.sampling import target_probs
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree
 
 PROMPT = [5, 17, 33, 2, 71, 5, 17]

@@ -15,8 +15,8 @@ from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.moa import MoADrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.nn.moa import MoAConfig, MoADrafterNet, TargetParts
-from moaspec.target import HFTarget
+from moaspec.nn.moa import MoAConfig, MoADrafterNet
+from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree, depths
 
 NO_STOP: frozenset[int] = frozenset()
@@ -73,7 +73,7 @@ def test_training_forward_equals_step_by_step_drafting(family: str, tli: int) ->
     if tli:
         full = target.model(tokens[None], output_hidden_states=True)
         true_hidden = full.hidden_states[target.num_layers - tli][0]
-    parts = TargetParts.from_target(target, tli)
+    parts = target.parts(tli)
     out = net.forward_train(
         parts, tokens, target.layer_kv(0, length), anchors_for(length, prompt_len, boundaries), False, true_kv, true_hidden
     )

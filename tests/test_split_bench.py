@@ -25,7 +25,7 @@ from moaspec.split.bench import (
     text_mismatches,
 )
 from moaspec.split.bench_cases import CaseRun
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 
 
 def save_random_checkpoint(directory, method: str, target) -> str:

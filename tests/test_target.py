@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from moaspec.target import HFTarget
+from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree, path_to
 
 PREFIX = torch.tensor([3, 14, 15, 92, 65, 35, 89])

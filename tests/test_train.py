@@ -109,7 +109,7 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     from moaspec.train.run import RunSpec, run_training
 
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
-    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None: target)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, **kwargs: target)
     data = tmp_path / "data"
     data.mkdir()
     gen = torch.Generator().manual_seed(3)
@@ -202,7 +202,7 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     from moaspec.train.run import RunSpec, load_samples, run_training
 
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
-    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None: target)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, **kwargs: target)
     gen = torch.Generator().manual_seed(5)
     distilled, conversations = tmp_path / "distilled", tmp_path / "conversations"
     distilled.mkdir(), conversations.mkdir()

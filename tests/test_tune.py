@@ -86,7 +86,7 @@ def tiny_with_checkpoint(tmp_path, monkeypatch):
     target = make_tiny_target("llama", max_position_embeddings=1024, dtype=torch.float32)
     target.tokenizer = char_tokenizer()
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", Path("unused")))
-    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None: target)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None, **kwargs: target)
     net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
     checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 2, "top_k": 1, "budget": 2})
     return target, checkpoint

@@ -40,9 +40,10 @@ def add_bench_parser(commands, default_target: str) -> None:
     bench.add_argument(
         "--methods",
         default=None,
-        help="comma-separated: none, hf, hf-pld, ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR; a model "
-        "drafter ending in @ref drafts with the reference tree (depth 6, top-k 4, 16 nodes) "
-        "(default none,hf,hf-pld,ngram plus the shipped drafters of the target); none is always included",
+        help="comma-separated: none, hf, hf-pld (transformers runtime), llama.cpp, llama.cpp-pld (GGUF targets), "
+        "ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR; a model drafter ending in @ref drafts with "
+        "the reference tree (depth 6, top-k 4, 16 nodes) (default: none, the runtime's own generation, ngram, "
+        "the shipped drafters that run on the runtime, the default drafter and default); none is always included",
     )
     bench.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy, outputs checked against none (default 0)"
@@ -58,13 +59,16 @@ def add_bench_parser(commands, default_target: str) -> None:
     add_tree_arguments(bench, "model-drafter methods except `default` (e.g. the reference tree: 6 / 4 / 16)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     from moaspec.bench.client_server import add_client_server_arguments
+    from moaspec.targets.load import add_runtime_arguments
+
+    add_runtime_arguments(bench)
 
     add_client_server_arguments(bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
-    from moaspec.bench.methods import check_available, default_methods, parse_methods
+    from moaspec.bench.methods import check_available, check_runtime_methods, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
     from moaspec.bench.report import render_markdown
@@ -86,8 +90,13 @@ def run_bench(args: argparse.Namespace) -> int:
     target_name, _ = resolve_target(args.target)
     if args.client_server:
         return run_client_server_bench(args, categories, sampling, out, target_name)
-    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name))
+    from moaspec.targets.load import runtime_options
+
+    options = runtime_options(args, args.target)
+    runtime = options["runtime"]
+    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime))
     check_available(specs, target_name)
+    check_runtime_methods(specs, runtime)
     if not args.no_plots:
         check_plotting()
     prompts = load_prompts(categories, args.limit)
@@ -97,7 +106,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import build_method
     from moaspec.bench.runner import run_benchmark
 
-    target = moaspec.api.load_target(args.target)
+    target = moaspec.api.load_target(args.target, **options)
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     # The calibration first: it lays out the target (every method then runs on the layout a user
@@ -111,6 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # 3. report
     config = {
         "target": target.name,
+        "runtime": target.runtime,
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],
@@ -249,7 +259,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from moaspec.drafters import make_drafter
     from moaspec.tuned import save_tuned_tree
 
-    target = moaspec.api.load_target(args.target)
+    target = moaspec.api.load_target(args.target, runtime="transformers")  # tuned trees are per target, measured there
     context_len = min(args.context, target.max_positions // 2)
     prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
     print(f"[moaspec] measuring target verify costs ({target.name}, context {context_len})...", file=sys.stderr)

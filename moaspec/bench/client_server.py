@@ -123,7 +123,7 @@ def run_client_server_bench(
     from moaspec.drafters import make_drafter
     from moaspec.split.bench import BASELINE, run_client_server, run_disconnection
 
-    target = moaspec.api.load_target(args.target)
+    target = moaspec.api.load_target(args.target, runtime=args.runtime or "transformers")
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     prompts, skipped = first_turns(target, items)

@@ -12,7 +12,9 @@
   choice (moaspec/calibration/plan.py), recorded in results.json's `config.calibration`;
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
   comparison isolates the decode loop); `hf-pld`: the same with prompt-lookup decoding
-  (`prompt_lookup_num_tokens=HF_PLD_TOKENS`).
+  (`prompt_lookup_num_tokens=HF_PLD_TOKENS`). transformers runtime only;
+- `llama.cpp`, `llama.cpp-pld`: llama-cpp-python's own generation (and its prompt-lookup
+  decoding) on the target's GGUF with the same threads (bench/llamacpp_methods.py); GGUF targets.
 
 A shipped drafter name whose checkpoint is missing for the target is an error up front (a
 benchmark that silently drops a method is easy to misread).
@@ -24,15 +26,26 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from moaspec.drafters import MODEL_FREE, SHIPPED, SHIPPED_DIR, check_drafter_spec, checkpoint_directory, default_drafter
+from moaspec.drafters import (
+    MODEL_FREE,
+    RUNS_ON,
+    SHIPPED,
+    SHIPPED_DIR,
+    check_drafter_spec,
+    checkpoint_directory,
+    default_drafter,
+)
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:
     from moaspec.config import SamplingConfig
+    from moaspec.targets.base import Target
     from moaspec.targets.hf import HFTarget
 
 HF_METHODS = ("hf", "hf-pld")
+LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-pld")
+EXTERNAL_METHODS = (*HF_METHODS, *LLAMA_CPP_METHODS)  # generation by another library, not our engine
 DEFAULT_METHOD = "default"
 HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 REFERENCE_SUFFIX = "@ref"
@@ -41,7 +54,7 @@ REFERENCE_TREE = {"depth": 6, "top_k": 4, "budget": 16}  # issue 20's fixed tree
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """label: the name in the tables. source: `hf`, `hf-pld`, or a drafter spec for our engine.
+    """label: the name in the tables. source: an EXTERNAL_METHODS name or a drafter spec for our engine.
     reference_tree: draft with REFERENCE_TREE instead of the drafter's own tree."""
 
     label: str
@@ -55,8 +68,8 @@ class MethodSpec:
 
     @property
     def drafter(self) -> str | None:
-        """The drafter spec of an engine method, None for the transformers methods."""
-        return None if self.source in HF_METHODS else self.source
+        """The drafter spec of an engine method, None for another library's generation."""
+        return None if self.source in EXTERNAL_METHODS else self.source
 
 
 @dataclass
@@ -91,9 +104,9 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
         path = path.removesuffix(REFERENCE_SUFFIX)
         if not label or not path:
             raise MoaspecError(f"bad method '{item}' (expected NAME, DIR or LABEL=DIR, optionally ending in @ref)")
-        if reference and path in (*HF_METHODS, DEFAULT_METHOD, *MODEL_FREE):
+        if reference and path in (*EXTERNAL_METHODS, DEFAULT_METHOD, *MODEL_FREE):
             raise MoaspecError(f"method '{item}': {REFERENCE_SUFFIX} applies to model drafters only")
-        if path not in (*HF_METHODS, DEFAULT_METHOD):
+        if path not in (*EXTERNAL_METHODS, DEFAULT_METHOD):
             check_drafter_spec(path)
         specs.append(MethodSpec(label, path, reference))
     if not specs:
@@ -110,13 +123,27 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
     return tuple(specs)
 
 
-def default_methods(target_name: str) -> str:
-    """`none,hf,hf-pld,ngram`, every shipped drafter that exists for the target, the shipped
-    default drafter form (`moa+ngram` where there is a shipped MoA drafter) and `default` (the
-    calibrated choice)."""
-    shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir()]
-    methods = ["none", *HF_METHODS, "ngram", *shipped]
-    return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
+def default_methods(target_name: str, runtime: str = "transformers") -> str:
+    """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
+    `ngram`, every shipped drafter that exists for the target and runs on the runtime, the
+    default drafter form (`moa+ngram`, `eagle+ngram` on llama.cpp) and `default` (the calibrated choice)."""
+    runs = RUNS_ON[runtime]
+    shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir() and _method_of(name) in runs]
+    external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
+    methods = ["none", *external, "ngram", *shipped]
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name, runtime), DEFAULT_METHOD]))
+
+
+def _method_of(shipped_name: str) -> str:
+    """`moa-tli1` -> `moa`: the checkpoint method of a shipped drafter name."""
+    return shipped_name.split("-")[0]
+
+
+def check_runtime_methods(specs: tuple[MethodSpec, ...], runtime: str) -> None:
+    """Refuse methods the target's runtime cannot run (before any model loads)."""
+    for spec in specs:
+        if spec.source in HF_METHODS and runtime != "transformers":
+            raise MoaspecError(f"method '{spec.label}' runs transformers generate(): add --runtime transformers")
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
@@ -134,9 +161,11 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
             raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
 
 
-def build_method(spec: MethodSpec, target: HFTarget, calibrated=None, tree_overrides: dict | None = None) -> Method:
+def build_method(spec: MethodSpec, target: Target, calibrated=None, tree_overrides: dict | None = None) -> Method:
     """calibrated: the drafter of the `default` method (the calibrated choice); tree_overrides:
     --tree-* values for the model-drafter methods (the model-free ones have no tree)."""
+    if spec.source in LLAMA_CPP_METHODS:
+        return _llama_cpp_method(spec, target)
     if spec.drafter is None:
         return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None)
     if spec.drafter == DEFAULT_METHOD:
@@ -144,6 +173,27 @@ def build_method(spec: MethodSpec, target: HFTarget, calibrated=None, tree_overr
     from moaspec.drafters import make_drafter
 
     return EngineMethod(spec.label, target, make_drafter(spec.drafter, target, drafter_tree(spec, tree_overrides)))
+
+
+def _llama_cpp_method(spec: MethodSpec, target: Target) -> Method:
+    from moaspec.bench.llamacpp_methods import LLAMA_CPP_PLD_TOKENS, LlamaCppGenerateMethod
+    from moaspec.targets.load import gguf_file, llama_cpp_available
+
+    weights = getattr(target, "weights", None)  # the llama.cpp runtime's loaded GGUF
+    gguf = weights.path if weights is not None else gguf_file(target.name)
+    if gguf is None:
+        raise MoaspecError(f"method '{spec.label}' needs a GGUF target; '{target.name}' is not one")
+    if not llama_cpp_available():
+        raise MoaspecError(f"method '{spec.label}' needs llama-cpp-python: pip install llama-cpp-python==0.3.36")
+    threads = getattr(target, "threads", None) or _torch_threads()
+    lookup = LLAMA_CPP_PLD_TOKENS if spec.source == "llama.cpp-pld" else None
+    return LlamaCppGenerateMethod(spec.label, gguf, threads, target.max_positions, target.stop_ids, lookup)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def drafter_tree(spec: MethodSpec, tree_overrides: dict | None) -> dict | None:
@@ -157,7 +207,9 @@ def drafter_tree(spec: MethodSpec, tree_overrides: dict | None) -> dict | None:
 class EngineMethod:
     """Our engine with one drafter."""
 
-    def __init__(self, label: str, target: HFTarget, drafter) -> None:
+    lossless = True  # greedy output must equal plain decoding's (the benchmark checks)
+
+    def __init__(self, label: str, target: Target, drafter) -> None:
         from moaspec.engine import Engine
 
         self.label = label
@@ -174,6 +226,8 @@ class EngineMethod:
 
 class HFGenerateMethod:
     """transformers `generate()` on the target's model, optionally with prompt-lookup decoding."""
+
+    lossless = True  # the same float32 model as our `none`: its greedy output must be the same
 
     def __init__(self, label: str, target: HFTarget, prompt_lookup_tokens: int | None) -> None:
         self.label = label

@@ -102,9 +102,18 @@ def build_results(data: BenchData, methods: list[str], config: dict, machine: di
         "summary": [_summary_row(method, categories, data) for method in methods],
         "categories": categories,
         "mismatches": [asdict(mismatch) for mismatch in data.mismatches],
+        # other programs' greedy outputs (llama-cpp-python's) against our plain decoding: not checked
+        "agreement": [{**asdict(m), "identical": m.identical} for m in data.agreement],
         "skipped": list(data.skipped),
         "runs": [_run_row(record) for record in data.records],
     }
+
+
+def _identical_share(method: str, data: BenchData) -> float | None:
+    """For a method whose output is compared, not checked (another program): the share of its
+    greedy generations identical to plain decoding's; None for the others."""
+    compared = [m for m in data.agreement if m.method == method]
+    return round(sum(m.identical for m in compared) / len(compared), 4) if compared else None
 
 
 def _summary_row(method: str, categories: list[dict], data: BenchData) -> dict:
@@ -122,6 +131,7 @@ def _summary_row(method: str, categories: list[dict], data: BenchData) -> dict:
         "acceptance_per_depth": [round(a, 4) for a in pooled.acceptance_per_depth],
         "peak_rss_mb": max((row["peak_rss_mb"] for row in rows.values()), default=0.0),
         "num_mismatches": sum(1 for m in data.mismatches if m.method == method),
+        "identical_to_none": _identical_share(method, data),
         "per_category": {
             category: {key: row[key] for key in ("speedup", "tau", "tokens_per_s")} for category, row in rows.items()
         },
@@ -187,13 +197,23 @@ def render_markdown(results: dict) -> str:
     if config["temperature"] != 0:
         lines.append("Sampled run: outputs are not compared (only the distribution is preserved).")
     elif not results["mismatches"]:
-        lines.append(f"Every method's tokens equal `{BASELINE}`'s on every prompt.")
+        external = sorted({m["method"] for m in results.get("agreement", [])})
+        scope = f" (other programs, compared below: {', '.join(external)})" if external else ""
+        lines.append(f"Every method of our engine gives `{BASELINE}`'s tokens on every prompt{scope}.")
     else:
         lines.append(f"**{len(results['mismatches'])} MISMATCHES** (a lossless method changed the output):")
         lines += [
             f"- {m['method']}: {m['category']}/{m['prompt_id']} turn {m['turn']}, first divergence at new token {m['first_divergence']}"
             for m in results["mismatches"]
         ]
+    for method in sorted({m["method"] for m in results.get("agreement", [])}):
+        compared = [m for m in results["agreement"] if m["method"] == method]
+        same = sum(m["identical"] for m in compared)
+        agreeing = sum(m["first_divergence"] for m in compared) / max(1, sum(m["baseline_tokens"] for m in compared))
+        lines.append(
+            f"- `{method}` (another program, numerics of its own): {same}/{len(compared)} generations identical to "
+            f"`{BASELINE}`'s; {agreeing:.0%} of `{BASELINE}`'s tokens before the first divergence."
+        )
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"

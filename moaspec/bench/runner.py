@@ -57,11 +57,16 @@ class Mismatch:
     baseline_tokens: int
     method_tokens: int
 
+    @property
+    def identical(self) -> bool:
+        return self.first_divergence == self.baseline_tokens == self.method_tokens
+
 
 @dataclass
 class BenchData:
     records: list[RunRecord] = field(default_factory=list)
     mismatches: list[Mismatch] = field(default_factory=list)
+    agreement: list[Mismatch] = field(default_factory=list)  # other programs' outputs vs the baseline
     skipped: list[str] = field(default_factory=list)  # "category/prompt_id"
 
 
@@ -131,7 +136,12 @@ def _run_prompt(
             data.records.append(RunRecord(prompt.category, prompt.prompt_id, turn, method.label, run, peak, growth))
             bar.update(1)
         if sampling.greedy:
-            for mismatch in find_mismatches(prompt, turn, runs):
+            external = {method.label for method in order if not getattr(method, "lossless", True)}
+            data.agreement.extend(
+                m for m in compare_to_baseline(prompt, turn, runs) if m.method in external
+            )
+            checked = {label: run for label, run in runs.items() if label not in external}
+            for mismatch in find_mismatches(prompt, turn, checked):
                 data.mismatches.append(mismatch)
                 _warn(
                     bar,
@@ -145,16 +155,19 @@ def _run_prompt(
 
 def find_mismatches(prompt: BenchPrompt, turn: int, runs: dict[str, MethodRun]) -> list[Mismatch]:
     """Every method whose greedy tokens differ from the baseline's."""
+    return [m for m in compare_to_baseline(prompt, turn, runs) if not m.identical]
+
+
+def compare_to_baseline(prompt: BenchPrompt, turn: int, runs: dict[str, MethodRun]) -> list[Mismatch]:
+    """Every method but the baseline with where its greedy tokens leave the baseline's (equal
+    outputs: first_divergence = their length)."""
     expected = runs[BASELINE].token_ids
-    found = []
-    for label, run in runs.items():
-        if run.token_ids == expected:
-            continue
-        diverge = first_divergence(expected, run.token_ids)
-        found.append(
-            Mismatch(prompt.category, prompt.prompt_id, turn, label, diverge, len(expected), len(run.token_ids))
-        )
-    return found
+    return [
+        Mismatch(prompt.category, prompt.prompt_id, turn, label, first_divergence(expected, run.token_ids),
+                 len(expected), len(run.token_ids))
+        for label, run in runs.items()
+        if label != BASELINE
+    ]
 
 
 def first_divergence(expected: Sequence, actual: Sequence) -> int:

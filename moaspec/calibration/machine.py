@@ -34,14 +34,25 @@ def cpu_description() -> str:
     return f"{model} [{present}]" if present else model
 
 
-def runtime_description(dtype: str, attn_implementation: str) -> str:
-    """'transformers <ver> torch <ver> <dtype> <attention> <n> threads'."""
+def runtime_description(target) -> str:
+    """'transformers <ver> torch <ver> <dtype> <attention> <n> threads', or
+    'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads'."""
     import torch
+
+    if target.runtime == "llama.cpp":
+        import llama_cpp
+
+        return (
+            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0 KV flash-attention "
+            f"torch {torch.__version__} {target.threads} threads"
+        )
     import transformers
 
+    dtype = str(target.dtype).removeprefix("torch.")
+    attention = str(getattr(target.config, "_attn_implementation", None) or "default")
     return (
         f"transformers {transformers.__version__} torch {torch.__version__} {dtype} "
-        f"{attn_implementation} {torch.get_num_threads()} threads"
+        f"{attention} {torch.get_num_threads()} threads"
     )
 
 

@@ -38,13 +38,18 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 LOOKUP_SUFFIX = "+ngram"
 DEFAULT_DRAFTER = "moa+ngram"  # when no drafter is named, for targets with a shipped MoA drafter
+LLAMA_CPP_DRAFTER = "eagle+ngram"  # ... on llama.cpp (no per-layer keys/values there yet: no MoA)
 FALLBACK_DRAFTER = "ngram"  # ... and for any other target
+# what each runtime's targets can give a model drafter (targets/llamacpp.py: the final hidden state only)
+RUNS_ON = {"transformers": {"moa", "eagle"}, "llama.cpp": {"eagle"}}
 
 
-def default_drafter(target_name: str) -> str:
-    """The drafter used when none is named: the shipped MoA drafter with prompt lookup, or the
-    model-free `ngram` for a target without a shipped MoA drafter."""
-    return DEFAULT_DRAFTER if (SHIPPED_DIR / target_name / "moa").is_dir() else FALLBACK_DRAFTER
+def default_drafter(target_name: str, runtime: str = "transformers") -> str:
+    """The drafter used when none is named: the shipped MoA drafter with prompt lookup (EAGLE-2
+    on llama.cpp), or the model-free `ngram` for a target without a shipped model drafter."""
+    preferred = DEFAULT_DRAFTER if runtime == "transformers" else LLAMA_CPP_DRAFTER
+    base = split_lookup(preferred)[0]
+    return preferred if (SHIPPED_DIR / target_name / base).is_dir() else FALLBACK_DRAFTER
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
@@ -111,6 +116,13 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
+    runtime = getattr(target, "runtime", "transformers")
+    if method not in RUNS_ON.get(runtime, METHODS):
+        able = ", ".join(sorted(RUNS_ON[runtime]))
+        raise MoaspecError(
+            f"a '{method}' drafter cannot run on the {runtime} runtime yet (it can run: {able}, none, ngram); "
+            "use --runtime transformers"
+        )
     return drafter_class(method).from_pretrained(directory, target)
 
 

@@ -57,7 +57,7 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     from moaspec.split.server import SplitServer
 
     limits = server_limits_from_args(args)
-    target = load_target(args.target)
+    target = load_target(args.target, **args.runtime_options)
     from moaspec.openai_api.cli import openai_limits_from_args
 
     # The named (or default) drafter form is kept (split clients need its context encoder); the
@@ -83,7 +83,8 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
 
     options = SplitOptions(context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline)
     client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
-    target = load_target(args.target)  # only its tokenizer and frozen parts (embeddings, LM head) are used
+    # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies
+    target = load_target(args.target, runtime="transformers")
     drafter = make_drafter(args.drafter, target)
     if not hasattr(drafter, "accept_context"):
         raise MoaspecError(f"drafter '{args.drafter}' cannot run split")

@@ -54,7 +54,7 @@ class TargetParts:
     lm_head_weight: torch.Tensor  # [V, D]
     final_norm: nn.Module
     tli_layers: list[nn.Module]  # the target's last k decoder layers
-    rotary_emb: nn.Module
+    rotary_emb: nn.Module | None  # None where no drafter can use it (llama.cpp: no TLI)
 
 
 class Target(Protocol):

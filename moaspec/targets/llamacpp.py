@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from moaspec.errors import MoaspecError
+from moaspec.nn.fast_linear import check_layout
 from moaspec.targets.base import TargetOutput, TargetParts
 from moaspec.tree import DraftTree, children, depths
 
@@ -109,7 +110,6 @@ class LlamaCppTarget:
     """A GGUF target on llama.cpp (batch size 1); see the module docstring."""
 
     runtime = "llama.cpp"
-    weight_layout = "native"  # llama.cpp keeps its own (quantized) layout
 
     def __init__(
         self,
@@ -147,6 +147,7 @@ class LlamaCppTarget:
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
         self._embeddings_on = False
+        self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
 
     def __del__(self) -> None:
@@ -166,7 +167,9 @@ class LlamaCppTarget:
         return torch.device("cpu")
 
     def use_layout(self, layout: str) -> None:
-        """No-op: llama.cpp keeps its weights in its own layout."""
+        """The layout of the torch weights drafters borrow; llama.cpp keeps its own."""
+        check_layout(layout)
+        self.weight_layout = layout
 
     @property
     def num_layers(self) -> int:

@@ -359,7 +359,7 @@ def run_distill(
     conversations, data_counts = load_training_conversations(log_progress)
     # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
     # on 2 cores (eager only wins at batch 1).
-    loaded = load_target(target, attn_implementation="sdpa")
+    loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
     tokenizer, model = loaded.tokenizer, loaded.model.to(device)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

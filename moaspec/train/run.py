@@ -179,7 +179,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
 
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    target = load_target(spec.target, dtype=torch.float32)
+    target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)
     samples = load_samples(spec.data_dirs, config.max_seq_len)
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
