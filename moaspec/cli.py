@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 def _build_parser() -> argparse.ArgumentParser:
     from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER, LLAMA_CPP_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
-    from moaspec.targets.load import add_runtime_arguments
+    from moaspec.targets.options import add_runtime_arguments
     from moaspec.tuned import add_tree_arguments
 
     default_drafter = (
@@ -121,7 +121,7 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s, help=f"drop idle sessions (default {limits.idle_timeout_s:g})")
     serve.add_argument("--max-body-bytes", type=int, default=limits.max_body_bytes, help=f"largest request (default {limits.max_body_bytes})")
     from moaspec.split.serve_flags import add_limit_arguments
-    from moaspec.targets.load import add_runtime_arguments
+    from moaspec.targets.options import add_runtime_arguments
 
     add_limit_arguments(serve)
     add_runtime_arguments(serve)
@@ -145,7 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
     from moaspec.drafters import check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
 
-    from moaspec.targets.load import runtime_options
+    from moaspec.targets.options import runtime_options
 
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
@@ -254,7 +254,7 @@ def _train(args: argparse.Namespace) -> int:
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
-    from moaspec.targets.load import check_device
+    from moaspec.targets.options import check_device
 
     check_device(args.device)
     init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
@@ -344,7 +344,7 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")
         api_key = read_api_keys(args.api_key_file)[0]
-    from moaspec.targets.load import runtime_options
+    from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
@@ -442,7 +442,7 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    from moaspec.targets.load import check_device
+    from moaspec.targets.options import check_device
 
     check_device(args.device)
     manifest = run_distill(args.target, out, config, _command_line(args), device=args.device)

@@ -59,7 +59,7 @@ def add_bench_parser(commands, default_target: str) -> None:
     add_tree_arguments(bench, "model-drafter methods except `default` (e.g. the reference tree: 6 / 4 / 16)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     from moaspec.bench.client_server import add_client_server_arguments
-    from moaspec.targets.load import add_runtime_arguments
+    from moaspec.targets.options import add_runtime_arguments
 
     add_runtime_arguments(bench)
 
@@ -90,7 +90,7 @@ def run_bench(args: argparse.Namespace) -> int:
     target_name, _ = resolve_target(args.target)
     if args.client_server:
         return run_client_server_bench(args, categories, sampling, out, target_name)
-    from moaspec.targets.load import runtime_options
+    from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
     runtime = options["runtime"]

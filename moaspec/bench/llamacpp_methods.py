@@ -68,5 +68,6 @@ class LlamaCppGenerateMethod:
             if token in self.stop_ids or len(token_ids) >= min(max_new_tokens, room):
                 break
         wall = time.perf_counter() - started
-        stats = SpecStats(new_tokens=len(token_ids), target_forwards=self.evals, forward_tokens=len(token_ids), wall_s=wall)
+        count = len(token_ids)
+        stats = SpecStats(new_tokens=count, target_forwards=self.evals, forward_tokens=count, wall_s=wall)
         return MethodRun(token_ids, wall, stats, has_time_split=False)

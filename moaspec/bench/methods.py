@@ -177,7 +177,8 @@ def build_method(spec: MethodSpec, target: Target, calibrated=None, tree_overrid
 
 def _llama_cpp_method(spec: MethodSpec, target: Target) -> Method:
     from moaspec.bench.llamacpp_methods import LLAMA_CPP_PLD_TOKENS, LlamaCppGenerateMethod
-    from moaspec.targets.load import gguf_file, llama_cpp_available
+    from moaspec.targets.load import gguf_file
+    from moaspec.targets.options import llama_cpp_available
 
     weights = getattr(target, "weights", None)  # the llama.cpp runtime's loaded GGUF
     gguf = weights.path if weights is not None else gguf_file(target.name)

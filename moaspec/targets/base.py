@@ -35,9 +35,6 @@ from torch import nn
 if TYPE_CHECKING:
     from moaspec.tree import DraftTree
 
-RUNTIMES = ("transformers", "llama.cpp")
-
-
 @dataclass(frozen=True)
 class TargetOutput:
     """logits: [N, V] (float32 or the model dtype). hidden: [N, H, D] at the requested layers, or None."""
@@ -61,7 +58,7 @@ class Target(Protocol):
     """A target LLM behind prefill / verify / commit / rollback (see the module docstring)."""
 
     name: str
-    runtime: str  # one of RUNTIMES
+    runtime: str  # one of options.RUNTIMES
     tokenizer: Any  # a transformers fast tokenizer, or None
     config: Any  # the transformers config of the architecture (shapes, rope, model_type)
     num_cached: int

@@ -1,0 +1,83 @@
+"""Choosing a target runtime: the rules and the command-line flags (no torch import: the CLI
+checks its flags before any model loads)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from moaspec.errors import MoaspecError
+from moaspec.model_store import BUILTIN_TARGETS
+
+RUNTIMES = ("transformers", "llama.cpp")
+
+
+def check_runtime(runtime: str | None, spec: str) -> str:
+    """The runtime to use for `spec` (None = its default); MoaspecError when it cannot run it."""
+    if runtime is None:
+        return default_runtime(spec)
+    if runtime not in RUNTIMES:
+        raise MoaspecError(f"unknown runtime '{runtime}' (known: {', '.join(RUNTIMES)})")
+    if runtime == "llama.cpp":
+        if not (spec in BUILTIN_TARGETS or spec.endswith(".gguf")):
+            raise MoaspecError(
+                f"the llama.cpp runtime runs GGUF targets; '{spec}' is not one (use --runtime transformers)"
+            )
+        if not llama_cpp_available():
+            raise MoaspecError("the llama.cpp runtime needs llama-cpp-python: pip install llama-cpp-python==0.3.36")
+    return runtime
+
+
+def default_runtime(spec: str) -> str:
+    """llama.cpp for GGUF targets when llama-cpp-python is installed, else transformers."""
+    if spec in BUILTIN_TARGETS or spec.endswith(".gguf"):
+        return "llama.cpp" if llama_cpp_available() else "transformers"
+    return "transformers"
+
+
+def llama_cpp_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def add_runtime_arguments(parser) -> None:
+    """--runtime, --device, --threads, --gpu-layers (argparse)."""
+    group = parser.add_argument_group("target runtime")
+    group.add_argument(
+        "--runtime", choices=RUNTIMES, default=None,
+        help="llama.cpp (GGUF targets; their default when llama-cpp-python is installed) or transformers "
+        "(any target; the default for HF directories)",
+    )
+    group.add_argument("--device", default="cpu", help="transformers runtime: cpu, cuda or cuda:N (default cpu)")
+    group.add_argument("--threads", type=int, default=None, help="llama.cpp runtime: CPU threads (default: torch's)")
+    group.add_argument(
+        "--gpu-layers", type=int, default=0, help="llama.cpp runtime: layers offloaded to a GPU (default 0)"
+    )
+
+
+def runtime_options(args, target: str) -> dict:
+    """Checked load_target keyword arguments from the flags of add_runtime_arguments."""
+    runtime = check_runtime(args.runtime, target)
+    if args.threads is not None and args.threads < 1:
+        raise MoaspecError("--threads must be >= 1")
+    if args.gpu_layers < 0:
+        raise MoaspecError("--gpu-layers must be >= 0")
+    if runtime == "llama.cpp" and args.device != "cpu":
+        raise MoaspecError("--device applies to the transformers runtime; llama.cpp takes --gpu-layers")
+    if runtime == "transformers" and (args.threads is not None or args.gpu_layers):
+        raise MoaspecError("--threads and --gpu-layers apply to the llama.cpp runtime")
+    check_device(args.device)
+    return {"runtime": runtime, "device": args.device, "threads": args.threads, "gpu_layers": args.gpu_layers}
+
+
+def check_device(device: str) -> None:
+    """`--device`: cpu, or a CUDA device this machine has (MoaspecError otherwise)."""
+    import re
+
+    if device == "cpu":
+        return
+    if not re.fullmatch(r"cuda(:\d+)?", device):
+        raise MoaspecError(f"--device must be cpu or cuda[:N], got '{device}'")
+    index = int(device.partition(":")[2] or 0)
+    import torch
+
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise MoaspecError(f"--device {device}: this machine has no such CUDA device")

@@ -1,0 +1,213 @@
+"""The llama.cpp runtime (moaspec/targets/llamacpp.py) on the real SmolLM2-135M GGUF.
+
+Exactness here is bit-for-bit: a tree's logits must equal what one-token decoding computes for
+the same context (module docstring), so the checks compare logits with `torch.equal`, and the
+engine's greedy tokens with plain decoding's on one prompt of every benchmark category.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moaspec.bench.prompts import CATEGORIES, load_prompts
+from moaspec.chat import encode_chat_prompt
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters import make_drafter
+from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
+from moaspec.targets.llamacpp import MAX_LEAVES, LlamaCppTarget, _leaf_sequences
+from moaspec.tree import DraftTree, ancestor_mask, depths
+from moaspec.verify import verify_greedy
+
+
+def random_tree(generator: random.Random, size: int) -> torch.Tensor:
+    parents = [-1] + [generator.randrange(i) for i in range(1, size)]
+    return torch.tensor(parents)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_leaf_sequences_make_llama_cpp_attend_to_exactly_the_ancestors(seed: int) -> None:
+    """llama.cpp's rule (a token sees the cells holding its first sequence id at positions up to
+    its own) must give each node its ancestors and itself, nothing else."""
+    parents = random_tree(random.Random(seed), 1 + seed * 3)
+    seqs = _leaf_sequences(parents)
+    node_depths = depths(parents).tolist()
+    expected = ancestor_mask(parents)  # [N, N]: node i sees node j
+    for i, own in enumerate(seqs):
+        assert own == sorted(own) and own
+        for j, other in enumerate(seqs):
+            sees = own[0] in other and node_depths[j] <= node_depths[i]
+            assert sees == bool(expected[i, j]), (i, j, seqs)
+    assert seqs[0] == list(range(len(seqs[0])))  # the root carries every leaf's sequence
+
+
+def test_a_chain_is_sequence_zero_alone() -> None:
+    assert _leaf_sequences(torch.tensor([-1, 0, 1, 2])) == [[0], [0], [0], [0]]
+
+
+@pytest.fixture(scope="module")
+def llama_target():
+    from moaspec.api import load_target
+
+    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def category_prompts(llama_target) -> dict[str, list[int]]:
+    """The first prompt of every benchmark category, through the chat template."""
+    prompts = load_prompts(CATEGORIES, 1)
+    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
+
+
+def one_token(token: int) -> DraftTree:
+    return DraftTree(torch.tensor([token]), torch.tensor([-1]))
+
+
+def plain_decode(target, prompt: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
+    """One-token greedy decoding: tokens and the logits after each (the first from the prefill)."""
+    target.reset()
+    logits = [target.prefill(torch.tensor(prompt)).logits[0]]
+    tokens = [int(logits[0].argmax())]
+    while len(tokens) < count:
+        out = target.verify(one_token(tokens[-1]))
+        target.commit([0])
+        logits.append(out.logits[0])
+        tokens.append(int(out.logits[0].argmax()))
+    return tokens, logits
+
+
+def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: int) -> DraftTree:
+    """A random tree around the true continuation: at each depth the true token among 1-3
+    siblings (in random order, wrong ones with random subtrees), stopping at a random depth."""
+    ids, parents, node = [root], [-1], 0
+    for true_id in truth:
+        siblings = [(true_id, True)] + [(generator.randrange(vocab), False) for _ in range(generator.randrange(3))]
+        generator.shuffle(siblings)
+        next_node = None
+        for token, correct in siblings:
+            ids.append(token)
+            parents.append(node)
+            if correct:
+                next_node = len(ids) - 1
+            elif generator.random() < 0.4:
+                ids.append(generator.randrange(vocab))
+                parents.append(len(ids) - 2)
+        if generator.random() < 0.25:
+            break
+        node = next_node
+    return DraftTree(torch.tensor(ids), torch.tensor(parents))
+
+
+@pytest.mark.parametrize("cells", [8192, 320])
+def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, category_prompts, cells: int) -> None:
+    """Random trees holding the true continuation, committed step by step (rejected nodes parked;
+    with 320 cells the context is re-decoded to reclaim them): every accepted node's logits equal
+    plain decoding's exactly, so the greedy path is the same."""
+    target = llama_target if cells == 8192 else llama_target.__class__(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2
+    )
+    generator = random.Random(cells)
+    for name in ("mt_bench", "humaneval"):
+        prompt = category_prompts[name][:200]
+        tokens, logits = plain_decode(target, prompt, 52)
+        target.reset()
+        target.prefill(torch.tensor(prompt))
+        done = 0
+        while done < 44:
+            tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size)
+            out = target.verify(tree)
+            accepted = verify_greedy(tree, out.logits)
+            for k, node in enumerate(accepted.path_node_idx):
+                assert torch.equal(out.logits[node], logits[done + k + 1]), (name, done, k)
+            target.commit(accepted.path_node_idx)
+            assert accepted.emitted_ids == tokens[done + 1 : done + 2 + accepted.num_accepted]
+            done += accepted.num_accepted + 1
+            assert target.num_cached == len(prompt) + done
+
+
+def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:
+    prompt = category_prompts["qa"][:120]
+    tokens, logits = plain_decode(llama_target, prompt, 8)
+    llama_target.reset()
+    llama_target.prefill(torch.tensor(prompt))
+    llama_target.verify(DraftTree(torch.tensor([tokens[0], 5, 6]), torch.tensor([-1, 0, 0])))  # never committed
+    out = llama_target.verify(one_token(tokens[0]))
+    assert torch.equal(out.logits[0], logits[1])
+    llama_target.commit([0])
+    llama_target.verify(one_token(tokens[1]))
+    llama_target.commit([0])
+    llama_target.rollback(len(prompt) + 1)  # forget tokens[1]
+    out = llama_target.verify(one_token(tokens[1]))
+    assert torch.equal(out.logits[0], logits[2])
+    with pytest.raises(ValueError):
+        llama_target.rollback(len(prompt) + 5)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram"])
+def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, category_prompts, drafter: str) -> None:
+    engine = Engine(llama_target, make_drafter(drafter, llama_target))
+    plain = Engine(llama_target, make_drafter("none", llama_target))
+    generation = GenerationConfig(max_new_tokens=64)
+    tokens = forwards = 0
+    for name, prompt in category_prompts.items():
+        expected = plain.generate(prompt, SamplingConfig(), generation).token_ids
+        result = engine.generate(prompt, SamplingConfig(), generation)
+        assert result.token_ids == expected, name
+        tokens, forwards = tokens + result.stats.new_tokens, forwards + result.stats.target_forwards
+    assert forwards < tokens  # drafts were accepted: the comparison covered verified trees
+
+
+def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
+    prompt = torch.tensor(category_prompts["math"][:40])
+    llama_target.reset()
+    last = llama_target.num_layers
+    out = llama_target.prefill(prompt, (last,))
+    assert out.hidden.shape == (prompt.numel(), 1, llama_target.hidden_size)
+    assert torch.isfinite(out.hidden).all()
+    tree = DraftTree(torch.tensor([int(out.logits.argmax()), 5, 6]), torch.tensor([-1, 0, 0]))
+    verified = llama_target.verify(tree, (last,))
+    assert verified.hidden.shape == (3, 1, llama_target.hidden_size)
+    # the LM head over the returned state gives the logits (tied embeddings)
+    head = llama_target.parts(0).lm_head_weight
+    assert torch.allclose(verified.hidden[:, 0] @ head.T, verified.logits, atol=0.5)
+
+
+def test_what_llama_cpp_cannot_give_is_refused_clearly(llama_target) -> None:
+    llama_target.reset()
+    with pytest.raises(MoaspecError, match="layer"):
+        llama_target.prefill(torch.tensor([1, 2, 3]), (3,))
+    llama_target.reset()
+    llama_target.prefill(torch.tensor([1, 2, 3]))
+    with pytest.raises(MoaspecError, match="transformers"):
+        llama_target.layer_kv(0, 2)
+    with pytest.raises(MoaspecError, match="cannot run on the llama.cpp runtime"):
+        make_drafter("moa", llama_target)
+    wide = DraftTree(torch.tensor([1] * (MAX_LEAVES + 2)), torch.tensor([-1] + [0] * (MAX_LEAVES + 1)))
+    with pytest.raises(MoaspecError, match="leaves"):
+        llama_target.verify(wide)
+
+
+def test_runtime_choice_and_its_errors(tmp_path) -> None:
+    from moaspec.targets.options import check_runtime, default_runtime
+
+    assert default_runtime("smollm2-135m") == "llama.cpp"
+    assert default_runtime(str(tmp_path)) == "transformers"
+    with pytest.raises(MoaspecError, match="GGUF"):
+        check_runtime("llama.cpp", str(tmp_path))
+    with pytest.raises(MoaspecError, match="unknown runtime"):
+        check_runtime("vllm", "smollm2-135m")
+
+
+def test_sessions_share_weights_and_keep_their_own_context(llama_target, category_prompts) -> None:
+    prompt = category_prompts["translation"][:60]
+    other = llama_target.new_session()
+    assert isinstance(other, LlamaCppTarget) and other.weights is llama_target.weights
+    llama_target.reset()
+    first = llama_target.prefill(torch.tensor(prompt)).logits
+    other.prefill(torch.tensor(prompt[:30]))
+    again = llama_target.verify(one_token(int(first.argmax())))
+    assert other.num_cached == 30 and llama_target.num_cached == len(prompt)
+    assert torch.isfinite(again.logits).all()
