@@ -101,10 +101,10 @@ def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: in
     return DraftTree(torch.tensor(ids), torch.tensor(parents))
 
 
-@pytest.mark.parametrize("cells", [8192, 320])
+@pytest.mark.parametrize("cells", [8192, 264])
 def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, category_prompts, cells: int) -> None:
     """Random trees holding the true continuation, committed step by step (rejected nodes parked;
-    with 320 cells the context is re-decoded to reclaim them): every accepted node's logits equal
+    with 264 cells the context is re-decoded to reclaim them): every accepted node's logits equal
     plain decoding's exactly, so the greedy path is the same."""
     target = llama_target if cells == 8192 else llama_target.__class__(
         llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2
@@ -126,6 +126,7 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, categ
             assert accepted.emitted_ids == tokens[done + 1 : done + 2 + accepted.num_accepted]
             done += accepted.num_accepted + 1
             assert target.num_cached == len(prompt) + done
+    assert (target.compactions > 0) == (cells < 8192)
 
 
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:

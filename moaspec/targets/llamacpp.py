@@ -147,6 +147,7 @@ class LlamaCppTarget:
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
         self._embeddings_on = False
+        self.compactions = 0  # times the context was re-decoded to reclaim parked cells
         self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
 
@@ -347,6 +348,7 @@ class LlamaCppTarget:
         tokens = self._tokens
         self.lib.llama_memory_clear(self.memory, True)
         self._parked = 0
+        self.compactions += 1
         for start in range(0, len(tokens), COMPACT_CHUNK):
             chunk = tokens[start : start + COMPACT_CHUNK]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
