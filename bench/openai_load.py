@@ -161,7 +161,7 @@ def bench_in_process(args: argparse.Namespace, client_counts: list[int]) -> list
 
     from moaspec.api import load_target
     from moaspec.drafters import make_drafter
-    from moaspec.split.limits import OpenAILimits
+    from moaspec.serving.limits import OpenAILimits
     from moaspec.split.server import ServerThread, SplitServer
 
     torch.set_num_threads(args.threads)

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
+from moaspec.cli_support import command_line, output_dir
 from moaspec.errors import MoaspecError
 
 EXIT_USAGE = 2
@@ -101,7 +101,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_parser(commands, default_target: str, default_drafter: str) -> None:
-    from moaspec.split.limits import ServerLimits
+    from moaspec.serving.limits import ServerLimits
 
     limits = ServerLimits()
     serve = commands.add_parser("serve", help="serve the target side of the client-server split")
@@ -242,7 +242,7 @@ def _train(args: argparse.Namespace) -> int:
             raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
     if args.method == "eagle" and args.memory_layers:
         raise MoaspecError("--memory-layers applies to --method moa only")
-    out = _output_dir(args.out)
+    out = output_dir(args.out)
     try:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
@@ -267,7 +267,7 @@ def _train(args: argparse.Namespace) -> int:
         data_dirs=data, out_dir=out, target=args.target, draft_vocab=args.draft_vocab,
         val_conversations=args.val_conversations,
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
-        command=_command_line(args),
+        command=command_line(args),
         feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
         init_from=init_from,
         device=args.device,
@@ -389,16 +389,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _output_dir(value: str) -> Path:
-    """An --out directory that exists or can be created (its parent exists)."""
-    out = Path(value).expanduser()
-    if out.exists() and not out.is_dir():
-        raise MoaspecError(f"--out {out} exists and is not a directory")
-    if not out.absolute().parent.is_dir():
-        raise MoaspecError(f"the parent directory of --out {out} does not exist")
-    return out
-
-
 def _initial_checkpoint(value: str, target_name: str) -> Path:
     """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its checkpoint/)."""
     from moaspec.drafters import checkpoint_directory, split_lookup
@@ -412,11 +402,6 @@ def _initial_checkpoint(value: str, target_name: str) -> Path:
     if not (directory / "config.json").is_file():
         raise MoaspecError(f"--init-from {value} is not a drafter checkpoint (no config.json)")
     return directory
-
-
-def _command_line(args: argparse.Namespace) -> str:
-    """The exact command, recorded in manifests and checkpoints."""
-    return shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)])
 
 
 def _data_distill(args: argparse.Namespace) -> int:
@@ -435,7 +420,7 @@ def _data_distill(args: argparse.Namespace) -> int:
         seed=args.seed,
         num_conversations=args.num_conversations,
     )
-    out = _output_dir(args.out)
+    out = output_dir(args.out)
     if out.is_dir():
         check_resume(out, {"target": args.target, **asdict(config)})
     sharegpt_path()
@@ -445,7 +430,7 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.targets.options import check_device
 
     check_device(args.device)
-    manifest = run_distill(args.target, out, config, _command_line(args), device=args.device)
+    manifest = run_distill(args.target, out, config, command_line(args), device=args.device)
     totals = manifest["totals"]
     print(
         f"[moaspec] {totals['num_records']} records, {totals['response_tokens']} response tokens "
@@ -466,14 +451,14 @@ def _data_sharegpt(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len, num_conversations=args.num_conversations,
         shard_size=args.shard_size, seed=args.seed,
     )
-    out = _output_dir(args.out)
+    out = output_dir(args.out)
     if out.is_dir():
         check_resume(out, {"kind": MODE, "target": args.target, **asdict(config)})
     sharegpt_path()
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
-    manifest = run_teacher_forced(args.target, out, config, _command_line(args))
+    manifest = run_teacher_forced(args.target, out, config, command_line(args))
     totals = manifest["totals"]
     print(
         f"[moaspec] {totals['num_records']} conversations, {totals['tokens']} tokens "

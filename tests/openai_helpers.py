@@ -12,7 +12,7 @@ from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.moa import MoADrafter
 from moaspec.drafters.ngram import NgramDrafter
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
-from moaspec.split.limits import OpenAILimits
+from moaspec.serving.limits import OpenAILimits
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 from moaspec.targets.hf import HFTarget
 

@@ -1,6 +1,6 @@
 """`moaspec bench --client-server` on tiny random float64 targets over loopback: the CLI writes
 valid results with all four cases, bad flags stop before the target loads, the streamed baselines
-report sane numbers, and the pooled metrics are computed as documented (moaspec/split/bench.py)."""
+report sane numbers, and the pooled metrics are computed as documented (moaspec/bench/client_server_runner.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,8 @@ import pytest
 from openai_helpers import tiny_chat_target
 from test_bench import bench_args, tiny_bench  # noqa: F401  (tiny_bench is a fixture)
 
-from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
-from moaspec.cli import main
-from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters.ngram import NgramDrafter
-from moaspec.drafters.none import NoDrafter
-from moaspec.engine import Engine
-from moaspec.split.bench import (
+from moaspec.bench.client_server_cases import CaseRun
+from moaspec.bench.client_server_runner import (
     CaseRecord,
     ClientServerData,
     NamedPrompt,
@@ -24,7 +19,12 @@ from moaspec.split.bench import (
     summarize,
     text_mismatches,
 )
-from moaspec.split.bench_cases import CaseRun
+from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
+from moaspec.cli import main
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.ngram import NgramDrafter
+from moaspec.drafters.none import NoDrafter
+from moaspec.engine import Engine
 from moaspec.targets.hf import HFTarget
 
 
@@ -158,14 +158,14 @@ def test_rows_pool_generations_as_documented() -> None:
 def test_disconnection_scores_answers_against_references(monkeypatch) -> None:
     """Task F1 of verified + offline text and of the target's own answer of the same length, the
     first-token agreement, and no score for a prompt without references."""
-    import moaspec.split.bench as split_bench
+    import moaspec.bench.client_server_runner as client_server_runner
+    from moaspec.bench.client_server_runner import run_disconnection
     from moaspec.bench.task_score import normalized_words, token_f1
-    from moaspec.split.bench import run_disconnection
 
     target = tiny_chat_target()
     prompt_ids = tuple(target.tokenizer("Where is the cat?")["input_ids"])
     offline = target.tokenizer("cat sat mat")["input_ids"]
-    monkeypatch.setattr(split_bench, "_offline_continuation", lambda *args: ([], list(offline)))
+    monkeypatch.setattr(client_server_runner, "_offline_continuation", lambda *args: ([], list(offline)))
     reference = Engine(HFTarget(target.model, target.tokenizer, target.name), NoDrafter())
     own = reference.generate(list(prompt_ids), generation=GenerationConfig(max_new_tokens=len(offline))).token_ids
     own_text = target.tokenizer.decode(own, skip_special_tokens=True)

@@ -16,15 +16,13 @@ inputs (one line `moaspec: error: ...`).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 from itertools import accumulate
 
+from moaspec.bench.machine import machine_info
 from moaspec.bench.prompts import CATEGORIES
+from moaspec.cli_support import EXIT_MISMATCH, command_line, output_dir
 from moaspec.errors import MoaspecError
-
-EXIT_MISMATCH = 1
 
 
 def add_bench_parser(commands, default_target: str) -> None:
@@ -72,7 +70,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
     from moaspec.bench.report import render_markdown
-    from moaspec.cli import _command_line, _output_dir
     from moaspec.config import GenerationConfig, SamplingConfig
     from moaspec.model_store import resolve_target
 
@@ -86,7 +83,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.tuned import tree_overrides
 
     overrides = tree_overrides(args)
-    out = _output_dir(args.out)
+    out = output_dir(args.out)
     target_name, _ = resolve_target(args.target)
     if args.client_server:
         return run_client_server_bench(args, categories, sampling, out, target_name)
@@ -132,7 +129,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "calibration": calibration,
         "weight_layout": target.weight_layout,
     }
-    results = write_report(data, config, out, _command_line(args), plots=not args.no_plots)
+    results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
     print(render_markdown(results), end="")
     if results["mismatches"]:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
@@ -169,28 +166,6 @@ def write_report(data, config: dict, out, command: str, plots: bool = True) -> d
     validate(results)
     write_results(out, results, render_markdown(results), render_plots(results) if plots else None)
     return results
-
-
-def machine_info() -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu only"
-    description = (
-        f"{cpu}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), {device}, "
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {platform.system()} {platform.release()}"
-    )
-    return {
-        "description": description,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "device": device,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
 
 
 # -- moaspec tune -------------------------------------------------------------------------------

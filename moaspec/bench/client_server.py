@@ -1,5 +1,5 @@
 """`moaspec bench --client-server`: the split deployment and server-side streaming over emulated
-networks (protocol and metrics: moaspec/split/bench.py), wired into `moaspec bench`.
+networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired into `moaspec bench`.
 
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,DIR,...]
                   [--categories ...] [--limit N] [--max-new-tokens N] [--temperature T] [--seed S]
@@ -107,10 +107,9 @@ def run_client_server_bench(
 ) -> int:
     """The rest of `run_bench` for --client-server: cheap checks, load, run, write, print."""
     # 1. the remaining cheap checks, before torch and the target load
-    from moaspec.bench.cli import EXIT_MISMATCH
     from moaspec.bench.output import write_results
     from moaspec.bench.prompts import load_prompts
-    from moaspec.cli import _command_line
+    from moaspec.cli_support import EXIT_MISMATCH, command_line
 
     profiles = parse_network(args.network)
     specs = client_server_methods(args.methods, target_name)
@@ -120,8 +119,8 @@ def run_client_server_bench(
     import functools
 
     import moaspec.api
+    from moaspec.bench.client_server_runner import BASELINE, run_client_server, run_disconnection
     from moaspec.drafters import make_drafter
-    from moaspec.split.bench import BASELINE, run_client_server, run_disconnection
 
     target = moaspec.api.load_target(args.target, runtime=args.runtime or "transformers")
     if target.tokenizer is None:
@@ -147,7 +146,7 @@ def run_client_server_bench(
         )
 
     # 3. report
-    results = build_results(data, disconnection, skipped, config, _command_line(args))
+    results = build_results(data, disconnection, skipped, config, command_line(args))
     markdown = render_markdown(results)
     write_results(out, results, markdown)
     print(markdown, end="")
@@ -160,8 +159,8 @@ def run_client_server_bench(
 def first_turns(target, items: dict) -> tuple[list, list[str]]:
     """Every item's first user turn (after its fixed history) as token ids; -> (prompts, skipped):
     an item that does not fit the target's context is skipped, with a warning."""
+    from moaspec.bench.client_server_runner import NamedPrompt
     from moaspec.chat import encode_chat_messages
-    from moaspec.split.bench import NamedPrompt
 
     prompts, skipped = [], []
     for item in (item for category in items.values() for item in category):
@@ -200,11 +199,11 @@ def _config(
 
 def build_results(data, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
     """The results.json document (validated against schema.CLIENT_SERVER_SCHEMA)."""
-    from moaspec.bench.cli import machine_info
+    from moaspec.bench.client_server_runner import summarize
+    from moaspec.bench.machine import machine_info
     from moaspec.bench.output import timestamp
     from moaspec.bench.report import SCHEMA_VERSION
     from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
-    from moaspec.split.bench import summarize
 
     results = {
         "schema_version": SCHEMA_VERSION,

@@ -134,7 +134,7 @@ def json_schema(spec: Any) -> dict:
     return {"type": types[0] if len(types) == 1 else types}
 
 
-# `moaspec bench --client-server` (moaspec/bench/client_server.py, moaspec/split/bench.py)
+# `moaspec bench --client-server` (moaspec/bench/client_server.py, moaspec/bench/client_server_runner.py)
 CLIENT_SERVER_ROW = {
     "profile": str,
     "method": str,

@@ -2,7 +2,7 @@
 
 Modules: routes (handlers, the step-by-step generation loop, registration on the split server's
 aiohttp app), validation (requests -> generation jobs, pydantic), schemas (response bodies),
-errors (OpenAI's error shape, used by every route of `moaspec serve`), streaming (stop sequences,
-server-sent events), queue (bounded admission queue, 429 when full), metrics (Prometheus,
-prometheus_client).
+streaming (stop sequences, server-sent events), queue (bounded admission queue, 429 when full),
+metrics (Prometheus, prometheus_client), cli (the serve flags). OpenAI's error shape, used by
+every route of `moaspec serve`, and the other HTTP pieces both APIs share are in moaspec/serving.
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from moaspec.errors import MoaspecError
-from moaspec.split.limits import OpenAILimits
+from moaspec.serving.limits import OpenAILimits
 
 
 def add_openai_arguments(parser: argparse.ArgumentParser) -> None:

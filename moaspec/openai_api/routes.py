@@ -33,14 +33,14 @@ from moaspec.chat import encode_chat_messages
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.openai_api import schemas, validation
-from moaspec.openai_api.errors import APIError, error_body, error_response
 from moaspec.openai_api.metrics import CONTENT_TYPE, ServerMetrics
 from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
-from moaspec.openai_api.validation import ChatRequest, CompletionRequest, GenerationJob
 from moaspec.openai_api.streaming import DONE, TextStream, sse
-from moaspec.split.http_body import read_body
-from moaspec.split.identity import drafter_fingerprint, drafter_method
-from moaspec.split.limits import OpenAILimits, ServerLimits
+from moaspec.openai_api.validation import ChatRequest, CompletionRequest, GenerationJob
+from moaspec.serving.errors import APIError, error_body, error_response
+from moaspec.serving.http_body import read_body
+from moaspec.serving.identity import drafter_fingerprint, drafter_method
+from moaspec.serving.limits import OpenAILimits, ServerLimits
 from moaspec.targets.base import Target
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client

@@ -23,8 +23,8 @@ from pydantic import (
 )
 
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.openai_api.errors import APIError
-from moaspec.split.protocol import ProtocolError, parse_json
+from moaspec.serving.errors import APIError
+from moaspec.serving.strict_json import ProtocolError, parse_json
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from moaspec.openai_api.errors import APIError
-from moaspec.split.limits import ServerLimits
+from moaspec.serving.errors import APIError
+from moaspec.serving.limits import ServerLimits
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.base import Context, SplitDrafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
+from moaspec.serving.identity import drafter_fingerprint
 from moaspec.session import draft_generator
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import LinkDown, SessionLost, SplitClient
-from moaspec.split.identity import drafter_fingerprint
 from moaspec.tree import DraftTree, depths, prune_to_depth
 
 T = TypeVar("T")

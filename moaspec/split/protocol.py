@@ -3,7 +3,7 @@
 Bodies are msgpack (`application/msgpack`) or JSON (`application/json`); nothing received is
 unpickled or executed. Tensors travel as {"dtype", "shape", "data"} (+ "scale" for int8) with raw
 little-endian bytes (base64 in JSON). Every decoder validates types, ranges and sizes and raises
-`ProtocolError` (-> HTTP 400) with a one-line reason.
+`ProtocolError` (-> HTTP 400; moaspec/serving/strict_json.py) with a one-line reason.
 """
 
 from __future__ import annotations
@@ -11,14 +11,13 @@ from __future__ import annotations
 import base64
 import json
 import math
-import re
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-from moaspec.errors import MoaspecError
+from moaspec.serving.strict_json import ProtocolError, parse_json
 
 PROTOCOL_VERSION = 1
 MSGPACK = "application/msgpack"
@@ -33,12 +32,6 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 CONTEXT_DTYPES = ("f16", "i8", "f32")  # what a client may ask the context to be sent as
 MAX_TENSOR_ELEMENTS = 1 << 24
-JSON_RULES = "JSON here is UTF-8, nests at most 200 deep and holds no NaN/Infinity, unpaired surrogates or numbers over 4300 digits"
-_JSON_POSITION = re.compile(r"line (\d+) column (\d+)")
-
-
-class ProtocolError(MoaspecError):
-    """A malformed or out-of-bounds message (the server answers 400, the client gives up)."""
 
 
 # -- body codecs --------------------------------------------------------------------------------
@@ -61,19 +54,6 @@ def loads(body: bytes, content_type: str) -> dict:
     if not isinstance(message, dict):
         raise ProtocolError("the body must be an object")
     return message
-
-
-def parse_json(body: bytes) -> Any:
-    """Strict JSON (pydantic-core's parser): UTF-8, nesting at most 200 deep, no NaN/Infinity, no
-    unpaired surrogates, integers of at most 4,300 digits. ProtocolError with our own message."""
-    from pydantic_core import from_json
-
-    try:
-        return from_json(body, allow_inf_nan=False)
-    except ValueError as exc:
-        where = _JSON_POSITION.search(str(exc))
-        at = f" at line {where[1]}, column {where[2]}" if where else ""
-        raise ProtocolError(f"the body is not valid JSON{at} ({JSON_RULES})") from None
 
 
 def _parse_msgpack(body: bytes) -> Any:

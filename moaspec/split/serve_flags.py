@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from moaspec.errors import MoaspecError
-from moaspec.split.limits import ServerLimits
+from moaspec.serving.limits import ServerLimits
 
 # flag -> (ServerLimits field, type, help); every value must be > 0
 _FLAGS: dict[str, tuple[str, type, str]] = {

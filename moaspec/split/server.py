@@ -12,8 +12,8 @@ with {"error": {"code", "message", "type", "param"}} and never affects another s
 changes its session only once its body is complete, so a cut or slow upload leaves the session as
 it was (the client retries the same `seq`); a session is dropped only when the model work on it
 fails. Sessions are admitted by `SessionBudget` (sessions and cached tokens per key and in total),
-connections by `http_guard` (count, header/keep-alive time-outs). `build_app` also adds the
-OpenAI-compatible API (moaspec/openai_api, issue 7) to the same application.
+connections by `moaspec.serving.http_guard` (count, header/keep-alive time-outs). `build_app`
+also adds the OpenAI-compatible API (moaspec/openai_api, issue 7) to the same application.
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ from aiohttp import web
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
-from moaspec.openai_api.errors import APIError, error_response
 from moaspec.openai_api.routes import OpenAILimits, OpenAIRoutes, add_openai_routes
+from moaspec.serving.errors import APIError, error_response
+from moaspec.serving.http_body import read_body
+from moaspec.serving.http_guard import ConnectionGuard, GuardedSite, guard_middleware
+from moaspec.serving.identity import drafter_fingerprint, drafter_method
+from moaspec.serving.limits import ServerLimits
+from moaspec.serving.strict_json import ProtocolError
 from moaspec.session import TargetSession
 from moaspec.split import protocol as wire
 from moaspec.split.budget import Reservation, SessionBudget
-from moaspec.split.http_body import read_body
-from moaspec.split.http_guard import ConnectionGuard, GuardedSite, guard_middleware
-from moaspec.split.identity import drafter_fingerprint, drafter_method
-from moaspec.split.limits import ServerLimits
 from moaspec.split.loop_thread import LoopThread
 from moaspec.targets.base import Target
 from moaspec.tree import DraftTree, depths
@@ -145,7 +146,7 @@ class SplitServer:
             return await handler(request)
         except APIError as exc:
             return error_response(exc)
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             return error_response(APIError(400, str(exc), None, "bad_request"))
         except web.HTTPException as exc:
             return error_response(APIError(exc.status, exc.reason, None, "http"))
@@ -177,7 +178,7 @@ class SplitServer:
         message = await self._read(request)
         request_id = message.get("request_id")
         if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
-            raise wire.ProtocolError("'request_id' must be a string of 8..64 characters")
+            raise ProtocolError("'request_id' must be a string of 8..64 characters")
         ident = (request[KEY_INDEX], request_id)
         if ident in self.opening:
             return _reply(request, await asyncio.shield(self.opening[ident]))
@@ -208,7 +209,7 @@ class SplitServer:
                 top_p=wire.get_float(message, "top_p", 0.0, 1.0, 1.0),
             )
         except MoaspecError as exc:
-            raise wire.ProtocolError(str(exc)) from exc
+            raise ProtocolError(str(exc)) from exc
         seed = wire.get_int(message, "seed", 0, 2**64 - 1, 0)
         max_new = wire.get_int(message, "max_new_tokens", 1, limit.max_new_tokens, 256)
         root_id = message.get("root_id")
@@ -321,27 +322,27 @@ class SplitServer:
         if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(
             isinstance(p, int) and not isinstance(p, bool) and -1 <= p < len(token_ids) for p in parents
         ):
-            raise wire.ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
+            raise ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
         draft_probs = self._draft_probs(message, len(token_ids)) if "draft_probs" in message else None
         try:
             return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
         except ValueError as exc:
-            raise wire.ProtocolError(str(exc)) from exc
+            raise ProtocolError(str(exc)) from exc
 
     def _draft_probs(self, message: dict, num_nodes: int) -> torch.Tensor:
         """Sparse per-node drafter distributions -> dense [N, V] float64 rows."""
         ids = message.get("draft_ids")
         if not isinstance(ids, list) or len(ids) != num_nodes or not all(isinstance(row, list) for row in ids):
-            raise wire.ProtocolError("'draft_ids' must hold one list of token ids per node")
+            raise ProtocolError("'draft_ids' must hold one list of token ids per node")
         lengths = [len(row) for row in ids]
         if sum(lengths) > self.limits.max_draft_prob_entries:
-            raise wire.ProtocolError(f"more than {self.limits.max_draft_prob_entries} drafter probabilities")
+            raise ProtocolError(f"more than {self.limits.max_draft_prob_entries} drafter probabilities")
         flat_ids = wire.get_ids({"ids": [t for row in ids for t in row]}, "ids", self.target.vocab_size, 0, sum(lengths))
         values = wire.decode_tensor(message["draft_probs"], "draft_probs", self.limits.max_draft_prob_entries)
         if values.dtype != torch.float64 or values.shape != (len(flat_ids),):
-            raise wire.ProtocolError("'draft_probs' must be float64 with one value per draft id")
+            raise ProtocolError("'draft_probs' must be float64 with one value per draft id")
         if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
-            raise wire.ProtocolError("'draft_probs' must be finite and non-negative")
+            raise ProtocolError("'draft_probs' must be finite and non-negative")
         dense = torch.zeros(num_nodes, self.target.vocab_size, dtype=torch.float64)
         rows = torch.repeat_interleave(torch.arange(num_nodes), torch.tensor(lengths, dtype=torch.long))
         dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values

@@ -1,6 +1,7 @@
-"""The clients and servers that `moaspec bench --client-server` measures (moaspec/split/bench.py).
+"""The clients and servers that `moaspec bench --client-server` measures
+(moaspec/bench/client_server_runner.py).
 
-- `SplitCase`: the split client (split/generator.py) with a local drafter;
+- `SplitCase`: the split client (moaspec/split/generator.py) with a local drafter;
 - `StreamCase`: a plain OpenAI SSE client of `/v1/completions` (the prompt as token ids), reading
   the text deltas and the server's `moaspec` extension of the final chunk;
 - `LoopbackServers`: one `SplitServer` per method on a loopback port (`none`, the plain baseline,
@@ -24,9 +25,9 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.base import Drafter, SplitDrafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.errors import MoaspecError
+from moaspec.serving.limits import ServerLimits
 from moaspec.split.client import SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions
-from moaspec.split.limits import ServerLimits
 from moaspec.split.netem import NetemProxy
 from moaspec.split.server import ServerThread, SplitServer
 from moaspec.targets.base import Target

@@ -1,5 +1,6 @@
 """Which drafter a split pair runs: both halves must hold the same weights (the server encodes the
-context with its copy, the client drafts with its own), so they compare a fingerprint."""
+context with its copy, the client drafts with its own), so they compare a fingerprint. The OpenAI
+API names the server's drafter the same way (its `system_fingerprint`)."""
 
 from __future__ import annotations
 

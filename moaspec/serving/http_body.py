@@ -13,7 +13,7 @@ import asyncio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from moaspec.openai_api.errors import APIError
+from moaspec.serving.errors import APIError
 
 # What request.read() raises when the connection fails or closes before the body's end.
 TRANSPORT_ERRORS = (ConnectionError, web.RequestPayloadError, HttpProcessingError, asyncio.IncompleteReadError)

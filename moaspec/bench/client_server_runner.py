@@ -1,15 +1,15 @@
 """Client-server benchmark (`moaspec bench --client-server`): the split deployment against
 server-side generation, over emulated networks on loopback.
 
-Cases, per network profile (split/netem.py), for every drafter method D and the plain baseline:
+Cases, per network profile (moaspec/split/netem.py), for every drafter method D and the plain baseline:
 - D `split`: the client drafts with D and calls the server once per verification
-  (split/generator.py): issue 6 (a) MoA, (b) EAGLE-2, and n-gram;
+  (moaspec/split/generator.py): issue 6 (a) MoA, (b) EAGLE-2, and n-gram;
 - `none` `server`: the server decodes plainly and streams every token to the client (OpenAI SSE,
   `/v1/completions` with `stream: true`; a server whose drafter is `none`): issue 6 (c);
 - D `server`: the server decodes speculatively with D and streams the same way: issue 6 (d).
 Every method has its own `SplitServer` (split and OpenAI routes on one app) on a loopback port
 behind its own `NetemProxy`; all servers and client drafters share the weights of one loaded
-target (each holds its own caches); the measured clients and the servers are in bench_cases.py.
+target (each holds its own caches); the measured clients and the servers are in client_server_cases.py.
 
 Protocol (as the single-device runner, moaspec/bench/runner.py): per profile, one warm-up
 generation per case (WARMUP_TOKENS, not recorded), then for prompt i the cases in their order
@@ -39,12 +39,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field, replace
 
-from moaspec.bench.runner import BASELINE, WARMUP_TOKENS, first_divergence
-from moaspec.bench.task_score import token_f1
-from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters.none import NoDrafter
-from moaspec.engine import Engine
-from moaspec.split.bench_cases import (
+from moaspec.bench.client_server_cases import (
     CLIENT_TIMEOUT_S,
     SERVER,
     Case,
@@ -53,9 +48,14 @@ from moaspec.split.bench_cases import (
     LoopbackServers,
     target_view,
 )
+from moaspec.bench.runner import BASELINE, WARMUP_TOKENS, first_divergence
+from moaspec.bench.task_score import token_f1
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters.none import NoDrafter
+from moaspec.engine import Engine
+from moaspec.serving.limits import ServerLimits
 from moaspec.split.client import SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
-from moaspec.split.limits import ServerLimits
 from moaspec.targets.base import Target
 
 DISCONNECTION_PROFILE = "lan"

@@ -29,8 +29,8 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
-from moaspec.openai_api.errors import APIError, error_response
-from moaspec.split.limits import ServerLimits
+from moaspec.serving.errors import APIError, error_response
+from moaspec.serving.limits import ServerLimits
 
 logger = logging.getLogger("moaspec.serve")
 
