@@ -87,6 +87,8 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Accepted:
     accepted nodes go to the lowest node index.
     """
     target_next = target_logits.argmax(-1)  # [N]
+    if tree.num_nodes == 1:  # plain decoding: the root alone (no masks to build)
+        return Accepted([0], [], int(target_next[0]))
     matches = torch.ones(tree.num_nodes, dtype=torch.bool)
     matches[1:] = tree.token_ids[1:] == target_next[tree.parents[1:]]
     mask = ancestor_mask(tree.parents)  # [N, N]

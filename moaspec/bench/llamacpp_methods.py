@@ -39,9 +39,11 @@ class LlamaCppGenerateMethod:
         self.label = label
         self.stop_ids = stop_ids
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
+        # logits_all with a draft model: llama-cpp-python keeps every position's logits then, and
+        # sizes that buffer by this flag, not by draft_model (0.3.36)
         self.llm = Llama(
             model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-            draft_model=draft, verbose=False,
+            draft_model=draft, logits_all=draft is not None, verbose=False,
         )
         self.context = context
         self.evals = 0
