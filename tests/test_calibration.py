@@ -15,8 +15,8 @@ import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
 import moaspec.calibration.plan as plan
-from moaspec.bench.costs import CycleCosts
 from moaspec.calibration import costs_store
+from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
 from moaspec.config import GenerationConfig

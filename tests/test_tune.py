@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
-from moaspec.bench.costs import CycleCosts
-from moaspec.bench.tune import (
+from moaspec.calibration.costs import CycleCosts
+from moaspec.calibration.tree_ranking import (
     DEPTHS,
     TOP_KS,
     candidates,
@@ -184,7 +184,7 @@ def test_proposals_are_timed_as_in_an_engine_cycle(method: str, monkeypatch) -> 
     """Each timed proposal follows the accept of the previous root, so the drafter feeds one new
     token (the root) on top of its own state, not the whole context again (as EAGLE did when
     proposals were timed back to back without an accept between them)."""
-    from moaspec.bench.costs import measure_drafter
+    from moaspec.calibration.costs import measure_drafter
     from moaspec.drafters.eagle import EagleDrafter
     from moaspec.drafters.moa import MoADrafter
     from moaspec.nn.eagle import EagleConfig, EagleDrafterNet

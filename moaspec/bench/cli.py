@@ -227,9 +227,9 @@ def run_tune(args: argparse.Namespace) -> int:
 
     # 2. measure and choose
     import moaspec.api
-    from moaspec.bench.costs import measure_verify
     from moaspec.bench.output import timestamp
     from moaspec.bench.tune import tune_drafter
+    from moaspec.calibration.costs import measure_verify
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
     from moaspec.tuned import save_tuned_tree

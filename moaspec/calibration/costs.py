@@ -1,4 +1,5 @@
-"""Measured costs of one speculative cycle on this machine, for `moaspec tune`.
+"""Measured costs of one speculative cycle on this machine, for `moaspec tune` and the machine
+calibration (costs_store.py).
 
 - verify_s[N]: one target forward over a tree of N nodes (root included) on a context of
   `context_len` tokens, plus the cache commit and rollback; N = 1 is a plain decoding step.

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from moaspec.bench.costs import CycleCosts, measure_drafter, measure_verify
+from moaspec.calibration.costs import CycleCosts, measure_drafter, measure_verify
 from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
@@ -83,7 +83,7 @@ def measure_drafter_costs(
     drafter, target, layouts: tuple[str, ...], shapes: list[tuple[int, int]], say: Callable[[str], None]
 ) -> dict[str, tuple[dict, tuple[float, float]]]:
     """Drafter propose / accept seconds in each layout (target and drafter left in the last one)."""
-    needed = context_len(target) + 5 * REPEATS + (REPEATS + 1) * len(shapes) + 8  # see bench/costs.py
+    needed = context_len(target) + 5 * REPEATS + (REPEATS + 1) * len(shapes) + 8  # see costs.py
     if needed > target.max_positions:
         raise MoaspecError(f"the target's context ({target.max_positions} tokens) is too short to time the drafter")
     found = {}

@@ -185,7 +185,7 @@ def _options(
 
 def _tree_candidates(model, costs, rates):
     """Every tree with measured costs, or only the model's own when it was fixed (tuned / explicit)."""
-    from moaspec.bench.tune import Candidate, candidates, expected_tau
+    from moaspec.calibration.tree_ranking import Candidate, candidates, expected_tau
 
     if model.tree_source == "checkpoint":
         found = [c for c in candidates(costs, rates) if c.num_nodes <= max(costs.verify_s)]  # no extrapolation
@@ -198,7 +198,7 @@ def _tree_candidates(model, costs, rates):
 
 def _recost(trees, costs):
     """The same candidates with this layout's cycle seconds."""
-    from moaspec.bench.tune import Candidate
+    from moaspec.calibration.tree_ranking import Candidate
 
     return [
         Candidate(c.tree, c.num_nodes, c.expected_tau, costs.cycle_s(c.tree, c.num_nodes, c.expected_tau))

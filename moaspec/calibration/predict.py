@@ -8,7 +8,7 @@ Forms (what `--drafter` would name):
   + U * (lookup + verify(1)); tokens = T_m + U.
 - `X+ngram` (lookup first, model drafter X otherwise) with lookup c and tree t: the matched
   cycles as above (plus the drafter's accept of their tokens); the U tokens the lookup could not
-  cover are drafted by X at tau_t tokens per cycle (rank model, bench/tune.py), U / tau_t cycles
+  cover are drafted by X at tau_t tokens per cycle (rank model, tree_ranking.py), U / tau_t cycles
   of cycle_s(t) + lookup seconds each.
 - `X` alone (when named explicitly): tau_t / cycle_s(t).
 Every form is evaluated in each measured weight layout; the best expected tokens/s wins, and a
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moaspec.bench.costs import CycleCosts
-from moaspec.bench.tune import Candidate
+from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.profile import LookupStats
+from moaspec.calibration.tree_ranking import Candidate
 from moaspec.config import TreeConfig
 from moaspec.drafters.ngram import NgramConfig
 

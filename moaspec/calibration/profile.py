@@ -173,7 +173,7 @@ def weights_digest(directory: Path) -> str:
 
 def load_rank_rates(target_name: str, directory: Path) -> tuple[tuple[float, ...], str]:
     """-> (rank rates h_1..h_4, source) with source "tuned", "checkpoint" or "prior"."""
-    from moaspec.bench.tune import geometric_rates, rates_from_hit_rates
+    from moaspec.calibration.tree_ranking import geometric_rates, rates_from_hit_rates
     from moaspec.tuned import tuned_path
 
     tuned = _read_json(tuned_path(target_name, directory))
