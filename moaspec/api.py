@@ -162,7 +162,7 @@ def load(
     from moaspec.calibration.plan import drafter_for
 
     loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers)
-    default = default_drafter(loaded.name, loaded.runtime)
+    default = default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)

@@ -52,14 +52,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER, LLAMA_CPP_DRAFTER
+    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
     from moaspec.targets.options import add_runtime_arguments
     from moaspec.tuned import add_tree_arguments
 
     default_drafter = (
-        f"{DEFAULT_DRAFTER} ({LLAMA_CPP_DRAFTER} on llama.cpp) for targets with a shipped model drafter, "
-        f"else {FALLBACK_DRAFTER}"
+        f"{DEFAULT_DRAFTER} for targets with a shipped MoA drafter, else {FALLBACK_DRAFTER}"
     )
 
     parser = _Parser(prog="moaspec", description="Lossless speculative decoding with Mixture of Attentions.")
@@ -150,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
     args.runtime_options = runtime_options(args, args.target)
-    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0], args.runtime_options["runtime"])
+    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0])
     return serve(args, keys, ssl_context)
 
 
@@ -348,8 +347,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     options = runtime_options(args, args.target)
     target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
-    # a split client drafts for the server's runtime (transformers unless its operator chose llama.cpp)
-    named = args.drafter or default_drafter(target_name, "transformers" if args.server else options["runtime"])
+    named = args.drafter or default_drafter(target_name)
     if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if args.server is not None:

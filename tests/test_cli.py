@@ -194,4 +194,3 @@ def test_default_drafter_is_moa_with_lookup_where_shipped() -> None:
 
     assert default_drafter("smollm2-135m") == "moa+ngram"
     assert default_drafter("some-other-target") == "ngram"
-    assert default_drafter("smollm2-135m", "llama.cpp") == "eagle+ngram"  # no per-layer keys/values there yet

@@ -147,7 +147,7 @@ def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_ta
         llama_target.rollback(len(prompt) + 5)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram", "moa", "moa+ngram"])
 def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, category_prompts, drafter: str) -> None:
     engine = Engine(llama_target, make_drafter(drafter, llama_target))
     plain = Engine(llama_target, make_drafter("none", llama_target))
@@ -180,12 +180,8 @@ def test_what_llama_cpp_cannot_give_is_refused_clearly(llama_target) -> None:
     llama_target.reset()
     with pytest.raises(MoaspecError, match="layer"):
         llama_target.prefill(torch.tensor([1, 2, 3]), (3,))
-    llama_target.reset()
-    llama_target.prefill(torch.tensor([1, 2, 3]))
-    with pytest.raises(MoaspecError, match="transformers"):
-        llama_target.layer_kv(0, 2)
-    with pytest.raises(MoaspecError, match="cannot run on the llama.cpp runtime"):
-        make_drafter("moa", llama_target)
+    with pytest.raises(MoaspecError, match="Target Layer Inference"):
+        make_drafter("moa-tli1", llama_target)
     wide = DraftTree(torch.tensor([1] * (MAX_LEAVES + 2)), torch.tensor([-1] + [0] * (MAX_LEAVES + 1)))
     with pytest.raises(MoaspecError, match="leaves"):
         llama_target.verify(wide)
@@ -212,3 +208,29 @@ def test_sessions_share_weights_and_keep_their_own_context(llama_target, categor
     again = llama_target.verify(one_token(int(first.argmax())))
     assert other.num_cached == 30 and llama_target.num_cached == len(prompt)
     assert torch.isfinite(again.logits).all()
+
+
+def test_keys_and_values_match_the_transformers_runtime() -> None:
+    """Captured through the eval callback, un-permuted to transformers' RoPE layout: close to the
+    float32 runtime's (llama.cpp quantizes activations), and far from a wrong layout."""
+    from moaspec.api import load_target
+
+    llama = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    exact = load_target("smollm2-135m", runtime="transformers")
+    llama.keep_layer_kv([0, 14, 29])
+    ids = torch.tensor(llama.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"])
+    llama.prefill(ids[:20])
+    tree = DraftTree(ids[20:24], torch.tensor([-1, 0, 1, 2]))
+    llama.commit(verify_greedy(tree, llama.verify(tree).logits).path_node_idx[:1])  # the root only
+    llama.prefill(ids[21:])
+    exact.prefill(ids)
+    got, want = llama.layer_kv(0, len(ids), [29, 0]), exact.layer_kv(0, len(ids), [29, 0])
+    assert got.shape == want.shape == (len(ids), 2, 384)
+    error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max()
+    assert error < 0.1
+    keys = got.view(len(ids), 2, 3, 2, 64)[:, :, :, 0]
+    interleaved = keys[..., torch.cat([torch.arange(0, 64, 2), torch.arange(1, 64, 2)])]
+    wrong = ((interleaved - want.view(len(ids), 2, 3, 2, 64)[:, :, :, 0]).norm() / want.norm())
+    assert wrong > 10 * error
+    with pytest.raises(MoaspecError, match="not captured"):
+        llama.layer_kv(0, 2, [5])

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from moaspec.drafters import (
     MODEL_FREE,
-    RUNS_ON,
     SHIPPED,
     SHIPPED_DIR,
     check_drafter_spec,
     checkpoint_directory,
     default_drafter,
+    runs_on,
 )
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
@@ -126,17 +126,11 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
 def default_methods(target_name: str, runtime: str = "transformers") -> str:
     """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
     `ngram`, every shipped drafter that exists for the target and runs on the runtime, the
-    default drafter form (`moa+ngram`, `eagle+ngram` on llama.cpp) and `default` (the calibrated choice)."""
-    runs = RUNS_ON[runtime]
-    shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name).is_dir() and _method_of(name) in runs]
+    default drafter form (`moa+ngram`) and `default` (the calibrated choice)."""
+    shipped = [name for name in SHIPPED if runs_on(SHIPPED_DIR / target_name / name, runtime)]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
-    return ",".join(dict.fromkeys([*methods, default_drafter(target_name, runtime), DEFAULT_METHOD]))
-
-
-def _method_of(shipped_name: str) -> str:
-    """`moa-tli1` -> `moa`: the checkpoint method of a shipped drafter name."""
-    return shipped_name.split("-")[0]
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
 
 
 def check_runtime_methods(specs: tuple[MethodSpec, ...], runtime: str) -> None:

@@ -102,7 +102,7 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None):
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
-    return make_drafter(spec or default_drafter(target.name, target.runtime), target, tree_overrides), None
+    return make_drafter(spec or default_drafter(target.name), target, tree_overrides), None
 
 
 def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True):
@@ -111,9 +111,9 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
     if spec is None and any(value is not None for value in (tree_overrides or {}).values()):
-        spec = default_drafter(target.name, target.runtime)  # tree settings name the default model drafter's form
+        spec = default_drafter(target.name)  # tree settings name the default model drafter's form
     requested = spec or DEFAULT
-    spec = spec or default_drafter(target.name, target.runtime)
+    spec = spec or default_drafter(target.name)
     base, with_lookup = split_lookup(spec)
     model = None if base in MODEL_FREE else make_drafter(base, target, tree_overrides)
     fixed = requested_layout()

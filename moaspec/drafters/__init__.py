@@ -38,18 +38,13 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"
 
 LOOKUP_SUFFIX = "+ngram"
 DEFAULT_DRAFTER = "moa+ngram"  # when no drafter is named, for targets with a shipped MoA drafter
-LLAMA_CPP_DRAFTER = "eagle+ngram"  # ... on llama.cpp (no per-layer keys/values there yet: no MoA)
 FALLBACK_DRAFTER = "ngram"  # ... and for any other target
-# what each runtime's targets can give a model drafter (targets/llamacpp.py: the final hidden state only)
-RUNS_ON = {"transformers": {"moa", "eagle"}, "llama.cpp": {"eagle"}}
 
 
-def default_drafter(target_name: str, runtime: str = "transformers") -> str:
-    """The drafter used when none is named: the shipped MoA drafter with prompt lookup (EAGLE-2
-    on llama.cpp), or the model-free `ngram` for a target without a shipped model drafter."""
-    preferred = DEFAULT_DRAFTER if runtime == "transformers" else LLAMA_CPP_DRAFTER
-    base = split_lookup(preferred)[0]
-    return preferred if (SHIPPED_DIR / target_name / base).is_dir() else FALLBACK_DRAFTER
+def default_drafter(target_name: str) -> str:
+    """The drafter used when none is named: the shipped MoA drafter with prompt lookup, or the
+    model-free `ngram` for a target without a shipped MoA drafter."""
+    return DEFAULT_DRAFTER if (SHIPPED_DIR / target_name / "moa").is_dir() else FALLBACK_DRAFTER
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
@@ -111,19 +106,34 @@ def checkpoint_directory(spec: str, target_name: str) -> Path:
 def load_drafter(directory: Path, target: Target) -> Drafter:
     """Load a drafter checkpoint directory, dispatching on its recorded method."""
     try:
-        method = json.loads((directory / "config.json").read_text())["method"]
+        record = json.loads((directory / "config.json").read_text())
+        method = record["method"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
-    runtime = getattr(target, "runtime", "transformers")
-    if method not in RUNS_ON.get(runtime, METHODS):
-        able = ", ".join(sorted(RUNS_ON[runtime]))
-        raise MoaspecError(
-            f"a '{method}' drafter cannot run on the {runtime} runtime yet (it can run: {able}, none, ngram); "
-            "use --runtime transformers"
-        )
+    problem = runtime_problem(record, getattr(target, "runtime", "transformers"))
+    if problem:
+        raise MoaspecError(f"{directory}: {problem}")
     return drafter_class(method).from_pretrained(directory, target)
+
+
+def runtime_problem(record: dict, runtime: str) -> str | None:
+    """Why a checkpoint (its config.json record) cannot run on `runtime`, or None when it can.
+
+    llama.cpp gives drafters the final hidden state and per-layer keys/values, but has no torch
+    copy of its decoder layers: Target Layer Inference needs the transformers runtime."""
+    if runtime == "llama.cpp" and int(record.get("config", {}).get("tli_layers", 0) or 0) > 0:
+        return "a drafter with Target Layer Inference runs on the transformers runtime only (--runtime transformers)"
+    return None
+
+
+def runs_on(directory: Path, runtime: str) -> bool:
+    """Whether the checkpoint in `directory` can run on `runtime` (False when unreadable)."""
+    try:
+        return runtime_problem(json.loads((directory / "config.json").read_text()), runtime) is None
+    except (OSError, ValueError):
+        return False
 
 
 def drafter_class(method: str) -> type:

@@ -47,6 +47,10 @@ class MoAContextEncoder:
         self.net, self.dtype = net, dtype
         self.compute_dtype = encoder_dtype(dtype, net.ekv2e.weight.device)  # bfloat16 where native (encoder_dtype.py)
         self.memory = net.memory_encoder(self.compute_dtype)
+        config = net.config
+        # the memory layers and the TLI layers: both at the top of the target
+        self.first_layer = min(config.memory_layer_ids[0], config.num_target_layers - config.tli_layers)
+        self.layers = range(self.first_layer, config.num_target_layers)
 
     @torch.inference_mode()
     def encode(self, update: VerifiedUpdate) -> Context:
@@ -54,12 +58,11 @@ class MoAContextEncoder:
         LSA's activations ([n, L, ...] per tensor) then stay small whatever the prompt length."""
         start, end = update.start_pos, update.start_pos + update.token_ids.numel()
         config = self.net.config
-        memory_first, tli_layers = config.memory_layer_ids[0], config.tli_layers
-        first = min(memory_first, config.num_target_layers - tli_layers)  # both read the last layers
+        memory_first, tli_layers, first = config.memory_layer_ids[0], config.tli_layers, self.first_layer
         memory, tli_kv = [], []
         for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
             chunk_end = min(end, chunk_start + ENCODE_CHUNK)
-            layer_kv = update.target.layer_kv(chunk_start, chunk_end, range(first, config.num_target_layers))
+            layer_kv = update.target.layer_kv(chunk_start, chunk_end, self.layers)
             memory_kv = layer_kv[:, memory_first - first :]  # [c, Lm, kv_dim]
             memory.append(self.memory(memory_kv.to(self.compute_dtype)).to(self.dtype))
             if tli_layers:
@@ -79,6 +82,7 @@ class MoADrafter(TreeDrafter):
     def __init__(self, net: MoADrafterNet, target: Target, tree: TreeConfig | None = None) -> None:
         super().__init__(net, target, tree, net.config.tli_layers)
         self.context_encoder = MoAContextEncoder(self.net, self.dtype)
+        target.keep_layer_kv(self.context_encoder.layers)
 
     def reset(self) -> None:
         self.history: list[int] = []

@@ -14,7 +14,8 @@ Drafters read target activations through the runtime, never through its internal
 - `hidden_layers` passed to prefill / verify: hidden states in the outputs (index as in
   transformers' `output_hidden_states`: 0 = embeddings, l = after layer l, num_layers = after the
   final norm);
-- `layer_kv(start, end, layers)`: per-layer keys (post-RoPE) and values of verified positions;
+- `layer_kv(start, end, layers)`: per-layer keys (post-RoPE) and values of verified positions
+  (of the layers announced with `keep_layer_kv`, which a drafter calls when it is made);
 - `parts(tli_layers)`: the frozen torch modules a drafter shares with the target (embeddings, LM
   head, final norm, rotary embedding, the last k decoder layers for Target Layer Inference).
 
@@ -102,6 +103,10 @@ class Target(Protocol):
     def commit(self, path_node_idx: list[int]) -> None: ...
 
     def rollback(self, length: int) -> None: ...
+
+    def keep_layer_kv(self, layers: Sequence[int]) -> None:
+        """A drafter will read `layer_kv` of these layers (llama.cpp captures only those)."""
+        ...
 
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor: ...
 

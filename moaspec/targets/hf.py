@@ -177,6 +177,9 @@ class HFTarget:
             self.cache.crop(-excess)
         self.num_cached = length
 
+    def keep_layer_kv(self, layers: Sequence[int]) -> None:
+        """Nothing to do: the transformers cache holds every layer's keys/values."""
+
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Per-layer keys (post-RoPE) and values of verified positions start..end-1.
 

@@ -29,8 +29,10 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
-embeddings output). Per-layer keys/values and intermediate hidden states are not available on
-this runtime yet: drafters that need them are refused with a clear error.
+embeddings output); per-layer keys/values through the eval callback (llamacpp_features.py) for
+the layers a drafter asks for (`keep_layer_kv`). Other intermediate hidden states and the torch
+layers Target Layer Inference runs are not available on this runtime: drafters that need them
+are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import torch
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
 from moaspec.targets.base import TargetOutput, TargetParts
+from moaspec.targets.llamacpp_features import CapturedKV
 from moaspec.tree import DraftTree, children, depths
 
 DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0: ~12 KB per cell for SmolLM2-135M)
@@ -130,9 +133,19 @@ class LlamaCppTarget:
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts: dict[int, TargetParts] = {}
         self.cells = cells
-        lib = model.lib
+        self.lib = model.lib
+        self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
+        self.ctx = self._create_context()
+        self.batch = self.lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
+        self.compactions = 0  # times the context was re-decoded to reclaim parked cells
+        self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
+        self.reset()
+
+    def _create_context(self):
+        """A llama_context on the weights (with the eval callback when keys/values are captured)."""
+        lib = self.lib
         params = lib.llama_context_default_params()
-        params.n_ctx = cells
+        params.n_ctx = self.cells
         params.n_batch = params.n_ubatch = MAX_BATCH
         params.n_seq_max = PARKED + 1
         params.n_threads = params.n_threads_batch = self.threads
@@ -140,16 +153,14 @@ class LlamaCppTarget:
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.type_k = params.type_v = Q8_0
         params.no_perf = True
-        self.lib = lib
-        self.ctx = lib.llama_init_from_model(model.model, params)
-        if not self.ctx:
-            raise MoaspecError(f"llama.cpp cannot create a context of {cells} cells for {name}")
-        self.memory = lib.llama_get_memory(self.ctx)
-        self.batch = lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
+        if self.capture is not None:
+            params.cb_eval = self.capture.callback
+        ctx = lib.llama_init_from_model(self.weights.model, params)
+        if not ctx:
+            raise MoaspecError(f"llama.cpp cannot create a context of {self.cells} cells for {self.name}")
+        self.memory = lib.llama_get_memory(ctx)
         self._embeddings_on = False
-        self.compactions = 0  # times the context was re-decoded to reclaim parked cells
-        self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
-        self.reset()
+        return ctx
 
     def __del__(self) -> None:
         lib = getattr(self, "lib", None)
@@ -157,6 +168,22 @@ class LlamaCppTarget:
             lib.llama_batch_free(self.batch)
             lib.llama_free(self.ctx)
             self.ctx = None
+
+    def keep_layer_kv(self, layers: Sequence[int]) -> None:
+        """Capture the keys/values of `layers` from now on (a drafter that reads `layer_kv` asks
+        at its creation). Recreates the context with the eval callback: the context is reset."""
+        wanted = sorted(set(layers) | set(self.capture.layers if self.capture else ()))
+        if self.capture is not None and len(wanted) == len(self.capture.layers):
+            return
+        if not all(0 <= layer < self.num_layers for layer in wanted):
+            raise MoaspecError(f"layers {wanted} are not all in 0..{self.num_layers - 1}")
+        config = self.config
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.capture = CapturedKV(self.lib, wanted, num_kv_heads, head_dim)
+        self.lib.llama_free(self.ctx)
+        self.ctx = self._create_context()
+        self.reset()
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -208,18 +235,31 @@ class LlamaCppTarget:
         return self._parts[tli_layers]
 
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
-        raise MoaspecError(
-            "per-layer keys/values are not available on the llama.cpp runtime yet: "
-            "use --runtime transformers for this drafter"
-        )
+        """Per-layer keys (post-RoPE) and values of verified positions start..end-1, captured
+        while they were decoded (keep_layer_kv): [end - start, len(layers), 2 * n_kv * head_dim],
+        in the transformers runtime's layout (llamacpp_features.py)."""
+        if self.capture is None:
+            raise MoaspecError("this llama.cpp context does not capture keys/values (keep_layer_kv)")
+        if not 0 <= start <= end <= self.num_cached:
+            raise ValueError(f"positions {start}..{end} are not all verified ({self.num_cached})")
+        captured = self.capture.layers
+        layers = captured if layers is None else tuple(layers)
+        missing = sorted(set(layers) - set(captured))
+        if missing:
+            raise MoaspecError(f"layers {missing} are not captured (keep_layer_kv)")
+        index = torch.tensor([captured.index(layer) for layer in layers])
+        return self._kv[start:end].index_select(1, index)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self) -> LlamaCppTarget:
-        """A context of its own on the same weights."""
-        return LlamaCppTarget(
+        """A context of its own on the same weights (capturing the same keys/values)."""
+        other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
             cells=self.cells, threads=self.threads, parts_loader=self._parts_loader,
         )
+        if self.capture is not None:
+            other.keep_layer_kv(self.capture.layers)
+        return other
 
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
@@ -228,6 +268,8 @@ class LlamaCppTarget:
         self._tokens: list[int] = []  # the verified tokens (to re-decode them when compacting)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
+        self._kv = torch.empty(0)  # captured keys/values of the verified tokens (capacity-doubling)
+        self._pending_kv: torch.Tensor | None = None
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -249,6 +291,8 @@ class LlamaCppTarget:
                 hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size))
             if last:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size)[-1:]
+            if self.capture is not None:
+                self._store_kv(self.capture.rows(len(chunk)))
             self.num_cached += len(chunk)
             self._tokens.extend(chunk)
         hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
@@ -279,11 +323,13 @@ class LlamaCppTarget:
         self._fill(tokens, positions, seq_sets, range(count))
         self._pending = ([seqs[0] for seqs in seq_sets], positions, tokens, num_seqs)
         self._decode()
+        self._pending_kv = self.capture.rows(count) if self.capture is not None else None
         hidden = None
         if hidden_layers:
             hidden = self._outputs(self.lib.llama_get_embeddings, count, self.hidden_size)[:, None]
         return TargetOutput(self._outputs(self.lib.llama_get_logits, count, self.vocab_size), hidden)
 
+    @torch.inference_mode()
     def commit(self, path_node_idx: list[int]) -> None:
         """Keep the accepted path (root first) in sequence 0. Rejected nodes placed before the
         last accepted one are parked; the others are freed (module docstring)."""
@@ -307,8 +353,10 @@ class LlamaCppTarget:
             lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
             lib.llama_memory_seq_rm(memory, keep, -1, -1)
         self._tokens.extend(tokens[i] for i in path_node_idx)
+        if self._pending_kv is not None:
+            self._store_kv(self._pending_kv[torch.tensor(path_node_idx)])
         self.num_cached = end
-        self._pending = None
+        self._pending = self._pending_kv = None
 
     def rollback(self, length: int) -> None:
         """Forget verified tokens at positions >= length (and anything pending)."""
@@ -353,6 +401,16 @@ class LlamaCppTarget:
             chunk = tokens[start : start + COMPACT_CHUNK]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
+
+    def _store_kv(self, rows: torch.Tensor) -> None:
+        """Keys/values rows [n, L, kv_dim] of the tokens at positions num_cached.. (verified now)."""
+        end = self.num_cached + rows.shape[0]
+        if self._kv.dim() != 3 or self._kv.shape[0] < end:
+            grown = torch.empty(max(end, 2 * self._kv.shape[0], 256), *rows.shape[1:])
+            if self._kv.dim() == 3:
+                grown[: self.num_cached] = self._kv[: self.num_cached]
+            self._kv = grown
+        self._kv[self.num_cached : end] = rows
 
     def _fill(self, tokens: list[int], positions: Sequence[int], seq_sets: list[list[int]], outputs) -> None:
         batch = self.batch
