@@ -10,7 +10,8 @@ import pytest
 from conftest import make_tiny_target
 
 from moaspec.bench import schema
-from moaspec.bench.methods import MethodRun, MethodSpec, check_available, parse_methods
+from moaspec.bench.method_run import MethodRun
+from moaspec.bench.methods import MethodSpec, check_available, parse_methods
 from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.cli import main
 from moaspec.errors import MoaspecError

@@ -14,7 +14,7 @@ from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.layers import additive_mask
 from moaspec.targets.hf import HFTarget

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moaspec.bench.methods import MethodRun
+from moaspec.bench.method_run import MethodRun
 from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:

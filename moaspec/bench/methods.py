@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from moaspec.drafters import (
     MODEL_FREE,
@@ -36,6 +36,7 @@ from moaspec.drafters import (
     runs_on,
 )
 from moaspec.errors import MoaspecError
+from moaspec.bench.method_run import Method, MethodRun
 from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:
@@ -70,27 +71,6 @@ class MethodSpec:
     def drafter(self) -> str | None:
         """The drafter spec of an engine method, None for another library's generation."""
         return None if self.source in EXTERNAL_METHODS else self.source
-
-
-@dataclass
-class MethodRun:
-    """One generation. token_ids: new tokens only; wall_s: around the whole call (prefill included).
-
-    stats: the engine's SpecStats; for hf methods only new_tokens, target_forwards and
-    forward_tokens are filled (forwards counted with a hook), so tau is defined but the time split
-    is not (`has_time_split` False).
-    """
-
-    token_ids: list[int]
-    wall_s: float
-    stats: SpecStats
-    has_time_split: bool
-
-
-class Method(Protocol):
-    label: str
-
-    def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun: ...
 
 
 def parse_methods(value: str) -> tuple[MethodSpec, ...]:

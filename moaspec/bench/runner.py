@@ -25,7 +25,7 @@ from moaspec.bench.memory import RssMonitor
 from moaspec.chat import encode_chat_messages
 
 if TYPE_CHECKING:
-    from moaspec.bench.methods import Method, MethodRun
+    from moaspec.bench.method_run import Method, MethodRun
     from moaspec.bench.prompts import BenchPrompt
     from moaspec.config import SamplingConfig
     from moaspec.targets.base import Target

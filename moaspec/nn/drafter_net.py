@@ -17,7 +17,7 @@ from torch import nn
 from moaspec.errors import MoaspecError
 from moaspec.nn.checkpoint import read_checkpoint, save_checkpoint
 from moaspec.nn.layers import RMSNorm
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import DecoderLayer, additive_mask
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 

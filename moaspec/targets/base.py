@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from torch import nn
+from moaspec.nn.target_parts import TargetParts
 
 if TYPE_CHECKING:
     from moaspec.tree import DraftTree
+
 
 @dataclass(frozen=True)
 class TargetOutput:
@@ -42,17 +43,6 @@ class TargetOutput:
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
-
-
-@dataclass
-class TargetParts:
-    """Frozen target modules the drafter borrows; never part of the drafter's state dict."""
-
-    embed_tokens: nn.Module
-    lm_head_weight: torch.Tensor  # [V, D]
-    final_norm: nn.Module
-    tli_layers: list[nn.Module]  # the target's last k decoder layers
-    rotary_emb: nn.Module | None  # None where no drafter can use it (llama.cpp: no TLI)
 
 
 class Target(Protocol):

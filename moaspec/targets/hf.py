@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from moaspec.errors import MoaspecError
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.targets.base import TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias

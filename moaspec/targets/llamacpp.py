@@ -48,7 +48,8 @@ import torch
 
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
-from moaspec.targets.base import TargetOutput, TargetParts
+from moaspec.nn.target_parts import TargetParts
+from moaspec.targets.base import TargetOutput
 from moaspec.targets.llamacpp_features import CapturedKV
 from moaspec.tree import DraftTree, children, depths
 

@@ -17,7 +17,8 @@ import torch
 
 from moaspec.errors import MoaspecError
 from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, resolve_target
-from moaspec.targets.base import Target, TargetParts
+from moaspec.nn.target_parts import TargetParts
+from moaspec.targets.base import Target
 from moaspec.targets.options import check_runtime
 
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from moaspec.config import TreeConfig
-from moaspec.targets.base import TargetParts
+from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.hf import HFTarget
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
