@@ -146,7 +146,10 @@ def build_method(spec: MethodSpec, target: Target, calibrated=None, tree_overrid
         return EngineMethod(spec.label, target, calibrated)
     from moaspec.drafters import make_drafter
 
-    return EngineMethod(spec.label, target, make_drafter(spec.drafter, target, drafter_tree(spec, tree_overrides)))
+    # a session of its own: what one drafter asks of the target (llama.cpp: the keys/values MoA
+    # reads, captured at a cost on every decode) must not slow the other methods down
+    session = target.new_session()
+    return EngineMethod(spec.label, session, make_drafter(spec.drafter, session, drafter_tree(spec, tree_overrides)))
 
 
 def _llama_cpp_method(spec: MethodSpec, target: Target) -> Method:

@@ -241,6 +241,8 @@ def _apply(target, chosen: Option, model, spec: str):
     from moaspec.drafters.none import NoDrafter
 
     target.use_layout(chosen.layout)
+    if chosen.drafter in ("none", "ngram"):
+        target.forget_layer_kv()  # the model drafter made for the measurement is not used
     if chosen.drafter == "none":
         return NoDrafter.for_target(target)
     if chosen.drafter == "ngram" or model is None:

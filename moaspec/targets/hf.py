@@ -180,6 +180,9 @@ class HFTarget:
     def keep_layer_kv(self, layers: Sequence[int]) -> None:
         """Nothing to do: the transformers cache holds every layer's keys/values."""
 
+    def forget_layer_kv(self) -> None:
+        """Nothing to do (see keep_layer_kv)."""
+
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Per-layer keys (post-RoPE) and values of verified positions start..end-1.
 

@@ -235,6 +235,15 @@ class LlamaCppTarget:
             self._parts[tli_layers] = self._parts_loader(tli_layers)
         return self._parts[tli_layers]
 
+    def forget_layer_kv(self) -> None:
+        """Stop capturing keys/values (the eval callback costs time on every decode): a context
+        without the callback, reset."""
+        if self.capture is not None:
+            self.capture = None
+            self.lib.llama_free(self.ctx)
+            self.ctx = self._create_context()
+            self.reset()
+
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Per-layer keys (post-RoPE) and values of verified positions start..end-1, captured
         while they were decoded (keep_layer_kv): [end - start, len(layers), 2 * n_kv * head_dim],
