@@ -125,6 +125,7 @@ class LlamaCppTarget:
         cells: int = DEFAULT_CELLS,
         threads: int | None = None,
         parts_loader=None,
+        parts: dict[int, TargetParts] | None = None,
     ) -> None:
         self.weights = model
         self.tokenizer = tokenizer
@@ -132,7 +133,7 @@ class LlamaCppTarget:
         self.name = name
         self.threads = threads or min(os.cpu_count() or 1, 8)
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
-        self._parts: dict[int, TargetParts] = {}
+        self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self.cells = cells
         self.lib = model.lib
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
@@ -265,7 +266,7 @@ class LlamaCppTarget:
         """A context of its own on the same weights (capturing the same keys/values)."""
         other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
-            cells=self.cells, threads=self.threads, parts_loader=self._parts_loader,
+            cells=self.cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)

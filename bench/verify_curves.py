@@ -1,0 +1,69 @@
+"""Verify-cost curves of both target runtimes: seconds to verify (and commit) a tree of N nodes
+after a fixed context, relative to one node, measured in one process with the runtimes
+alternating block by block (calibration/costs.py's measure_verify: binary trees, medians).
+
+    .venv/bin/python bench/verify_curves.py --out bench/results/verify-curves.json
+
+Prints a markdown table (the one in the README's *Target runtimes* section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+NODE_COUNTS = (1, 2, 4, 8, 16)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--context", type=int, default=256, help="verified tokens before the tree (default 256)")
+    parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per runtime (default 4)")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per tree size per block (default 5)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+
+    from moaspec.api import load_target
+    from moaspec.calibration.costs import measure_verify
+    from moaspec.calibration.machine import cpu_description, runtime_description
+
+    targets = {runtime: load_target(args.target, runtime=runtime) for runtime in ("transformers", "llama.cpp")}
+    samples: dict[str, dict[int, list[float]]] = {r: {n: [] for n in NODE_COUNTS} for r in targets}
+    for block in range(args.blocks):
+        for runtime, target in targets.items():
+            costs = measure_verify(target, args.context, args.repeats, NODE_COUNTS)
+            for n, seconds in costs.items():
+                samples[runtime][n].append(seconds)
+        print(f"block {block + 1}/{args.blocks} done", file=sys.stderr)
+    medians = {r: {n: statistics.median(v) for n, v in per.items()} for r, per in samples.items()}
+    result = {
+        "command": " ".join(sys.argv),
+        "cpu": cpu_description(),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "context": args.context,
+        "runtimes": {r: runtime_description(targets[r]) for r in targets},
+        "seconds": {r: {str(n): round(s, 6) for n, s in per.items()} for r, per in medians.items()},
+        "relative_to_one_node": {r: {str(n): round(s / per[1], 3) for n, s in per.items()} for r, per in medians.items()},
+    }
+    header = "| runtime | 1 node | " + " | ".join(f"{n} nodes" for n in NODE_COUNTS[1:]) + " |"
+    lines = [header, "|---|" + "---:|" * len(NODE_COUNTS)]
+    for runtime, per in medians.items():
+        cells = [f"{per[1] * 1000:.1f} ms"] + [f"{per[n] / per[1]:.2f}x" for n in NODE_COUNTS[1:]]
+        lines.append(f"| {runtime} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
