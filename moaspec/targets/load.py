@@ -117,8 +117,10 @@ def _torch_parts(model_dir: Path, config: SimpleNamespace, tli_layers: int) -> T
 
 def load_tokenizer(model_dir: Path):
     """The fast tokenizer straight from tokenizer.json when there is one (2 s faster than AutoTokenizer)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if (model_dir / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    from transformers import AutoTokenizer  # imports transformers' auto mappings: 0.3 s more
+
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
