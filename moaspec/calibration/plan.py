@@ -115,7 +115,7 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     requested = spec or DEFAULT
     spec = spec or default_drafter(target.name)
     base, with_lookup = split_lookup(spec)
-    model = None if base in MODEL_FREE else make_drafter(base, target, tree_overrides)
+    model = None if base in MODEL_FREE else LazyModelDrafter(base, target, tree_overrides)
     fixed = requested_layout()
     # on llama.cpp the layout only concerns the drafter's own (small) torch weights: row-major
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
@@ -131,7 +131,9 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
         raise CalibrationUnavailable(str(exc)) from exc
     measure_s = time.perf_counter() - begin if measured else 0.0
 
-    lookups = [(config, simulate_lookup(sequences, config)) for config in lookup_configs()] if sequences else []
+    lookups = []
+    if sequences:
+        lookups = costs_store.simulated_lookups(target.name, sequences, lookup_configs(), simulate_lookup)
     rates, rates_source = None, None
     if model is not None:
         rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
@@ -151,7 +153,7 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     calibration = Calibration(
         requested, chosen, plain, cpu, runtime, "measured" if measured else "cached", measure_s,
         lookup_source, rates_source,
-        None if model is None or chosen.tree is None else model.tree_source,
+        None if model is None or chosen.tree is None else drafter.tree_source,
         [o for o in best_per_form.values() if o is not chosen],
     )
     if measured:
@@ -181,6 +183,36 @@ def _options(
     if not options:  # `ngram` without any lookup profile: the named form, in this layout
         options.append(replace(plain_option(layout, costs), drafter="ngram"))
     return options
+
+
+class LazyModelDrafter:
+    """The model drafter a calibration weighs, loaded only when it is measured or chosen: its tree
+    (checkpoint, tuned or explicit: tuned.py) comes from config.json without the weights, so a
+    load whose cached costs choose `none` or `ngram` never builds it."""
+
+    def __init__(self, base: str, target, tree_overrides: dict | None) -> None:
+        import json
+
+        from moaspec.config import TreeConfig
+        from moaspec.tuned import resolve_tree
+
+        self.base, self.target, self.tree_overrides = base, target, tree_overrides
+        directory = checkpoint_directory(base, target.name)
+        try:
+            tree = TreeConfig(**json.loads((directory / "config.json").read_text()).get("tree", {}))
+        except (OSError, ValueError, TypeError):
+            tree = None
+        if tree is None:  # unreadable: make_drafter says why
+            self._drafter = make_drafter(base, target, tree_overrides)
+            self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source
+        else:
+            self._drafter = None
+            self.tree_config, self.tree_source = resolve_tree(tree, target.name, directory, tree_overrides)
+
+    def drafter(self):
+        if self._drafter is None:
+            self._drafter = make_drafter(self.base, self.target, self.tree_overrides)
+        return self._drafter
 
 
 def _tree_candidates(model, costs, rates):
@@ -230,7 +262,7 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
                         | {(model.tree_config.depth, model.tree_config.top_k)})
         if drafter is None or any(shape not in drafter[layouts[0]][0] for shape in shapes):
             measured = True
-            drafter = costs_store.measure_drafter_costs(model, target, layouts, shapes, say)
+            drafter = costs_store.measure_drafter_costs(model.drafter(), target, layouts, shapes, say)
             costs_store.save(drafter_path, costs_store.drafter_record(drafter, {**identity, "checkpoint": checkpoint}))
     return verify, lookup_s, drafter, measured
 
@@ -242,11 +274,12 @@ def _apply(target, chosen: Option, model, spec: str):
 
     target.use_layout(chosen.layout)
     if chosen.drafter in ("none", "ngram"):
-        target.forget_layer_kv()  # the model drafter made for the measurement is not used
+        target.forget_layer_kv()  # a model drafter made for the measurement is not used
     if chosen.drafter == "none":
         return NoDrafter.for_target(target)
     if chosen.drafter == "ngram" or model is None:
         return NgramDrafter(chosen.lookup) if chosen.lookup is not None else make_drafter(spec, target)
+    model = model.drafter()
     model.use_layout(chosen.layout)
     if chosen.tree is not None and model.tree_source == "checkpoint":
         model.tree_config, model.tree_source = chosen.tree, "calibrated"
