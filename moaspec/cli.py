@@ -361,9 +361,9 @@ def _generate(args: argparse.Namespace) -> int:
     lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, **options)
     streamer = None
     if not args.json:
-        from transformers import TextStreamer
+        from moaspec.text_stream import TextPrinter
 
-        streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     out = lm.generate(
         args.prompt,
         max_new_tokens=args.max_new_tokens,

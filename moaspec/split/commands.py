@@ -93,9 +93,9 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
     generator = SplitGenerator(client, drafter, options)
     streamer = None
     if not args.json:
-        from transformers import TextStreamer
+        from moaspec.text_stream import TextPrinter
 
-        streamer = TextStreamer(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        streamer = TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
         streamer.put(torch.tensor([prompt_ids]))
     result = SplitResult()
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)

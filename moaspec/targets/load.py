@@ -87,8 +87,10 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int) -> Target:
     gguf = gguf_file(spec)
     if gguf is None:
         raise MoaspecError(f"the llama.cpp runtime runs GGUF targets; '{spec}' is not a .gguf file")
+    from moaspec.targets.tokenizer import load_light_tokenizer
+
     name, model_dir = resolve_target(spec)  # tokenizer, architecture and drafter parts (converted once)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_light_tokenizer(model_dir) or load_tokenizer(model_dir)
     config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
     model = LlamaCppModel(gguf, gpu_layers)
     return LlamaCppTarget(

@@ -1,0 +1,67 @@
+"""Printing generated text as it is verified, whole words at a time (the CLI's stdout).
+
+The same rules as transformers' `TextStreamer` (what the CLI used before): the token ids so far
+are decoded together; text is printed up to the last space, or all of it after a newline or a
+CJK character; `end()` prints the rest and a newline. Kept here so the llama.cpp generate path
+does not import transformers (its import alone is ~0.5 s of start-up).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+# CJK Unified Ideographs and their extensions (and compatibility ideographs), as transformers checks
+CJK_RANGES = (
+    (0x4E00, 0x9FFF), (0x3400, 0x4DBF), (0x20000, 0x2A6DF), (0x2A700, 0x2B73F),
+    (0x2B740, 0x2B81F), (0x2B820, 0x2CEAF), (0xF900, 0xFAFF), (0x2F800, 0x2FA1F),
+)
+
+
+class TextPrinter:
+    """A streamer (`put(ids)`, `end()`) printing decoded text to `out`; skip_prompt drops the
+    first `put` (the prompt, as the engine's callers send it)."""
+
+    def __init__(self, tokenizer, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs) -> None:
+        self.tokenizer = tokenizer
+        self.skip_prompt = skip_prompt
+        self.decode_kwargs = decode_kwargs
+        self.out = out
+        self.token_cache: list[int] = []
+        self.print_len = 0
+        self.next_tokens_are_prompt = True
+
+    def put(self, value) -> None:
+        ids = value.tolist() if hasattr(value, "tolist") else list(value)
+        if ids and isinstance(ids[0], list):  # [1, n]
+            ids = ids[0]
+        if self.skip_prompt and self.next_tokens_are_prompt:
+            self.next_tokens_are_prompt = False
+            return
+        self.token_cache.extend(ids)
+        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        if text.endswith("\n"):
+            printable = text[self.print_len :]
+            self.token_cache, self.print_len = [], 0
+        elif text and _is_cjk(ord(text[-1])):
+            printable = text[self.print_len :]
+            self.print_len += len(printable)
+        else:
+            printable = text[self.print_len : text.rfind(" ") + 1]
+            self.print_len += len(printable)
+        self._print(printable)
+
+    def end(self) -> None:
+        printable = ""
+        if self.token_cache:
+            printable = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len :]
+        self.token_cache, self.print_len = [], 0
+        self.next_tokens_are_prompt = True
+        self._print(printable, end="\n")
+
+    def _print(self, text: str, end: str = "") -> None:
+        print(text, flush=True, end=end, file=self.out if self.out is not None else sys.stdout)
+
+
+def _is_cjk(code: int) -> bool:
+    return any(low <= code <= high for low, high in CJK_RANGES)
