@@ -6,10 +6,11 @@ Invariants between steps:
 - the drafter has been told (`accept`) about every verified token, in order.
 
 Greedy decoding emits exactly the target's argmax sequence; sampling emits exactly the target's
-warped distribution (verify.py). The target side of each step is a `TargetSession` (session.py),
-which the split server (moaspec/split) also runs, one per client; the drafter and the verifier
-draw from separate seeded streams so the two halves can live on different machines. No I/O here:
-tokens are yielded as they are decided.
+warped distribution (verify.py). Each step is `decode_step` (decode_step.py, shared with the
+split client); its target side is a `TargetSession` (session.py), which the split server
+(moaspec/split) also runs, one per client; the drafter and the verifier draw from separate seeded
+streams so the two halves can live on different machines. No I/O here: tokens are yielded as
+they are decided.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.decode_step import Verdict, decode_step
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.session import TargetSession, draft_generator
 from moaspec.targets.base import Target
-from moaspec.tree import depths, prune_to_depth
+from moaspec.tree import DraftTree
 
 
 @dataclass
@@ -107,6 +109,11 @@ class Engine:
         self.drafter.accept(update)
         stats.draft_s += time.perf_counter() - tick
 
+        def verify(tree: DraftTree) -> Verdict:
+            verified = session.verify(tree)
+            accepted = verified.accepted
+            return Verdict(accepted.path_node_idx, accepted.next_token, lambda: self.drafter.accept(verified.update))
+
         emitted = [root]
         while True:
             num_before = len(result.token_ids)
@@ -118,28 +125,12 @@ class Engine:
                 if result.stop_reason == "length" and generation.max_new_tokens > room:
                     result.stop_reason = "context"
                 return
-            remaining = max_new - len(result.token_ids)
-
-            # 1. propose a tree rooted at the last emitted token, no deeper than still useful.
-            tick = time.perf_counter()
-            tree = self.drafter.propose(root, sampling, generator)
-            tree = prune_to_depth(tree, remaining - 1)
-            stats.draft_s += time.perf_counter() - tick
-
-            # 2.-3. verify (one target forward, the verifier picks the path), commit the path.
-            tick = time.perf_counter()
-            verified = session.verify(tree)
-            accepted = verified.accepted
-            stats.verify_s += time.perf_counter() - tick
-            stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, accepted.num_accepted)
-
-            # 4. tell the drafter what was verified (root + accepted drafts).
-            tick = time.perf_counter()
-            self.drafter.accept(verified.update)
-            stats.draft_s += time.perf_counter() - tick
-
-            emitted = accepted.emitted_ids
-            root = accepted.next_token
+            # propose, verify in one target forward (the verifier picks the path, the target
+            # commits it), tell the drafter (decode_step.py: shared with the split client)
+            step = decode_step(
+                self.drafter, root, max_new - len(result.token_ids), sampling, generator, stats, verify
+            )
+            emitted, root = step.emitted, step.verdict.next_token
 
     @staticmethod
     def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new: int) -> bool:

@@ -234,3 +234,24 @@ def test_keys_and_values_match_the_transformers_runtime() -> None:
     assert wrong > 10 * error
     with pytest.raises(MoaspecError, match="not captured"):
         llama.layer_kv(0, 2, [5])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--gpu-layers", "-1"], "--gpu-layers must be >= 0"),
+        (["--device", "cuda"], "--device applies to the transformers runtime"),
+        (["--runtime", "transformers", "--threads", "2"], "apply to the llama.cpp runtime"),
+        (["--runtime", "transformers", "--device", "tpu"], "--device must be cpu or cuda"),
+        (["--runtime", "transformers", "--device", "cuda:7"], "no such CUDA device"),
+        (["--runtime", "vllm"], "invalid choice"),
+    ],
+)
+def test_runtime_flags_are_checked_before_anything_loads(flags: list[str], message: str, capsys) -> None:
+    from moaspec.cli import main
+
+    if "cuda:7" in flags and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has 8 CUDA devices")
+    assert main(["generate", "--prompt", "hi", *flags]) == 2
+    assert message in capsys.readouterr().err

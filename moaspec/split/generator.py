@@ -31,6 +31,7 @@ from typing import TypeVar
 import torch
 
 from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.decode_step import Verdict, decode_step
 from moaspec.drafters.base import Context, SplitDrafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
@@ -39,7 +40,7 @@ from moaspec.session import draft_generator
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import LinkDown, SessionLost, SplitClient
-from moaspec.tree import DraftTree, depths, prune_to_depth
+from moaspec.tree import DraftTree
 
 T = TypeVar("T")
 # A verify that failed within this fraction of the client's time-out was cut, not timed out: retry it once.
@@ -189,29 +190,30 @@ class _Run:
         yield from self._emit_verified([verification.next_token])
 
     def _online_step(self) -> Iterator[SplitEvent]:
-        stats = self.result.stats
+        """One decode step (decode_step.py) verified by the server: one round trip."""
         if self.owner.adaptive is not None:
             self.drafter.tree_config = self.owner.adaptive.choose()
-        tick = time.perf_counter()
-        tree = self.drafter.propose(self.root, self.sampling, self.generator)
-        tree = _limit_nodes(prune_to_depth(tree, self.max_new - len(self.result.token_ids) - 1), self.owner.max_tree_nodes)
-        draft_s = time.perf_counter() - tick
-        stats.draft_s += draft_s
+        replies: list[wire.Verification] = []
+
+        def verify(tree: DraftTree) -> Verdict:
+            verification = self._verify(tree)[0]
+            replies.append(verification)
+            path_ids = tree.token_ids[verification.path_node_idx]
+            accept = lambda: self._accept(path_ids, verification.start_pos, verification.context)  # noqa: E731
+            return Verdict(verification.path_node_idx, verification.next_token, accept)
+
+        remaining = self.max_new - len(self.result.token_ids)
         try:
-            verification, round_trip_s = self._verify(tree)
+            step = decode_step(
+                self.drafter, self.root, remaining, self.sampling, self.generator, self.result.stats, verify,
+                self.owner.max_tree_nodes,
+            )
         except (LinkDown, SessionLost):
             self._go_offline()
             return
-        stats.verify_s += round_trip_s
-        num_accepted = len(verification.path_node_idx) - 1
-        stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, num_accepted)
         if self.owner.adaptive is not None:
-            self.owner.adaptive.observe(round_trip_s, verification.server_s, draft_s, tree, num_accepted)
-        path_ids = tree.token_ids[verification.path_node_idx]
-        tick = time.perf_counter()
-        self._accept(path_ids, verification.start_pos, verification.context)
-        stats.draft_s += time.perf_counter() - tick
-        yield from self._emit_verified([*path_ids[1:].tolist(), verification.next_token])
+            self.owner.adaptive.observe(step.verify_s, replies[0].server_s, step.draft_s, step.tree, step.num_accepted)
+        yield from self._emit_verified(step.emitted)
 
     def _verify(self, tree: DraftTree) -> tuple[wire.Verification, float]:
         draft_probs = None
@@ -367,11 +369,3 @@ def retry_while_down(call: Callable[[], T], options: SplitOptions) -> T:
                 raise
             time.sleep(delay)
             delay = min(2 * delay, options.retry_max_s)
-
-
-def _limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:
-    """The first max_nodes nodes (parents precede children, so a prefix is a tree)."""
-    if tree.num_nodes <= max_nodes:
-        return tree
-    probs = None if tree.draft_probs is None else tree.draft_probs[:max_nodes]
-    return DraftTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], probs)

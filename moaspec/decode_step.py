@@ -1,0 +1,91 @@
+"""One speculative decoding cycle, shared by the in-process engine (engine.py) and the split
+client (split/generator.py), which differ only in where the target verifies:
+
+    propose a tree rooted at the last emitted token (no deeper than still useful, at most
+    `max_nodes`) -> verify it (one target forward, in-process or one round trip) -> record the
+    verification -> tell the drafter what was verified -> the emitted tokens.
+
+`verify(tree)` returns a `Verdict`: the accepted path and next token, and `hand_over()`, which
+gives the drafter the verified tokens (in-process `drafter.accept(update)`; split
+`accept_context(ids, pos, context)` with the context the server sent). Draft time (propose and
+hand-over) and verify time go into the generation's SpecStats. A `verify` that raises (the split
+client's link went down) leaves the stats with the draft time only and the drafter untouched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.config import SamplingConfig
+from moaspec.metrics import SpecStats
+from moaspec.tree import DraftTree, depths, prune_to_depth
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """path_node_idx: accepted nodes, root first; next_token: the bonus or recovered token;
+    hand_over: gives the drafter the verified tokens (root + accepted drafts)."""
+
+    path_node_idx: list[int]
+    next_token: int
+    hand_over: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one cycle did: its tree, verdict, emitted tokens (accepted drafts + next token) and
+    the seconds it spent proposing (draft_s) and verifying (verify_s)."""
+
+    tree: DraftTree
+    verdict: Verdict
+    emitted: list[int]
+    draft_s: float
+    verify_s: float
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.verdict.path_node_idx) - 1
+
+
+def decode_step(
+    drafter,
+    root: int,
+    remaining: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    stats: SpecStats,
+    verify: Callable[[DraftTree], Verdict],
+    max_nodes: int | None = None,
+) -> Step:
+    """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
+    to depth remaining - 1; max_nodes: keep only the first nodes (a server's limit)."""
+    tick = time.perf_counter()
+    tree = prune_to_depth(drafter.propose(root, sampling, generator), remaining - 1)
+    if max_nodes is not None:
+        tree = limit_nodes(tree, max_nodes)
+    draft_s = time.perf_counter() - tick
+    stats.draft_s += draft_s
+
+    tick = time.perf_counter()
+    verdict = verify(tree)
+    verify_s = time.perf_counter() - tick
+    stats.verify_s += verify_s
+    stats.record_verification(int(depths(tree.parents).max()), tree.num_nodes, len(verdict.path_node_idx) - 1)
+
+    tick = time.perf_counter()
+    verdict.hand_over()
+    stats.draft_s += time.perf_counter() - tick
+    emitted = [*tree.token_ids[verdict.path_node_idx[1:]].tolist(), verdict.next_token]
+    return Step(tree, verdict, emitted, draft_s, verify_s)
+
+
+def limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:
+    """The first max_nodes nodes (parents precede children, so a prefix is a tree)."""
+    if tree.num_nodes <= max_nodes:
+        return tree
+    probs = None if tree.draft_probs is None else tree.draft_probs[:max_nodes]
+    return DraftTree(tree.token_ids[:max_nodes], tree.parents[:max_nodes], probs)
