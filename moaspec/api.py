@@ -122,12 +122,15 @@ def load_target(
     device: str = "cpu",
     threads: int | None = None,
     gpu_layers: int = 0,
+    light_tokenizer: bool = False,
 ) -> Target:
     """Load a target by built-in name, HF directory or .gguf path (offline only) on `runtime`
-    ("llama.cpp" or "transformers"; None: llama.cpp for GGUF targets, see targets/load.py)."""
+    ("llama.cpp" or "transformers"; None: llama.cpp for GGUF targets, see targets/load.py).
+    light_tokenizer: on llama.cpp, the tokenizer that needs no transformers (targets/tokenizer.py;
+    the CLI's choice) instead of transformers' own."""
     return targets_load.load_target(
         target, runtime, dtype=dtype, attn_implementation=attn_implementation, device=device,
-        threads=threads, gpu_layers=gpu_layers,
+        threads=threads, gpu_layers=gpu_layers, light_tokenizer=light_tokenizer,
     )
 
 
@@ -142,6 +145,7 @@ def load(
     device: str = "cpu",
     threads: int | None = None,
     gpu_layers: int = 0,
+    light_tokenizer: bool = False,
 ) -> SpeculativeLM:
     """Load a target and a drafter for it.
 
@@ -157,11 +161,11 @@ def load(
     (precedence: moaspec/tuned.py).
 
     runtime: "llama.cpp" or "transformers" (None: llama.cpp for GGUF targets, targets/load.py);
-    device (transformers: "cpu", "cuda", ...), threads and gpu_layers (llama.cpp).
+    device (transformers: "cpu", "cuda", ...), threads, gpu_layers and light_tokenizer (llama.cpp).
     """
     from moaspec.calibration.plan import drafter_for
 
-    loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers)
+    loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
     default = default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
@@ -171,7 +175,10 @@ def load(
     return SpeculativeLM(loaded, chosen, name, calibration)
 
 
-def generate(prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, **kwargs) -> GenerationOutput:
-    """One-shot convenience: `load(target, drafter).generate(prompt, **kwargs)` (loads every call;
-    keep the `SpeculativeLM` from `load()` to generate repeatedly)."""
-    return load(target, drafter).generate(prompt, **kwargs)
+def generate(
+    prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, runtime: str | None = None,
+    **kwargs,
+) -> GenerationOutput:
+    """One-shot convenience: `load(target, drafter, runtime=runtime).generate(prompt, **kwargs)`
+    (loads every call; keep the `SpeculativeLM` from `load()` to generate repeatedly)."""
+    return load(target, drafter, runtime=runtime).generate(prompt, **kwargs)

@@ -358,7 +358,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from moaspec.api import load
 
-    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, **options)
+    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, light_tokenizer=True, **options)
     streamer = None
     if not args.json:
         from moaspec.text_stream import TextPrinter

@@ -255,3 +255,19 @@ def test_runtime_flags_are_checked_before_anything_loads(flags: list[str], messa
         pytest.skip("this machine has 8 CUDA devices")
     assert main(["generate", "--prompt", "hi", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) -> None:
+    """Start-up (issue 21): the default generation loads neither transformers' modeling code nor
+    transformers at all (light tokenizer, own text printer)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from moaspec.cli import main; "
+        "code = main(['generate', '--prompt', 'Name three colours.', '--max-new-tokens', '4', '--drafter', 'ngram']); "
+        "print(); print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "0 []"

@@ -43,8 +43,9 @@ SAMPLED_NEW = 16
 
 @pytest.fixture(scope="module")
 def lm() -> SpeculativeLM:
-    """The default target with the `none` drafter (plain decoding through the engine)."""
-    return load(drafter="none")
+    """The default target on the transformers runtime with the `none` drafter (plain decoding
+    through the engine; the llama.cpp runtime has tests/test_llamacpp.py)."""
+    return load(drafter="none", runtime="transformers")
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def greedy(lms: dict[str, SpeculativeLM]) -> Callable[[str, str], GenerationOutp
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run(
-        [sys.executable, "-m", "moaspec.cli", "generate", *args],
+        [sys.executable, "-m", "moaspec.cli", "generate", "--runtime", "transformers", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -312,7 +313,8 @@ def test_one_shot_generate_with_a_streamer(lm: SpeculativeLM, hf_greedy: Callabl
     import moaspec
 
     out = moaspec.generate(
-        PROMPTS["fact"], drafter="ngram", max_new_tokens=MAX_NEW, streamer=TextStreamer(lm.tokenizer, skip_prompt=True)
+        PROMPTS["fact"], drafter="ngram", runtime="transformers", max_new_tokens=MAX_NEW,
+        streamer=TextStreamer(lm.tokenizer, skip_prompt=True),
     )
     assert out.token_ids == hf_greedy("fact")
     assert out.text.strip() and out.text.strip() in capsys.readouterr().out

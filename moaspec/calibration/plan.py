@@ -157,7 +157,7 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
         [o for o in best_per_form.values() if o is not chosen],
     )
     if measured:
-        say(f"done in {measure_s:.0f} s: {_summary(chosen, plain)}")
+        say(f"done in {measure_s:.0f} s: {_summary(chosen, plain, target.runtime)}")
     return drafter, calibration
 
 
@@ -288,8 +288,8 @@ def _apply(target, chosen: Option, model, spec: str):
     return model
 
 
-def _summary(chosen: Option, plain: Option | None) -> str:
-    parts = [f"drafter {chosen.drafter}", f"{chosen.layout}-major"]
+def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:
+    parts = [f"drafter {chosen.drafter}", f"{chosen.layout}-major" if runtime == "transformers" else runtime]
     if chosen.tree is not None:
         parts.append(f"tree depth {chosen.tree.depth} top-k {chosen.tree.top_k} budget {chosen.tree.budget}")
     if chosen.lookup is not None:

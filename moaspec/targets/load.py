@@ -43,15 +43,17 @@ def load_target(
     device: str = "cpu",
     threads: int | None = None,
     gpu_layers: int = 0,
+    light_tokenizer: bool = False,
 ) -> Target:
     """Load a target by built-in name, HF directory or .gguf path (offline only).
 
     transformers: `dtype` and `device` ("cpu", "cuda", "cuda:1"); llama.cpp: `threads` (default:
-    the cores torch uses) and `gpu_layers` (layers offloaded by a GPU build of llama.cpp).
+    the cores torch uses), `gpu_layers` (layers offloaded by a GPU build of llama.cpp) and
+    `light_tokenizer` (tokenizer.py: no transformers import; the CLI's choice).
     """
     runtime = check_runtime(runtime, target)
     if runtime == "llama.cpp":
-        return _load_llama_cpp(target, threads, gpu_layers)
+        return _load_llama_cpp(target, threads, gpu_layers, light_tokenizer)
     return _load_transformers(target, dtype, attn_implementation, device)
 
 
@@ -81,7 +83,7 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     return loaded
 
 
-def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int) -> Target:
+def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_tokenizer: bool) -> Target:
     from moaspec.targets.llamacpp import LlamaCppModel, LlamaCppTarget
 
     gguf = gguf_file(spec)
@@ -90,7 +92,7 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int) -> Target:
     from moaspec.targets.tokenizer import load_light_tokenizer
 
     name, model_dir = resolve_target(spec)  # tokenizer, architecture and drafter parts (converted once)
-    tokenizer = load_light_tokenizer(model_dir) or load_tokenizer(model_dir)
+    tokenizer = (load_light_tokenizer(model_dir) if light_tokenizer else None) or load_tokenizer(model_dir)
     config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
     model = LlamaCppModel(gguf, gpu_layers)
     return LlamaCppTarget(

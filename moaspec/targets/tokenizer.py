@@ -41,6 +41,9 @@ class LightTokenizer:
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
 
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self(text, add_special_tokens)["input_ids"]
 
