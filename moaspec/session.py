@@ -74,6 +74,5 @@ class TargetSession:
         return Verified(accepted, VerifiedUpdate(tree.token_ids[path], start_pos, hidden, self.target))
 
     def _prefill(self, ids: torch.Tensor) -> tuple[VerifiedUpdate, torch.Tensor]:
-        self.target.reset()
-        out = self.target.prefill(ids, self.hidden_layers)
+        out = self.target.set_context(ids, self.hidden_layers)
         return VerifiedUpdate(ids, 0, out.hidden, self.target), out.logits[-1]

@@ -271,3 +271,31 @@ def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) ->
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "0 []"
+
+
+@pytest.mark.parametrize("drafter", ["none", "eagle", "moa"])
+def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter: str) -> None:
+    """A chat's next turn starts with the previous prompt and answer: set_context decodes only the
+    new part, and the logits, hidden states and keys/values equal a fresh context's bit for bit."""
+    from moaspec.api import load_target
+
+    warm = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    engine = Engine(warm, make_drafter(drafter, warm))
+    make_drafter(drafter, fresh)  # the same key/value capture
+    first = category_prompts["mt_bench"][:150]
+    answer = engine.generate(first, SamplingConfig(), GenerationConfig(max_new_tokens=24)).token_ids
+    follow_up = first + answer + [2, 198, 1, 4093, 198, 11, 12, 13]
+    hidden = (warm.num_layers,) if drafter == "eagle" else ()
+    decoded = len(warm._tokens)
+    got = warm.set_context(torch.tensor(follow_up), hidden)
+    want = fresh.set_context(torch.tensor(follow_up), hidden)
+    assert torch.equal(got.logits, want.logits)
+    assert warm.num_cached == fresh.num_cached == len(follow_up)
+    assert decoded > len(first)  # there was something to reuse
+    if hidden:
+        assert torch.equal(got.hidden, want.hidden)
+    if drafter == "moa":
+        assert torch.equal(warm.layer_kv(0, len(follow_up)), fresh.layer_kv(0, len(follow_up)))
+    plain = Engine(fresh, make_drafter("none", fresh)).generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24))
+    assert engine.generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24)).token_ids == plain.token_ids

@@ -1,7 +1,8 @@
 """The target runtime protocol: what the engine, verifiers, drafters and servers ask of a target.
 
 A runtime holds one sequence's verified context (batch size 1) and answers five operations:
-- `prefill(ids)` appends verified tokens and returns the logits after the last one;
+- `prefill(ids)` appends verified tokens and returns the logits after the last one
+  (`set_context(ids)`: the same for a whole new context, reusing what the runtime still holds);
 - `verify(tree)` scores every node of a draft tree in one forward (each node sees the verified
   context and its own ancestors), leaving the nodes pending;
 - `commit(path)` keeps the accepted path's pending entries (root first) and drops the rest;
@@ -85,6 +86,11 @@ class Target(Protocol):
         ...
 
     def reset(self) -> None: ...
+
+    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids [T] become the whole verified context (a new generation); a runtime may keep
+        the part it already holds. -> logits [1, V] after the last token, hidden [T, H, D]."""
+        ...
 
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
 

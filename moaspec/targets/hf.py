@@ -129,6 +129,12 @@ class HFTarget:
         self.cache = DynamicCache(config=self.config)
         self.num_cached = 0
 
+    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Make input_ids [T] the verified context: a fresh prefill (transformers' batched kernels
+        round differently from one-token steps, so a kept prefix would not be the same)."""
+        self.reset()
+        return self.prefill(input_ids, hidden_layers)
+
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, H, D]."""

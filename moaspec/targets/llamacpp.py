@@ -84,6 +84,35 @@ def _quiet_logs(llama_cpp) -> None:
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
+class VerifiedRows:
+    """Per-token tensors of the verified positions 0..valid-1 (captured keys/values, hidden
+    states), in a buffer that doubles when full."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.valid = 0
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
+        if start > self.valid:
+            return
+        end = start + rows.shape[0]
+        if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
+            capacity = 0 if self.buffer is None else self.buffer.shape[0]
+            grown = torch.empty(max(end, 2 * capacity, 256), *rows.shape[1:])
+            if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
+                grown[:start] = self.buffer[:start]
+            self.buffer = grown
+        self.buffer[start:end] = rows
+        self.valid = end
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        return self.buffer[start:end]
+
+    def truncate(self, length: int) -> None:
+        self.valid = min(self.valid, length)
+
+
 class LlamaCppModel:
     """Weights of one GGUF file loaded by llama.cpp, shared by every context made from them."""
 
@@ -259,7 +288,7 @@ class LlamaCppTarget:
         if missing:
             raise MoaspecError(f"layers {missing} are not captured (keep_layer_kv)")
         index = torch.tensor([captured.index(layer) for layer in layers])
-        return self._kv[start:end].index_select(1, index)
+        return self._kv.read(start, end).index_select(1, index)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self) -> LlamaCppTarget:
@@ -279,8 +308,37 @@ class LlamaCppTarget:
         self._tokens: list[int] = []  # the verified tokens (to re-decode them when compacting)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
-        self._kv = torch.empty(0)  # captured keys/values of the verified tokens (capacity-doubling)
-        self._pending_kv: torch.Tensor | None = None
+        self._kv = VerifiedRows()  # captured keys/values of the verified tokens
+        self._hidden = VerifiedRows()  # their final hidden states, where they were asked for
+        self._pending_rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # of a tree
+
+    @torch.inference_mode()
+    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Make input_ids [T] the verified context, decoding only what differs from the current
+        one (a new prompt sharing its start with the last conversation, as a chat's next turn
+        does). -> logits [1, V] after the last token, hidden [T, 1, D] when asked.
+
+        Exact: every decode here runs the same per-row kernels, so the kept prefix holds the keys
+        and values a fresh prefill would compute (module docstring)."""
+        ids = input_ids.tolist()
+        self._drop_pending()
+        keep = 0
+        for old, new in zip(self._tokens, ids[:-1]):  # the last token is decoded again for its logits
+            if old != new:
+                break
+            keep += 1
+        if self.capture is not None:
+            keep = min(keep, self._kv.valid)
+        if hidden_layers:
+            keep = min(keep, self._hidden.valid)
+        if keep == 0:
+            self.reset()
+        else:
+            self.rollback(keep)
+        out = self.prefill(input_ids[keep:], hidden_layers)
+        if not hidden_layers:
+            return out
+        return TargetOutput(out.logits, torch.cat([self._hidden.read(0, keep)[:, None], out.hidden]))
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -300,10 +358,11 @@ class LlamaCppTarget:
             self._decode()
             if hidden_layers:
                 hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size))
+                self._hidden.write(self.num_cached, hidden_chunks[-1])
             if last:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size)[-1:]
             if self.capture is not None:
-                self._store_kv(self.capture.rows(len(chunk)))
+                self._kv.write(self.num_cached, self.capture.rows(len(chunk)))
             self.num_cached += len(chunk)
             self._tokens.extend(chunk)
         hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
@@ -334,11 +393,11 @@ class LlamaCppTarget:
         self._fill(tokens, positions, seq_sets, range(count))
         self._pending = ([seqs[0] for seqs in seq_sets], positions, tokens, num_seqs)
         self._decode()
-        self._pending_kv = self.capture.rows(count) if self.capture is not None else None
-        hidden = None
-        if hidden_layers:
-            hidden = self._outputs(self.lib.llama_get_embeddings, count, self.hidden_size)[:, None]
-        return TargetOutput(self._outputs(self.lib.llama_get_logits, count, self.vocab_size), hidden)
+        kv = self.capture.rows(count) if self.capture is not None else None
+        hidden = self._outputs(self.lib.llama_get_embeddings, count, self.hidden_size) if hidden_layers else None
+        self._pending_rows = (kv, hidden)
+        logits = self._outputs(self.lib.llama_get_logits, count, self.vocab_size)
+        return TargetOutput(logits, None if hidden is None else hidden[:, None])
 
     @torch.inference_mode()
     def commit(self, path_node_idx: list[int]) -> None:
@@ -364,10 +423,12 @@ class LlamaCppTarget:
             lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
             lib.llama_memory_seq_rm(memory, keep, -1, -1)
         self._tokens.extend(tokens[i] for i in path_node_idx)
-        if self._pending_kv is not None:
-            self._store_kv(self._pending_kv[torch.tensor(path_node_idx)])
+        path = torch.tensor(path_node_idx)
+        for rows, pending in zip((self._kv, self._hidden), self._pending_rows):
+            if pending is not None:
+                rows.write(self.num_cached, pending[path])
         self.num_cached = end
-        self._pending = self._pending_kv = None
+        self._pending, self._pending_rows = None, (None, None)
 
     def rollback(self, length: int) -> None:
         """Forget verified tokens at positions >= length (and anything pending)."""
@@ -376,6 +437,8 @@ class LlamaCppTarget:
         self._drop_pending()
         self.lib.llama_memory_seq_rm(self.memory, 0, length, -1)
         del self._tokens[length:]
+        self._kv.truncate(length)
+        self._hidden.truncate(length)
         self.num_cached = length
 
     # -- internals ----------------------------------------------------------------------------
@@ -412,16 +475,6 @@ class LlamaCppTarget:
             chunk = tokens[start : start + COMPACT_CHUNK]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
-
-    def _store_kv(self, rows: torch.Tensor) -> None:
-        """Keys/values rows [n, L, kv_dim] of the tokens at positions num_cached.. (verified now)."""
-        end = self.num_cached + rows.shape[0]
-        if self._kv.dim() != 3 or self._kv.shape[0] < end:
-            grown = torch.empty(max(end, 2 * self._kv.shape[0], 256), *rows.shape[1:])
-            if self._kv.dim() == 3:
-                grown[: self.num_cached] = self._kv[: self.num_cached]
-            self._kv = grown
-        self._kv[self.num_cached : end] = rows
 
     def _fill(self, tokens: list[int], positions: Sequence[int], seq_sets: list[list[int]], outputs) -> None:
         batch = self.batch
