@@ -10,7 +10,8 @@ id, each node carries the ids of the leaves below it (its first id is any of the
 carrying it is an ancestor, the node itself, a later position, or the verified context), and the
 verified context is first copied into every leaf's sequence. `commit(path)` keeps the sequence of
 a leaf below the last accepted node, trims it after the path and makes it sequence 0 again. No
-accepted token is decoded twice.
+accepted token is decoded twice. A new generation (`set_context`) keeps the part of the context
+that its prompt shares with the one held (a chat's next turn) and decodes only the rest.
 
 Exactness (the same tokens as plain decoding on this runtime). llama.cpp quantizes activations to
 8 bits inside its matrix products, so a rounding difference anywhere upstream moves logits by
@@ -321,6 +322,8 @@ class LlamaCppTarget:
         Exact: every decode here runs the same per-row kernels, so the kept prefix holds the keys
         and values a fresh prefill would compute (module docstring)."""
         ids = input_ids.tolist()
+        if len(ids) > self.max_positions:
+            raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
         keep = 0
         for old, new in zip(self._tokens, ids[:-1]):  # the last token is decoded again for its logits
@@ -461,7 +464,7 @@ class LlamaCppTarget:
             for seq in range(1, self._pending[3]):
                 self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
             self.lib.llama_memory_seq_rm(self.memory, 0, self.num_cached, -1)
-            self._pending = None
+            self._pending, self._pending_rows = None, (None, None)
 
     def _make_room(self, count: int) -> None:
         """Reclaim parked cells when `count` more would not fit after the used ones."""
