@@ -64,10 +64,11 @@ class TargetSession:
         """Score the tree in one forward, pick the accepted path and next token, commit the path."""
         start_pos = self.target.num_cached
         out = self.target.verify(tree, self.hidden_layers)
+        logits = out.logits.cpu()  # the verifiers run on the CPU, whatever device the target is on
         if self.sampling.greedy:
-            accepted = verify_greedy(tree, out.logits)
+            accepted = verify_greedy(tree, logits)
         else:
-            accepted = verify_stochastic(tree, target_probs(out.logits.double(), self.sampling), self.generator)
+            accepted = verify_stochastic(tree, target_probs(logits.double(), self.sampling), self.generator)
         self.target.commit(accepted.path_node_idx)
         path = torch.tensor(accepted.path_node_idx)
         hidden = None if out.hidden is None else out.hidden[path]
@@ -75,4 +76,4 @@ class TargetSession:
 
     def _prefill(self, ids: torch.Tensor) -> tuple[VerifiedUpdate, torch.Tensor]:
         out = self.target.set_context(ids, self.hidden_layers)
-        return VerifiedUpdate(ids, 0, out.hidden, self.target), out.logits[-1]
+        return VerifiedUpdate(ids, 0, out.hidden, self.target), out.logits[-1].cpu()

@@ -299,3 +299,14 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
         assert torch.equal(warm.layer_kv(0, len(follow_up)), fresh.layer_kv(0, len(follow_up)))
     plain = Engine(fresh, make_drafter("none", fresh)).generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24))
     assert engine.generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24)).token_ids == plain.token_ids
+
+
+def test_model_drafters_are_refused_next_to_a_gpu_target() -> None:
+    """Drafters run on the CPU; with the target on a GPU (--device cuda) only none and ngram run,
+    said clearly (the CUDA paths are not exercised on this machine)."""
+    from types import SimpleNamespace
+
+    gpu_target = SimpleNamespace(name="smollm2-135m", runtime="transformers", device=torch.device("cuda"))
+    with pytest.raises(MoaspecError, match="CPU target"):
+        make_drafter("moa", gpu_target)
+    assert make_drafter("ngram", gpu_target).__class__.__name__ == "NgramDrafter"

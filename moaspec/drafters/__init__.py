@@ -115,6 +115,11 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
     problem = runtime_problem(record, getattr(target, "runtime", "transformers"))
     if problem:
         raise MoaspecError(f"{directory}: {problem}")
+    if target.device.type != "cpu":
+        raise MoaspecError(
+            f"model drafters run next to a CPU target only for now; with the target on {target.device} "
+            "use --drafter none or ngram"
+        )
     return drafter_class(method).from_pretrained(directory, target)
 
 
