@@ -68,11 +68,18 @@ def verify_key(cpu: str, runtime: str, target_name: str, layouts: tuple[str, ...
     return key_of(str(FORMAT_VERSION), cpu, runtime, target_name, ",".join(layouts))
 
 
+def _weights(target, layout: str) -> str:
+    """How a progress line names the weights being timed."""
+    if target.runtime == "transformers":
+        return f"{layout}-major weights"
+    return f"{target.runtime} (drafter weights {layout}-major)"
+
+
 def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], None]) -> dict[str, dict[int, float]]:
     """Verify seconds per node count in each layout (the target is left in the last layout)."""
     found = {}
     for layout in layouts:
-        say(f"target verify costs, {layout}-major weights")
+        say(f"target verify costs, {_weights(target, layout)}")
         target.use_layout(layout)
         found[layout] = measure_verify(target, context_len(target), REPEATS, VERIFY_NODE_COUNTS)
     target.reset()
@@ -88,7 +95,7 @@ def measure_drafter_costs(
         raise MoaspecError(f"the target's context ({target.max_positions} tokens) is too short to time the drafter")
     found = {}
     for layout in layouts:
-        say(f"drafter costs, {layout}-major weights")
+        say(f"drafter costs, {_weights(target, layout)}")
         target.use_layout(layout)
         drafter.use_layout(layout)
         found[layout] = measure_drafter(drafter, target, context_len(target), REPEATS, shapes)
