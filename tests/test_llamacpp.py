@@ -62,6 +62,16 @@ def category_prompts(llama_target) -> dict[str, list[int]]:
     return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
 
 
+def require_exact_trees(target) -> None:
+    """On a CPU whose llama.cpp kernels are not batch-invariant, the runtime must refuse trees
+    (checked here) and the tree tests have nothing else to check; everywhere else they run."""
+    if target.trees_exact:
+        return
+    with pytest.raises(MoaspecError, match="bit for bit"):
+        target.verify(DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
+    pytest.skip("llama.cpp's kernels round differently by batch size on this CPU: trees are refused (checked)")
+
+
 def one_token(token: int) -> DraftTree:
     return DraftTree(torch.tensor([token]), torch.tensor([-1]))
 
@@ -106,6 +116,7 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, categ
     """Random trees holding the true continuation, committed step by step (rejected nodes parked;
     with 264 cells the context is re-decoded to reclaim them): every accepted node's logits equal
     plain decoding's exactly, so the greedy path is the same."""
+    require_exact_trees(llama_target)
     target = llama_target if cells == 8192 else llama_target.__class__(
         llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2
     )
@@ -130,6 +141,7 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, categ
 
 
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:
+    require_exact_trees(llama_target)
     prompt = category_prompts["qa"][:120]
     tokens, logits = plain_decode(llama_target, prompt, 8)
     llama_target.reset()
@@ -149,6 +161,7 @@ def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_ta
 
 @pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram", "moa", "moa+ngram"])
 def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, category_prompts, drafter: str) -> None:
+    require_exact_trees(llama_target)
     engine = Engine(llama_target, make_drafter(drafter, llama_target))
     plain = Engine(llama_target, make_drafter("none", llama_target))
     generation = GenerationConfig(max_new_tokens=64)
@@ -162,6 +175,7 @@ def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, cat
 
 
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
+    require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])
     llama_target.reset()
     last = llama_target.num_layers
@@ -216,6 +230,7 @@ def test_keys_and_values_match_the_transformers_runtime() -> None:
     from moaspec.api import load_target
 
     llama = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    require_exact_trees(llama)
     exact = load_target("smollm2-135m", runtime="transformers")
     llama.keep_layer_kv([0, 14, 29])
     ids = torch.tensor(llama.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"])
@@ -265,7 +280,7 @@ def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) ->
 
     probe = (
         "import sys; from moaspec.cli import main; "
-        "code = main(['generate', '--prompt', 'Name three colours.', '--max-new-tokens', '4', '--drafter', 'ngram']); "
+        "code = main(['generate', '--prompt', 'Name three colours.', '--max-new-tokens', '4', '--drafter', 'none']); "
         "print(); print(code, sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
     )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
@@ -281,6 +296,7 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
 
     warm = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
     fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    require_exact_trees(warm)
     engine = Engine(warm, make_drafter(drafter, warm))
     make_drafter(drafter, fresh)  # the same key/value capture
     first = category_prompts["mt_bench"][:150]
@@ -297,8 +313,9 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
         assert torch.equal(got.hidden, want.hidden)
     if drafter == "moa":
         assert torch.equal(warm.layer_kv(0, len(follow_up)), fresh.layer_kv(0, len(follow_up)))
-    plain = Engine(fresh, make_drafter("none", fresh)).generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24))
-    assert engine.generate(follow_up, SamplingConfig(), GenerationConfig(max_new_tokens=24)).token_ids == plain.token_ids
+    generation = GenerationConfig(max_new_tokens=24)
+    plain = Engine(fresh, make_drafter("none", fresh)).generate(follow_up, SamplingConfig(), generation)
+    assert engine.generate(follow_up, SamplingConfig(), generation).token_ids == plain.token_ids
 
 
 def test_model_drafters_are_refused_next_to_a_gpu_target() -> None:
@@ -310,3 +327,25 @@ def test_model_drafters_are_refused_next_to_a_gpu_target() -> None:
     with pytest.raises(MoaspecError, match="CPU target"):
         make_drafter("moa", gpu_target)
     assert make_drafter("ngram", gpu_target).__class__.__name__ == "NgramDrafter"
+
+
+def test_the_exactness_check_fails_when_batched_kernels_round_differently(llama_target, monkeypatch) -> None:
+    """trees_exact_here passes on this machine's kernels (the other tests hold it to that) and
+    fails as soon as a tree's logits move by one rounding step; trees are then refused."""
+    from moaspec.targets import llamacpp
+
+    require_exact_trees(llama_target)
+    assert llamacpp.trees_exact_here(llama_target)
+    verify = LlamaCppTarget.verify
+
+    def rounded_differently(self, tree, hidden_layers=()):
+        out = verify(self, tree, hidden_layers)
+        if tree.num_nodes > 1:
+            out.logits[:, 0] = torch.nextafter(out.logits[:, 0], torch.full_like(out.logits[:, 0], 1e9))
+        return out
+
+    monkeypatch.setattr(LlamaCppTarget, "verify", rounded_differently)
+    assert not llamacpp.trees_exact_here(llama_target)
+    monkeypatch.setattr(llama_target.weights, "trees_exact", False)
+    with pytest.raises(MoaspecError, match="bit for bit"):
+        verify(llama_target, DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))

@@ -123,6 +123,11 @@ def save(path: Path, record: dict) -> None:
         Path(temporary).unlink(missing_ok=True)
 
 
+def read_field(path: Path, key: str):
+    """One field of a cached record (None when absent or unreadable)."""
+    return _read(path).get(key)
+
+
 def verify_record(costs: dict[str, dict[int, float]], lookup_s: float, identity: dict) -> dict:
     return {
         **identity,

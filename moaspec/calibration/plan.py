@@ -144,6 +144,8 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
         if model is not None:
             trees = _tree_candidates(model, costs, rates) if trees is None else _recost(trees, costs)
         options += _options(requested, base, with_lookup, trees, layout, costs, lookups, lookup_s)
+    if target.runtime == "llama.cpp" and not target.trees_exact:  # trees would change the output here
+        options = [o for o in options if o.drafter == "none"] or options
     chosen = choose(options)
     plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
     drafter = _apply(target, chosen, model, spec)
@@ -246,13 +248,20 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     verify_path = directory / f"verify-{key}.json"
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
-    if cached is None:
+    exact = costs_store.read_field(verify_path, "trees_exact") if cached is not None else None
+    if cached is None or (target.runtime == "llama.cpp" and not isinstance(exact, bool)):
         measured = True
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)
-        costs_store.save(verify_path, costs_store.verify_record(verify, lookup_s, identity))
+        record = costs_store.verify_record(verify, lookup_s, identity)
+        if target.runtime == "llama.cpp":  # measured once per machine with the costs (llamacpp.py)
+            say("whether llama.cpp verifies trees exactly here")
+            record["trees_exact"] = target.trees_exact
+        costs_store.save(verify_path, record)
     else:
         verify, lookup_s = cached
+        if target.runtime == "llama.cpp":
+            target.weights.trees_exact = exact
     drafter = None
     if model is not None:
         checkpoint = checkpoint_key(checkpoint_directory(base, target.name))

@@ -133,6 +133,7 @@ class LlamaCppModel:
         self.num_layers = lib.llama_model_n_layer(self.model)
         self.hidden_size = lib.llama_model_n_embd(self.model)
         self.context_train = lib.llama_model_n_ctx_train(self.model)
+        self.trees_exact: bool | None = None  # measured on first need (trees_exact_here)
 
     def __del__(self) -> None:
         if getattr(self, "model", None):
@@ -216,6 +217,14 @@ class LlamaCppTarget:
         self.lib.llama_free(self.ctx)
         self.ctx = self._create_context()
         self.reset()
+
+    @property
+    def trees_exact(self) -> bool:
+        """Whether tree logits equal one-token decoding's bit for bit on this machine (measured
+        once per process and model, ~2 s: `trees_exact_here`)."""
+        if self.weights.trees_exact is None:
+            self.weights.trees_exact = trees_exact_here(self)
+        return self.weights.trees_exact
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -388,6 +397,11 @@ class LlamaCppTarget:
         num_seqs = len(seq_sets[0])  # the root carries every leaf's sequence
         if num_seqs > MAX_LEAVES:
             raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES}")
+        if count > 1 and not self.trees_exact:
+            raise MoaspecError(
+                "on this CPU llama.cpp's batched kernels do not reproduce one-token decoding bit for bit, so "
+                "verifying draft trees could change the output: use --drafter none or --runtime transformers"
+            )
         self._make_room(count)
         for seq in range(1, num_seqs):
             self.lib.llama_memory_seq_cp(self.memory, 0, seq, -1, -1)
@@ -501,6 +515,44 @@ class LlamaCppTarget:
     def _outputs(self, getter, rows: int, width: int) -> torch.Tensor:
         """A copy of the last decode's logits or embeddings of its `rows` outputs: [rows, width]."""
         return torch.from_numpy(np.ctypeslib.as_array(getter(self.ctx), shape=(rows, width)).copy())
+
+
+EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
+EXACTNESS_STEPS = 8
+
+
+@torch.inference_mode()
+def trees_exact_here(target: LlamaCppTarget) -> bool:
+    """Measure whether this machine's llama.cpp kernels keep tree verification exact: decode
+    EXACTNESS_STEPS tokens one at a time after EXACTNESS_CONTEXT tokens, then verify them as the
+    path of a branching tree (wrong siblings before it: parked cells) and one more token after the
+    commit, and compare every logit bit for bit. Kernels chosen by batch size (an AMX or ARM
+    matrix path, say) would fail it; the runtime then refuses trees rather than change outputs."""
+    probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
+    probe.weights.trees_exact = True  # the probe itself verifies trees
+    try:
+        context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
+        tokens, logits = [], []
+        token = int(probe.set_context(context).logits[0].argmax())
+        for _ in range(EXACTNESS_STEPS + 1):
+            tokens.append(token)
+            out = probe.verify(DraftTree(torch.tensor([token]), torch.tensor([-1])))
+            probe.commit([0])
+            logits.append(out.logits[0])
+            token = int(out.logits[0].argmax())
+        probe.set_context(context)
+        ids, parents = [tokens[0]], [-1]
+        for depth in range(1, EXACTNESS_STEPS):  # a wrong sibling first, then the true token
+            ids += [(tokens[depth] + 1) % target.vocab_size, tokens[depth]]
+            parents += [len(ids) - 3 if depth > 1 else 0] * 2
+        out = probe.verify(DraftTree(torch.tensor(ids), torch.tensor(parents)))
+        path = [0] + [2 * depth for depth in range(1, EXACTNESS_STEPS)]
+        exact = all(torch.equal(out.logits[node], logits[k]) for k, node in enumerate(path))
+        probe.commit(path)
+        after = probe.verify(DraftTree(torch.tensor([tokens[EXACTNESS_STEPS]]), torch.tensor([-1])))
+        return exact and torch.equal(after.logits[0], logits[EXACTNESS_STEPS])
+    finally:
+        probe.weights.trees_exact = None
 
 
 def _leaf_sequences(parents: torch.Tensor) -> list[list[int]]:
