@@ -14,8 +14,9 @@ interleaved. `CapturedKV.rows` undoes that, so `layer_kv` has the transformers r
 per token, per layer, per KV head [k (head_dim), v (head_dim)]. Values are not permuted.
 
 Cost, measured on SmolLM2-135M (2 threads, AVX-512): the callback answers ~1,200 questions per
-decode from Python, and each captured tensor splits the graph; one-token decoding took 6.5 ms
-without it, 7.3 ms capturing 4 layers and 8.5 ms capturing all 30. Contexts are therefore created
+decode from Python, and each captured tensor splits the graph; one-token decoding after 300
+tokens took 8.1 ms without it, 9.4 ms capturing 4 layers and 10.1 ms capturing all 30
+(bench/llamacpp_probes.py). Contexts are therefore created
 with the callback only for drafters that need keys/values (LlamaCppTarget.keep_layer_kv).
 """
 

@@ -1,0 +1,160 @@
+"""The measurements behind the README's *Target runtimes* section, in one run on an idle machine:
+
+1. exactness of tree verification with llama.cpp's default f16 KV cache against the runtime's
+   q8_0 one: greedy decoding through random trees that hold the true continuation, against
+   one-token decoding, over bench prompts (prompts whose outputs diverge);
+2. one-token decode cost by KV type (raw llama_decode loops, types interleaved);
+3. the cost of capturing keys/values through the eval callback (0, 4 or 30 layers);
+4. captured keys/values against the float32 transformers runtime's (relative error per layer).
+
+    .venv/bin/python bench/llamacpp_probes.py --out bench/results/llamacpp-probes-2026-11-24.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CONTEXT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 5356, 12401, 102, 2, 198, 1, 4093, 198]
+
+
+def tree_exactness(target_factory, prompts: list[list[int]], new_tokens: int) -> int:
+    """Prompts whose greedy output through random trees differs from one-token decoding."""
+    from moaspec.tree import DraftTree
+    from moaspec.verify import verify_greedy
+
+    target, generator, diverged = target_factory(), random.Random(0), 0
+    for prompt in prompts:
+        token = int(target.set_context(torch.tensor(prompt)).logits[0].argmax())
+        plain = [token]
+        while len(plain) < new_tokens + 5:
+            out = target.verify(DraftTree(torch.tensor([plain[-1]]), torch.tensor([-1])))
+            target.commit([0])
+            plain.append(int(out.logits[0].argmax()))
+        target.reset()
+        generated = [int(target.set_context(torch.tensor(prompt)).logits[0].argmax())]
+        while len(generated) < new_tokens:
+            position = len(generated) - 1
+            ids, parents, node = [generated[-1]], [-1], 0
+            for true_id in plain[position + 1 : position + 5]:
+                siblings = [(true_id, True), (generator.randrange(1000, 40000), False)]
+                generator.shuffle(siblings)
+                for token_id, correct in siblings:
+                    ids.append(token_id)
+                    parents.append(node)
+                    if correct:
+                        next_node = len(ids) - 1
+                if generator.random() < 0.3:
+                    break
+                node = next_node
+            tree = DraftTree(torch.tensor(ids), torch.tensor(parents))
+            accepted = verify_greedy(tree, target.verify(tree).logits)
+            target.commit(accepted.path_node_idx)
+            generated.extend(accepted.emitted_ids)
+        diverged += generated[:new_tokens] != plain[:new_tokens]
+        target.reset()
+    return diverged
+
+
+def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: int, callback=None) -> float:
+    """Mean ms of one-token llama_decode after context_len tokens (greedy argmax)."""
+    import numpy as np
+
+    lib = weights.lib
+    params = lib.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, 512, 512, 1
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    params.flash_attn_type, params.type_k, params.type_v, params.no_perf = 1, type_k, type_v, True
+    if callback is not None:
+        params.cb_eval = callback
+    ctx = lib.llama_init_from_model(weights.model, params)
+    try:
+        prompt = (CONTEXT * 100)[:context_len]
+        lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * len(prompt))(*prompt), len(prompt)))
+        token, started = 5, time.perf_counter()
+        for _ in range(steps):
+            lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * 1)(token), 1))
+            token = int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(weights.vocab_size,)).argmax())
+        return (time.perf_counter() - started) / steps * 1000
+    finally:
+        lib.llama_free(ctx)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=3, help="bench prompts per category for item 1 (default 3)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds for items 2-3 (default 4)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    from moaspec.api import load_target
+    from moaspec.bench.prompts import CATEGORIES, load_prompts
+    from moaspec.calibration.machine import cpu_description
+    from moaspec.chat import encode_chat_prompt
+    from moaspec.targets import llamacpp
+    from moaspec.targets.llamacpp_features import CapturedKV
+
+    target = load_target("smollm2-135m", runtime="llama.cpp")
+    weights = target.weights
+    prompts = [
+        encode_chat_prompt(target.tokenizer, item.turns[0])
+        for items in load_prompts(CATEGORIES, args.prompts).values()
+        for item in items
+    ]
+
+    def runtime_target(kv_type: int):
+        def make():
+            saved, llamacpp.Q8_0 = llamacpp.Q8_0, kv_type  # the runtime's KV type, swapped for the probe
+            try:
+                made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name)
+            finally:
+                llamacpp.Q8_0 = saved
+            weights.trees_exact = True  # measure, do not refuse
+            return made
+        return make
+
+    exactness = {name: tree_exactness(runtime_target(kind), prompts, args.new_tokens) for name, kind in
+                 (("f16 KV", 1), ("q8_0 KV (the runtime's)", 8))}
+    print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
+
+    kv_types = {"q8_0/q8_0": (8, 8), "f16/f16": (1, 1)}
+    captures = {f"{n} layers": CapturedKV(weights.lib, range(30 - n, 30), 3, 64) for n in (4, 30)}
+    decode = {name: [] for name in [*kv_types, *(f"capture {c}" for c in captures)]}
+    for _ in range(args.rounds):
+        for name, (k, v) in kv_types.items():
+            decode[name].append(raw_decode_ms(weights, k, v, 300, 48))
+        for name, capture in captures.items():
+            decode[f"capture {name}"].append(raw_decode_ms(weights, 8, 8, 300, 48, capture.callback))
+    decode_ms = {name: round(statistics.median(v), 2) for name, v in decode.items()}
+    print(f"2-3. one-token decode ms after 300 tokens: {decode_ms}", file=sys.stderr)
+
+    exact = load_target("smollm2-135m", runtime="transformers")
+    target.keep_layer_kv(range(30))
+    ids = torch.tensor(target.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"])
+    target.set_context(ids)
+    exact.set_context(ids)
+    got, want = target.layer_kv(0, len(ids)), exact.layer_kv(0, len(ids))
+    relative = [round(float((got[:, i] - want[:, i]).norm() / want[:, i].norm()), 4) for i in range(30)]
+    print(f"4. relative error of captured keys/values, layers 0-29: {relative}", file=sys.stderr)
+
+    result = {
+        "command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads(),
+        "tree_exactness_prompts_diverged": exactness, "num_prompts": len(prompts), "new_tokens": args.new_tokens,
+        "one_token_decode_ms": decode_ms, "layer_kv_relative_error": relative,
+    }
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
