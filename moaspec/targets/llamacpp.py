@@ -228,6 +228,11 @@ class LlamaCppTarget:
 
     # -- facts --------------------------------------------------------------------------------
     @property
+    def num_cached(self) -> int:
+        """Verified tokens in the context (positions 0..num_cached-1)."""
+        return len(self._tokens)
+
+    @property
     def dtype(self) -> torch.dtype:
         return torch.float32
 
@@ -314,8 +319,7 @@ class LlamaCppTarget:
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
         self.lib.llama_memory_clear(self.memory, True)
-        self.num_cached = 0
-        self._tokens: list[int] = []  # the verified tokens (to re-decode them when compacting)
+        self._tokens: list[int] = []  # the verified tokens (num_cached; re-decoded when compacting)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
         self._kv = VerifiedRows()  # captured keys/values of the verified tokens
@@ -375,7 +379,6 @@ class LlamaCppTarget:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size)[-1:]
             if self.capture is not None:
                 self._kv.write(self.num_cached, self.capture.rows(len(chunk)))
-            self.num_cached += len(chunk)
             self._tokens.extend(chunk)
         hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
         return TargetOutput(logits, hidden)
@@ -439,12 +442,11 @@ class LlamaCppTarget:
         if keep != 0:
             lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
             lib.llama_memory_seq_rm(memory, keep, -1, -1)
-        self._tokens.extend(tokens[i] for i in path_node_idx)
         path = torch.tensor(path_node_idx)
         for rows, pending in zip((self._kv, self._hidden), self._pending_rows):
             if pending is not None:
                 rows.write(self.num_cached, pending[path])
-        self.num_cached = end
+        self._tokens.extend(tokens[i] for i in path_node_idx)
         self._pending, self._pending_rows = None, (None, None)
 
     def rollback(self, length: int) -> None:
@@ -456,7 +458,6 @@ class LlamaCppTarget:
         del self._tokens[length:]
         self._kv.truncate(length)
         self._hidden.truncate(length)
-        self.num_cached = length
 
     # -- internals ----------------------------------------------------------------------------
     def _check_hidden(self, hidden_layers: tuple[int, ...]) -> None:
