@@ -1,7 +1,7 @@
 """Teacher-forced top-1 of drafters on all 80 MT-bench questions (both turns), per sub-category.
 
     MOASPEC_NO_CALIBRATION=1 .venv/bin/python bench/mtbench_top1.py --out bench/results/NAME \\
-        --drafters moa,eagle,LABEL=DIR,... [--max-new-tokens 128]
+        --drafters moa,eagle,LABEL=DIR,... [--max-new-tokens 128] [--shuffle-memory]
 
 1. The target's greedy answers to both turns (the second asked after its own first answer), made
    once with batched `generate` and kept in `bench/results/mtbench-greedy-<target>.jsonl`
@@ -14,6 +14,10 @@
    verified token, on a fixed anchor grid); for EAGLE, depth 1 only (the target's true features).
    Greedy decoding follows exactly this text, so depth-1 top-1 is the chance that the drafter's
    first guess is accepted.
+With `--shuffle-memory`, every conversation's target features that a drafter reads as input
+(MoA: the memory's keys/values and hidden states; EAGLE: its hidden states) are permuted across
+positions first (the target's argmax, which top-1 is scored against, is not): what top-1 loses
+then is what the drafter takes from the target's activations rather than from the tokens.
 Writes `<out>/top1.json` and `<out>/top1.md` (per sub-category and overall).
 """
 
@@ -100,6 +104,23 @@ def samples_of(target, records: list[dict]):
     return samples, categories
 
 
+class ShuffledInputs:
+    """A FeatureSource whose keys/values and hidden states are permuted across each sequence's
+    positions (a fixed permutation per sequence); the teacher's argmax and log-sum-exp stay."""
+
+    def __init__(self, source, seed: int = 0) -> None:
+        self.source, self.seed = source, seed
+
+    def features(self, sample, tli_layers: int, kv_layers: tuple[int, ...]):
+        import dataclasses
+
+        features = self.source.features(sample, tli_layers, kv_layers)
+        length = features.final_hidden.shape[0]
+        order = torch.randperm(length, generator=torch.Generator().manual_seed(self.seed + sample.index))
+        layer_kv = features.layer_kv[order] if features.layer_kv.numel() else features.layer_kv
+        return dataclasses.replace(features, layer_kv=layer_kv, final_hidden=features.final_hidden[order])
+
+
 def evaluate(label: str, spec: str, target, source, samples, categories) -> dict:
     from moaspec.drafters import checkpoint_directory
     from moaspec.nn.eagle import EagleDrafterNet
@@ -136,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per answer (default 128)")
     parser.add_argument("--cache", default="/work/cache/mtbench-features", help="feature cache directory")
+    parser.add_argument(
+        "--shuffle-memory", action="store_true",
+        help="permute the target features the drafters read across positions (see the module docstring)",
+    )
     args = parser.parse_args(argv)
     from moaspec.api import load_target
     from moaspec.nn.checkpoint import target_fingerprint
@@ -148,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = tuple(range(target.num_layers))
     source = build_feature_cache(target, samples, Path(args.cache), fingerprint, tli_max=1, kv_layers=layers)
     source.check(samples, fingerprint, 1, layers)
+    if args.shuffle_memory:
+        source = ShuffledInputs(source)
     results = []
     for item in args.drafters.split(","):
         label, _, spec = item.partition("=") if "=" in item else (item, "", item)
@@ -158,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["bench/mtbench_top1.py", *(sys.argv[1:] if argv is None else argv)])
     (out / "top1.json").write_text(json.dumps({"target": target.name, "command": command, "answer_tokens": learned,
                                                "conversations": len(samples), "drafters": results}, indent=1) + "\n")
-    lines = [f"Teacher-forced top-1 vs the target's argmax, 80 MT-bench questions x 2 turns ({learned} answer tokens)",
+    shuffled = ", drafters' input features shuffled across positions" if args.shuffle_memory else ""
+    title = f"Teacher-forced top-1 vs the target's argmax, 80 MT-bench questions x 2 turns ({learned} answer tokens)"
+    lines = [title + shuffled,
              "", "| drafter | category | depth 1 | 2 | 3 | 4 | 5 |", "|---|---|---:|---:|---:|---:|---:|"]
     for result in results:
         for category, row in result["by_category"].items():

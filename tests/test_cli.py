@@ -158,6 +158,8 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--method", "moa", "--data", "/no/such/dir", "--out", "run"], "not a directory with shard"),
         (["--method", "eagle", "--data", "/no/such/dir", "--out", "run", "--tli-layers", "1"], "--method moa only"),
+        (["--method", "eagle", "--data", "/no/such/dir", "--out", "run", "--memory-hidden"], "--method moa only"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--anchor-every", "5", "2"], "--anchor-every needs 1 <= MIN <= MAX"),
         (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--steps", "0"], "--steps must be >= 1"),
         (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
         (["--data", "d", "--out", "run"], "required: --method"),

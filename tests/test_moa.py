@@ -22,9 +22,11 @@ from moaspec.tree import DraftTree, depths
 NO_STOP: frozenset[int] = frozenset()
 
 
-def random_moa(target: HFTarget, tli: int = 0, draft_vocab: torch.Tensor | None = None, seed: int = 0) -> MoADrafterNet:
+def random_moa(
+    target: HFTarget, tli: int = 0, draft_vocab: torch.Tensor | None = None, seed: int = 0, memory_hidden: bool = False
+) -> MoADrafterNet:
     size = 0 if draft_vocab is None else draft_vocab.numel()
-    config = MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size)
+    config = MoAConfig.for_target(target.config, tli_layers=tli, draft_vocab_size=size, memory_hidden=memory_hidden)
     return make_random_drafter_net(MoADrafterNet, config, target, draft_vocab, seed)
 
 
@@ -39,19 +41,21 @@ def anchors_for(length: int, prompt_len: int, boundaries: list[int]) -> torch.Te
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("tli", [0, 1, 2])
-def test_training_forward_equals_step_by_step_drafting(family: str, tli: int) -> None:
+@pytest.mark.parametrize("tli, memory_hidden", [(0, False), (1, False), (2, False), (0, True), (1, True)])
+def test_training_forward_equals_step_by_step_drafting(family: str, tli: int, memory_hidden: bool) -> None:
     """Drafting cycles through the real inference path (memory appended per verification, SA
     cache cropped and re-fed, TLI caches rebuilt) give the same log-probs, position by position,
     as the single-pass training forward with anchors at the verified boundaries."""
     target = make_tiny_target(family, num_hidden_layers=3)
-    net = random_moa(target, tli)
+    net = random_moa(target, tli, memory_hidden=memory_hidden)
     length, prompt_len, boundaries = 26, 6, [5, 9, 14, 16, 22, 25]
     tokens = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
 
-    target.prefill(tokens[:prompt_len])
     drafter = MoADrafter(net, target)
-    drafter.accept(VerifiedUpdate(tokens[:prompt_len], 0, None, target))
+    assert drafter.hidden_layers == ((target.num_layers,) if memory_hidden else ())
+    out = target.prefill(tokens[:prompt_len], drafter.hidden_layers)
+    verified_hidden = [out.hidden]  # the target's last hidden states the memory reads (or None)
+    drafter.accept(VerifiedUpdate(tokens[:prompt_len], 0, out.hidden, target))
     inference: dict[int, torch.Tensor] = {}
     for block_start, block_end in zip(boundaries[:-1], boundaries[1:]):
         root = block_start + 1
@@ -62,9 +66,10 @@ def test_training_forward_equals_step_by_step_drafting(family: str, tli: int) ->
             parent = torch.tensor([0])
         committed = tokens[root : block_end + 1]
         start = target.num_cached
-        target.verify(DraftTree.chain(committed))
+        out = target.verify(DraftTree.chain(committed), drafter.hidden_layers)
         target.commit(list(range(committed.numel())))
-        drafter.accept(VerifiedUpdate(committed, start, None, target))
+        verified_hidden.append(out.hidden)
+        drafter.accept(VerifiedUpdate(committed, start, out.hidden, target))
         assert drafter.memory_kv[0].shape[1] == target.num_cached  # memory: once per verified token
 
     # The training pass reads the same target activations (the target's incremental cache).
@@ -74,8 +79,10 @@ def test_training_forward_equals_step_by_step_drafting(family: str, tli: int) ->
         full = target.model(tokens[None], output_hidden_states=True)
         true_hidden = full.hidden_states[target.num_layers - tli][0]
     parts = target.parts(tli)
+    last_hidden = torch.cat(verified_hidden)[:, 0] if memory_hidden else None
     out = net.forward_train(
-        parts, tokens, target.layer_kv(0, length), anchors_for(length, prompt_len, boundaries), False, true_kv, true_hidden
+        parts, tokens, target.layer_kv(0, length), anchors_for(length, prompt_len, boundaries), False, true_kv,
+        true_hidden, last_hidden,
     )
     training = torch.log_softmax(out.final @ net.head_weight(parts).T, dim=-1)
     for position, log_probs in inference.items():
@@ -100,26 +107,57 @@ def test_cross_attention_never_sees_the_root() -> None:
         assert memory_len == root_pos == verified  # positions 0..root_pos-1 only
 
 
-@pytest.mark.parametrize("tli", [0, 1])
-def test_context_encoder_in_chunks_equals_one_pass(monkeypatch, tli: int) -> None:
+@pytest.mark.parametrize("tli, memory_hidden", [(0, False), (1, False), (0, True)])
+def test_context_encoder_in_chunks_equals_one_pass(monkeypatch, tli: int, memory_hidden: bool) -> None:
     import moaspec.drafters.moa as moa_drafter
 
     target = make_tiny_target("llama")
-    net = random_moa(target, tli=tli)
-    target.prefill(torch.arange(3, 14))
-    update = VerifiedUpdate(token_ids=torch.arange(3, 13), start_pos=0, hidden=None, target=target)
+    net = random_moa(target, tli=tli, memory_hidden=memory_hidden)
+    out = target.prefill(torch.arange(3, 14), (target.num_layers,))
+    hidden = out.hidden[:10] if memory_hidden else None  # [10, 1, D]
+    update = VerifiedUpdate(token_ids=torch.arange(3, 13), start_pos=0, hidden=hidden, target=target)
     monkeypatch.setattr(moa_drafter, "ENCODE_CHUNK", 3)  # 10 tokens: chunks of 3, 3, 3, 1
     layer_kv = target.layer_kv(0, 10)
     sizes, memory = [], net.memory
-    net.memory = lambda kv: sizes.append(kv.shape[0]) or memory(kv)
+    net.memory = lambda kv, *rest: sizes.append(kv.shape[0]) or memory(kv, *rest)
     chunked = moa_drafter.MoAContextEncoder(net, target.dtype).encode(update)
     del net.memory
     assert sizes == [3, 3, 3, 1]
-    torch.testing.assert_close(chunked["memory"], net.memory(layer_kv), rtol=0, atol=1e-12)
+    with torch.no_grad():
+        one_pass = net.memory(layer_kv, hidden[:, 0] if memory_hidden else None)
+    torch.testing.assert_close(chunked["memory"], one_pass, rtol=0, atol=1e-12)
     if tli:
         assert torch.equal(chunked["tli_kv"], layer_kv[:, -1:])
-    empty = moa_drafter.MoAContextEncoder(net, target.dtype).encode(VerifiedUpdate(torch.arange(0), 10, None, target))
+    no_tokens = out.hidden[:0] if memory_hidden else None
+    nothing_new = VerifiedUpdate(torch.arange(0), 10, no_tokens, target)
+    empty = moa_drafter.MoAContextEncoder(net, target.dtype).encode(nothing_new)
     assert empty["memory"].shape == (0, net.config.hidden_size)
+
+
+def test_memory_hidden_starts_as_the_keys_values_memory_and_needs_the_hidden_state() -> None:
+    """A fresh memory_hidden net's hidden-state map is zero (a checkpoint without it continues
+    as the same function); once it is not, the hidden state changes the memory; the encoder
+    refuses an update without hidden states."""
+    target = make_tiny_target("llama")
+    plain = random_moa(target)
+    config = dataclasses.replace(plain.config, memory_hidden=True)
+    with_hidden = MoADrafterNet(config).to(target.dtype)
+    assert torch.count_nonzero(with_hidden.h2m.weight) == 0
+    missing, unexpected = with_hidden.load_state_dict(plain.state_dict(), strict=False)
+    assert missing == ["h2m.weight"] and not unexpected
+    out = target.prefill(torch.arange(3, 14), (target.num_layers,))
+    layer_kv, hidden = target.layer_kv(0, 11), out.hidden[:, 0].clone()
+    assert torch.equal(with_hidden.memory(layer_kv, hidden), plain.memory(layer_kv))
+    with pytest.raises(ValueError, match="reads the target's last hidden state"):
+        with_hidden.memory(layer_kv)
+    with pytest.raises(ValueError, match="reads no hidden state"):
+        plain.memory(layer_kv, hidden)
+    with torch.no_grad():
+        with_hidden.h2m.weight.normal_(0.0, 0.2)
+    assert not torch.allclose(with_hidden.memory(layer_kv, hidden), plain.memory(layer_kv))
+    update = VerifiedUpdate(torch.arange(3, 14), 0, None, target)
+    with pytest.raises(ValueError, match="needs the target's last hidden state"):
+        MoADrafter(with_hidden, target).accept(update)
 
 
 def test_fresh_net_has_unit_norms_and_small_linear_weights() -> None:
@@ -203,15 +241,18 @@ def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("tli, reduced", [(0, False), (1, False), (0, True), (2, True)])
-def test_greedy_output_identical_with_moa(family: str, tli: int, reduced: bool) -> None:
+@pytest.mark.parametrize(
+    "tli, reduced, memory_hidden",
+    [(0, False, False), (1, False, False), (0, True, False), (2, True, False), (1, True, True)],
+)
+def test_greedy_output_identical_with_moa(family: str, tli: int, reduced: bool, memory_hidden: bool) -> None:
     target = make_tiny_target(family, num_hidden_layers=3)
     prompt = [5, 17, 33, 2, 71, 5, 17]
     expected = greedy_reference(target, prompt, 40)
     draft_vocab = None
     if reduced:  # half of the tokens the target emits, plus others: some drafts are impossible
         draft_vocab = torch.tensor(sorted(set(expected[::2]) | set(range(0, 97, 3))))
-    net = random_moa(target, tli, draft_vocab)
+    net = random_moa(target, tli, draft_vocab, memory_hidden=memory_hidden)
     tree = TreeConfig(depth=4, top_k=3, budget=8)
     drafter = MoADrafter(net, target, tree)
     proposals: list[DraftTree] = []

@@ -245,6 +245,18 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     assert torch.equal(initial.layer_mix_raw.detach(), mix[2:])
     with pytest.raises(MoaspecError, match="memory_layers 1 vs 0"):
         load_initial_weights(build_net("moa", target, 0, weights["draft_vocab_ids"]), last, target, config)
+    # a memory that also reads the target's last hidden state continues the same checkpoint
+    hidden = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, memory_hidden=True)
+    spec = RunSpec((distilled, conversations), tmp_path / "hidden", "tiny", draft_vocab=70, val_conversations=2,
+                   time_limit_s=None, command="moaspec train --memory-hidden ...", init_from=all_layers)
+    record, hidden_weights = read_checkpoint(run_training(spec, hidden, TreeConfig(depth=2, top_k=2, budget=3)), target)
+    assert record["config"]["memory_hidden"] and torch.count_nonzero(hidden_weights["h2m.weight"]) > 0
+    started = build_net("moa", target, 0, weights["draft_vocab_ids"], memory_hidden=True)
+    load_initial_weights(started, all_layers, target, hidden)
+    assert torch.count_nonzero(started.h2m.weight) == 0
+    with pytest.raises(MoaspecError, match="memory_hidden True vs False"):
+        plain = build_net("moa", target, 0, weights["draft_vocab_ids"])
+        load_initial_weights(plain, tmp_path / "hidden" / "checkpoint", target, config)
 
 
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:

@@ -39,15 +39,15 @@ ENCODE_CHUNK = 64  # verified tokens per LSA pass (bounds the transient memory o
 
 class MoAContextEncoder:
     """The target-side part of MoA: verified tokens -> context
-    {"memory": [n, D]} (+ {"tli_kv": [n, k, kv_dim]}, the target's own last-k-layer keys/values)."""
-
-    hidden_layers: tuple[int, ...] = ()
+    {"memory": [n, D]} (+ {"tli_kv": [n, k, kv_dim]}, the target's own last-k-layer keys/values).
+    With `memory_hidden` it asks the target for its last hidden state too (`hidden_layers`)."""
 
     def __init__(self, net: MoADrafterNet, dtype: torch.dtype) -> None:
         self.net, self.dtype = net, dtype
         self.compute_dtype = encoder_dtype(dtype, net.ekv2e.weight.device)  # bfloat16 where native (encoder_dtype.py)
         self.memory = net.memory_encoder(self.compute_dtype)
         config = net.config
+        self.hidden_layers: tuple[int, ...] = (config.num_target_layers,) if config.memory_hidden else ()
         # the memory layers and the TLI layers: both at the top of the target
         self.first_layer = min(config.memory_layer_ids[0], config.num_target_layers - config.tli_layers)
         self.layers = range(self.first_layer, config.num_target_layers)
@@ -59,12 +59,18 @@ class MoAContextEncoder:
         start, end = update.start_pos, update.start_pos + update.token_ids.numel()
         config = self.net.config
         memory_first, tli_layers, first = config.memory_layer_ids[0], config.tli_layers, self.first_layer
+        if self.hidden_layers and update.hidden is None:
+            raise ValueError("this MoA drafter needs the target's last hidden state of verified tokens")
         memory, tli_kv = [], []
         for chunk_start in range(start, max(end, start + 1), ENCODE_CHUNK):  # one (empty) pass when n = 0
             chunk_end = min(end, chunk_start + ENCODE_CHUNK)
             layer_kv = update.target.layer_kv(chunk_start, chunk_end, self.layers)
-            memory_kv = layer_kv[:, memory_first - first :]  # [c, Lm, kv_dim]
-            memory.append(self.memory(memory_kv.to(self.compute_dtype)).to(self.dtype))
+            memory_kv = layer_kv[:, memory_first - first :].to(self.compute_dtype)  # [c, Lm, kv_dim]
+            if self.hidden_layers:
+                hidden = update.hidden[chunk_start - start : chunk_end - start, 0].to(self.compute_dtype)  # [c, D]
+                memory.append(self.memory(memory_kv, hidden).to(self.dtype))
+            else:
+                memory.append(self.memory(memory_kv).to(self.dtype))
             if tli_layers:
                 tli_kv.append(layer_kv[:, layer_kv.shape[1] - tli_layers :].to(self.dtype))
         context = {"memory": torch.cat(memory)}
@@ -77,11 +83,11 @@ class MoADrafter(TreeDrafter):
     """Drafter protocol implementation for the MoA network."""
 
     net_class = MoADrafterNet
-    hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, net: MoADrafterNet, target: Target, tree: TreeConfig | None = None) -> None:
         super().__init__(net, target, tree, net.config.tli_layers)
         self.context_encoder = MoAContextEncoder(self.net, self.dtype)
+        self.hidden_layers = self.context_encoder.hidden_layers
         target.keep_layer_kv(self.context_encoder.layers)
 
     def reset(self) -> None:

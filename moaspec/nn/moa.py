@@ -2,7 +2,9 @@
 
 Per verified token t (once, when the target verifies it):
     memory_t = Ekv2E(mean_l LSA([k_h, v_h] of t at every target layer l)),   LSA non-causal over
-    layers with RoPE over the layer index (moa_reference.md §1.3).
+    layers with RoPE over the layer index (moa_reference.md §1.3);
+    with `memory_hidden` (not in the paper): memory_t += H2M(target's post-norm last hidden state
+    of t), the state EAGLE reads (see `MoADrafterNet.memory`).
 Per drafted position i (root or tree node):
     h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
     c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
@@ -37,6 +39,10 @@ LSA_HEAD_DIM = 64
 # The learned layer mix's logits are LAYER_MIX_SCALE * raw parameters: Adam moves a parameter by
 # about lr per step, so unscaled logits could shift by only ~0.3 over a 400-step CPU budget.
 LAYER_MIX_SCALE = 10.0
+# The memory's hidden-state map is H2M_SCALE * h2m(hidden), h2m starting at zero, for the same
+# reason: fine-tuning at lr 3e-4 for 150 steps left an unscaled map too small to change the
+# drafts (validation at draft depth 1: 0.366 against 0.365 without it).
+H2M_SCALE = 10.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class MoAConfig:
     ca_recency_bias: bool = False  # learned per-head distance penalty in the CA (see cross_attend)
     layer_mix: bool = False  # learned softmax weights over layers instead of the plain mean (see memory)
     memory_layers: int = 0  # the memory reads the last N target layers; 0 = all (the paper's form)
+    memory_hidden: bool = False  # the memory also reads the target's post-norm last hidden state
 
     def __post_init__(self) -> None:
         if not 0 <= self.tli_layers < self.num_target_layers:
@@ -83,6 +90,7 @@ class MoAConfig:
         ca_recency_bias: bool = True,
         layer_mix: bool = True,
         memory_layers: int = 0,
+        memory_hidden: bool = False,
     ) -> MoAConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
@@ -109,6 +117,7 @@ class MoAConfig:
             ca_recency_bias=ca_recency_bias,
             layer_mix=layer_mix,
             memory_layers=memory_layers,
+            memory_hidden=memory_hidden,
         )
 
     def to_dict(self) -> dict:
@@ -120,18 +129,26 @@ def encode_memory(
     ekv2e: nn.Linear,
     layer_mix_raw: torch.Tensor | None,
     layer_ids: tuple[int, ...],
+    h2m: nn.Linear | None,
     layer_kv: torch.Tensor,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The memory path: layer_kv [n, Lm, kv_dim] of the target layers `layer_ids` [Lm] -> LSA over
     them (RoPE at the layer indices) -> pooled over layers (learned softmax weights from
-    layer_mix_raw [Lm], or the mean when None) -> Ekv2E -> [n, D]."""
+    layer_mix_raw [Lm], or the mean when None) -> Ekv2E -> [n, D]; with `h2m`, plus
+    h2m(hidden [n, D]), the target's post-norm last hidden states of the same tokens."""
     if layer_kv.shape[-2] != len(layer_ids):
         raise ValueError(f"the memory reads {len(layer_ids)} target layers, got keys/values of {layer_kv.shape[-2]}")
+    if (h2m is None) != (hidden is None):
+        wanted = "reads the target's last hidden state" if hidden is None else "reads no hidden state"
+        raise ValueError(f"this memory {wanted}")
     mixed, _ = lsa(layer_kv, torch.tensor(layer_ids, device=layer_kv.device), None)
     if layer_mix_raw is None:
-        return ekv2e(mixed.mean(dim=-2))
-    weights = torch.softmax(LAYER_MIX_SCALE * layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
-    return ekv2e(torch.einsum("nld,l->nd", mixed, weights))
+        memory = ekv2e(mixed.mean(dim=-2))
+    else:
+        weights = torch.softmax(LAYER_MIX_SCALE * layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
+        memory = ekv2e(torch.einsum("nld,l->nd", mixed, weights))
+    return memory if h2m is None else memory + H2M_SCALE * h2m(hidden.to(memory.dtype))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -170,13 +187,18 @@ class MoADrafterNet(DrafterNet):
             self.ca_recency_slopes = nn.Parameter(alibi_slopes(c.num_heads))  # [H]
         if c.layer_mix:
             self.layer_mix_raw = nn.Parameter(torch.zeros(len(c.memory_layer_ids)))  # [Lm]: uniform = the mean
+        if c.memory_hidden:
+            self.h2m = nn.Linear(c.hidden_size, c.hidden_size, bias=False)
         self._register_draft_vocab()
         self.reset_parameters()
+        if c.memory_hidden:  # starts as the keys/values-only memory (a checkpoint without it continues unchanged)
+            nn.init.zeros_(self.h2m.weight)
 
     # -- memory of verified tokens -------------------------------------------------------------
-    def memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
+    def memory(self, layer_kv: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """layer_kv [n, Lm, kv_dim] (per-head [k_h, v_h], post-RoPE keys) of the target layers
-        `config.memory_layer_ids` -> memory [n, D].
+        `config.memory_layer_ids` (+ with `memory_hidden`: hidden [n, D], the target's post-norm
+        last hidden states of the same tokens) -> memory [n, D].
 
         `memory_layers` N > 0 reads only the last N layers: a ridge probe on the last 4 layers'
         keys/values predicts the target's next token far better than one on the 30-layer mean
@@ -188,10 +210,15 @@ class MoADrafterNet(DrafterNet):
         mean): validation loss 0.796 -> 0.786, top-1 at the anchor 0.392 -> 0.417 and at draft
         depths 1-5 within noise (0.378 0.351 0.397 0.371 0.333 -> 0.374 0.353 0.403 0.383 0.340);
         the weights moved to the last layers (layer 27: 0.096 against 0.033 uniform).
+
+        `memory_hidden` adds a linear map of the target's last hidden state (zero at the start):
+        the keys/values of a token are the *inputs* of each target layer, so the memory never saw
+        the last layer's output, the state that predicts the next token (and all EAGLE reads).
         """
         layer_mix_raw = self.layer_mix_raw if self.config.layer_mix else None
         layer_ids = self.config.memory_layer_ids
-        return encode_memory(self.layer_self_attention, self.ekv2e, layer_mix_raw, layer_ids, layer_kv)
+        h2m = self.h2m if self.config.memory_hidden else None
+        return encode_memory(self.layer_self_attention, self.ekv2e, layer_mix_raw, layer_ids, h2m, layer_kv, hidden)
 
     def memory_encoder(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
         """`memory` computed in `dtype` by copies of its modules (e.g. bfloat16 for a float32
@@ -200,7 +227,8 @@ class MoADrafterNet(DrafterNet):
             return self.memory
         lsa, ekv2e = copy.deepcopy(self.layer_self_attention).to(dtype), copy.deepcopy(self.ekv2e).to(dtype)
         layer_mix_raw = self.layer_mix_raw.detach().clone() if self.config.layer_mix else None
-        return functools.partial(encode_memory, lsa, ekv2e, layer_mix_raw, self.config.memory_layer_ids)
+        h2m = copy.deepcopy(self.h2m).to(dtype) if self.config.memory_hidden else None
+        return functools.partial(encode_memory, lsa, ekv2e, layer_mix_raw, self.config.memory_layer_ids, h2m)
 
     def memory_keys_values(self, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """memory [n, D] of tokens at positions [n] -> CA keys/values [Hkv, n, d] (cacheable)."""
@@ -241,9 +269,11 @@ class MoADrafterNet(DrafterNet):
         staircase: bool = False,
         tli_true_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tli_true_hidden: torch.Tensor | None = None,
+        target_hidden: torch.Tensor | None = None,
     ) -> MoATrainOutput:
         """input_ids [T]; layer_kv [T, Lm, kv_dim] of the memory layers (`config.memory_layer_ids`);
-        last_anchor [T] = s(i), the last anchor <= i.
+        last_anchor [T] = s(i), the last anchor <= i; target_hidden [T, D]: the target's post-norm
+        last hidden states (read by the memory with `memory_hidden`, else ignored).
 
         staircase: SA query i sees only (s(i), i] (curriculum); otherwise plain causal.
         TLI (k > 0): tli_true_kv = the target's cached keys/values [Hkv, T, d] of its last k
@@ -257,7 +287,8 @@ class MoADrafterNet(DrafterNet):
         own = torch.eye(n, dtype=torch.bool, device=input_ids.device)
         sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | own if staircase else causal
         h, _ = self.self_attention(embeds, positions, additive_mask(sa_visible, dtype))
-        memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype)), positions)
+        memory_hidden = target_hidden.to(dtype) if self.config.memory_hidden and target_hidden is not None else None
+        memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype), memory_hidden), positions)
         ca_visible = positions[None, :] <= last_anchor[:, None]
         c = self.cross_attend(h, positions, memory_kv, additive_mask(ca_visible, dtype))
         if self.config.tli_layers == 0:

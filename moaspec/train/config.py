@@ -10,6 +10,7 @@ class TrainConfig:
     method: str = "moa"  # "moa" | "eagle"
     tli_layers: int = 0
     memory_layers: int = 0  # MoA: the memory reads the last N target layers, 0 = all (MoAConfig)
+    memory_hidden: bool = False  # MoA: the memory also reads the target's last hidden state (no loss at anchors)
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step
@@ -38,3 +39,5 @@ class TrainConfig:
             raise ValueError("anchor_loss_weight must be within [0, 1]")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
+        if self.method != "moa" and (self.memory_layers or self.memory_hidden):
+            raise ValueError("memory_layers and memory_hidden apply to the moa method only")

@@ -1,7 +1,7 @@
 """`moaspec train`: load the training data, build the drafter, train, write the checkpoint.
 
     moaspec train --method moa --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
-                  [--draft-vocab N] [--steps S] [--batch-size B] [--lr LR] [--val-conversations V]
+                  [--memory-hidden] [--draft-vocab N] [--steps S] [--batch-size B] [--lr LR] [--val-conversations V]
                   [--time-limit-min M] [--feature-cache DIR] [--init-from CHECKPOINT] [--device D] ...
 
 Rerunning the same command resumes from RUN/train_state.pt (which takes precedence over
@@ -74,14 +74,22 @@ def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSampl
     return samples
 
 
-def build_net(method: str, target, tli_layers: int, draft_vocab_ids: torch.Tensor | None, memory_layers: int = 0):
+def build_net(
+    method: str,
+    target,
+    tli_layers: int,
+    draft_vocab_ids: torch.Tensor | None,
+    memory_layers: int = 0,
+    memory_hidden: bool = False,
+):
     """A freshly initialised drafter for `target` (float32 master weights)."""
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
     if method == "moa":
         from moaspec.nn.moa import MoAConfig, MoADrafterNet
 
         config = MoAConfig.for_target(
-            target.config, tli_layers=tli_layers, draft_vocab_size=size, memory_layers=memory_layers
+            target.config, tli_layers=tli_layers, draft_vocab_size=size, memory_layers=memory_layers,
+            memory_hidden=memory_hidden,
         )
         net = MoADrafterNet(config)
     else:
@@ -98,7 +106,8 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command,
     training tokens, wall time, and its own `init_from`, so a chain of continuations stays
     traceable). The checkpoint's draft vocabulary comes with it. A MoA checkpoint may read more
-    target layers than this net (`memory_layers`): the layer mix keeps those layers' weights.
+    target layers than this net (`memory_layers`): the layer mix keeps those layers' weights; one
+    without `memory_hidden` starts a net with it (its hidden-state map at zero: the same function).
     MoaspecError when its method, TLI depth, vocabulary size or other sizes differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
@@ -110,11 +119,15 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     except (TypeError, ValueError) as exc:
         raise MoaspecError(f"--init-from {directory} has an unreadable drafter config ({exc})") from exc
     wanted, recorded = net.config.to_dict(), recorded_config.to_dict()
-    differing = sorted(key for key in wanted if wanted[key] != recorded[key])
-    if differing == ["memory_layers"] and set(net.config.memory_layer_ids) <= set(recorded_config.memory_layer_ids):
+    differing = {key for key in wanted if wanted[key] != recorded[key]}
+    if "memory_layers" in differing and set(net.config.memory_layer_ids) <= set(recorded_config.memory_layer_ids):
         weights = _narrow_layer_mix(weights, recorded_config.memory_layer_ids, net.config.memory_layer_ids)
-    elif differing:
-        detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in differing)
+        differing.discard("memory_layers")
+    if "memory_hidden" in differing and wanted["memory_hidden"]:  # its hidden-state map starts at zero
+        weights = {**weights, "h2m.weight": net.h2m.weight.detach().clone()}
+        differing.discard("memory_hidden")
+    if differing:
+        detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in sorted(differing))
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
     net.load_state_dict({name: v.float() if v.is_floating_point() else v for name, v in weights.items()})
     training = record.get("training", {})
@@ -189,7 +202,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     responses = [s.learned_tokens() for s in train_samples]
     if spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
-    net = build_net(config.method, target, config.tli_layers, vocab_ids, config.memory_layers)
+    net = build_net(config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden)
     initial = None
     if spec.init_from is not None:
         initial = load_initial_weights(net, spec.init_from, target, config)

@@ -105,9 +105,14 @@ def sequence_loss(
         anchors = last_anchors(length, sample.spans(), every)
         at_anchor = (anchors == torch.arange(length)).to(device)
         anchors = anchors.to(device)
-        out = net.forward_train(parts, ids, features.layer_kv, anchors, staircase, features.tli_kv, features.tli_hidden)
+        out = net.forward_train(
+            parts, ids, features.layer_kv, anchors, staircase,
+            features.tli_kv, features.tli_hidden, features.final_hidden,
+        )
         tli_mask = mask * (~at_anchor).float() if config.tli_layers else None
-        weights = mask * torch.where(at_anchor, config.anchor_loss_weight, 1.0)
+        # a memory_hidden net's memory at an anchor holds the very state its loss asks for there
+        anchor_weight = 0.0 if config.memory_hidden else config.anchor_loss_weight
+        weights = mask * torch.where(at_anchor, anchor_weight, 1.0)
         return drafter_loss(
             out.final, features.final_hidden, head, features.teacher_logsumexp, weights,
             out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
@@ -246,7 +251,9 @@ def _predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures,
     vocab = net.draft_vocab_ids if net.config.draft_vocab_size else torch.arange(head.shape[0], device=head.device)
     if config.method == "moa":
         anchors = last_anchors(ids.numel(), sample.spans(), max_depth + 1).to(ids.device)
-        out = net.forward_train(parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden)
+        out = net.forward_train(
+            parts, ids, features.layer_kv, anchors, False, features.tli_kv, features.tli_hidden, features.final_hidden
+        )
         return vocab[(out.final @ head.T.to(out.final.dtype)).argmax(-1)]
     out = net.forward_train(parts, ids, features.final_hidden)
     return vocab[(out @ head.T.to(out.dtype)).argmax(-1)]
