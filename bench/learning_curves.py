@@ -48,11 +48,12 @@ def plot(curves: list[dict], path: Path) -> None:
 
     panels = [f"depth{d}" for d in DEPTHS] + ["val_tau"]
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for axis, key in zip(axes, panels):
-        for curve in curves:
+        for number, curve in enumerate(curves):  # one colour per run in every panel
             pairs = [(s, v) for s, v in zip(curve["steps"], curve[key]) if v is not None]
             if pairs:
-                axis.plot(*zip(*pairs), marker="o", label=curve["name"])
+                axis.plot(*zip(*pairs), marker="o", label=curve["name"], color=colors[number % len(colors)])
         axis.set_title("τ (greedy, val prompts)" if key == "val_tau" else f"top-1, draft depth {key[5:]}")
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
