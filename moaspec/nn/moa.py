@@ -3,8 +3,8 @@
 Per verified token t (once, when the target verifies it):
     memory_t = Ekv2E(mean_l LSA([k_h, v_h] of t at every target layer l)),   LSA non-causal over
     layers with RoPE over the layer index (moa_reference.md §1.3);
-    with `memory_hidden` (not in the paper): memory_t += H2M(target's post-norm last hidden state
-    of t), the state EAGLE reads (see `MoADrafterNet.memory`).
+    with `memory_hidden` (not in the paper): memory_t += H2M_SCALE * H2M(target's post-norm last
+    hidden state of t), the state EAGLE reads (see `MoADrafterNet.memory`).
 Per drafted position i (root or tree node):
     h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
     c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
@@ -40,8 +40,9 @@ LSA_HEAD_DIM = 64
 # about lr per step, so unscaled logits could shift by only ~0.3 over a 400-step CPU budget.
 LAYER_MIX_SCALE = 10.0
 # The memory's hidden-state map is H2M_SCALE * h2m(hidden), h2m starting at zero, for the same
-# reason: fine-tuning at lr 3e-4 for 150 steps left an unscaled map too small to change the
-# drafts (validation at draft depth 1: 0.366 against 0.365 without it).
+# reason: fine-tuning at lr 3e-4 left an unscaled map too small to change the drafts (validation
+# at draft depth 1 after 100 steps: 0.366 against 0.365 without it). Scaled, it did not help in
+# 150 steps either (README, "Ablations of 2026-11-24"); the paper's memory stays the default.
 H2M_SCALE = 10.0
 
 
