@@ -12,7 +12,7 @@
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
                          [--shard-size N] [--seed S]
     moaspec data sharegpt --out DIR [--target NAME|PATH] [--num-conversations N] [--max-seq-len N]
-                          [--shard-size N] [--seed S]
+                          [--shard-size N] [--seed S] [--skip-conversations N]
     moaspec data stats DIR
     moaspec bench --out DIR [--categories a,b,...] [--limit N] [--methods none,hf,hf-pld,ngram,moa,...]
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
@@ -329,6 +329,11 @@ def _add_data_parser(commands, default_target: str) -> None:
     sharegpt.add_argument("--max-seq-len", type=int, default=768, help="cut each conversation here (default 768)")
     sharegpt.add_argument("--shard-size", type=int, default=1000, help="records per jsonl shard (default 1000)")
     sharegpt.add_argument("--seed", type=int, default=0, help="conversation shuffle (default 0)")
+    sharegpt.add_argument(
+        "--skip-conversations", type=int, default=0, metavar="N",
+        help="pass over the first N usable conversations of the shuffle: with the same seed, the data set that "
+        "continues where --num-conversations N stopped (default 0)",
+    )
     stats = actions.add_parser("stats", help="summarise a training data directory")
     stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
@@ -451,19 +456,17 @@ def _data_distill(args: argparse.Namespace) -> int:
 
 
 def _data_sharegpt(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
     from moaspec.train.distill import check_resume
     from moaspec.train.sharegpt import sharegpt_path
-    from moaspec.train.teacher_forced import MODE, TeacherForcedConfig, run_teacher_forced
+    from moaspec.train.teacher_forced import TeacherForcedConfig, run_teacher_forced
 
     config = TeacherForcedConfig(
         max_seq_len=args.max_seq_len, num_conversations=args.num_conversations,
-        shard_size=args.shard_size, seed=args.seed,
+        shard_size=args.shard_size, seed=args.seed, skip_conversations=args.skip_conversations,
     )
     out = output_dir(args.out)
     if out.is_dir():
-        check_resume(out, {"kind": MODE, "target": args.target, **asdict(config)})
+        check_resume(out, config.settings(args.target))
     sharegpt_path()
     from moaspec.model_store import resolve_target
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from moaspec.errors import MoaspecError
 from moaspec.train.teacher_forced import TeacherForcedConfig, build_records, encode_conversation
 from moaspec.train.sharegpt import Conversation
 
@@ -58,3 +61,18 @@ def test_templates_that_rewrite_earlier_turns_are_skipped_and_counted() -> None:
     assert all(r["mode"] == "teacher-forced" and r["loss_spans"] == [[8, 14], [24, 32]] for r in records)
     records, skipped = build_records(conversations, ChatMLTokenizer(True), TeacherForcedConfig(), False)
     assert records == [] and skipped["not_prefix_stable_or_empty"] == 5
+
+
+def test_skip_continues_exactly_where_a_smaller_data_set_stopped() -> None:
+    conversations = [Conversation(str(i), turns("hi", f"hello {i}", "why", "because")) for i in range(9)]
+    conversations.insert(4, Conversation("3", turns("hi", "a duplicate id", "why", "x")))
+    tokenizer = ChatMLTokenizer()
+    every, _ = build_records(conversations, tokenizer, TeacherForcedConfig(), False)
+    first, _ = build_records(conversations, tokenizer, TeacherForcedConfig(num_conversations=4), False)
+    rest, skipped = build_records(conversations, tokenizer, TeacherForcedConfig(skip_conversations=4), False)
+    assert [r["id"] for r in first + rest] == [r["id"] for r in every] and len(every) == 9
+    assert skipped["duplicate_id"] == 1
+    assert TeacherForcedConfig(skip_conversations=4).settings("t")["skip_conversations"] == 4
+    assert "skip_conversations" not in TeacherForcedConfig().settings("t")  # older manifests still resume
+    with pytest.raises(MoaspecError, match="skip-conversations"):
+        TeacherForcedConfig(skip_conversations=-1)

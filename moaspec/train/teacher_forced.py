@@ -39,6 +39,7 @@ class TeacherForcedConfig:
     num_conversations: int | None = None  # None: every usable conversation
     shard_size: int = 1000
     seed: int = 0
+    skip_conversations: int = 0  # usable conversations passed over first (a disjoint next data set)
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:
@@ -47,8 +48,18 @@ class TeacherForcedConfig:
             raise MoaspecError("shard-size must be >= 1")
         if self.num_conversations is not None and self.num_conversations < 1:
             raise MoaspecError("num-conversations must be >= 1")
+        if self.skip_conversations < 0:
+            raise MoaspecError("skip-conversations must be >= 0")
         if not 0 <= self.seed < 2**63:
             raise MoaspecError("seed must be in [0, 2**63)")
+
+    def settings(self, target: str) -> dict[str, Any]:
+        """What a manifest records and a rerun must repeat; `skip_conversations` only when set,
+        so data sets written before the option existed still resume."""
+        settings = {"kind": MODE, "target": target, **asdict(self)}
+        if not self.skip_conversations:
+            del settings["skip_conversations"]
+        return settings
 
 
 def _encode(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
@@ -87,7 +98,9 @@ def encode_conversation(
 
 
 def build_records(conversations, tokenizer, config: TeacherForcedConfig, progress: bool = True) -> tuple[list[dict], dict]:
-    """The records of the first `num_conversations` usable conversations after a seed shuffle."""
+    """The records of the first `num_conversations` usable conversations after a seed shuffle,
+    passing over the first `skip_conversations` usable ones (so the same seed with `skip = N`
+    continues exactly where `num_conversations = N` stopped)."""
     from tqdm import tqdm
 
     order = list(range(len(conversations)))
@@ -107,6 +120,8 @@ def build_records(conversations, tokenizer, config: TeacherForcedConfig, progres
             skipped["not_prefix_stable_or_empty"] += 1
             continue
         seen.add(conversation.id)
+        if len(seen) <= config.skip_conversations:
+            continue
         ids, spans = encoded
         records.append({"id": conversation.id, "input_ids": ids, "loss_spans": [list(s) for s in spans], "mode": MODE})
         bar.update(1)
@@ -134,7 +149,7 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     started = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {"kind": MODE, "target": target, **asdict(config)}
+    settings = config.settings(target)
     check_resume(out_dir, settings)
     from moaspec.api import load_tokenizer
     from moaspec.model_store import resolve_target
