@@ -48,12 +48,14 @@ def plot(curves: list[dict], path: Path) -> None:
 
     panels = [f"depth{d}" for d in DEPTHS] + ["val_tau"]
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    palette = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
+    colors = [palette(number % palette.N) for number in range(len(curves))]
     for axis, key in zip(axes, panels):
         for number, curve in enumerate(curves):  # one colour per run in every panel
             pairs = [(s, v) for s, v in zip(curve["steps"], curve[key]) if v is not None]
             if pairs:
-                axis.plot(*zip(*pairs), marker="o", label=curve["name"], color=colors[number % len(colors)])
+                style = "--" if curve["method"] == "eagle" else "-"  # EAGLE-2 dashed, MoA solid
+                axis.plot(*zip(*pairs), style, marker="o", label=curve["name"], color=colors[number])
         axis.set_title("τ (greedy, val prompts)" if key == "val_tau" else f"top-1, draft depth {key[5:]}")
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
