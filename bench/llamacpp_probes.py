@@ -1,9 +1,10 @@
 """The measurements behind the README's *Target runtimes* section, in one run on an idle machine:
 
 1. exactness of tree verification with llama.cpp's default f16 KV cache against the runtime's
-   q8_0 one: greedy decoding through random trees that hold the true continuation, against
-   one-token decoding, over bench prompts (prompts whose outputs diverge);
-2. one-token decode cost by KV type (raw llama_decode loops, types interleaved);
+   (q8_0 keys, f16 values): greedy decoding through random trees that hold the true continuation,
+   against one-token decoding, over bench prompts (prompts whose outputs diverge);
+2. one-token decode cost and prefill cost by key/value cache types (raw llama_decode loops,
+   types interleaved);
 3. the cost of capturing keys/values through the eval callback (0, 4 or 30 layers);
 4. captured keys/values against the float32 transformers runtime's (relative error per layer).
 
@@ -63,8 +64,16 @@ def tree_exactness(target_factory, prompts: list[list[int]], new_tokens: int) ->
     return diverged
 
 
-def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: int, callback=None) -> float:
-    """Mean ms of one-token llama_decode after context_len tokens (greedy argmax)."""
+def prefill(lib, ctx, tokens: list[int]) -> None:
+    """Decode `tokens` in chunks of 512 (the runtime's batch size)."""
+    for start in range(0, len(tokens), 512):
+        chunk = (lib.llama_token * len(tokens[start : start + 512]))(*tokens[start : start + 512])
+        if lib.llama_decode(ctx, lib.llama_batch_get_one(chunk, len(chunk))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+
+def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: int, callback=None) -> tuple[float, float]:
+    """(ms of the prefill of context_len tokens, mean ms of one-token llama_decode after it)."""
     import numpy as np
 
     lib = weights.lib
@@ -76,13 +85,14 @@ def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: in
         params.cb_eval = callback
     ctx = lib.llama_init_from_model(weights.model, params)
     try:
-        prompt = (CONTEXT * 100)[:context_len]
-        lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * len(prompt))(*prompt), len(prompt)))
+        started = time.perf_counter()
+        prefill(lib, ctx, (CONTEXT * 100)[:context_len])
+        prefill_ms = (time.perf_counter() - started) * 1000
         token, started = 5, time.perf_counter()
         for _ in range(steps):
             lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * 1)(token), 1))
             token = int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(weights.vocab_size,)).argmax())
-        return (time.perf_counter() - started) / steps * 1000
+        return prefill_ms, (time.perf_counter() - started) / steps * 1000
     finally:
         lib.llama_free(ctx)
 
@@ -110,31 +120,40 @@ def main() -> int:
         for item in items
     ]
 
-    def runtime_target(kv_type: int):
+    def runtime_target(type_k: int, type_v: int):
         def make():
-            saved, llamacpp.Q8_0 = llamacpp.Q8_0, kv_type  # the runtime's KV type, swapped for the probe
+            saved = llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE  # the runtime's, swapped for the probe
+            llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE = type_k, type_v
             try:
                 made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name)
             finally:
-                llamacpp.Q8_0 = saved
+                llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE = saved
             weights.trees_exact = True  # measure, do not refuse
             return made
         return make
 
-    exactness = {name: tree_exactness(runtime_target(kind), prompts, args.new_tokens) for name, kind in
-                 (("f16 KV", 1), ("q8_0 KV (the runtime's)", 8))}
+    runtime_kv = (llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE)
+    exactness = {name: tree_exactness(runtime_target(*kinds), prompts, args.new_tokens) for name, kinds in
+                 (("f16 KV", (1, 1)), ("q8_0 keys, f16 values (the runtime's)", runtime_kv))}
     print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
 
-    kv_types = {"q8_0/q8_0": (8, 8), "f16/f16": (1, 1)}
+    kv_types = {"q8_0/q8_0": (8, 8), "q8_0/f16 (the runtime's)": runtime_kv, "f16/f16": (1, 1)}
     captures = {f"{n} layers": CapturedKV(weights.lib, range(30 - n, 30), 3, 64) for n in (4, 30)}
-    decode = {name: [] for name in [*kv_types, *(f"capture {c}" for c in captures)]}
+    decode = {f"{name} after {n}": [] for name in kv_types for n in (300, 1000)}
+    decode |= {f"capture {c}": [] for c in captures}
+    prefill_1000 = {name: [] for name in kv_types}
     for _ in range(args.rounds):
         for name, (k, v) in kv_types.items():
-            decode[name].append(raw_decode_ms(weights, k, v, 300, 48))
+            decode[f"{name} after 300"].append(raw_decode_ms(weights, k, v, 300, 48)[1])
+            prefill_ms, decode_after = raw_decode_ms(weights, k, v, 1000, 48)
+            prefill_1000[name].append(prefill_ms)
+            decode[f"{name} after 1000"].append(decode_after)
         for name, capture in captures.items():
-            decode[f"capture {name}"].append(raw_decode_ms(weights, 8, 8, 300, 48, capture.callback))
+            decode[f"capture {name}"].append(raw_decode_ms(weights, *runtime_kv, 300, 48, capture.callback)[1])
     decode_ms = {name: round(statistics.median(v), 2) for name, v in decode.items()}
-    print(f"2-3. one-token decode ms after 300 tokens: {decode_ms}", file=sys.stderr)
+    prefill_ms = {name: round(statistics.median(v), 1) for name, v in prefill_1000.items()}
+    print(f"2-3. one-token decode ms (key/value cache types; captures after 300 tokens): {decode_ms}", file=sys.stderr)
+    print(f"2. prefill ms of 1000 tokens (key/value cache types): {prefill_ms}", file=sys.stderr)
 
     exact = load_target("smollm2-135m", runtime="transformers")
     target.keep_layer_kv(range(30))
@@ -148,7 +167,7 @@ def main() -> int:
     result = {
         "command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads(),
         "tree_exactness_prompts_diverged": exactness, "num_prompts": len(prompts), "new_tokens": args.new_tokens,
-        "one_token_decode_ms": decode_ms, "layer_kv_relative_error": relative,
+        "one_token_decode_ms": decode_ms, "prefill_1000_ms": prefill_ms, "layer_kv_relative_error": relative,
     }
     print(json.dumps(result, indent=1))
     if args.out is not None:
