@@ -179,3 +179,25 @@ def test_disconnection_scores_answers_against_references(monkeypatch) -> None:
     assert row.first_token_agreement == float(offline[0] == own[0])
     unscored = run_disconnection(target, drafters, prompts[1:], 2, len(offline))[0]
     assert unscored.num_scored == 0 and unscored.task_f1 is None and unscored.target_task_f1 is None
+
+
+def test_stream_case_reconnects_after_the_server_closed_an_idle_connection() -> None:
+    """Between two prompts of one streamed case the other cases run; a server that closed the
+    kept-alive connection meanwhile (its keep-alive timeout) costs a new connection, not the run."""
+    import time
+
+    from moaspec.bench.client_server_cases import LoopbackServers
+    from moaspec.serving.limits import ServerLimits
+
+    target = tiny_chat_target()
+    prompt = tuple(target.tokenizer("abc abc ab")["input_ids"])
+    with LoopbackServers(target, {}, ServerLimits(keepalive_timeout_s=0.05)) as servers:
+        (stream,) = servers.cases("lan")
+        try:
+            texts = []
+            for _ in range(3):
+                texts.append(stream.run(prompt, SamplingConfig(), 6, 0).text)
+                time.sleep(0.5)  # well past the keep-alive timeout
+        finally:
+            stream.close()
+    assert len(set(texts)) == 1 and texts[0]

@@ -140,8 +140,16 @@ class StreamCase:
     def _events(self, body: dict) -> Iterator[dict]:
         """The JSON payloads of one streamed request, up to `data: [DONE]`."""
         headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
-        self.connection.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers=headers)
-        response = self.connection.getresponse()
+        payload = json.dumps(body).encode()
+        try:
+            self.connection.request("POST", "/v1/completions", body=payload, headers=headers)
+            response = self.connection.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            # the server closed the kept-alive connection while other cases ran (its keep-alive
+            # timeout): open a new one, as an HTTP client library would, and send again
+            self.connection.close()
+            self.connection.request("POST", "/v1/completions", body=payload, headers=headers)
+            response = self.connection.getresponse()
         if response.status != 200:
             raise MoaspecError(
                 f"the server refused the stream ({response.status}): {response.read()[:200].decode(errors='replace')}"
