@@ -24,7 +24,7 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   (or both f32). With a q8_0 key cache and an f16 value cache every decode runs the same per-query
   kernel (values accumulated in f16, as llama.cpp's own f16 decoding does; masked cells skipped
   exactly), whatever the batch. An f16 value cache rather than q8_0 saves the per-cell dequantizing:
-  one-token decoding 11-18 % and long prefills 10-24 % faster, measured (bench/llamacpp_probes.py);
+  one-token decoding 7-10 % and a 1,000-token prefill 21 % faster (bench/llamacpp_probes.py);
 - that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
   llama.cpp refills freed cells from the lowest one, so a rejected node placed *before* the last
   accepted one is parked (moved to sequence PARKED, never attended) instead of freed. Parked cells
