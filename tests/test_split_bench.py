@@ -74,6 +74,7 @@ def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, caps
     assert [row["drafter"] for row in results["disconnection"]] == ["moa", "eagle"]
     assert all(row["num_offline"] == 3 for row in results["disconnection"])  # random drafters always guess
     assert results["config"]["networks"]["lan"]["rtt_s"] == 0.001 and results["kind"] == "client_server"
+    assert results["config"]["runtime"] == "transformers" and "on the transformers runtime" in captured.out
     assert captured.out == (out / "results.md").read_text() and "## lan (1 ms RTT" in captured.out
 
 

@@ -135,7 +135,7 @@ def run_client_server_bench(
         for spec in specs
         if spec.label != BASELINE
     }
-    config = _config(args, target.name, categories, specs, profiles)
+    config = _config(args, target.name, target.runtime, categories, specs, profiles)
     data = run_client_server(
         target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
     )
@@ -178,12 +178,18 @@ def first_turns(target, items: dict) -> tuple[list, list[str]]:
 
 
 def _config(
-    args: argparse.Namespace, target_name: str, categories: tuple[str, ...], specs, profiles: tuple[str, ...]
+    args: argparse.Namespace,
+    target_name: str,
+    runtime: str,
+    categories: tuple[str, ...],
+    specs,
+    profiles: tuple[str, ...],
 ) -> dict:
     from moaspec.split.netem import PROFILES
 
     return {
         "target": target_name,
+        "runtime": runtime,
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],
@@ -195,6 +201,11 @@ def _config(
         "disconnect_after": args.disconnect_after,
         "offline_tokens": None if args.disconnect_after is None else args.offline_tokens or DEFAULT_OFFLINE_TOKENS,
     }
+
+
+def _runtime_phrase(config: dict) -> str:
+    """' on the <runtime> runtime', or nothing for results written before the runtime was recorded."""
+    return f" on the {config['runtime']} runtime" if config.get("runtime") else ""
 
 
 def build_results(data, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
@@ -246,7 +257,7 @@ def render_markdown(results: dict) -> str:
         "# moaspec bench --client-server",
         "",
         (
-            f"Target `{config['target']}`, {decoding_phrase(config['temperature'])}, at most {config['max_new_tokens']} "
+            f"Target `{config['target']}`{_runtime_phrase(config)}, {decoding_phrase(config['temperature'])}, at most {config['max_new_tokens']} "
             f"new tokens, seed {config['seed']}; first user turn of {', '.join(config['categories'])}. Per network the "
             "cases run interleaved prompt by prompt, warm-up excluded. Links are emulated on loopback "
             "(moaspec/split/netem.py); bytes are counted at the emulator, both directions, HTTP included."
