@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from moaspec.targets.llamacpp import MAX_BATCH
+
 CONTEXT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 5356, 12401, 102, 2, 198, 1, 4093, 198]
 
 
@@ -65,9 +67,9 @@ def tree_exactness(target_factory, prompts: list[list[int]], new_tokens: int) ->
 
 
 def prefill(lib, ctx, tokens: list[int]) -> None:
-    """Decode `tokens` in chunks of 512 (the runtime's batch size)."""
-    for start in range(0, len(tokens), 512):
-        chunk = (lib.llama_token * len(tokens[start : start + 512]))(*tokens[start : start + 512])
+    """Decode `tokens` in chunks of the runtime's batch size, as the runtime prefills."""
+    for start in range(0, len(tokens), MAX_BATCH):
+        chunk = (lib.llama_token * len(tokens[start : start + MAX_BATCH]))(*tokens[start : start + MAX_BATCH])
         if lib.llama_decode(ctx, lib.llama_batch_get_one(chunk, len(chunk))) != 0:
             raise RuntimeError("llama_decode failed")
 
@@ -78,7 +80,7 @@ def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: in
 
     lib = weights.lib
     params = lib.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, 512, 512, 1
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, 1
     params.n_threads = params.n_threads_batch = torch.get_num_threads()
     params.flash_attn_type, params.type_k, params.type_v, params.no_perf = 1, type_k, type_v, True
     if callback is not None:
