@@ -7,6 +7,7 @@ engine's greedy tokens with plain decoding's on one prompt of every benchmark ca
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -286,6 +287,38 @@ def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) ->
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "0 []"
+
+
+def _console_script(*args: str, **popen):
+    """The `moaspec` console script (cli.entry) in a child process, its stdout a pipe."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "from moaspec.cli import entry; entry()", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_the_console_script_exits_fast_after_generate_without_losing_output() -> None:
+    """`generate` ends with os._exit (no interpreter teardown): its buffered output must be out
+    first, on success and on error."""
+    proc = _console_script("generate", "--prompt", "Name three colours.", "--max-new-tokens", "3", "--drafter", "none", "--json")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    record = json.loads(out.decode())  # one whole line: stdout is block-buffered into a pipe
+    assert record["new_tokens"] == 3 and record["runtime"] == "llama.cpp"
+    proc = _console_script("generate", "--prompt", " ")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and err.decode().strip() == "moaspec: error: the prompt is empty"
+
+
+def test_a_reader_closing_the_stream_ends_generate_quietly() -> None:
+    """`moaspec generate ... | head -c 1`: no BrokenPipeError traceback, exit status 1."""
+    proc = _console_script("generate", "--prompt", "Write a long story.", "--max-new-tokens", "200", "--drafter", "none")
+    assert proc.stdout.read(1)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1
+    assert "Traceback" not in err and "Exception" not in err, err
 
 
 @pytest.mark.parametrize("drafter", ["none", "eagle", "moa"])

@@ -14,8 +14,10 @@ from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.tree_ranking import (
     DEPTHS,
     TOP_KS,
+    BUDGETS,
     candidates,
     expected_tau,
+    expected_taus_by_budget,
     geometric_rates,
     model_acceptance_per_depth,
     rates_from_hit_rates,
@@ -36,6 +38,26 @@ def test_expected_tau_of_a_chain_is_the_geometric_sum() -> None:
     # top-2 at one level: ranks 1 and 2 hit with 0.5 and 0.25, mutually exclusive
     tau, nodes = expected_tau(TreeConfig(depth=1, top_k=2, budget=2), geometric_rates(0.5))
     assert nodes == 3 and tau == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize(
+    "rates",
+    [
+        (0.25, 0.25, 0.25, 0.25),  # every path of a length ties: the pool order decides
+        geometric_rates(0.5),
+        rates_from_hit_rates([0.25, 0.33, 0.33, 0.44]),  # a 1e-4 floor
+        (0.61, 0.07, 0.031, 0.0105),
+    ],
+)
+def test_one_build_per_depth_and_top_k_gives_every_budget_exactly(rates) -> None:
+    """The calibration's sweep (one tree per depth and top-k, cut by budget) equals building
+    each tree: the same node counts and bit-identical expected tau."""
+    for depth in DEPTHS:
+        for top_k in TOP_KS:
+            budgets = tuple(b for b in BUDGETS if b >= top_k)
+            swept = expected_taus_by_budget(depth, top_k, budgets, rates)
+            for budget in budgets:
+                assert swept[budget] == expected_tau(TreeConfig(depth=depth, top_k=top_k, budget=budget), rates)
 
 
 def test_rates_come_from_the_hit_rates_of_the_top_k() -> None:

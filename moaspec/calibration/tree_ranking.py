@@ -24,7 +24,7 @@ import torch
 from moaspec.calibration.costs import CycleCosts
 from moaspec.config import TreeConfig
 from moaspec.drafters.dynamic_tree import build_dynamic_tree
-from moaspec.tree import depths
+from moaspec.tree import DraftTree, depths
 
 DEPTHS = tuple(range(1, 9))
 TOP_KS = (1, 2, 3, 4)
@@ -77,12 +77,23 @@ def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor
 
     -> (node acceptance probabilities [N] (root = 1), node depths [N]).
     """
+    built, log_rates = _model_build(tree, rates)
+    return _path_sums(built, log_rates).exp(), depths(built.parents)
+
+
+def _model_build(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[DraftTree, torch.Tensor]:
+    """-> (the tree the builder picks when every node's log-probabilities are log h, log h [top_k])."""
     log_rates = torch.tensor(rates[: tree.top_k], dtype=torch.float64).log()
     built = build_dynamic_tree(0, lambda: log_rates, lambda ids, parent, depth: log_rates.expand(ids.numel(), -1), tree)
-    log_p = torch.zeros(built.num_nodes, dtype=torch.float64)
+    return built, log_rates
+
+
+def _path_sums(built: DraftTree, log_rates: torch.Tensor) -> torch.Tensor:
+    """Each node's sum of log h along its path [N] (root 0), in log_rates' dtype."""
+    sums = torch.zeros(built.num_nodes, dtype=log_rates.dtype)
     for i in range(1, built.num_nodes):  # parents precede children
-        log_p[i] = log_p[built.parents[i]] + log_rates[built.token_ids[i]]
-    return log_p.exp(), depths(built.parents)
+        sums[i] = sums[built.parents[i]] + log_rates[built.token_ids[i]]
+    return sums
 
 
 def expected_tau(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[float, int]:
@@ -97,6 +108,28 @@ def model_acceptance_per_depth(tree: TreeConfig, rates: tuple[float, ...]) -> li
     return [float(probs[node_depths == d].sum()) for d in range(1, int(node_depths.max()) + 1)]
 
 
+def expected_taus_by_budget(
+    depth: int, top_k: int, budgets: tuple[int, ...], rates: tuple[float, ...]
+) -> dict[int, tuple[float, int]]:
+    """expected_tau of the trees (depth, top_k, b) for every b in `budgets`, from one build.
+
+    The builder's candidate pool does not depend on the budget, and it keeps the `budget` best
+    pool nodes (by its float32 cumulative scores, ties in pool order): every smaller tree is the
+    first nodes of the largest one in that order. Each tau is summed over its nodes in tree order,
+    as expected_tau sums them, so the two agree exactly.
+    """
+    built, log_rates = _model_build(TreeConfig(depth=depth, top_k=top_k, budget=max(budgets)), rates)
+    probs = _path_sums(built, log_rates).exp()  # [N]
+    builder_scores = _path_sums(built, log_rates.float())  # [N] what the builder ranked by
+    order = torch.sort(-builder_scores[1:], stable=True).indices + 1  # nodes in selection order
+    taus = {}
+    for budget in budgets:
+        count = min(budget, built.num_nodes - 1)
+        kept = torch.cat([torch.zeros(1, dtype=torch.long), torch.sort(order[:count]).values])
+        taus[budget] = (float(probs[kept].sum()), count + 1)
+    return taus
+
+
 def candidates(costs: CycleCosts, rates: tuple[float, ...]) -> list[Candidate]:
     """Every distinct (depth, top_k, budget) tree with measured costs, best expected tokens/s first."""
     found: dict[tuple[int, int, int], Candidate] = {}
@@ -104,11 +137,9 @@ def candidates(costs: CycleCosts, rates: tuple[float, ...]) -> list[Candidate]:
         for top_k in TOP_KS:
             if (depth, top_k) not in costs.propose_s:
                 continue
-            for budget in BUDGETS:
-                if budget < top_k:
-                    continue
+            budgets = tuple(b for b in BUDGETS if b >= top_k)
+            for budget, (tau, nodes) in expected_taus_by_budget(depth, top_k, budgets, rates).items():
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
-                tau, nodes = expected_tau(tree, rates)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
                 # trees far beyond the largest measured size would rest on extrapolated costs
                 if key not in found and nodes <= max(costs.verify_s) * 2:

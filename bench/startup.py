@@ -1,0 +1,102 @@
+"""Start-up of `moaspec generate` as a user meets it: seconds from launching the console script to
+the first byte of generated text on stdout, to the process's exit, and its peak RSS, for several
+drafter choices run in interleaved rounds (warm page cache: one untimed run first).
+
+    .venv/bin/python bench/startup.py --out bench/results/startup.json
+
+Run it on an idle machine: every process competes for the same cores. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = "Name three colours."
+CASES = {  # label -> extra arguments of `moaspec generate`
+    "default": [],
+    "none": ["--drafter", "none"],
+    "ngram": ["--drafter", "ngram"],
+}
+
+
+def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, float]:
+    """One `moaspec generate`: {first_byte_s, exit_s, peak_rss_mb}; raises when it fails."""
+    command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *extra]
+    begin = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = os.read(proc.stdout.fileno(), 1)
+    first_byte = time.perf_counter() - begin
+    rest = proc.stdout.read()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    exit_s = time.perf_counter() - begin
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0 or not (first + rest).strip():
+        raise SystemExit(f"startup: {' '.join(command)} failed ({proc.returncode}): {err.decode().strip()[-300:]}")
+    return {"first_byte_s": first_byte, "exit_s": exit_s, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the cases (default 5)")
+    parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per run (default 8)")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = parser.parse_args()
+    if args.rounds < 1 or args.max_new_tokens < 1:
+        parser.error("--rounds and --max-new-tokens must be >= 1")
+    moaspec = shutil.which("moaspec", path=str(Path(sys.executable).parent)) or shutil.which("moaspec")
+    if moaspec is None:
+        parser.error("no `moaspec` console script beside this Python or on PATH")
+
+    from moaspec.calibration.machine import cpu_description
+
+    run_once(moaspec, CASES[args.cases[0]], args.max_new_tokens)  # warm the page cache and calibration
+    samples: dict[str, list[dict[str, float]]] = {case: [] for case in args.cases}
+    for round_index in range(args.rounds):
+        for case in args.cases:
+            samples[case].append(run_once(moaspec, CASES[case], args.max_new_tokens))
+        print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+    fields = ("first_byte_s", "exit_s", "peak_rss_mb")
+    summary = {
+        case: {
+            field: {"median": round(statistics.median(s[field] for s in runs), 3),
+                    "min": round(min(s[field] for s in runs), 3), "max": round(max(s[field] for s in runs), 3)}
+            for field in fields
+        }
+        for case, runs in samples.items()
+    }
+    result = {
+        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "cpu": cpu_description(),
+        "moaspec": moaspec,
+        "prompt": PROMPT,
+        "max_new_tokens": args.max_new_tokens,
+        "cases": {case: CASES[case] for case in args.cases},
+        "summary": summary,
+        "runs": samples,
+    }
+    lines = ["| drafter | first token (s), median [min-max] | exit (s) | peak RSS (MB) |", "|---|---|---|---:|"]
+    for case, per in summary.items():
+        first, done, rss = (per[f] for f in fields)
+        lines.append(
+            f"| {case} | {first['median']:.2f} [{first['min']:.2f}-{first['max']:.2f}] | "
+            f"{done['median']:.2f} [{done['min']:.2f}-{done['max']:.2f}] | {rss['max']:.0f} |"
+        )
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
