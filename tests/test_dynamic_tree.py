@@ -7,9 +7,8 @@ import itertools
 import pytest
 import torch
 
-from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.config import TreeConfig
 from moaspec.drafters.dynamic_tree import build_dynamic_tree
-from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.tree import ancestor_mask, depths
 
 VOCAB = 7
@@ -118,38 +117,3 @@ def test_sampled_tree_shape_and_probabilities() -> None:
     assert probs[2][tree.token_ids[1]] == 0  # drawn without replacement
     for node in range(1, 7):
         assert probs[node][tree.token_ids[node]] > 0
-
-
-Q = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)  # the same next-token law under every path
-
-
-class ScriptedTreeDrafter(TreeDrafter):
-    """A model drafter without a network: log Q at every node (TreeDrafter.propose's tree choice)."""
-
-    def __init__(self, tree: TreeConfig) -> None:  # no net, no target: only what propose reads
-        self.tree_config, self.lookup, self.draft_vocab_ids = tree, None, None
-
-    def start(self, root_id: int) -> torch.Tensor:
-        return Q.log()[None]
-
-    def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
-        return Q.log().expand(token_ids.numel(), -1)
-
-
-def test_sampling_ranks_the_tree_by_the_tempered_drafter() -> None:
-    """Budget 2 over Q: at T = 1 the second-best first token (0.3) beats the best chain (0.25);
-    at T = 0.5 the chain wins (Q^2 normalised: 0.66 * 0.66 = 0.43 > 0.24): stochastic
-    verification accepts a deterministic node with the product of the *tempered* target
-    probabilities, so that is what the budget should keep. Greedy keeps the untempered ranking."""
-    drafter = ScriptedTreeDrafter(TreeConfig(depth=2, top_k=2, budget=2))
-    generator = torch.Generator().manual_seed(0)
-    trees = {
-        name: drafter.propose(9, sampling, generator)
-        for name, sampling in {
-            "greedy": SamplingConfig(), "T=1": SamplingConfig(temperature=1.0), "T=0.5": SamplingConfig(temperature=0.5)
-        }.items()
-    }
-    for name in ("greedy", "T=1"):
-        assert trees[name].token_ids.tolist() == [9, 0, 1] and trees[name].parents.tolist() == [-1, 0, 0], name
-    assert trees["T=0.5"].token_ids.tolist() == [9, 0, 0] and trees["T=0.5"].parents.tolist() == [-1, 0, 1]
-    assert trees["T=0.5"].draft_probs is None  # point masses: the verifier's deterministic case

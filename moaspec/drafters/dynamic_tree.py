@@ -87,29 +87,6 @@ def _select(
     )
 
 
-def tempered(
-    start: Callable[[], torch.Tensor],
-    expand: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-    temperature: float,
-) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]]:
-    """The drafter's callables at a sampling temperature: log softmax(log q / T) [.., Vd].
-
-    Under stochastic verification a deterministic node is accepted with the product of the
-    target's tempered probabilities along its path (verify.py: siblings as point masses), so the
-    tree is ranked by the tempered drafter's estimate of that product. The top-k children of a
-    beam are the same at any temperature; what changes is depth against breadth: at T < 1 the
-    budget goes deeper. Greedy decoding keeps the untempered scores.
-    """
-
-    def tempered_start() -> torch.Tensor:
-        return torch.log_softmax(start().float() / temperature, dim=-1)
-
-    def tempered_expand(token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
-        return torch.log_softmax(expand(token_ids, parent, depth).float() / temperature, dim=-1)
-
-    return tempered_start, tempered_expand
-
-
 def build_sampled_tree(
     root_id: int,
     start: Callable[[], torch.Tensor],

@@ -29,7 +29,7 @@ import torch
 
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
-from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree, tempered
+from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
@@ -120,10 +120,7 @@ class TreeDrafter:
                 root_id, start, self.expand, self.tree_config, self.target.vocab_size,
                 sampling.temperature, generator, self.draft_vocab_ids,
             )
-        expand = self.expand
-        if not sampling.greedy:
-            start, expand = tempered(start, expand, sampling.temperature)
-        return build_dynamic_tree(root_id, start, expand, self.tree_config, self.draft_vocab_ids)
+        return build_dynamic_tree(root_id, start, self.expand, self.tree_config, self.draft_vocab_ids)
 
     def _lookup_proposal(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree | None:
         """The lookup's trie after catching up on `history` (restarted after a reset); None
