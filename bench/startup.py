@@ -16,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,17 +31,18 @@ CASES = {  # label -> extra arguments of `moaspec generate`
 def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, float]:
     """One `moaspec generate`: {first_byte_s, exit_s, peak_rss_mb}; raises when it fails."""
     command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *extra]
-    begin = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = os.read(proc.stdout.fileno(), 1)
-    first_byte = time.perf_counter() - begin
-    rest = proc.stdout.read()
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    exit_s = time.perf_counter() - begin
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0 or not (first + rest).strip():
-        raise SystemExit(f"startup: {' '.join(command)} failed ({proc.returncode}): {err.decode().strip()[-300:]}")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: stderr can never block the child
+        begin = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
+        first = os.read(proc.stdout.fileno(), 1)
+        first_byte = time.perf_counter() - begin
+        rest = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        exit_s = time.perf_counter() - begin
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0 or not (first + rest).strip():
+            err.seek(0)
+            raise SystemExit(f"startup: {' '.join(command)} failed ({proc.returncode}): {err.read().decode().strip()[-300:]}")
     return {"first_byte_s": first_byte, "exit_s": exit_s, "peak_rss_mb": usage.ru_maxrss / 1024}
 
 
