@@ -235,6 +235,27 @@ def test_layer_mix_starts_at_the_mean_and_learns_a_weighted_mean() -> None:
     assert not old.config.layer_mix and not hasattr(old, "layer_mix_raw")
 
 
+def test_memory_without_layer_attention_pools_the_raw_keys_values() -> None:
+    """The ablation `layer_attention=False` has no LSA: the memory is Ekv2E of the layer mix of
+    the raw keys/values, in training and in the bfloat16 encoder copy; old checkpoints keep the LSA."""
+    target = make_tiny_target("llama", num_hidden_layers=4, dtype=torch.float64)
+    torch.manual_seed(0)
+    net = MoADrafterNet(MoAConfig.for_target(target.config, memory_layers=2, layer_attention=False)).double()
+    assert net.layer_self_attention is None
+    assert not any(name.startswith("layer_self_attention.") for name in net.state_dict())
+    layer_kv = torch.randn(5, 2, net.config.kv_dim, dtype=torch.float64)
+    with torch.no_grad():
+        net.layer_mix_raw.copy_(torch.tensor([0.2, -0.1]))
+    weights = torch.softmax(10.0 * net.layer_mix_raw.float(), 0).double()
+    expected = net.ekv2e((layer_kv * weights[:, None]).sum(dim=1))
+    torch.testing.assert_close(net.memory(layer_kv), expected, rtol=0, atol=1e-12)
+    encoder = net.memory_encoder(torch.float32)
+    torch.testing.assert_close(encoder(layer_kv.float()).double(), expected, rtol=1e-5, atol=1e-5)
+    record = net.config.to_dict()
+    del record["layer_attention"]
+    assert MoAConfig(**record).layer_attention
+
+
 def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:
     out = target.model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()

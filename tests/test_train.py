@@ -257,6 +257,19 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     with pytest.raises(MoaspecError, match="memory_hidden True vs False"):
         plain = build_net("moa", target, 0, weights["draft_vocab_ids"])
         load_initial_weights(plain, tmp_path / "hidden" / "checkpoint", target, config)
+    # the layer-attention ablation starts from any MoA checkpoint without its LSA, not the reverse
+    ablated = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, layer_attention=False)
+    spec = RunSpec((distilled, conversations), tmp_path / "no-lsa", "tiny", draft_vocab=70, val_conversations=2,
+                   time_limit_s=None, command="moaspec train --no-layer-attention ...", init_from=all_layers)
+    record, ablated_weights = read_checkpoint(run_training(spec, ablated, TreeConfig(depth=2, top_k=2, budget=3)), target)
+    assert not record["config"]["layer_attention"]
+    assert not any(name.startswith("layer_self_attention.") for name in ablated_weights)
+    started = build_net("moa", target, 0, weights["draft_vocab_ids"], layer_attention=False)
+    load_initial_weights(started, all_layers, target, ablated)
+    torch.testing.assert_close(started.ekv2e.weight.detach(), weights["ekv2e.weight"].float())
+    with pytest.raises(MoaspecError, match="layer_attention False vs True"):
+        plain = build_net("moa", target, 0, weights["draft_vocab_ids"])
+        load_initial_weights(plain, tmp_path / "no-lsa" / "checkpoint", target, config)
 
 
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:

@@ -4,7 +4,8 @@ Per verified token t (once, when the target verifies it):
     memory_t = Ekv2E(mean_l LSA([k_h, v_h] of t at every target layer l)),   LSA non-causal over
     layers with RoPE over the layer index (moa_reference.md §1.3);
     with `memory_hidden` (not in the paper): memory_t += H2M_SCALE * H2M(target's post-norm last
-    hidden state of t), the state EAGLE reads (see `MoADrafterNet.memory`).
+    hidden state of t), the state EAGLE reads (see `MoADrafterNet.memory`);
+    without `layer_attention` (an ablation): memory_t = Ekv2E(mean_l [k_h, v_h]), no LSA.
 Per drafted position i (root or tree node):
     h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
     c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
@@ -68,6 +69,7 @@ class MoAConfig:
     layer_mix: bool = False  # learned softmax weights over layers instead of the plain mean (see memory)
     memory_layers: int = 0  # the memory reads the last N target layers; 0 = all (the paper's form)
     memory_hidden: bool = False  # the memory also reads the target's post-norm last hidden state
+    layer_attention: bool = True  # the LSA over layers (the paper's); False pools the raw keys/values (ablation)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tli_layers < self.num_target_layers:
@@ -92,6 +94,7 @@ class MoAConfig:
         layer_mix: bool = True,
         memory_layers: int = 0,
         memory_hidden: bool = False,
+        layer_attention: bool = True,
     ) -> MoAConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
@@ -119,6 +122,7 @@ class MoAConfig:
             layer_mix=layer_mix,
             memory_layers=memory_layers,
             memory_hidden=memory_hidden,
+            layer_attention=layer_attention,
         )
 
     def to_dict(self) -> dict:
@@ -126,7 +130,7 @@ class MoAConfig:
 
 
 def encode_memory(
-    lsa: DecoderLayer,
+    lsa: DecoderLayer | None,
     ekv2e: nn.Linear,
     layer_mix_raw: torch.Tensor | None,
     layer_ids: tuple[int, ...],
@@ -135,7 +139,7 @@ def encode_memory(
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The memory path: layer_kv [n, Lm, kv_dim] of the target layers `layer_ids` [Lm] -> LSA over
-    them (RoPE at the layer indices) -> pooled over layers (learned softmax weights from
+    them (RoPE at the layer indices; `lsa` None: the raw keys/values) -> pooled over layers (learned softmax weights from
     layer_mix_raw [Lm], or the mean when None) -> Ekv2E -> [n, D]; with `h2m`, plus
     h2m(hidden [n, D]), the target's post-norm last hidden states of the same tokens."""
     if layer_kv.shape[-2] != len(layer_ids):
@@ -143,7 +147,7 @@ def encode_memory(
     if (h2m is None) != (hidden is None):
         wanted = "reads the target's last hidden state" if hidden is None else "reads no hidden state"
         raise ValueError(f"this memory {wanted}")
-    mixed, _ = lsa(layer_kv, torch.tensor(layer_ids, device=layer_kv.device), None)
+    mixed = layer_kv if lsa is None else lsa(layer_kv, torch.tensor(layer_ids, device=layer_kv.device), None)[0]
     if layer_mix_raw is None:
         memory = ekv2e(mixed.mean(dim=-2))
     else:
@@ -180,8 +184,12 @@ class MoADrafterNet(DrafterNet):
         self.cross_attention = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
         self.ca_post_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ca_mlp = MLP(c.hidden_size, c.intermediate_size)
-        self.layer_self_attention = DecoderLayer(
-            c.kv_dim, c.lsa_num_heads, c.lsa_num_kv_heads, c.kv_dim // c.lsa_num_heads, c.lsa_intermediate_size, c.rms_norm_eps, c.rope_theta
+        self.layer_self_attention = (
+            DecoderLayer(
+                c.kv_dim, c.lsa_num_heads, c.lsa_num_kv_heads, c.kv_dim // c.lsa_num_heads, c.lsa_intermediate_size, c.rms_norm_eps, c.rope_theta
+            )
+            if c.layer_attention
+            else None
         )
         self.ekv2e = nn.Linear(c.kv_dim, c.hidden_size, bias=True)
         if c.ca_recency_bias:
@@ -226,7 +234,8 @@ class MoADrafterNet(DrafterNet):
         net, see encoder_dtype.py); this net's own dtype uses the net itself."""
         if dtype == self.ekv2e.weight.dtype:
             return self.memory
-        lsa, ekv2e = copy.deepcopy(self.layer_self_attention).to(dtype), copy.deepcopy(self.ekv2e).to(dtype)
+        lsa = copy.deepcopy(self.layer_self_attention).to(dtype) if self.config.layer_attention else None
+        ekv2e = copy.deepcopy(self.ekv2e).to(dtype)
         layer_mix_raw = self.layer_mix_raw.detach().clone() if self.config.layer_mix else None
         h2m = copy.deepcopy(self.h2m).to(dtype) if self.config.memory_hidden else None
         return functools.partial(encode_memory, lsa, ekv2e, layer_mix_raw, self.config.memory_layer_ids, h2m)

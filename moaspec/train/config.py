@@ -11,6 +11,7 @@ class TrainConfig:
     tli_layers: int = 0
     memory_layers: int = 0  # MoA: the memory reads the last N target layers, 0 = all (MoAConfig)
     memory_hidden: bool = False  # MoA: the memory also reads the target's last hidden state (no loss at anchors)
+    layer_attention: bool = True  # MoA: the LSA over layers; False pools the raw keys/values (ablation)
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step
@@ -39,5 +40,5 @@ class TrainConfig:
             raise ValueError("anchor_loss_weight must be within [0, 1]")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
-        if self.method != "moa" and (self.memory_layers or self.memory_hidden):
-            raise ValueError("memory_layers and memory_hidden apply to the moa method only")
+        if self.method != "moa" and (self.memory_layers or self.memory_hidden or not self.layer_attention):
+            raise ValueError("memory_layers, memory_hidden and layer_attention apply to the moa method only")
