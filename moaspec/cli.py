@@ -21,6 +21,7 @@
     moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--dry-run]
     moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
                   [--memory-hidden] [--no-layer-attention] [--anchor-every MIN MAX] [--anchor-loss-weight W] [--draft-vocab N]
+                  [--ce-weight W] [--feature-weight W]
                   [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
 Text streams to stdout as it is verified; `--json` prints one JSON object at the end instead.
@@ -185,6 +186,14 @@ def _add_train_parser(commands, default_target: str) -> None:
         help="MoA memory also reads the target's last hidden state (what EAGLE-2 reads; anchors then carry no loss)",
     )
     train.add_argument(
+        "--ce-weight", type=float, default=defaults.ce_weight,
+        help=f"weight of the soft cross-entropy with the target's distribution (default {defaults.ce_weight}, the paper's)",
+    )
+    train.add_argument(
+        "--feature-weight", type=float, default=defaults.feature_weight,
+        help=f"weight of the SmoothL1 term on the target's hidden state (default {defaults.feature_weight}, the paper's)",
+    )
+    train.add_argument(
         "--no-layer-attention", action="store_true",
         help="MoA memory without the Layer Self-Attention: the layers' raw keys/values pooled (an ablation)",
     )
@@ -254,6 +263,8 @@ def _train(args: argparse.Namespace) -> int:
         raise MoaspecError("--memory-layers, --memory-hidden and --no-layer-attention apply to --method moa only")
     if not 1 <= args.anchor_every[0] <= args.anchor_every[1]:
         raise MoaspecError("--anchor-every needs 1 <= MIN <= MAX")
+    if not (args.ce_weight >= 0 and args.feature_weight >= 0 and args.ce_weight + args.feature_weight > 0):
+        raise MoaspecError("--ce-weight and --feature-weight must be >= 0, not both 0")
     data = tuple(Path(directory).expanduser() for directory in args.data)
     for directory in data:
         if not directory.is_dir() or not shard_files(directory):
@@ -266,6 +277,7 @@ def _train(args: argparse.Namespace) -> int:
             staircase_fraction=args.staircase_fraction, tli_rms_scaled=not args.tli_raw_feature_loss,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
             memory_layers=args.memory_layers, memory_hidden=args.memory_hidden, layer_attention=not args.no_layer_attention,
+            ce_weight=args.ce_weight, feature_weight=args.feature_weight,
             anchor_min=args.anchor_every[0], anchor_max=args.anchor_every[1], anchor_loss_weight=args.anchor_loss_weight,
         )
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)

@@ -56,6 +56,25 @@ def test_pre_tli_feature_term_is_relative_to_the_stream_rms() -> None:
     assert loss(100.0, False) > 50 * loss(1.0, False)
 
 
+def test_loss_weights_scale_their_terms() -> None:
+    """total = ce_weight * soft CE + feature_weight * feature term; the defaults are the paper's 0.1 / 1."""
+    from moaspec.train.losses import drafter_loss
+
+    gen = torch.Generator().manual_seed(1)
+    target_state, head = torch.randn(6, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    drafter_state = target_state + 0.5 * torch.randn(6, 8, generator=gen)
+    lse, mask = torch.logsumexp(target_state @ head.T, -1), torch.ones(6)
+    paper = drafter_loss(drafter_state, target_state, head, lse, mask)
+    assert float(paper.soft_ce) > 0 and float(paper.feature) > 0
+    torch.testing.assert_close(paper.total, 0.1 * paper.soft_ce + paper.feature)
+    ce_led = drafter_loss(drafter_state, target_state, head, lse, mask, ce_weight=1.0, feature_weight=0.1)
+    torch.testing.assert_close(ce_led.total, paper.soft_ce + 0.1 * paper.feature)
+    only_ce = drafter_loss(drafter_state, target_state, head, lse, mask, ce_weight=1.0, feature_weight=0.0)
+    torch.testing.assert_close(only_ce.total, paper.soft_ce)
+    with pytest.raises(ValueError, match="not both 0"):
+        TrainConfig(ce_weight=0.0, feature_weight=0.0)
+
+
 def make_net(method: str, target, tli: int = 0, vocab: torch.Tensor | None = None):
     return build_net(method, target, tli, vocab).to(target.dtype)
 

@@ -13,6 +13,8 @@ class TrainConfig:
     memory_hidden: bool = False  # MoA: the memory also reads the target's last hidden state (no loss at anchors)
     layer_attention: bool = True  # MoA: the LSA over layers; False pools the raw keys/values (ablation)
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
+    ce_weight: float = 0.1  # weight of the soft cross-entropy with the target's distribution (the paper's)
+    feature_weight: float = 1.0  # weight of the SmoothL1 feature term (the paper's)
     steps: int = 1000
     batch_size: int = 8  # sequences per optimizer step
     lr: float = 5e-4
@@ -38,6 +40,8 @@ class TrainConfig:
             raise ValueError("need 1 <= anchor_min <= anchor_max")
         if not 0.0 <= self.anchor_loss_weight <= 1.0:
             raise ValueError("anchor_loss_weight must be within [0, 1]")
+        if self.ce_weight < 0 or self.feature_weight < 0 or not self.ce_weight + self.feature_weight > 0:
+            raise ValueError("ce_weight and feature_weight must be >= 0, not both 0")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
         if self.method != "moa" and (self.memory_layers or self.memory_hidden or not self.layer_attention):

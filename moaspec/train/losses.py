@@ -1,4 +1,5 @@
-"""Drafter losses (moa_reference.md §2.3): 0.1 x soft cross-entropy + SmoothL1 feature loss.
+"""Drafter losses (moa_reference.md §2.3): 0.1 x soft cross-entropy + SmoothL1 feature loss
+(the weights are the paper's defaults; `ce_weight` and `feature_weight` change them).
 
 Both are per token and averaged over the loss mask: sum(loss * mask) / (sum(mask) + 1e-5).
 - soft CE: -sum_v p_target(v) log q_drafter(v), p_target = softmax of the target's logits
@@ -25,6 +26,7 @@ import torch
 from torch.nn import functional as F
 
 CE_WEIGHT = 0.1
+FEATURE_WEIGHT = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ def drafter_loss(
     tli_mask: torch.Tensor | None = None,
     tli_rms_scaled: bool = True,
     wanted_ids: torch.Tensor | None = None,
+    ce_weight: float = CE_WEIGHT,
+    feature_weight: float = FEATURE_WEIGHT,
 ) -> LossParts:
     """drafter_state, target_state [T, D]; head_weight [Vd, D] (the target's LM head rows of the
     draft vocabulary); teacher_logsumexp [T] (over the full vocabulary); mask [T];
@@ -58,6 +62,7 @@ def drafter_loss(
     state and its target divided by the target's per-token RMS (see the module docstring);
     wanted_ids [T]: the target's own next token as a draft-vocabulary row (-1 outside it) for
     `top1`, None to compare with the best of the draft vocabulary's teacher logits.
+    total = ce_weight * soft CE + feature_weight * feature term.
     The mask may weigh positions (values in [0, 1]): every term is a weighted mean."""
     rows = mask.bool()
     row_weights = mask[rows].float()  # [M]
@@ -78,4 +83,5 @@ def drafter_loss(
     ce_loss = (soft_ce * row_weights).sum() / (row_weights.sum() + 1e-5)
     wanted = teacher_logits.argmax(-1) if wanted_ids is None else wanted_ids[rows]
     top1 = (draft_log_probs.argmax(-1) == wanted).float().sum() / (rows.sum() + 1e-5)
-    return LossParts(CE_WEIGHT * ce_loss + feature_loss, ce_loss.detach(), feature_loss.detach(), top1.detach())
+    total = ce_weight * ce_loss + feature_weight * feature_loss
+    return LossParts(total, ce_loss.detach(), feature_loss.detach(), top1.detach())

@@ -116,12 +116,14 @@ def sequence_loss(
         return drafter_loss(
             out.final, features.final_hidden, head, features.teacher_logsumexp, weights,
             out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
+            ce_weight=config.ce_weight, feature_weight=config.feature_weight,
         )
     noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
     noisy = features.final_hidden + noise.to(device=device, dtype=features.final_hidden.dtype)
     predicted = net.forward_train(parts, ids, noisy)  # [T-1, D]
     return drafter_loss(
-        predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:], wanted_ids=wanted[1:]
+        predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:], wanted_ids=wanted[1:],
+        ce_weight=config.ce_weight, feature_weight=config.feature_weight,
     )
 
 
