@@ -14,6 +14,10 @@
    verified token, on a fixed anchor grid); for EAGLE, depth 1 only (the target's true features).
    Greedy decoding follows exactly this text, so depth-1 top-1 is the chance that the drafter's
    first guess is accepted.
+A drafter named `X+ngram` (the default drafter form, `moa+ngram`) is scored at draft depth 1 as
+the engine drafts with prompt lookup: where the n-gram lookup has a continuation of the context
+and root, its first token is the guess, elsewhere X's (`lookup` in top1.json: how often it
+answered and how often it was right then).
 With `--shuffle-memory`, every conversation's target features that a drafter reads as input
 (MoA: the memory's keys/values and hidden states; EAGLE: its hidden states) are permuted across
 positions first (the target's argmax, which top-1 is scored against, is not): what top-1 loses
@@ -121,6 +125,47 @@ class ShuffledInputs:
         return dataclasses.replace(features, layer_kv=layer_kv, final_hidden=features.final_hidden[order])
 
 
+LOOKUP_SUFFIX = "+ngram"
+
+
+def lookup_guesses(token_ids: list[int]) -> list[int | None]:
+    """For every root position r: the n-gram drafter's first token after token_ids[: r + 1]
+    (its best continuation of the context and root, as `draft_alone` takes it), None without a match."""
+    from moaspec.drafters.ngram import NgramDrafter
+
+    lookup, guesses = NgramDrafter(), []
+    for root in token_ids:
+        found = lookup.continuations(root)
+        guesses.append(found[0][0] if found else None)
+        lookup.accept_context(torch.tensor([root]), len(lookup.history), {})
+    return guesses
+
+
+def depth_one_with_lookup(net, parts, source, samples, config) -> dict:
+    """Depth-1 top-1 of the drafter with prompt lookup first, over `samples` (counts)."""
+    from moaspec.train.trainer import first_guesses, kv_layers_read
+
+    counts = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
+    net.eval()
+    for sample in samples:
+        features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
+        with torch.inference_mode():
+            roots, model_guesses = first_guesses(net, parts, sample, features, config, MAX_DEPTH)
+        target_next = features.teacher_argmax.cpu()
+        lookup = lookup_guesses(sample.input_ids.tolist())
+        for root, model_guess in zip(roots.tolist(), model_guesses.tolist()):
+            wanted = int(target_next[root])
+            guess = lookup[root]
+            if guess is not None:
+                counts["lookup_answered"] += 1
+                counts["lookup_hits"] += guess == wanted
+            else:
+                guess = model_guess
+            counts["hits"] += guess == wanted
+            counts["positions"] += 1
+    return counts
+
+
 def evaluate(label: str, spec: str, target, source, samples, categories) -> dict:
     from moaspec.drafters import checkpoint_directory
     from moaspec.nn.eagle import EagleDrafterNet
@@ -128,7 +173,8 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     from moaspec.train.config import TrainConfig
     from moaspec.train.trainer import validation_counts
 
-    directory = checkpoint_directory(spec, target.name)
+    with_lookup = spec.endswith(LOOKUP_SUFFIX)
+    directory = checkpoint_directory(spec.removesuffix(LOOKUP_SUFFIX), target.name)
     method = json.loads((directory / "config.json").read_text())["method"]
     net, _ = (MoADrafterNet if method == "moa" else EagleDrafterNet).from_pretrained(directory, target)
     net = net.float()
@@ -137,6 +183,8 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     parts = target.parts(tli)
     offset = 1 if method == "moa" else 0
     depths = range(1, MAX_DEPTH - offset + 1) if method == "moa" else range(1, 2)
+    if with_lookup:
+        return evaluate_with_lookup(label, spec, method, net, parts, source, samples, categories, config)
     by_category = {}
     for category in sorted(set(categories)):
         chosen = [s for s, c in zip(samples, categories) if c == category]
@@ -148,6 +196,27 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
         rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
         print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
     return {"label": label, "source": spec, "method": method, "by_category": rows}
+
+
+def evaluate_with_lookup(label, spec, method, net, parts, source, samples, categories, config) -> dict:
+    """`evaluate` for `X+ngram`: depth 1 only, per category, with the lookup's share."""
+    rows, lookup = {}, {}
+    totals = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
+    for category in sorted(set(categories)):
+        chosen = [s for s, c in zip(samples, categories) if c == category]
+        counts = depth_one_with_lookup(net, parts, source, chosen, config)
+        totals = {key: totals[key] + counts[key] for key in totals}
+        rows[category], lookup[category] = _lookup_summary(counts)
+    rows["all"], lookup["all"] = _lookup_summary(totals)
+    for category, row in rows.items():
+        print(f"mtbench_top1: {label} {category} {row} {lookup[category]}", file=sys.stderr)
+    return {"label": label, "source": spec, "method": method, "by_category": rows, "lookup": lookup}
+
+
+def _lookup_summary(counts: dict) -> tuple[dict, dict]:
+    positions, answered = max(counts["positions"], 1), counts["lookup_answered"]
+    lookup = {"answered": answered / positions, "hit_rate_when_answered": counts["lookup_hits"] / answered if answered else None}
+    return {"depth1": counts["hits"] / positions}, lookup
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         for category, row in result["by_category"].items():
             cells = [f"{row.get(f'depth{d}'):.3f}" if row.get(f"depth{d}") is not None else "–" for d in range(1, 6)]
             lines.append(f"| {result['label']} | {category} | " + " | ".join(cells) + " |")
+    for result in results:
+        if "lookup" in result:
+            share = result["lookup"]["all"]
+            rate = share["hit_rate_when_answered"]
+            lines.append(f"\n`{result['label']}`: the lookup guessed at {share['answered']:.3f} of the depth-1 positions"
+                         + (f", right {rate:.3f} of those times" if rate is not None else ""))
     (out / "top1.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -396,6 +396,35 @@ def test_training_from_the_feature_cache_follows_online_training(tmp_path, metho
 
 
 @pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_first_guesses_are_the_positions_validation_scores_at_draft_depth_one(tmp_path, method: str) -> None:
+    """first_guesses (the bench's view of draft depth 1) agrees with validation_counts: the same
+    positions and the same hits, on a net overfitted until it hits some."""
+    from moaspec.train.trainer import first_guesses, validation_counts
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = make_net(method, target)
+    config = TrainConfig(method=method, steps=40, batch_size=1, lr=1e-2, min_lr=1e-2, warmup_steps=1, val_every=1000, ckpt_every=1000)
+    data = samples(2, 3)
+    train(net, target, data[:1], [], config, tmp_path / "run", progress=False)
+    source = OnlineFeatures(target)
+    parts = target.parts(0)
+    counts = validation_counts(net, parts, source, data, config, 6)
+    depth = 2 if method == "moa" else 1  # MoA's acc_depth1 is the anchor itself
+    hits = positions = 0
+    net.eval()
+    for sample in data:
+        features = source.features(sample, 0, tuple(range(3)) if method == "moa" else ())
+        with torch.inference_mode():
+            roots, guesses = first_guesses(net, parts, sample, features, config, 6)
+        assert bool((roots >= sample.response_start).all()) and bool((roots < sample.input_ids.numel() - 1).all())
+        hits += int((guesses == features.teacher_argmax[roots]).sum())
+        positions += roots.numel()
+    assert positions == int(counts.counts[depth]) > 0
+    assert hits == int(counts.hits[depth]) > 0
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
 def test_tau_probe_runs_the_engine_on_a_copy_of_the_network(method: str) -> None:
     from moaspec.config import GenerationConfig, TreeConfig
     from moaspec.drafters.eagle import EagleDrafter

@@ -211,7 +211,7 @@ def validation_counts(
             parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
             totals.loss_sum += float(parts_loss.total)
             totals.sequences += 1
-            predicted = _predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
+            predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
         target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
         mask = loss_mask(length, sample.spans())
         if config.method == "moa":
@@ -244,7 +244,7 @@ def validate(
     return validation_counts(net, parts, source, samples, config, max_depth, device, autocast).summary()
 
 
-def _predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int):
+def predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int):
     """The drafter's argmax (full-vocabulary ids) teacher-forced: MoA [T] on the fixed anchor grid
     of max_depth + 1 (row i predicts the token after i); EAGLE [T - 1] with the true features
     (row t predicts the token after t + 1)."""
@@ -259,6 +259,25 @@ def _predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures,
         return vocab[(out.final @ head.T.to(out.final.dtype)).argmax(-1)]
     out = net.forward_train(parts, ids, features.final_hidden)
     return vocab[(out @ head.T.to(out.dtype)).argmax(-1)]
+
+
+def first_guesses(
+    net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int = 6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's guesses at draft depth 1, teacher-forced, as `validation_counts` scores them:
+    (roots [R], guesses [R]): at root position r (the target's own token, the verified context
+    before it) the drafter guesses the token after r (full-vocabulary id), to be compared with the
+    target's argmax at r. MoA: the positions one step past an anchor of the fixed grid; EAGLE:
+    every learned position (true features)."""
+    predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
+    length = sample.input_ids.numel()
+    mask = loss_mask(length, sample.spans()).bool()
+    if config.method == "moa":
+        depth = torch.arange(length) - last_anchors(length, sample.spans(), max_depth + 1) + 1
+        roots = torch.nonzero((depth[:-1] == 2) & mask[:-1]).flatten()
+        return roots, predicted[roots]
+    rows = torch.nonzero(mask[1:-1]).flatten()  # row t of predicted is the token after t + 1
+    return rows + 1, predicted[rows]
 
 
 def train(

@@ -1,0 +1,64 @@
+"""bench/mtbench_top1.py's scoring of `X+ngram` at draft depth 1: the lookup's guess is the n-gram
+drafter's own first token, and the model's guess fills in where the lookup has none."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from conftest import make_tiny_target
+
+from moaspec.drafters.ngram import NgramDrafter
+from moaspec.train.config import TrainConfig
+from moaspec.train.features import OnlineFeatures, TrainSample
+from moaspec.train.run import build_net
+from moaspec.train.trainer import first_guesses
+
+SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "mtbench_top1.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("mtbench_top1", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_lookup_guesses_are_the_ngram_drafters_first_tokens() -> None:
+    script = load_script()
+    tokens = [5, 6, 7, 8, 5, 6, 7, 9, 1, 5, 6, 7, 8, 2, 6, 7]
+    guesses = script.lookup_guesses(tokens)
+    for root in range(len(tokens)):
+        drafter = NgramDrafter()
+        drafter.accept_context(torch.tensor(tokens[:root], dtype=torch.long), 0, {})
+        assert guesses[root] == drafter.draft_alone(tokens[root], None, torch.Generator())
+    assert guesses[5] == 7 and guesses[0] is None and sum(g is not None for g in guesses) >= 6
+
+
+def test_depth_one_with_lookup_counts_the_lookup_first_then_the_model() -> None:
+    script = load_script()
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = build_net("eagle", target, 0, None)
+    config = TrainConfig(method="eagle")
+    repeated = torch.tensor([3, 4, 5, 6, 7, 8] * 4)
+    data = [TrainSample(repeated, 6, 0), TrainSample(torch.arange(10, 34), 6, 1)]
+    source, parts = OnlineFeatures(target), target.parts(0)
+    counts = script.depth_one_with_lookup(net, parts, source, data, config)
+    expected = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
+    for sample in data:
+        features = source.features(sample, 0, ())
+        with torch.inference_mode():
+            roots, model = first_guesses(net.eval(), parts, sample, features, config)
+        lookup = script.lookup_guesses(sample.input_ids.tolist())
+        for root, guess in zip(roots.tolist(), model.tolist()):
+            wanted = int(features.teacher_argmax[root])
+            if lookup[root] is not None:
+                expected["lookup_answered"] += 1
+                expected["lookup_hits"] += lookup[root] == wanted
+                guess = lookup[root]
+            expected["hits"] += guess == wanted
+            expected["positions"] += 1
+    assert counts == expected
+    assert 0 < counts["lookup_answered"] < counts["positions"]  # the repeated sample only
