@@ -5,7 +5,7 @@ Per verified token t (once, when the target verifies it):
     layers with RoPE over the layer index (moa_reference.md §1.3);
     with `memory_hidden` (not in the paper): memory_t += H2M_SCALE * H2M(target's post-norm last
     hidden state of t), the state EAGLE reads (see `MoADrafterNet.memory`);
-    without `layer_attention` (an ablation): memory_t = Ekv2E(mean_l [k_h, v_h]), no LSA.
+    without `layer_attention` (an ablation): memory_t = Ekv2E(pool_l [k_h, v_h]), no LSA.
 Per drafted position i (root or tree node):
     h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
     c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
@@ -139,9 +139,10 @@ def encode_memory(
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The memory path: layer_kv [n, Lm, kv_dim] of the target layers `layer_ids` [Lm] -> LSA over
-    them (RoPE at the layer indices; `lsa` None: the raw keys/values) -> pooled over layers (learned softmax weights from
-    layer_mix_raw [Lm], or the mean when None) -> Ekv2E -> [n, D]; with `h2m`, plus
-    h2m(hidden [n, D]), the target's post-norm last hidden states of the same tokens."""
+    them (RoPE at the layer indices; with `lsa` None the raw keys/values go on) -> pooled over
+    layers (learned softmax weights from layer_mix_raw [Lm], or the mean when None) -> Ekv2E ->
+    [n, D]; with `h2m`, plus h2m(hidden [n, D]), the target's post-norm last hidden states of the
+    same tokens."""
     if layer_kv.shape[-2] != len(layer_ids):
         raise ValueError(f"the memory reads {len(layer_ids)} target layers, got keys/values of {layer_kv.shape[-2]}")
     if (h2m is None) != (hidden is None):
