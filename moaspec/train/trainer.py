@@ -213,21 +213,31 @@ def validation_counts(
             totals.sequences += 1
             predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
         target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
-        mask = loss_mask(length, sample.spans())
-        if config.method == "moa":
-            anchors = last_anchors(length, sample.spans(), max_depth + 1)
-            depth = torch.arange(length) - anchors + 1  # the root step drafts depth 1
-            correct = predicted[:-1] == target_next[:-1]
-            for d in range(1, max_depth + 1):
-                selected = (depth[:-1] == d) & mask[:-1].bool()
-                totals.hits[d] += correct[selected].sum()
-                totals.counts[d] += selected.sum()
-        else:  # row t of predicted is the token after t + 1
-            selected = mask[1:-1].bool()
-            totals.hits[1] += (predicted[:-1] == target_next[1:-1])[selected].sum()
-            totals.counts[1] += selected.sum()
+        positions, rows, depth = scored_positions(length, sample.spans(), config.method, max_depth)
+        correct = predicted[rows] == target_next[positions]
+        for d in range(1, max_depth + 1):
+            selected = depth == d
+            totals.hits[d] += correct[selected].sum()
+            totals.counts[d] += selected.sum()
     net.train()
     return totals
+
+
+def scored_positions(
+    length: int, spans: tuple[tuple[int, int], ...], method: str, max_depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where validation scores a drafter's teacher-forced guesses in a sequence of `length`:
+    (positions [P]: the guess is compared with the target's argmax there; rows [P]: the guess's
+    row of `predicted_tokens`; depth [P]). MoA: depth = i - s(i) + 1 on the fixed anchor grid of
+    max_depth + 1 (1 is the anchor itself, 2 the first drafted token); EAGLE: depth 1, row t
+    guessing the token after t + 1."""
+    mask = loss_mask(length, spans).bool()
+    if method == "moa":
+        positions = torch.nonzero(mask[:-1]).flatten()
+        depth = torch.arange(length) - last_anchors(length, spans, max_depth + 1) + 1
+        return positions, positions, depth[positions]
+    rows = torch.nonzero(mask[1:-1]).flatten()
+    return rows + 1, rows, torch.ones_like(rows)
 
 
 def validate(
@@ -264,20 +274,14 @@ def predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, 
 def first_guesses(
     net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int = 6
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's guesses at draft depth 1, teacher-forced, as `validation_counts` scores them:
-    (roots [R], guesses [R]): at root position r (the target's own token, the verified context
-    before it) the drafter guesses the token after r (full-vocabulary id), to be compared with the
-    target's argmax at r. MoA: the positions one step past an anchor of the fixed grid; EAGLE:
-    every learned position (true features)."""
+    """The drafter's guesses at draft depth 1, teacher-forced, where `validation_counts` scores
+    them: (roots [R], guesses [R]): at root position r (the target's own token, the verified
+    context before it) the drafter guesses the token after r (full-vocabulary id), to be compared
+    with the target's argmax at r."""
     predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
-    length = sample.input_ids.numel()
-    mask = loss_mask(length, sample.spans()).bool()
-    if config.method == "moa":
-        depth = torch.arange(length) - last_anchors(length, sample.spans(), max_depth + 1) + 1
-        roots = torch.nonzero((depth[:-1] == 2) & mask[:-1]).flatten()
-        return roots, predicted[roots]
-    rows = torch.nonzero(mask[1:-1]).flatten()  # row t of predicted is the token after t + 1
-    return rows + 1, predicted[rows]
+    positions, rows, depth = scored_positions(sample.input_ids.numel(), sample.spans(), config.method, max_depth)
+    first_draft = depth == (2 if config.method == "moa" else 1)  # MoA's depth 1 is the anchor itself
+    return positions[first_draft], predicted[rows[first_draft]]
 
 
 def train(
