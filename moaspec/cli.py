@@ -4,7 +4,7 @@
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json] [--raw]
                      [--tree-depth D] [--tree-top-k K] [--tree-budget N]
                      [--server URL --api-key-file F [--context-dtype f16|i8|f32] [--adaptive]
-                      [--accept-offline] [--timeout S] [--cafile F]]
+                      [--accept-offline] [--offline-min-prob P] [--timeout S] [--cafile F]]
     moaspec serve [--host H] [--port P] --api-key-file F [--target ...] [--drafter ...]
                   [--ssl-certfile F --ssl-keyfile F] [--max-tree-nodes N] [--max-new-tokens N] ...
 
@@ -90,6 +90,13 @@ def _build_parser() -> argparse.ArgumentParser:
     split.add_argument("--context-dtype", choices=["f16", "i8", "f32"], default="f16", help="how the server sends drafter context (default f16)")
     split.add_argument("--adaptive", action="store_true", help="size the draft tree from measured RTT and costs")
     split.add_argument("--accept-offline", action="store_true", help="if the server stays unreachable, keep the drafter's tokens as final")
+    split.add_argument(
+        "--offline-min-prob",
+        type=float,
+        default=0.0,
+        help="while the server is unreachable, stop drafting alone before the drafter's probability that all its "
+        "provisional tokens are the target's falls below P (default 0: draft up to 64 tokens)",
+    )
     split.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server per request (default 10)")
     split.add_argument("--cafile", default=None, help="CA bundle to verify an https server")
     _add_serve_parser(commands, DEFAULT_TARGET, default_drafter)

@@ -379,5 +379,6 @@ def test_drafting_alone_follows_the_top_ranked_tree_path(name: str, shipped: dic
     first = parents.index(0)  # depth-1 nodes come best first
     child = parents.index(first)  # and so do the children of a node
     alone = [drafter.draft_alone(emitted[-1], SamplingConfig(), torch.Generator())]
-    alone.append(drafter.draft_alone(alone[0], SamplingConfig(), torch.Generator()))
-    assert alone == [int(tree.token_ids[first]), int(tree.token_ids[child])]
+    alone.append(drafter.draft_alone(alone[0].token_id, SamplingConfig(), torch.Generator()))
+    assert [draft.token_id for draft in alone] == [int(tree.token_ids[first]), int(tree.token_ids[child])]
+    assert all(0 < draft.probability <= 1 for draft in alone)

@@ -124,3 +124,31 @@ def test_mismatched_drafter_is_refused() -> None:
             SplitGenerator(SplitClient(made.url, KEY), other)
     finally:
         made.server.stop()
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle", "moa+ngram"])
+def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> None:
+    """A model drafter's token drafted alone comes with the model's own probability of it (its
+    top choice, greedy); a prompt-lookup copy comes with LOOKUP_PRECISION (the tiny target's answer
+    to this prompt turns periodic from its 7th token, so after 16 `moa+ngram` copies)."""
+    from moaspec.drafters.base import AloneDraft
+    from moaspec.drafters.ngram import LOOKUP_PRECISION
+
+    prepared = []
+    for _ in range(2):  # two identical drafters in the same state: one drafts alone, one is probed
+        target = make_tiny_target("llama", num_hidden_layers=3)
+        drafter = make_drafter(method, target)
+        generation = GenerationConfig(max_new_tokens=16)
+        emitted = Engine(target, drafter).generate([*PROMPT, 71, 5, 17, 33], SamplingConfig(), generation).token_ids
+        prepared.append(drafter)
+    root = emitted[-1]
+    draft = prepared[0].draft_alone(root, SamplingConfig(), None)
+    assert isinstance(draft, AloneDraft)
+    if method.endswith("+ngram"):
+        assert draft.probability == LOOKUP_PRECISION
+        return
+    log_probs = prepared[1].start(root)[0]
+    vocab = prepared[1].draft_vocab_ids
+    best = int(log_probs.argmax())
+    assert draft.token_id == (best if vocab is None else int(vocab[best]))
+    assert draft.probability == pytest.approx(float(log_probs[best].exp()), rel=1e-9)

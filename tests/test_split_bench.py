@@ -78,6 +78,23 @@ def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, caps
     assert captured.out == (out / "results.md").read_text() and "## lan (1 ms RTT" in captured.out
 
 
+def test_disconnection_minimum_probability_reaches_the_clients(tmp_path, tiny_bench, capsys) -> None:  # noqa: F811
+    """--offline-min-prob 1: a random drafter is never certain, so it writes nothing alone; the
+    value is recorded in the config and named in the report."""
+    moa = save_random_checkpoint(tmp_path / "moa", "moa", tiny_bench)
+    out = tmp_path / "res"
+    argv = bench_args(
+        out, "--client-server", "--network", "lan", "--categories", "math", "--limit", "1", "--methods", f"moa={moa}",
+        "--disconnect-after", "3", "--offline-tokens", "3", "--offline-min-prob", "1",
+    )
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["offline_min_prob"] == 1.0
+    assert [(row["drafter"], row["num_offline"]) for row in results["disconnection"]] == [("moa", 0)]
+    assert "falls below 1)" in captured.out
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -86,6 +103,9 @@ def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, caps
         (["--disconnect-after", "4"], "--disconnect-after needs --client-server"),
         (["--client-server", "--offline-tokens", "4"], "--offline-tokens needs --disconnect-after"),
         (["--client-server", "--disconnect-after", "0"], "--disconnect-after must be >= 1"),
+        (["--client-server", "--offline-min-prob", "0.5"], "--offline-min-prob needs --disconnect-after"),
+        (["--client-server", "--disconnect-after", "4", "--offline-min-prob", "2"], "--offline-min-prob must be in [0, 1]"),
+        (["--offline-min-prob", "0.5"], "--offline-min-prob needs --client-server"),
         (["--client-server", "--methods", "none,hf"], "'hf' has no client-server form"),
         (["--client-server", "--temperature", "3"], "--temperature in [0, 2]"),
     ],
@@ -124,6 +144,30 @@ def test_streamed_baselines_report_sane_values() -> None:
         expected = reference.generate(list(prompt.prompt_ids), generation=GenerationConfig(max_new_tokens=8)).token_ids
         streamed = next(r.run for r in data.records if (r.prompt, r.method, r.mode) == (prompt.name, "none", "server"))
         assert streamed.text == target.tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_later_turns_follow_the_plain_streams_answer() -> None:
+    """A prompt's second user turn runs after its first, on the conversation extended by the plain
+    stream's answer, for every case; a turn that no longer fits the context is skipped, named."""
+    from moaspec.chat import encode_chat_messages
+
+    target = tiny_chat_target(max_positions=128)
+    first = [{"role": "user", "content": "abc abc ab"}]
+    ids = tuple(encode_chat_messages(target.tokenizer, first))
+    prompts = [
+        NamedPrompt("p/0", ids, (), tuple(first), ("abc again",)),
+        NamedPrompt("p/1", ids, (), tuple(first), ("x" * 120, "never asked")),
+    ]
+    data = run_client_server(target, {"ngram": NgramDrafter.for_target}, prompts, ("lan",), SamplingConfig(), 8)
+    assert data.mismatches == [] and data.skipped == ["lan p/1 turn 2"]
+    names = [record.prompt for record in data.records]
+    assert names == ["p/0"] * 3 + ["p/0 turn 2"] * 3 + ["p/1"] * 3
+    answer = next(r.run.text for r in data.records if (r.prompt, r.method, r.mode) == ("p/0", "none", "server"))
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "abc again"}]
+    reference = Engine(HFTarget(target.model, target.tokenizer, target.name), NoDrafter())
+    expected = reference.generate(encode_chat_messages(target.tokenizer, second), generation=GenerationConfig(max_new_tokens=8))
+    for record in data.records[3:6]:
+        assert record.run.text == target.tokenizer.decode(expected.token_ids, skip_special_tokens=True)
 
 
 def _run(new_tokens: int, wall_s: float, calls: int, num_bytes: int, forwards: int, text: str = "x") -> CaseRun:

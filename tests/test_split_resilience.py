@@ -16,6 +16,7 @@ from test_split import KEY, PROMPT, SplitPair, make_drafter
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.ngram import NgramDrafter
+from moaspec.errors import MoaspecError
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import ServerRefused, SessionLost, SplitClient
@@ -88,14 +89,17 @@ def test_server_killed_and_restarted_mid_generation(pair: SplitPair) -> None:
     assert restarted and result.token_ids == expected and result.num_reconnects >= 1
 
 
-def cut_for_good(pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int) -> tuple[SplitResult, list[int]]:
+def cut_for_good(
+    pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int, **options
+) -> tuple[SplitResult, list[int]]:
     """Generate, cutting the link for good once `cut_after` tokens are verified; the client keeps
-    up to 6 tokens drafted alone as final output. -> (result, verified tokens before the cut)."""
+    up to 6 tokens drafted alone as final output (SplitOptions overridden by `options`).
+    -> (result, verified tokens before the cut)."""
     proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
     try:
         generator = pair.generator(
             f"http://127.0.0.1:{proxy.port}", timeout_s=0.2, retry_initial_s=0.02, retry_max_s=0.05,
-            offline_deadline_s=0.5, accept_offline=True, max_provisional=6,
+            offline_deadline_s=0.5, accept_offline=True, max_provisional=6, **options,
         )
         result, before_cut = SplitResult(), None
         for _ in generator.stream(prompt, GREEDY, GenerationConfig(max_new_tokens=max_new_tokens), frozenset(), result):
@@ -112,6 +116,32 @@ def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
     result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30)
     assert result.stop_reason == "offline" and result.num_provisional == 6
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_offline_drafting_stops_below_the_minimum_probability(pair: SplitPair) -> None:
+    """With offline_min_prob P, drafting alone stops before the token that would bring the product
+    of the reported probabilities below P, and the drafter is not asked again (it took the root as
+    context); the tokens written are the drafter's own, in order."""
+    drafter = pair.client_drafter
+    inner, reported = drafter.draft_alone, iter([0.9, 0.8, 0.5, 0.99, 0.99])
+    drafted: list[int] = []
+
+    def scripted(root_id, sampling, generator):
+        draft = inner(root_id, sampling, generator)
+        drafted.append(draft.token_id)
+        return draft._replace(probability=next(reported))
+
+    drafter.draft_alone = scripted
+    result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30, offline_min_prob=0.5)
+    assert len(drafted) == 3  # 0.9, 0.72 kept; 0.36 < 0.5 stops
+    assert result.stop_reason == "offline" and result.num_provisional == 2
+    assert result.token_ids == [*before_cut, *drafted[:2]]
+
+
+def test_offline_minimum_probability_is_checked() -> None:
+    with pytest.raises(MoaspecError, match="offline minimum probability"):
+        SplitOptions(offline_min_prob=1.5)
 
 
 # The tiny target's greedy answer to this prompt turns periodic from its 7th token
@@ -133,7 +163,7 @@ def test_offline_drafting_follows_the_prompt_lookup(pair: SplitPair) -> None:
     lookup.accept_context(torch.tensor(LOOPING_PROMPT + before_cut[:-1]), 0, {})
     expected = [before_cut[-1]]
     for _ in range(6):
-        expected.append(lookup.draft_alone(expected[-1], GREEDY, torch.Generator()))
+        expected.append(lookup.draft_alone(expected[-1], GREEDY, torch.Generator()).token_id)
     assert result.token_ids[len(before_cut) :] == expected[1:]
 
 

@@ -10,7 +10,9 @@ networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired in
 - `--methods`: drafters (checked as for the single-device bench; default ngram plus the shipped
   drafters of the target); each gives a `split` case and a `server` (streamed) case; the plain
   streamed baseline `none` is always run; `hf`/`hf-pld` have no client-server form;
-- prompts: the first user turn of every item (after its fixed history, e.g. QA's document);
+- prompts: every user turn of every item (after its fixed history, e.g. QA's document), a later
+  turn (MT-bench's second) asked after the plain stream's answer; the disconnection experiment
+  takes first turns only;
 - `--disconnect-after N`: also run the disconnection experiment (link cut after N verified tokens,
   each drafter continues alone for up to `--offline-tokens` M tokens, default 16).
 Writes results.json (`client_server` and `disconnection` rows, config, machine, command; schema
@@ -51,6 +53,13 @@ def add_client_server_arguments(bench: argparse.ArgumentParser) -> None:
         default=None,
         help=f"disconnection: most tokens each drafter produces alone (default {DEFAULT_OFFLINE_TOKENS})",
     )
+    group.add_argument(
+        "--offline-min-prob",
+        type=float,
+        default=None,
+        help="disconnection: each drafter stops before its probability that all its offline tokens are the "
+        "target's falls below P (generate's --offline-min-prob; default 0)",
+    )
 
 
 def check_client_server_flags(args: argparse.Namespace) -> None:
@@ -59,6 +68,7 @@ def check_client_server_flags(args: argparse.Namespace) -> None:
         "--network": args.network,
         "--disconnect-after": args.disconnect_after,
         "--offline-tokens": args.offline_tokens,
+        "--offline-min-prob": args.offline_min_prob,
     }
     if not args.client_server:
         given = [flag for flag, value in flags.items() if value is not None]
@@ -72,6 +82,10 @@ def check_client_server_flags(args: argparse.Namespace) -> None:
         raise MoaspecError("--offline-tokens needs --disconnect-after")
     if args.offline_tokens is not None and args.offline_tokens < 1:
         raise MoaspecError("--offline-tokens must be >= 1")
+    if args.offline_min_prob is not None and args.disconnect_after is None:
+        raise MoaspecError("--offline-min-prob needs --disconnect-after")
+    if args.offline_min_prob is not None and not 0.0 <= args.offline_min_prob <= 1.0:
+        raise MoaspecError("--offline-min-prob must be in [0, 1]")
     if args.temperature > MAX_STREAM_TEMPERATURE:
         raise MoaspecError(
             f"--client-server takes --temperature in [0, {MAX_STREAM_TEMPERATURE:g}] (the OpenAI API's range)"
@@ -125,7 +139,7 @@ def run_client_server_bench(
     target = moaspec.api.load_target(args.target, runtime=args.runtime or "transformers")
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
-    prompts, skipped = first_turns(target, items)
+    prompts, skipped = conversations(target, items)
     from moaspec.bench.methods import drafter_tree
     from moaspec.tuned import tree_overrides
 
@@ -142,11 +156,12 @@ def run_client_server_bench(
     disconnection = []
     if args.disconnect_after is not None:
         disconnection = run_disconnection(
-            target, drafters, prompts, args.disconnect_after, config["offline_tokens"], progress=not args.no_progress
+            target, drafters, prompts, args.disconnect_after, config["offline_tokens"], config["offline_min_prob"],
+            progress=not args.no_progress,
         )
 
     # 3. report
-    results = build_results(data, disconnection, skipped, config, command_line(args))
+    results = build_results(data, disconnection, [*skipped, *data.skipped], config, command_line(args))
     markdown = render_markdown(results)
     write_results(out, results, markdown)
     print(markdown, end="")
@@ -156,16 +171,18 @@ def run_client_server_bench(
     return 0
 
 
-def first_turns(target, items: dict) -> tuple[list, list[str]]:
-    """Every item's first user turn (after its fixed history) as token ids; -> (prompts, skipped):
-    an item that does not fit the target's context is skipped, with a warning."""
+def conversations(target, items: dict) -> tuple[list, list[str]]:
+    """Every item's first user turn (after its fixed history) as token ids, with its later turns to
+    follow; -> (prompts, skipped): an item that does not fit the target's context is skipped, with a
+    warning."""
     from moaspec.bench.client_server_runner import NamedPrompt
     from moaspec.chat import encode_chat_messages
 
     prompts, skipped = [], []
     for item in (item for category in items.values() for item in category):
         name = f"{item.category}/{item.prompt_id}"
-        prompt_ids = encode_chat_messages(target.tokenizer, [*item.history, {"role": "user", "content": item.turns[0]}])
+        messages = (*item.history, {"role": "user", "content": item.turns[0]})
+        prompt_ids = encode_chat_messages(target.tokenizer, list(messages))
         if len(prompt_ids) >= target.max_positions - 1:
             skipped.append(name)
             print(
@@ -173,7 +190,7 @@ def first_turns(target, items: dict) -> tuple[list, list[str]]:
                 file=sys.stderr,
             )
         else:
-            prompts.append(NamedPrompt(name, tuple(prompt_ids), item.references))
+            prompts.append(NamedPrompt(name, tuple(prompt_ids), item.references, messages, tuple(item.turns[1:])))
     return prompts, skipped
 
 
@@ -200,12 +217,20 @@ def _config(
         "seed": args.seed,
         "disconnect_after": args.disconnect_after,
         "offline_tokens": None if args.disconnect_after is None else args.offline_tokens or DEFAULT_OFFLINE_TOKENS,
+        "offline_min_prob": None if args.disconnect_after is None else args.offline_min_prob or 0.0,
+        "turns": "all",  # every user turn (results written before this key: first turns only)
     }
 
 
 def _runtime_phrase(config: dict) -> str:
     """' on the <runtime> runtime', or nothing for results written before the runtime was recorded."""
     return f" on the {config['runtime']} runtime" if config.get("runtime") else ""
+
+
+def _turns_phrase(config: dict) -> str:
+    if config.get("turns") == "all":
+        return "every user turn (a later one asked after the plain stream's answer; disconnection: first turns)"
+    return "first user turn"
 
 
 def build_results(data, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
@@ -258,7 +283,7 @@ def render_markdown(results: dict) -> str:
         "",
         (
             f"Target `{config['target']}`{_runtime_phrase(config)}, {decoding_phrase(config['temperature'])}, at most {config['max_new_tokens']} "
-            f"new tokens, seed {config['seed']}; first user turn of {', '.join(config['categories'])}. Per network the "
+            f"new tokens, seed {config['seed']}; {_turns_phrase(config)} of {', '.join(config['categories'])}. Per network the "
             "cases run interleaved prompt by prompt, warm-up excluded. Links are emulated on loopback "
             "(moaspec/split/netem.py); bytes are counted at the emulator, both directions, HTTP included."
         ),
@@ -272,7 +297,7 @@ def render_markdown(results: dict) -> str:
             *_case_table([r for r in results["client_server"] if r["profile"] == name]),
         ]
     if results["disconnection"]:
-        lines += _disconnection_section(results["disconnection"])
+        lines += _disconnection_section(results["disconnection"], config)
     lines += ["## Greedy check", "", _greedy_check(results)]
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
@@ -298,10 +323,17 @@ def _case_table(rows: list[dict]) -> list[str]:
     return [*out, ""]
 
 
-def _disconnection_section(rows: list[dict]) -> list[str]:
+def _min_prob_phrase(config: dict) -> str:
+    """', stopping below probability P' when the run set --offline-min-prob (older results: none)."""
+    min_prob = config.get("offline_min_prob")
+    return f", each stopping before its probability that all of them are right falls below {min_prob:g}" if min_prob else ""
+
+
+def _disconnection_section(rows: list[dict], config: dict) -> list[str]:
     first = rows[0]
     out = [
-        f"## Disconnection (link cut after {first['cut_after']} verified tokens, up to {first['offline_tokens']} drafted alone)",
+        f"## Disconnection (link cut after {first['cut_after']} verified tokens, up to {first['offline_tokens']} drafted alone"
+        f"{_min_prob_phrase(config)})",
         "",
         "Agreement: leading offline tokens equal to the target's own greedy continuation of the verified text; "
         "first token: share of generations whose first offline token is the target's. Task F1 (prompts with "

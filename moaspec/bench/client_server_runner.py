@@ -12,8 +12,10 @@ behind its own `NetemProxy`; all servers and client drafters share the weights o
 target (each holds its own caches); the measured clients and the servers are in client_server_cases.py.
 
 Protocol (as the single-device runner, moaspec/bench/runner.py): per profile, one warm-up
-generation per case (WARMUP_TOKENS, not recorded), then for prompt i the cases in their order
-rotated by i, all with seed + i. Metrics per (profile, case), pooled over the prompts:
+generation per case (WARMUP_TOKENS, not recorded), then for the i-th generation the cases in their
+order rotated by i, all with seed + i. A prompt's later user turns (MT-bench's second) follow it,
+each asked after the plain stream's answer, so every case sees the same conversation. Metrics
+per (profile, case), pooled over the generations:
 - tokens_per_s: new tokens / wall, wall = request sent -> last token received by the client;
 - speedup: tokens_per_s / that of `none` `server` on the same profile;
 - tau: tokens per target forward (moaspec/metrics.py), from the client's stats (split) or from the
@@ -50,6 +52,7 @@ from moaspec.bench.client_server_cases import (
 )
 from moaspec.bench.runner import BASELINE, WARMUP_TOKENS, first_divergence
 from moaspec.bench.task_score import token_f1
+from moaspec.chat import encode_chat_messages
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
@@ -65,11 +68,16 @@ DISCONNECTION_IDLE_S, DISCONNECTION_SESSIONS = 10.0, 1024
 OFFLINE_BASE_S, OFFLINE_PER_TOKEN_S = 2.0, 0.25  # how long the client drafts alone, at most
 
 
+TURN_SEPARATOR = " turn "  # a later turn's name: "category/prompt_id turn 2"
+
+
 @dataclass(frozen=True)
 class NamedPrompt:
-    name: str  # "category/prompt_id"
+    name: str  # "category/prompt_id" (+ TURN_SEPARATOR + the turn's number from the second on)
     prompt_ids: tuple[int, ...]  # [T]
     references: tuple[str, ...] = ()  # reference answers, where the set has them (task scores)
+    messages: tuple[dict[str, str], ...] = ()  # the chat prompt_ids encodes (a later turn extends it)
+    follow_ups: tuple[str, ...] = ()  # later user turns, each asked after the plain stream's answer
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class CaseMismatch:
 class ClientServerData:
     records: list[CaseRecord] = field(default_factory=list)
     mismatches: list[CaseMismatch] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # later turns that did not fit the context
 
 
 @dataclass(frozen=True)
@@ -141,14 +150,14 @@ def run_client_server(
     """The protocol of the module docstring. drafters: method label -> factory (`none` is added)."""
     data = ClientServerData()
     limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens))
-    total = len(profiles) * len(prompts) * (1 + 2 * len(drafters))
+    total = len(profiles) * sum(1 + len(prompt.follow_ups) for prompt in prompts) * (1 + 2 * len(drafters))
     bar = _progress_bar(total, "moaspec bench --client-server", progress)
     try:
         with LoopbackServers(target, drafters, limits) as servers:
             for profile in profiles:
                 cases = servers.cases(profile)
                 try:
-                    _run_profile(profile, cases, prompts, sampling, max_new_tokens, seed, data, bar)
+                    _run_profile(target, profile, cases, prompts, sampling, max_new_tokens, seed, data, bar)
                 finally:
                     for case in cases:
                         case.close()
@@ -158,6 +167,7 @@ def run_client_server(
 
 
 def _run_profile(
+    target: Target,
     profile: str,
     cases: list[Case],
     prompts: list[NamedPrompt],
@@ -170,23 +180,66 @@ def _run_profile(
     if prompts:
         for case in cases:  # warm-up: connections, allocator, first-call costs
             case.run(prompts[0].prompt_ids, sampling, min(WARMUP_TOKENS, max_new_tokens), seed)
-    for index, prompt in enumerate(prompts):
-        shift = index % len(cases)
-        runs: dict[tuple[str, str], CaseRun] = {}
-        for case in cases[shift:] + cases[:shift]:
-            run = case.run(prompt.prompt_ids, sampling, max_new_tokens, seed + index)
-            runs[(case.method, case.mode)] = run
-            data.records.append(CaseRecord(profile, prompt.name, case.method, case.mode, run))
-            bar.update(1)
-        if sampling.greedy:
-            for mismatch in text_mismatches(profile, prompt.name, runs):
-                data.mismatches.append(mismatch)
-                bar.write(
-                    f"moaspec: MISMATCH (a lossless path changed the greedy output, this is a bug): {mismatch.method} "
-                    f"{mismatch.mode} differs from {BASELINE} {SERVER} on {profile} {prompt.name} at character "
-                    f"{mismatch.first_divergence}",
-                    file=sys.stderr,
-                )
+    index = 0
+    for first in prompts:
+        prompt: NamedPrompt | None = first
+        while prompt is not None:
+            runs = _run_cases(profile, cases, prompt, sampling, max_new_tokens, seed, index, data, bar)
+            index += 1
+            prompt = _next_turn(target, prompt, runs[(BASELINE, SERVER)].text, profile, data, bar, len(cases))
+
+
+def _run_cases(
+    profile: str,
+    cases: list[Case],
+    prompt: NamedPrompt,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    seed: int,
+    index: int,
+    data: ClientServerData,
+    bar,
+) -> dict[tuple[str, str], CaseRun]:
+    """The index-th generation: every case once, in their order rotated by index, seed + index."""
+    shift = index % len(cases)
+    runs: dict[tuple[str, str], CaseRun] = {}
+    for case in cases[shift:] + cases[:shift]:
+        run = case.run(prompt.prompt_ids, sampling, max_new_tokens, seed + index)
+        runs[(case.method, case.mode)] = run
+        data.records.append(CaseRecord(profile, prompt.name, case.method, case.mode, run))
+        bar.update(1)
+    if sampling.greedy:
+        for mismatch in text_mismatches(profile, prompt.name, runs):
+            data.mismatches.append(mismatch)
+            bar.write(
+                f"moaspec: MISMATCH (a lossless path changed the greedy output, this is a bug): {mismatch.method} "
+                f"{mismatch.mode} differs from {BASELINE} {SERVER} on {profile} {prompt.name} at character "
+                f"{mismatch.first_divergence}",
+                file=sys.stderr,
+            )
+    return runs
+
+
+def _next_turn(
+    target: Target, prompt: NamedPrompt, answer: str, profile: str, data: ClientServerData, bar, num_cases: int
+) -> NamedPrompt | None:
+    """The prompt's next user turn after `answer`, or None when it has none or the conversation no
+    longer fits the target's context (then its remaining turns are skipped, with a warning)."""
+    if not prompt.follow_ups:
+        return None
+    conversation, _, turn = prompt.name.partition(TURN_SEPARATOR)
+    messages = (*prompt.messages, {"role": "assistant", "content": answer}, {"role": "user", "content": prompt.follow_ups[0]})
+    name = f"{conversation}{TURN_SEPARATOR}{int(turn or 1) + 1}"
+    prompt_ids = encode_chat_messages(target.tokenizer, list(messages))
+    if len(prompt_ids) >= target.max_positions - 1:
+        data.skipped.append(f"{profile} {name}")
+        bar.write(
+            f"moaspec: warning: skipping {name} on {profile}: {len(prompt_ids)} prompt tokens do not fit the context",
+            file=sys.stderr,
+        )
+        bar.update(num_cases * len(prompt.follow_ups))
+        return None
+    return NamedPrompt(name, tuple(prompt_ids), prompt.references, messages, prompt.follow_ups[1:])
 
 
 def text_mismatches(profile: str, prompt: str, runs: dict[tuple[str, str], CaseRun]) -> list[CaseMismatch]:
@@ -240,9 +293,11 @@ def run_disconnection(
     prompts: list[NamedPrompt],
     cut_after: int = 16,
     offline_tokens: int = 16,
+    offline_min_prob: float = 0.0,
     progress: bool = False,
 ) -> list[DisconnectionRow]:
-    """Greedy; one row per drafter method, pooled over the prompts (module docstring)."""
+    """Greedy; one row per drafter method, pooled over the prompts (module docstring);
+    offline_min_prob: SplitOptions.offline_min_prob of the clients."""
     limits = ServerLimits(
         max_new_tokens=max(ServerLimits().max_new_tokens, _disconnection_budget(cut_after, offline_tokens)),
         max_sessions_per_key=DISCONNECTION_SESSIONS,
@@ -257,7 +312,9 @@ def run_disconnection(
             num_offline = num_agreeing = num_first = 0
             scores: list[tuple[float, float]] = []  # (offline answer, target's answer) per scored prompt
             for prompt in prompts:
-                verified, offline = _offline_continuation(servers, method, prompt.prompt_ids, cut_after, offline_tokens)
+                verified, offline = _offline_continuation(
+                    servers, method, prompt.prompt_ids, cut_after, offline_tokens, offline_min_prob
+                )
                 own = GenerationConfig(max_new_tokens=max(len(offline), 1))
                 expected = reference.generate([*prompt.prompt_ids, *verified], generation=own).token_ids
                 num_offline += len(offline)
@@ -296,7 +353,12 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _offline_continuation(
-    servers: LoopbackServers, method: str, prompt_ids: tuple[int, ...], cut_after: int, offline_tokens: int
+    servers: LoopbackServers,
+    method: str,
+    prompt_ids: tuple[int, ...],
+    cut_after: int,
+    offline_tokens: int,
+    offline_min_prob: float,
 ) -> tuple[list[int], list[int]]:
     """Generate until `cut_after` tokens are verified, cut the link for good, collect what the
     drafter produces alone. -> (verified token ids at the cut, provisional token ids)."""
@@ -304,6 +366,7 @@ def _offline_continuation(
     client = SplitClient(f"http://127.0.0.1:{proxy.port}", servers.key, timeout_s=CLIENT_TIMEOUT_S)
     options = SplitOptions(
         max_provisional=offline_tokens,
+        offline_min_prob=offline_min_prob,
         offline_deadline_s=OFFLINE_BASE_S + OFFLINE_PER_TOKEN_S * offline_tokens,
         retry_initial_s=0.05,
         retry_max_s=0.2,

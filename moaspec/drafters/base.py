@@ -20,7 +20,8 @@ than its target also provides
                                  drafter needs (MoA: memory vectors; EAGLE: last hidden states);
     accept_context(ids, pos, c)  `accept` with the context already encoded (possibly elsewhere);
     draft_alone(root, ...)       the next token without the target (the link is down): the root
-                                 becomes provisional context, the drafter's guess is returned.
+                                 becomes provisional context, the drafter's guess is returned
+                                 with its probability of being the target's (`AloneDraft`).
 In-process, `accept(update)` is exactly `accept_context(ids, pos, context_encoder.encode(update))`,
 so the split and in-process drafters are one class.
 """
@@ -28,7 +29,7 @@ so the split and in-process drafters are one class.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -55,6 +56,14 @@ class VerifiedUpdate:
     start_pos: int
     hidden: torch.Tensor | None
     target: Target
+
+
+class AloneDraft(NamedTuple):
+    """A token drafted without the target, with the drafter's probability that it is the target's
+    own next token (a model's probability of it, or `LOOKUP_PRECISION` for a prompt-lookup copy)."""
+
+    token_id: int
+    probability: float
 
 
 class Drafter(Protocol):
@@ -84,7 +93,7 @@ class SplitDrafter(Drafter, Protocol):
 
     def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None: ...
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None: ...
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None: ...
 
 
 class NoContext:

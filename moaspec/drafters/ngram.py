@@ -20,11 +20,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig
-from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
+from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree, trie
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target
+
+
+# How often a copied continuation's next token is the target's: 79 % of the lookup's first tokens
+# online (MT-bench, 80 x 2, depth 1), 83 % of its tokens drafted alone after a cut on 30 held-out
+# prompts (README, Client-server split). The probability a lookup copy reports when drafting alone.
+LOOKUP_PRECISION = 0.8
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,13 @@ class NgramDrafter:
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
         return trie(root_id, self.continuations(root_id), self.config.max_nodes)
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None:
         """The first token of the best continuation, or None when the context has no match."""
         tree = self.propose(root_id, sampling, generator)
         if tree.num_nodes == 1:
             return None
         self.accept_context(torch.tensor([root_id]), len(self.history), {})
-        return int(tree.token_ids[1])
+        return AloneDraft(int(tree.token_ids[1]), LOOKUP_PRECISION)
 
     def continuations(self, root_id: int) -> list[list[int]]:
         """Up to max_branches distinct continuations of the context + root, longest n-gram and

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig
-from moaspec.drafters.base import Context, NoContext, VerifiedUpdate
+from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class NoDrafter:
     def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
         pass
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int | None:
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None:
         return None  # nothing to draft with: the client waits for the server
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:

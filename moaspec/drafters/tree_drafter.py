@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from moaspec.config import SamplingConfig, TreeConfig
-from moaspec.drafters.base import Context, ContextEncoder, VerifiedUpdate, pick_alone
+from moaspec.drafters.base import AloneDraft, Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
-from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import LOOKUP_PRECISION, NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
@@ -86,18 +86,19 @@ class TreeDrafter:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> int:
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft:
         """The next token without the target: the first token of the lookup's trie when it has
-        one (as `propose`), else the model's own choice. The root becomes provisional context
-        (base.py) either way, so the model runs even when the lookup answers (EAGLE keeps its
-        predicted feature of the root)."""
+        one (as `propose`; probability LOOKUP_PRECISION), else the model's own choice (with the
+        model's probability of it). The root becomes provisional context (base.py) either way, so
+        the model runs even when the lookup answers (EAGLE keeps its predicted feature of the root)."""
         trie = self._lookup_proposal(root_id, sampling, generator)
         log_probs = self.start(root_id)[0]
         self._keep_provisional_root(root_id)
-        if trie is not None:
-            return int(trie.token_ids[1])  # the first child: the longest n-gram's most recent match
+        if trie is not None:  # the first child: the longest n-gram's most recent match
+            return AloneDraft(int(trie.token_ids[1]), LOOKUP_PRECISION)
         token = pick_alone(log_probs, sampling, generator)
-        return token if self.draft_vocab_ids is None else int(self.draft_vocab_ids[token])
+        probability = float(log_probs[token].exp())
+        return AloneDraft(token if self.draft_vocab_ids is None else int(self.draft_vocab_ids[token]), probability)
 
     def _keep_provisional_root(self, root_id: int) -> None:
         """After `start(root_id)`: keep the root as context, with predicted activations."""

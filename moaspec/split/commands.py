@@ -81,7 +81,10 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
     from moaspec.split.client import SplitClient
     from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 
-    options = SplitOptions(context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline)
+    options = SplitOptions(
+        context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
+        offline_min_prob=args.offline_min_prob,
+    )
     client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
     # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies
     target = load_target(args.target, runtime="transformers")

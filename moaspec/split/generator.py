@@ -10,7 +10,9 @@ the same `seq`: the server kept the session as it was, or replays the reply it c
 so a brief cut costs one round trip, not a re-prefill.
 
 Offline (the server is unreachable or times out), the drafter continues alone (`draft_alone`)
-and its tokens are *provisional*. The client retries with exponential back-off; on reconnect it
+and its tokens are *provisional*; with `offline_min_prob` P it stops (and waits for the server)
+before a token that would bring its probability that every provisional token is the target's (the
+product of what `draft_alone` reports) below P. The client retries with exponential back-off; on reconnect it
 resynchronises a fresh server session from its verified text (re-prefill, no context sent back:
 the client kept it), re-derives the drafter's state from the stored verified context, then sends
 the provisional tokens as chains for verification. The agreeing prefix is confirmed; the rest is
@@ -55,6 +57,7 @@ class SplitOptions:
     retry_initial_s: float = 0.05
     retry_max_s: float = 2.0
     max_provisional: int = 64  # tokens drafted alone before waiting for the server
+    offline_min_prob: float = 0.0  # stop drafting alone below this probability that all of it is right
     offline_deadline_s: float = 120.0  # give up reconnecting after this long offline
     accept_offline: bool = False  # when giving up, keep the provisional tokens as final output
     adaptive: bool = False  # size the tree from measured RTT / verify / draft costs
@@ -64,6 +67,8 @@ class SplitOptions:
             raise MoaspecError(f"context dtype must be one of {', '.join(wire.CONTEXT_DTYPES)}")
         if self.max_provisional < 0 or self.offline_deadline_s < 0 or not 0 < self.retry_initial_s <= self.retry_max_s:
             raise MoaspecError("need max_provisional >= 0, offline_deadline_s >= 0, 0 < retry_initial_s <= retry_max_s")
+        if not 0.0 <= self.offline_min_prob <= 1.0:
+            raise MoaspecError(f"the offline minimum probability must be in [0, 1], not {self.offline_min_prob}")
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,8 @@ class _Run:
         self.session_id: str | None = None
         self.seq = 0
         self.provisional: list[int] = []
+        self.provisional_prob = 1.0  # the drafter's probability that every provisional token is right
+        self.drafting_alone = True  # False once offline_min_prob stopped it, until the next cut
         self.done = False
 
     @property
@@ -255,6 +262,7 @@ class _Run:
         self.offline_since = time.monotonic()
         self.next_retry = self.offline_since + self.options.retry_initial_s
         self.retry_delay = self.options.retry_initial_s
+        self.drafting_alone = True
         context_ids = self.prompt + self.result.token_ids[:-1]  # one request id per episode: idempotent retries
         self.resync_request = self._open_request(context_ids, self.root, len(context_ids))
 
@@ -281,15 +289,23 @@ class _Run:
     def _draft_alone(self) -> int | None:
         """One more provisional token, or None when the drafter cannot or should not go further."""
         count = len(self.result.token_ids) + len(self.provisional)
-        if len(self.provisional) >= self.options.max_provisional or count >= self.max_new:
+        if not self.drafting_alone or len(self.provisional) >= self.options.max_provisional or count >= self.max_new:
             return None
         if self.provisional and self.provisional[-1] in self.stop_ids:
             return None
+        if not self.provisional:
+            self.provisional_prob = 1.0
         root = self.provisional[-1] if self.provisional else self.root
         tick = time.perf_counter()
-        token = self.drafter.draft_alone(root, self.sampling, self.generator)
+        draft = self.drafter.draft_alone(root, self.sampling, self.generator)
         self.result.stats.draft_s += time.perf_counter() - tick
-        return token
+        if draft is None:
+            return None
+        if self.provisional_prob * draft.probability < self.options.offline_min_prob:
+            self.drafting_alone = False  # the drafter took the root as context: no second call until a resync
+            return None
+        self.provisional_prob *= draft.probability
+        return draft.token_id
 
     def _resync(self) -> Iterator[SplitEvent]:
         """Reconnect: a fresh session on the verified text, then verify the provisional tokens."""
