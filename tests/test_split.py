@@ -152,3 +152,59 @@ def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> Non
     best = int(log_probs.argmax())
     assert draft.token_id == (best if vocab is None else int(vocab[best]))
     assert draft.probability == pytest.approx(float(log_probs[best].exp()), rel=1e-9)
+
+
+class CountingClient(SplitClient):
+    """A SplitClient that records every request's method and path."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[str, str]] = []
+
+    def request(self, method: str, path: str, message: dict | None = None, timeout_s: float | None = None) -> dict:
+        self.calls.append((method, path.rsplit("/", 1)[-1] if method == "POST" else path.split("/")[3]))
+        return super().request(method, path, message, timeout_s)
+
+
+@pytest.mark.parametrize("pair", ["moa", "ngram"], indirect=True)
+@pytest.mark.parametrize("ending", ["length", "stop_token"])
+def test_the_last_verify_closes_the_session(pair: SplitPair, ending: str) -> None:
+    """The server closes a session whose verify finishes the generation (the client's limit or one
+    of its stop tokens reached): no DELETE round trip, nothing left on the server, the output
+    unchanged, and no earlier verify closed it (no reconnect)."""
+    generation = GenerationConfig(max_new_tokens=24)
+    full = pair.reference(SamplingConfig(), generation)
+    stop_ids = frozenset({full[13]}) if ending == "stop_token" else frozenset()
+    expected = full[: full.index(full[13]) + 1] if stop_ids else full
+    client = CountingClient(pair.url, KEY)
+    result = SplitGenerator(client, pair.client_drafter).generate(PROMPT, SamplingConfig(), generation, stop_ids)
+    assert result.token_ids == expected
+    assert result.stop_reason == ending and result.num_reconnects == 0
+    kinds = [kind for _, kind in client.calls]
+    assert kinds[:2] == ["info", "sessions"] and set(kinds[2:]) == {"verify"}
+    assert pair.server.server.sessions == {} and len(pair.server.server.finished) == 1
+
+
+@pytest.mark.parametrize("pair", ["ngram"], indirect=True)
+def test_a_closed_sessions_last_verify_is_replayed_and_nothing_else(pair: SplitPair) -> None:
+    """A retry of the verify that closed a session (its reply lost) gets the same reply; any other
+    verify is a 404 and a DELETE is answered; a client that sends no `remaining` closes the session
+    itself, as before."""
+    from moaspec.split import protocol as wire
+
+    client = SplitClient(pair.url, KEY)
+    opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=8, stop_ids=[]))
+    session_id, root = opened["session_id"], opened["next_token"]
+    kept = client.verify(session_id, wire.VerifyRequest(0, [root], [-1], remaining=7))
+    assert "closed" not in kept and session_id in pair.server.server.sessions
+    last = client.verify(session_id, wire.VerifyRequest(1, [kept["next_token"]], [-1], remaining=1))
+    assert last["closed"] is True and session_id not in pair.server.server.sessions
+    assert client.verify(session_id, wire.VerifyRequest(1, [kept["next_token"]], [-1], remaining=1)) == last
+    with pytest.raises(MoaspecError, match="no such session"):
+        client.verify(session_id, wire.VerifyRequest(2, [last["next_token"]], [-1], remaining=1))
+    assert client.request("DELETE", f"/v1/split/sessions/{session_id}") == {"closed": True}
+    assert pair.server.server.finished == {}
+
+    opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=2))
+    reply = client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"]], [-1]))
+    assert "closed" not in reply and opened["session_id"] in pair.server.server.sessions

@@ -95,6 +95,35 @@ def test_disconnection_minimum_probability_reaches_the_clients(tmp_path, tiny_be
     assert "falls below 1)" in captured.out
 
 
+def test_adaptive_split_cases_size_their_trees_and_give_the_drafter_back(tmp_path, tiny_bench, capsys) -> None:  # noqa: F811
+    """--adaptive: the split clients run with an AdaptiveTree (recorded in the config, named in the
+    report, greedy text still the plain stream's), and each case restores the shared client
+    drafter's fixed tree when it closes, so the next network starts from it."""
+    from moaspec.bench.client_server_cases import LoopbackServers
+    from moaspec.config import TreeConfig
+    from moaspec.drafters import make_drafter
+    from moaspec.serving.limits import ServerLimits
+    from moaspec.split.generator import SplitOptions
+
+    moa = save_random_checkpoint(tmp_path / "moa", "moa", tiny_bench)
+    out = tmp_path / "res"
+    argv = bench_args(out, "--client-server", "--network", "lan", "--categories", "math", "--limit", "1",
+                      "--methods", f"moa={moa}", "--adaptive")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["adaptive"] is True and results["mismatches"] == []
+    assert "size their trees from measured costs (`--adaptive`)" in captured.out
+
+    with LoopbackServers(tiny_bench, {"moa": lambda target: make_drafter(moa, target)}, ServerLimits()) as servers:
+        split = next(case for case in servers.cases("lan", SplitOptions(adaptive=True)) if case.mode == "split")
+        fixed = split.drafter.tree_config
+        assert split.generator.adaptive is not None
+        split.drafter.tree_config = TreeConfig(depth=9, top_k=1, budget=9)  # as AdaptiveTree.choose() sets it
+        split.close()
+    assert split.drafter.tree_config == fixed
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -106,6 +135,7 @@ def test_disconnection_minimum_probability_reaches_the_clients(tmp_path, tiny_be
         (["--client-server", "--offline-min-prob", "0.5"], "--offline-min-prob needs --disconnect-after"),
         (["--client-server", "--disconnect-after", "4", "--offline-min-prob", "2"], "--offline-min-prob must be in [0, 1]"),
         (["--offline-min-prob", "0.5"], "--offline-min-prob needs --client-server"),
+        (["--adaptive"], "--adaptive needs --client-server"),
         (["--client-server", "--methods", "none,hf"], "'hf' has no client-server form"),
         (["--client-server", "--temperature", "3"], "--temperature in [0, 2]"),
     ],

@@ -5,7 +5,7 @@
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
                   [--no-plots] [--no-progress]
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,...]
-                  [--disconnect-after N [--offline-tokens M]] [the flags above but --no-plots]
+                  [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [the flags above but --no-plots]
 
 Writes results.json, results.md, speedup.png and tau.png into DIR (all or nothing; client-server:
 results.json and results.md, see moaspec/bench/client_server.py), prints the markdown to stdout.

@@ -3,7 +3,7 @@ networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired in
 
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,DIR,...]
                   [--categories ...] [--limit N] [--max-new-tokens N] [--temperature T] [--seed S]
-                  [--target NAME|PATH] [--disconnect-after N [--offline-tokens M]] [--no-progress]
+                  [--target NAME|PATH] [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [--no-progress]
 
 - `--network`: profiles of moaspec/split/netem.py (default all four), measured one after another,
   the cases interleaved prompt by prompt within each;
@@ -13,8 +13,11 @@ networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired in
 - prompts: every user turn of every item (after its fixed history, e.g. QA's document), a later
   turn (MT-bench's second) asked after the plain stream's answer; the disconnection experiment
   takes first turns only;
+- `--adaptive`: split clients size their draft trees from measured costs (`generate --server
+  --adaptive`, moaspec/split/adaptive.py), each case learning anew on each network;
 - `--disconnect-after N`: also run the disconnection experiment (link cut after N verified tokens,
-  each drafter continues alone for up to `--offline-tokens` M tokens, default 16).
+  each drafter continues alone for up to `--offline-tokens` M tokens, default 16, stopping earlier
+  with `--offline-min-prob P` as `moaspec generate --server` does).
 Writes results.json (`client_server` and `disconnection` rows, config, machine, command; schema
 in schema.py) and results.md into DIR, all or nothing, and prints the markdown. No plots.
 """
@@ -54,6 +57,13 @@ def add_client_server_arguments(bench: argparse.ArgumentParser) -> None:
         help=f"disconnection: most tokens each drafter produces alone (default {DEFAULT_OFFLINE_TOKENS})",
     )
     group.add_argument(
+        "--adaptive",
+        action="store_true",
+        default=None,
+        help="split cases size their draft tree from measured round trip, verify and draft times "
+        "(generate --server --adaptive; default: the drafter's fixed tree)",
+    )
+    group.add_argument(
         "--offline-min-prob",
         type=float,
         default=None,
@@ -69,6 +79,7 @@ def check_client_server_flags(args: argparse.Namespace) -> None:
         "--disconnect-after": args.disconnect_after,
         "--offline-tokens": args.offline_tokens,
         "--offline-min-prob": args.offline_min_prob,
+        "--adaptive": args.adaptive,
     }
     if not args.client_server:
         given = [flag for flag, value in flags.items() if value is not None]
@@ -151,7 +162,8 @@ def run_client_server_bench(
     }
     config = _config(args, target.name, target.runtime, categories, specs, profiles)
     data = run_client_server(
-        target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
+        target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress,
+        adaptive=bool(args.adaptive),
     )
     disconnection = []
     if args.disconnect_after is not None:
@@ -219,6 +231,7 @@ def _config(
         "offline_tokens": None if args.disconnect_after is None else args.offline_tokens or DEFAULT_OFFLINE_TOKENS,
         "offline_min_prob": None if args.disconnect_after is None else args.offline_min_prob or 0.0,
         "turns": "all",  # every user turn (results written before this key: first turns only)
+        "adaptive": bool(args.adaptive),  # split cases' trees sized by split/adaptive.py
     }
 
 
@@ -286,6 +299,7 @@ def render_markdown(results: dict) -> str:
             f"new tokens, seed {config['seed']}; {_turns_phrase(config)} of {', '.join(config['categories'])}. Per network the "
             "cases run interleaved prompt by prompt, warm-up excluded. Links are emulated on loopback "
             "(moaspec/split/netem.py); bytes are counted at the emulator, both directions, HTTP included."
+            + (" Split clients size their trees from measured costs (`--adaptive`)." if config.get("adaptive") else "")
         ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
         "",

@@ -67,10 +67,12 @@ class SplitCase:
 
     mode = SPLIT
 
-    def __init__(self, method: str, proxy: NetemProxy, key: str, drafter: SplitDrafter, target: Target) -> None:
-        self.method, self.proxy, self.target = method, proxy, target
+    def __init__(self, method: str, proxy: NetemProxy, key: str, drafter: SplitDrafter, target: Target,
+                 options: SplitOptions = SplitOptions()) -> None:
+        self.method, self.proxy, self.target, self.drafter = method, proxy, target, drafter
+        self.fixed_tree = getattr(drafter, "tree_config", None)  # adaptive trees change it: restored on close
         self.client = SplitClient(f"http://127.0.0.1:{proxy.port}", key, timeout_s=CLIENT_TIMEOUT_S)
-        self.generator = SplitGenerator(self.client, drafter, SplitOptions())
+        self.generator = SplitGenerator(self.client, drafter, options)
 
     def run(self, prompt_ids: tuple[int, ...], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> CaseRun:
         calls, num_bytes = self.client.stats.calls, _link_bytes(self.proxy)
@@ -89,6 +91,8 @@ class SplitCase:
         )
 
     def close(self) -> None:
+        if self.fixed_tree is not None:
+            self.drafter.tree_config = self.fixed_tree
         self.client.drop_connection()
         self.proxy.stop()
 
@@ -211,14 +215,15 @@ class LoopbackServers:
     def proxy(self, method: str, profile: str) -> NetemProxy:
         return NetemProxy("127.0.0.1", self.servers[method].port, profile).start()
 
-    def cases(self, profile: str) -> list[Case]:
-        """`none` server, then split and server for each drafter method, each behind its own proxy."""
+    def cases(self, profile: str, options: SplitOptions = SplitOptions()) -> list[Case]:
+        """`none` server, then split (with these client options) and server for each drafter
+        method, each behind its own proxy."""
         cases: list[Case] = []
         try:
             for method in self.servers:
                 if method != BASELINE:
                     drafter = self.client_drafters[method]
-                    cases.append(SplitCase(method, self.proxy(method, profile), self.key, drafter, self.target))
+                    cases.append(SplitCase(method, self.proxy(method, profile), self.key, drafter, self.target, options))
                 cases.append(StreamCase(method, self.proxy(method, profile), self.key, self.target.name))
         except BaseException:
             for case in cases:

@@ -20,8 +20,8 @@ per (profile, case), pooled over the generations:
 - speedup: tokens_per_s / that of `none` `server` on the same profile;
 - tau: tokens per target forward (moaspec/metrics.py), from the client's stats (split) or from the
   server's `moaspec` extension of the final SSE chunk (server);
-- server_calls_per_100_tokens: HTTP requests per 100 new tokens (split: open, verifications and
-  close; server: one per generation);
+- server_calls_per_100_tokens: HTTP requests per 100 new tokens (split: open and verifications,
+  the last of which closes the session; server: one per generation);
 - bytes_per_token: bytes through the proxy in both directions (HTTP headers and SSE framing
   included) per new token;
 - time_to_first_token_s: mean of request sent -> first token (first non-empty text chunk) received.
@@ -146,8 +146,10 @@ def run_client_server(
     max_new_tokens: int = 64,
     seed: int = 0,
     progress: bool = False,
+    adaptive: bool = False,
 ) -> ClientServerData:
-    """The protocol of the module docstring. drafters: method label -> factory (`none` is added)."""
+    """The protocol of the module docstring. drafters: method label -> factory (`none` is added);
+    adaptive: split clients size their trees from measured costs (SplitOptions.adaptive)."""
     data = ClientServerData()
     limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens))
     total = len(profiles) * sum(1 + len(prompt.follow_ups) for prompt in prompts) * (1 + 2 * len(drafters))
@@ -155,7 +157,7 @@ def run_client_server(
     try:
         with LoopbackServers(target, drafters, limits) as servers:
             for profile in profiles:
-                cases = servers.cases(profile)
+                cases = servers.cases(profile, SplitOptions(adaptive=adaptive))
                 try:
                     _run_profile(target, profile, cases, prompts, sampling, max_new_tokens, seed, data, bar)
                 finally:

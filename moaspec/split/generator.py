@@ -158,6 +158,7 @@ class _Run:
         self.provisional: list[int] = []
         self.provisional_prob = 1.0  # the drafter's probability that every provisional token is right
         self.drafting_alone = True  # False once offline_min_prob stopped it, until the next cut
+        self.server_closed = False  # the session's last verify finished the generation and closed it
         self.done = False
 
     @property
@@ -178,7 +179,7 @@ class _Run:
                 stats.wall_s = time.perf_counter() - started
         finally:
             stats.wall_s = time.perf_counter() - started
-            if self.session_id is not None:
+            if self.session_id is not None and not self.server_closed:
                 self.client.close_session(self.session_id)
 
     # -- online -----------------------------------------------------------------------------------
@@ -227,7 +228,8 @@ class _Run:
         if tree.draft_probs is not None:  # exact sparse rows: the verifier needs what was drawn from
             rows = [row.nonzero().flatten() for row in tree.draft_probs]
             draft_probs = [(ids.tolist(), row[ids].double()) for ids, row in zip(rows, tree.draft_probs)]
-        request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs)
+        remaining = self.max_new - len(self.result.token_ids)
+        request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs, remaining)
         tick = time.perf_counter()
         try:
             reply = self.client.verify(self.session_id, request)
@@ -242,7 +244,9 @@ class _Run:
             reply = self.client.verify(self.session_id, request)
         round_trip_s = time.perf_counter() - tick
         self.seq += 1
-        return wire.parse_verification(reply, self.owner.vocab_size, tree.num_nodes), round_trip_s
+        verification = wire.parse_verification(reply, self.owner.vocab_size, tree.num_nodes)
+        self.server_closed = verification.closed
+        return verification, round_trip_s
 
     def _accept(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
         self.contexts.append((token_ids, start_pos, context))
@@ -310,7 +314,7 @@ class _Run:
     def _resync(self) -> Iterator[SplitEvent]:
         """Reconnect: a fresh session on the verified text, then verify the provisional tokens."""
         reply = self.client.open(self.resync_request)
-        self.session_id, self.seq = str(reply["session_id"]), 0
+        self.session_id, self.seq, self.server_closed = str(reply["session_id"]), 0, False
         self.result.num_reconnects += 1
         self.result.offline_s += time.monotonic() - self.offline_since
         self.drafter.reset()  # back to exactly the verified state: replay the stored context
@@ -366,9 +370,10 @@ class _Run:
 
     def _open_request(self, prompt_ids: list[int], root_id: int | None, context_from: int) -> wire.OpenRequest:
         s = self.sampling
+        stop_ids = sorted(self.stop_ids) if len(self.stop_ids) <= wire.MAX_STOP_IDS else None  # else closed by DELETE
         return wire.OpenRequest(
             prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new,
-            root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype,
+            root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype, stop_ids=stop_ids,
         )
 
 

@@ -32,6 +32,7 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 CONTEXT_DTYPES = ("f16", "i8", "f32")  # what a client may ask the context to be sent as
 MAX_TENSOR_ELEMENTS = 1 << 24
+MAX_STOP_IDS = 64  # an open request's stop_ids
 
 
 # -- body codecs --------------------------------------------------------------------------------
@@ -194,6 +195,7 @@ class OpenRequest:
     root_id: int | None = None
     context_from: int = 0  # return context for prompt positions >= this (the client has the rest)
     context_dtype: str = "f16"
+    stop_ids: list[int] | None = None  # with a verify's `remaining`: the server closes a finished session itself
     version: int = PROTOCOL_VERSION
     request_id: str = field(default_factory=lambda: secrets.token_hex(12))  # makes retries idempotent
 
@@ -210,9 +212,12 @@ class VerifyRequest:
     token_ids: list[int]
     parents: list[int]
     draft_probs: list[tuple[list[int], torch.Tensor]] | None = None
+    remaining: int | None = None  # tokens the client can still emit: the server closes the session when this reply ends it
 
     def to_wire(self) -> dict:
         message: dict[str, Any] = {"seq": self.seq, "token_ids": self.token_ids, "parents": self.parents}
+        if self.remaining is not None:
+            message["remaining"] = self.remaining
         if self.draft_probs is not None:
             message["draft_ids"] = [ids for ids, _ in self.draft_probs]
             message["draft_probs"] = encode_tensor(torch.cat([p for _, p in self.draft_probs]).double(), "f64")
@@ -228,7 +233,7 @@ class Verification:
     start_pos: int
     context: dict[str, torch.Tensor]
     server_s: float
-    extra: dict = field(default_factory=dict)
+    closed: bool = False  # the server closed the session: this reply finished the generation
 
 
 def parse_verification(message: dict, vocab_size: int, num_nodes: int, num_tokens: int | None = None) -> Verification:
@@ -241,4 +246,13 @@ def parse_verification(message: dict, vocab_size: int, num_nodes: int, num_token
     rows = len(path) if num_tokens is None else num_tokens
     context = decode_context(message.get("context", {}), rows)
     server_s = get_float(message, "server_s", 0.0, 1e9, 0.0)
-    return Verification(path, next_token, start_pos, context, server_s)
+    closed = message.get("closed", False)
+    if not isinstance(closed, bool):
+        raise ProtocolError("'closed' must be a boolean")
+    return Verification(path, next_token, start_pos, context, server_s, closed)
+
+
+def finishes(emitted: list[int], remaining: int, stop_ids: frozenset[int]) -> bool:
+    """Whether emitting these tokens ends a generation that may emit `remaining` more: it reaches
+    the limit or emits a stop token within it (the engine's rule, Engine._emit)."""
+    return len(emitted) >= remaining or any(token in stop_ids for token in emitted[:remaining])

@@ -71,11 +71,22 @@ class _Session:
     root_id: int
     open_ident: tuple[int, str]  # (key, request_id) of the open request
     reservation: Reservation  # its sessions and cached tokens in the budget
+    stop_ids: frozenset[int] = frozenset()  # the client's: a verify with `remaining` that ends the generation closes it
     num_verified: int = 0  # tokens this session added to the context (budget)
     next_seq: int = 0
     last_reply: dict | None = None
     last_used: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request of a session at a time
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """What is kept of a session the server closed after its last verify: that reply, for a retry."""
+
+    key_index: int
+    seq: int
+    reply: dict
+    closed_at: float
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,7 @@ class SplitServer:
             "limits": asdict(limits),
         }
         self.sessions: dict[str, _Session] = {}
+        self.finished: dict[str, _Finished] = {}  # closed by their last verify, oldest first (at most max_sessions)
         self.budget = SessionBudget(limits)
         self.connections = ConnectionGuard(limits)
         self.openai: OpenAIRoutes | None = None  # set by build_app
@@ -217,6 +229,7 @@ class SplitServer:
             root_id = wire.get_int(message, "root_id", 0, vocab - 1)
         context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
+        stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if "stop_ids" in message else frozenset()
         reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
             done = await self._prefill(prompt, sampling, seed, root_id, context_from, context_dtype)
@@ -226,7 +239,7 @@ class SplitServer:
         session_id = secrets.token_urlsafe(16)
         self.sessions[session_id] = _Session(
             reservation.key_index, done.target_session, context_dtype, max_new, done.first_token, ident, reservation,
-            last_used=time.monotonic(),
+            stop_ids=stop_ids, last_used=time.monotonic(),
         )
         return {"session_id": session_id, "next_token": done.first_token, "start_pos": context_from, "context": done.context,
                 "server_s": done.server_s}
@@ -253,6 +266,9 @@ class SplitServer:
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
         message = await self._read(request)  # in full before the session is touched: a cut upload changes nothing
+        finished = self.finished.get(request.match_info["session_id"])
+        if finished is not None and finished.key_index == request[KEY_INDEX] and message.get("seq") == finished.seq:
+            return _reply(request, finished.reply)  # a retry of the verify that closed it: same answer
         session = self._session(request)
         async with session.lock:
             return await self._verify_locked(request, session, message)
@@ -271,6 +287,7 @@ class SplitServer:
             raise HTTPError(400, "too_many_tokens", f"the session's budget of {session.max_new_tokens} new tokens is spent")
         if session.target_session.target.num_cached + depth + 1 > self.target.max_positions:
             raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
+        remaining = wire.get_int(message, "remaining", 1, 1 << 40) if "remaining" in message else None
 
         def verify() -> dict:
             verified = session.target_session.verify(tree)
@@ -294,12 +311,28 @@ class SplitServer:
         session.num_verified += len(reply["path_node_idx"])
         session.root_id = reply["next_token"]
         session.next_seq, session.last_reply, session.last_used = seq + 1, reply, time.monotonic()
+        emitted = [int(tree.token_ids[i]) for i in reply["path_node_idx"][1:]] + [reply["next_token"]]
+        if remaining is not None and wire.finishes(emitted, remaining, session.stop_ids):
+            reply["closed"] = True  # the client is done: no DELETE round trip needed
+            self._finish(request.match_info["session_id"], session, seq, reply)
         return _reply(request, reply)
 
     async def _close(self, request: web.Request) -> web.StreamResponse:
+        session_id = request.match_info["session_id"]
+        finished = self.finished.get(session_id)
+        if finished is not None and finished.key_index == request[KEY_INDEX]:
+            del self.finished[session_id]
+            return _reply(request, {"closed": True})
         self._session(request)
-        self._drop(request.match_info["session_id"])
+        self._drop(session_id)
         return _reply(request, {"closed": True})
+
+    def _finish(self, session_id: str, session: _Session, seq: int, reply: dict) -> None:
+        """Close a session its last verify finished, keeping that reply for a retry."""
+        self._drop(session_id)
+        self.finished[session_id] = _Finished(session.key_index, seq, reply, time.monotonic())
+        while len(self.finished) > self.limits.max_sessions:
+            del self.finished[next(iter(self.finished))]
 
     def _drop(self, session_id: str) -> None:
         session = self.sessions.pop(session_id, None)
@@ -365,10 +398,13 @@ class SplitServer:
             deadline = time.monotonic() - self.limits.idle_timeout_s
             for session_id in [k for k, s in self.sessions.items() if s.last_used < deadline]:
                 self._drop(session_id)
+            for session_id in [k for k, f in self.finished.items() if f.closed_at < deadline]:
+                del self.finished[session_id]
 
     async def _stop(self, app: web.Application) -> None:
         app[REAPER].cancel()
         self.sessions.clear()
+        self.finished.clear()
         self.opening.clear()
         self.budget.clear()
 

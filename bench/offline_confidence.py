@@ -1,0 +1,129 @@
+"""How well a drafter's reported probability predicts its offline tokens (split deployment, link down).
+
+In-process equivalent of the disconnection experiment (`moaspec bench --client-server
+--disconnect-after N`): generate N tokens with the drafter (greedy, lossless: the target's own),
+then let it draft M tokens alone (`draft_alone`, exactly what the split client calls) and compare
+them with the target's own greedy continuation. For every stopping threshold P it reports what
+`--offline-min-prob P` would write: tokens written, leading tokens agreeing with the target, and
+their ratio; and, per drafter, how often a token whose prefix agreed is right (conditional
+precision; for `ngram` this is the precision of a prompt-lookup copy, LOOKUP_PRECISION).
+
+    .venv/bin/python bench/offline_confidence.py --out DIR [--categories mt_bench,humaneval]
+        [--limit 25] [--skip 10] [--drafters ngram,moa,moa+ngram] [--cut-after 16] [--offline-tokens 24]
+
+`--skip K` leaves out each category's first K items (per --limit's even draw): the disconnection
+experiment of the README uses the first 10 of qa and mt_bench, so the defaults calibrate on others.
+Writes DIR/results.json (every offline token) and DIR/results.md. One torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def offline_tokens(target, spec: str, prompt_ids: list[int], cut_after: int, count: int) -> list[dict] | None:
+    """Draft `count` tokens alone after `cut_after` verified ones; -> [{token, probability, right}]
+    (right: equal to the target's own token at that place), or None when the answer ends first."""
+    import torch
+
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.drafters import make_drafter
+    from moaspec.drafters.none import NoDrafter
+    from moaspec.engine import Engine
+
+    drafter = make_drafter(spec, target)
+    verified = Engine(target, drafter).generate(prompt_ids, generation=GenerationConfig(max_new_tokens=cut_after)).token_ids
+    if len(verified) < cut_after or verified[-1] in target.stop_ids:
+        return None
+    expected = Engine(target, NoDrafter()).generate([*prompt_ids, *verified], generation=GenerationConfig(max_new_tokens=count)).token_ids
+    rows, root, generator = [], verified[-1], torch.Generator().manual_seed(0)
+    for index in range(count):
+        draft = drafter.draft_alone(root, SamplingConfig(), generator)
+        if draft is None:  # n-gram without a match: it would wait for the server
+            break
+        rows.append({"token": draft.token_id, "probability": draft.probability,
+                     "right": index < len(expected) and draft.token_id == expected[index]})
+        root = draft.token_id
+    return rows
+
+
+def stopping_table(generations: list[list[dict]]) -> list[dict]:
+    """What `--offline-min-prob P` would write, for each P in THRESHOLDS (pooled over generations)."""
+    table = []
+    for threshold in THRESHOLDS:
+        written = agreeing = 0
+        for rows in generations:
+            probability, prefix_right = 1.0, True
+            for row in rows:
+                probability *= row["probability"]
+                if probability < threshold:
+                    break
+                written += 1
+                prefix_right = prefix_right and row["right"]
+                agreeing += prefix_right
+        table.append({"min_prob": threshold, "written": written, "agreeing": agreeing,
+                      "agreement": round(agreeing / written, 4) if written else 0.0})
+    return table
+
+
+def conditional_precision(generations: list[list[dict]]) -> tuple[int, int]:
+    """(right, drafted) over tokens whose earlier offline tokens all agreed with the target."""
+    right = drafted = 0
+    for rows in generations:
+        for row in rows:
+            drafted += 1
+            right += row["right"]
+            if not row["right"]:
+                break
+    return right, drafted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--categories", default="mt_bench,humaneval")
+    parser.add_argument("--limit", type=int, default=25)
+    parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--drafters", default="ngram,moa,moa+ngram")
+    parser.add_argument("--cut-after", type=int, default=16)
+    parser.add_argument("--offline-tokens", type=int, default=24)
+    args = parser.parse_args()
+
+    import torch
+
+    import moaspec.api
+    from moaspec.bench.prompts import load_prompts
+    from moaspec.chat import encode_chat_messages
+
+    torch.set_num_threads(1)
+    target = moaspec.api.load_target("smollm2-135m", runtime="transformers")
+    items = [item for group in load_prompts(tuple(args.categories.split(",")), args.limit).values() for item in group[args.skip:]]
+    results = {"command": " ".join(["bench/offline_confidence.py", *__import__("sys").argv[1:]]), "drafters": {}}
+    lines = ["# Offline confidence (drafting alone after a cut)", "", f"`{results['command']}`", ""]
+    for spec in args.drafters.split(","):
+        generations = {}
+        for item in items:
+            prompt_ids = encode_chat_messages(target.tokenizer, [*item.history, {"role": "user", "content": item.turns[0]}])
+            rows = offline_tokens(target, spec, prompt_ids, args.cut_after, args.offline_tokens)
+            if rows is not None:
+                generations[f"{item.category}/{item.prompt_id}"] = rows
+        table = stopping_table(list(generations.values()))
+        right, drafted = conditional_precision(list(generations.values()))
+        results["drafters"][spec] = {"generations": generations, "stopping": table, "conditional_precision": [right, drafted]}
+        lines += [f"## {spec} ({len(generations)} generations; right when the prefix agreed: {right} of {drafted})", "",
+                  "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in table]
+        lines.append("")
+        print("\n".join(lines[-len(table) - 4:]), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results) + "\n")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""bench/offline_confidence.py: what `--offline-min-prob P` would write, computed as the split
+client stops (product of reported probabilities), and agreement counted from the first token."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "offline_confidence.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("offline_confidence", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rows(*pairs):
+    return [{"token": i, "probability": p, "right": right} for i, (p, right) in enumerate(pairs)]
+
+
+def test_stopping_follows_the_product_and_agreement_counts_from_the_first() -> None:
+    script = load_script()
+    generations = [
+        rows((0.9, True), (0.8, True), (0.5, True)),  # products 0.9, 0.72, 0.36
+        rows((0.6, False), (0.99, True)),  # wrong first: nothing after it agrees
+    ]
+    table = {row["min_prob"]: row for row in script.stopping_table(generations)}
+    assert (table[0.0]["written"], table[0.0]["agreeing"]) == (5, 3)
+    assert (table[0.5]["written"], table[0.5]["agreeing"]) == (4, 2)  # 0.36 stops the first; the second writes 2
+    assert (table[0.7]["written"], table[0.7]["agreeing"], table[0.7]["agreement"]) == (2, 2, 1.0)
+    assert (table[0.9]["written"], table[0.9]["agreeing"]) == (1, 1)
+    assert script.conditional_precision(generations) == (3, 4)
