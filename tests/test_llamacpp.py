@@ -382,3 +382,34 @@ def test_the_exactness_check_fails_when_batched_kernels_round_differently(llama_
     monkeypatch.setattr(llama_target.weights, "trees_exact", False)
     with pytest.raises(MoaspecError, match="bit for bit"):
         verify(llama_target, DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
+
+
+def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(llama_target, category_prompts) -> None:
+    """ctypes swallows exceptions raised in the eval callback, and a callback that answers False
+    stops llama.cpp's graph mid-way: Ctrl-C (or SIGTERM through the CLI's handler) arriving while
+    keys/values are copied out must surface as KeyboardInterrupt after llama_decode, never as a
+    silently wrong decode; the context is reset and decodes exactly afterwards."""
+    prompt = category_prompts["math"][:60]
+    _, logits = plain_decode(llama_target, prompt, 2)
+    capturing = llama_target.new_session()
+    capturing.keep_layer_kv([28, 29])
+    real = capturing.capture.ggml
+
+    class InterruptOnce:
+        fired = False
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def ggml_backend_tensor_get(self, *args):
+            if not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+            return real.ggml_backend_tensor_get(*args)
+
+    capturing.capture.ggml = InterruptOnce()
+    with pytest.raises(KeyboardInterrupt):
+        capturing.set_context(torch.tensor(prompt))
+    assert capturing.num_cached == 0 and capturing.capture.failure is None
+    capturing.capture.ggml = real
+    assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])

@@ -513,6 +513,9 @@ class LlamaCppTarget:
 
     def _decode(self) -> None:
         status = self.lib.llama_decode(self.ctx, self.batch)
+        if self.capture is not None and self.capture.failure is not None:
+            self.reset()  # this decode's captured keys/values are incomplete
+            self.capture.raise_failure()
         if status != 0:
             self.reset()
             raise MoaspecError(f"llama_decode failed (status {status}); the target's context was reset")

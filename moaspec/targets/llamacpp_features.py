@@ -73,12 +73,29 @@ class CapturedKV:
         self.ggml = _ggml(llama_cpp)
         self.names = {f"{kind}cur-{layer}".encode(): (kind, i) for i, layer in enumerate(self.layers) for kind in "KV"}
         self.current: dict[tuple[str, int], np.ndarray] = {}
+        self.failure: BaseException | None = None  # raised in the callback, re-raised after the decode
         half = head_dim // 2
         # transformers' dimension j of a head is llama.cpp's interleaved[j]: 0, 2, 4, ..., 1, 3, 5, ...
         self.unpermute = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]) if half else None
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)  # kept alive here
 
     def _on_tensor(self, tensor: int, ask: bool, user_data) -> bool:
+        """ctypes swallows what a callback raises, and a False answer to a computed tensor stops the
+        graph mid-way (wrong logits, no error), so anything raised here (Ctrl-C, SIGTERM) is kept
+        for `raise_failure` and the graph runs to its end."""
+        try:
+            return self._take(tensor, ask)
+        except BaseException as exc:  # noqa: BLE001  re-raised by raise_failure after llama_decode
+            self.failure = self.failure or exc
+            return not ask
+
+    def raise_failure(self) -> None:
+        """Raise what the callback caught during the last decode, if anything (once)."""
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+
+    def _take(self, tensor: int, ask: bool) -> bool:
         view = GgmlTensor.from_address(tensor)
         slot = self.names.get(view.name)
         if ask or slot is None:
