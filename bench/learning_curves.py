@@ -1,10 +1,11 @@
 """Learning curves of drafter training runs: validation top-1 per draft depth and τ over steps.
 
-    .venv/bin/python bench/learning_curves.py --out docs/learning_curves RUN_DIR [RUN_DIR ...]
+    .venv/bin/python bench/learning_curves.py --out docs/learning_curves [--merge] RUN_DIR [RUN_DIR ...]
 
 Reads each run's `train_state.pt` history (the validation records written every --val-every
 steps) and writes `<out>.png` (one panel per quantity, one line per run) and `<out>.json` (the
-points, small enough to commit). Draft depth follows inference: for MoA, draft depth d is the
+points, small enough to commit). `--merge` keeps the runs already in `<out>.json` (those of
+earlier machines, whose run directories are gone) and adds or replaces the given ones. Draft depth follows inference: for MoA, draft depth d is the
 trainer's `acc_depth{d+1}` (its `acc_depth1` is the anchor's own position, the target's bonus
 token at inference); for EAGLE, `acc_depth1` is draft depth 1 (teacher-forced features).
 Top-1 is against the target's argmax over the full vocabulary (runs from before 2026-11-24
@@ -68,10 +69,15 @@ def plot(curves: list[dict], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output path without extension (.png and .json are written)")
+    parser.add_argument("--merge", action="store_true", help="keep the other runs already in <out>.json")
     parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`")
     args = parser.parse_args(argv)
     curves = [run_curve(Path(run)) for run in args.runs]
     out = Path(args.out)
+    if args.merge and out.with_suffix(".json").is_file():
+        names = {curve["name"] for curve in curves}
+        kept = [curve for curve in json.loads(out.with_suffix(".json").read_text()) if curve["name"] not in names]
+        curves = kept + curves
     out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
     plot(curves, out.with_suffix(".png"))
     print(f"learning_curves: {out.with_suffix('.png')}", file=sys.stderr)
