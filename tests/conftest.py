@@ -6,7 +6,9 @@ near-uniform but deterministic distributions, which is all losslessness tests ne
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from moaspec.targets.hf import HFTarget
 
 TINY_VOCAB = 97
+BENCH_SCRIPTS = Path(__file__).resolve().parent.parent / "bench"
 
 # Tiny models gain nothing from a second thread, and on a shared 2-core machine an oversubscribed
 # OpenMP pool makes small ops orders of magnitude slower.
@@ -86,3 +89,11 @@ def make_random_drafter_net(net_class, config, target: HFTarget, draft_vocab: to
         with torch.no_grad():
             net.draft_vocab_ids.copy_(draft_vocab)
     return net.to(target.dtype)
+
+
+def load_bench_script(name: str):
+    """A script of bench/ (not a package) as a module, e.g. load_bench_script("mtbench_top1")."""
+    spec = importlib.util.spec_from_file_location(name, BENCH_SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,20 +3,11 @@ of earlier machines."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "learning_curves.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("learning_curves", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_bench_script
 
 
 def fake_run(directory: Path, method: str, accuracy: float) -> Path:
@@ -28,7 +19,7 @@ def fake_run(directory: Path, method: str, accuracy: float) -> Path:
 
 
 def test_moa_draft_depth_is_the_trainers_next_depth_and_merge_keeps_other_runs(tmp_path, monkeypatch) -> None:
-    script = load_script()
+    script = load_bench_script("learning_curves")
     monkeypatch.setattr(script, "plot", lambda curves, path: path.write_bytes(b"png"))
     moa = script.run_curve(fake_run(tmp_path / "runs" / "moa-a", "moa", 0.4))
     eagle = script.run_curve(fake_run(tmp_path / "runs" / "eagle-a", "eagle", 0.4))

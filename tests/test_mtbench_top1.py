@@ -3,11 +3,8 @@ drafter's own first token, and the model's guess fills in where the lookup has n
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
-from conftest import make_tiny_target
+from conftest import load_bench_script, make_tiny_target
 
 from moaspec.drafters.ngram import NgramDrafter
 from moaspec.train.config import TrainConfig
@@ -15,18 +12,9 @@ from moaspec.train.features import OnlineFeatures, TrainSample
 from moaspec.train.run import build_net
 from moaspec.train.trainer import first_guesses
 
-SCRIPT = Path(__file__).resolve().parent.parent / "bench" / "mtbench_top1.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("mtbench_top1", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_lookup_guesses_are_the_ngram_drafters_first_tokens() -> None:
-    script = load_script()
+    script = load_bench_script("mtbench_top1")
     tokens = [5, 6, 7, 8, 5, 6, 7, 9, 1, 5, 6, 7, 8, 2, 6, 7]
     guesses = script.lookup_guesses(tokens)
     for root in range(len(tokens)):
@@ -38,7 +26,7 @@ def test_lookup_guesses_are_the_ngram_drafters_first_tokens() -> None:
 
 
 def test_depth_one_with_lookup_counts_the_lookup_first_then_the_model() -> None:
-    script = load_script()
+    script = load_bench_script("mtbench_top1")
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
     torch.manual_seed(0)
     net = build_net("eagle", target, 0, None)

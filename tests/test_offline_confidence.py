@@ -3,17 +3,7 @@ client stops (product of reported probabilities), and agreement counted from the
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "offline_confidence.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("offline_confidence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_bench_script
 
 
 def rows(*pairs):
@@ -21,7 +11,7 @@ def rows(*pairs):
 
 
 def test_stopping_follows_the_product_and_agreement_counts_from_the_first() -> None:
-    script = load_script()
+    script = load_bench_script("offline_confidence")
     generations = [
         rows((0.9, True), (0.8, True), (0.5, True)),  # products 0.9, 0.72, 0.36
         rows((0.6, False), (0.99, True)),  # wrong first: nothing after it agrees
