@@ -48,20 +48,24 @@ def plot(curves: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = [f"depth{d}" for d in DEPTHS] + ["val_tau"]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    legend_rows = -(-len(curves) // 6)  # the legend below the panels, six runs a row
+    figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4 + 0.22 * legend_rows))
     palette = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
+    markers = "os^D"  # with the colours, distinct for up to 80 runs
     colors = [palette(number % palette.N) for number in range(len(curves))]
     for axis, key in zip(axes, panels):
         for number, curve in enumerate(curves):  # one colour per run in every panel
             pairs = [(s, v) for s, v in zip(curve["steps"], curve[key]) if v is not None]
             if pairs:
                 style = "--" if curve["method"] == "eagle" else "-"  # EAGLE-2 dashed, MoA solid
-                axis.plot(*zip(*pairs), style, marker="o", label=curve["name"], color=colors[number])
+                marker = markers[number // palette.N % len(markers)]
+                axis.plot(*zip(*pairs), style, marker=marker, label=curve["name"], color=colors[number])
         axis.set_title("τ (greedy, val prompts)" if key == "val_tau" else f"top-1, draft depth {key[5:]}")
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=6, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0.22 * legend_rows / (3.4 + 0.22 * legend_rows), 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
