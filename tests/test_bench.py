@@ -311,3 +311,13 @@ def test_schema_specs_are_json_schema_and_refuse_bools_for_numbers() -> None:
         schema.validate({"schema_version": True})
     with pytest.raises(ValueError, match=r"results.config.networks.lan.rtt_s: expected int or float, got str"):
         schema.validate({"config": {"networks": {"lan": {"rtt_s": "fast"}}}}, schema.CLIENT_SERVER_SCHEMA)
+
+
+def test_results_name_the_cpu_as_the_calibration_does() -> None:
+    """Speed depends on the CPU (the machines of this project differ): results.json's machine names
+    /proc/cpuinfo's model and the kernel-relevant flags, not just the architecture."""
+    from moaspec.bench.machine import machine_info
+    from moaspec.calibration.machine import cpu_description
+
+    machine = machine_info()
+    assert machine["cpu"] == cpu_description() and machine["description"].startswith(cpu_description() + ", ")

@@ -1,17 +1,20 @@
 """The machine a benchmark or tuning ran on: the `machine` object of results.json (torch and
-transformers are imported when it is asked for, not before)."""
+transformers are imported when it is asked for, not before). The CPU is named as the machine
+calibration names it: /proc/cpuinfo's model name and the flags that change kernels."""
 
 from __future__ import annotations
 
 import os
 import platform
 
+from moaspec.calibration.machine import cpu_description
+
 
 def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_description()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu only"
     description = (
         f"{cpu}, {os.cpu_count()} CPUs ({torch.get_num_threads()} torch threads), {device}, "
