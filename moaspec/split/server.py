@@ -267,9 +267,9 @@ class SplitServer:
     async def _verify(self, request: web.Request) -> web.StreamResponse:
         message = await self._read(request)  # in full before the session is touched: a cut upload changes nothing
         finished = self.finished.get(request.match_info["session_id"])
-        if finished is not None and finished.key_index == request[KEY_INDEX]:
-            if wire.get_int(message, "seq", 0, 1 << 40) == finished.seq:
-                return _reply(request, finished.reply)  # a retry of the verify that closed it: same answer
+        if (finished is not None and finished.key_index == request[KEY_INDEX]
+                and wire.get_int(message, "seq", 0, 1 << 40) == finished.seq):
+            return _reply(request, finished.reply)  # a retry of the verify that closed it: same answer
         session = self._session(request)
         async with session.lock:
             return await self._verify_locked(request, session, message)
