@@ -165,6 +165,11 @@ class _Run:
     def root(self) -> int:
         return self.result.token_ids[-1]
 
+    @property
+    def remaining(self) -> int:
+        """Tokens this generation may still emit (verified ones count, provisional ones do not)."""
+        return self.max_new - len(self.result.token_ids)
+
     def events(self) -> Iterator[SplitEvent]:
         started = time.perf_counter()
         stats = self.result.stats
@@ -210,10 +215,9 @@ class _Run:
             accept = lambda: self._accept(path_ids, verification.start_pos, verification.context)  # noqa: E731
             return Verdict(verification.path_node_idx, verification.next_token, accept)
 
-        remaining = self.max_new - len(self.result.token_ids)
         try:
             step = decode_step(
-                self.drafter, self.root, remaining, self.sampling, self.generator, self.result.stats, verify,
+                self.drafter, self.root, self.remaining, self.sampling, self.generator, self.result.stats, verify,
                 self.owner.max_tree_nodes,
             )
         except (LinkDown, SessionLost):
@@ -228,8 +232,7 @@ class _Run:
         if tree.draft_probs is not None:  # exact sparse rows: the verifier needs what was drawn from
             rows = [row.nonzero().flatten() for row in tree.draft_probs]
             draft_probs = [(ids.tolist(), row[ids].double()) for ids, row in zip(rows, tree.draft_probs)]
-        remaining = self.max_new - len(self.result.token_ids)
-        request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs, remaining)
+        request = wire.VerifyRequest(self.seq, tree.token_ids.tolist(), tree.parents.tolist(), draft_probs, self.remaining)
         tick = time.perf_counter()
         try:
             reply = self.client.verify(self.session_id, request)
@@ -325,7 +328,7 @@ class _Run:
             yield from self._verify_provisional()
 
     def _verify_provisional(self) -> Iterator[SplitEvent]:
-        room = min(self.owner.max_tree_nodes - 1, self.max_new - len(self.result.token_ids) - 1)
+        room = min(self.owner.max_tree_nodes - 1, self.remaining - 1)
         chunk = self.provisional[: max(room, 0)]
         tree = DraftTree.chain([self.root, *chunk])
         try:

@@ -266,9 +266,8 @@ class SplitServer:
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
         message = await self._read(request)  # in full before the session is touched: a cut upload changes nothing
-        finished = self.finished.get(request.match_info["session_id"])
-        if (finished is not None and finished.key_index == request[KEY_INDEX]
-                and wire.get_int(message, "seq", 0, 1 << 40) == finished.seq):
+        finished = self._finished(request)
+        if finished is not None and wire.get_int(message, "seq", 0, 1 << 40) == finished.seq:
             return _reply(request, finished.reply)  # a retry of the verify that closed it: same answer
         session = self._session(request)
         async with session.lock:
@@ -320,12 +319,11 @@ class SplitServer:
 
     async def _close(self, request: web.Request) -> web.StreamResponse:
         session_id = request.match_info["session_id"]
-        finished = self.finished.get(session_id)
-        if finished is not None and finished.key_index == request[KEY_INDEX]:
+        if self._finished(request) is not None:
             del self.finished[session_id]
-            return _reply(request, {"closed": True})
-        self._session(request)
-        self._drop(session_id)
+        else:
+            self._session(request)
+            self._drop(session_id)
         return _reply(request, {"closed": True})
 
     def _finish(self, session_id: str, session: _Session, seq: int, reply: dict) -> None:
@@ -342,6 +340,11 @@ class SplitServer:
             self.budget.release(session.reservation)
 
     # -- helpers ------------------------------------------------------------------------------------
+    def _finished(self, request: web.Request) -> _Finished | None:
+        """The request's session if its last verify closed it and it is this key's, else None."""
+        finished = self.finished.get(request.match_info["session_id"])
+        return finished if finished is not None and finished.key_index == request[KEY_INDEX] else None
+
     def _session(self, request: web.Request) -> _Session:
         session = self.sessions.get(request.match_info["session_id"])
         # another key's session is reported exactly like a missing one
