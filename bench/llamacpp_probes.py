@@ -9,6 +9,10 @@
 4. captured keys/values against the float32 transformers runtime's (relative error per layer).
 
     .venv/bin/python bench/llamacpp_probes.py --out bench/results/llamacpp-probes-2026-11-24.json
+        [--items 1,2,3,4] [--rounds 4]
+
+Item 2 also times the other key/value pairs that keep the per-query kernel (f32 keys or f32
+values) and f32 / f32 (tiled, not exact), to show what the exact cache costs on this CPU.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import torch
 
 from moaspec.targets.llamacpp import MAX_BATCH
 
+# ggml types: 0 f32, 1 f16, 8 q8_0. Pairs with one f32 side keep the per-query kernel (exact with
+# trees); f16 / f16 and f32 / f32 take llama.cpp's tiled and split-KV kernels (not exact).
+KV_TYPES = {"q8_0/q8_0": (8, 8), "f16/f16": (1, 1), "f32/f16": (0, 1), "f16/f32": (1, 0), "f32/f32": (0, 0)}
 CONTEXT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 5356, 12401, 102, 2, 198, 1, 4093, 198]
 
 
@@ -104,8 +111,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3, help="bench prompts per category for item 1 (default 3)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds for items 2-3 (default 4)")
+    parser.add_argument("--items", default="1,2,3,4", help="comma-separated items to run (default all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    wanted = set(args.items.split(","))
+    if not wanted <= {"1", "2", "3", "4"}:
+        parser.error(f"--items takes a comma-separated subset of 1,2,3,4, not {args.items!r}")
 
     from moaspec.api import load_target
     from moaspec.bench.prompts import CATEGORIES, load_prompts
@@ -135,42 +146,46 @@ def main() -> int:
         return make
 
     runtime_kv = (llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE)
-    exactness = {name: tree_exactness(runtime_target(*kinds), prompts, args.new_tokens) for name, kinds in
-                 (("f16 KV", (1, 1)), ("q8_0 keys, f16 values (the runtime's)", runtime_kv))}
-    print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
+    result = {"command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads()}
+    if "1" in wanted:
+        exactness = {name: tree_exactness(runtime_target(*kinds), prompts, args.new_tokens) for name, kinds in
+                     (("f16 KV", (1, 1)), ("q8_0 keys, f16 values (the runtime's)", runtime_kv))}
+        print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
+        result |= {"tree_exactness_prompts_diverged": exactness, "num_prompts": len(prompts), "new_tokens": args.new_tokens}
 
-    kv_types = {"q8_0/q8_0": (8, 8), "q8_0/f16 (the runtime's)": runtime_kv, "f16/f16": (1, 1)}
-    captures = {f"{n} layers": CapturedKV(weights.lib, range(30 - n, 30), 3, 64) for n in (4, 30)}
-    decode = {f"{name} after {n}": [] for name in kv_types for n in (300, 1000)}
-    decode |= {f"capture {c}": [] for c in captures}
-    prefill_1000 = {name: [] for name in kv_types}
-    for _ in range(args.rounds):
-        for name, (k, v) in kv_types.items():
-            decode[f"{name} after 300"].append(raw_decode_ms(weights, k, v, 300, 48)[1])
-            prefill_ms, decode_after = raw_decode_ms(weights, k, v, 1000, 48)
-            prefill_1000[name].append(prefill_ms)
-            decode[f"{name} after 1000"].append(decode_after)
-        for name, capture in captures.items():
-            decode[f"capture {name}"].append(raw_decode_ms(weights, *runtime_kv, 300, 48, capture.callback)[1])
-    decode_ms = {name: round(statistics.median(v), 2) for name, v in decode.items()}
-    prefill_ms = {name: round(statistics.median(v), 1) for name, v in prefill_1000.items()}
-    print(f"2-3. one-token decode ms (key/value cache types; captures after 300 tokens): {decode_ms}", file=sys.stderr)
-    print(f"2. prefill ms of 1000 tokens (key/value cache types): {prefill_ms}", file=sys.stderr)
+    if wanted & {"2", "3"}:
+        kv_types = KV_TYPES | {"q8_0/f16 (the runtime's)": runtime_kv} if "2" in wanted else {}
+        captures = {f"{n} layers": CapturedKV(weights.lib, range(30 - n, 30), 3, 64) for n in (4, 30)} if "3" in wanted else {}
+        decode = {f"{name} after {n}": [] for name in kv_types for n in (300, 1000)}
+        decode |= {f"capture {c}": [] for c in captures}
+        prefill_1000 = {name: [] for name in kv_types}
+        for _ in range(args.rounds):
+            for name, (k, v) in kv_types.items():
+                decode[f"{name} after 300"].append(raw_decode_ms(weights, k, v, 300, 48)[1])
+                prefill_ms, decode_after = raw_decode_ms(weights, k, v, 1000, 48)
+                prefill_1000[name].append(prefill_ms)
+                decode[f"{name} after 1000"].append(decode_after)
+            for name, capture in captures.items():
+                decode[f"capture {name}"].append(raw_decode_ms(weights, *runtime_kv, 300, 48, capture.callback)[1])
+        decode_ms = {name: round(statistics.median(v), 2) for name, v in decode.items()}
+        prefill_ms = {name: round(statistics.median(v), 1) for name, v in prefill_1000.items()}
+        print(f"2-3. one-token decode ms (key/value cache types; captures after 300 tokens): {decode_ms}", file=sys.stderr)
+        result["one_token_decode_ms"] = decode_ms
+        if prefill_ms:
+            print(f"2. prefill ms of 1000 tokens (key/value cache types): {prefill_ms}", file=sys.stderr)
+            result["prefill_1000_ms"] = prefill_ms
 
-    exact = load_target("smollm2-135m", runtime="transformers")
-    target.keep_layer_kv(range(30))
-    ids = torch.tensor(target.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"])
-    target.set_context(ids)
-    exact.set_context(ids)
-    got, want = target.layer_kv(0, len(ids)), exact.layer_kv(0, len(ids))
-    relative = [round(float((got[:, i] - want[:, i]).norm() / want[:, i].norm()), 4) for i in range(30)]
-    print(f"4. relative error of captured keys/values, layers 0-29: {relative}", file=sys.stderr)
+    if "4" in wanted:
+        exact = load_target("smollm2-135m", runtime="transformers")
+        target.keep_layer_kv(range(30))
+        ids = torch.tensor(target.tokenizer("The quick brown fox jumps over the lazy dog. " * 3)["input_ids"])
+        target.set_context(ids)
+        exact.set_context(ids)
+        got, want = target.layer_kv(0, len(ids)), exact.layer_kv(0, len(ids))
+        relative = [round(float((got[:, i] - want[:, i]).norm() / want[:, i].norm()), 4) for i in range(30)]
+        print(f"4. relative error of captured keys/values, layers 0-29: {relative}", file=sys.stderr)
+        result["layer_kv_relative_error"] = relative
 
-    result = {
-        "command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads(),
-        "tree_exactness_prompts_diverged": exactness, "num_prompts": len(prompts), "new_tokens": args.new_tokens,
-        "one_token_decode_ms": decode_ms, "prefill_1000_ms": prefill_ms, "layer_kv_relative_error": relative,
-    }
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
