@@ -127,12 +127,6 @@ def main() -> int:
 
     target = load_target("smollm2-135m", runtime="llama.cpp")
     weights = target.weights
-    prompts = [
-        encode_chat_prompt(target.tokenizer, item.turns[0])
-        for items in load_prompts(CATEGORIES, args.prompts).values()
-        for item in items
-    ]
-
     def runtime_target(type_k: int, type_v: int):
         def make():
             saved = llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE  # the runtime's, swapped for the probe
@@ -148,6 +142,11 @@ def main() -> int:
     runtime_kv = (llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE)
     result = {"command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads()}
     if "1" in wanted:
+        prompts = [
+            encode_chat_prompt(target.tokenizer, item.turns[0])
+            for items in load_prompts(CATEGORIES, args.prompts).values()
+            for item in items
+        ]
         exactness = {name: tree_exactness(runtime_target(*kinds), prompts, args.new_tokens) for name, kinds in
                      (("f16 KV", (1, 1)), ("q8_0 keys, f16 values (the runtime's)", runtime_kv))}
         print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
