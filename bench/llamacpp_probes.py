@@ -6,10 +6,13 @@
 2. one-token decode cost and prefill cost by key/value cache types (raw llama_decode loops,
    types interleaved);
 3. the cost of capturing keys/values through the eval callback (0, 4 or 30 layers);
-4. captured keys/values against the float32 transformers runtime's (relative error per layer).
+4. captured keys/values against the float32 transformers runtime's (relative error per layer);
+5. prefilling 1,000 tokens in an f32 / f16 context and moving the cells into one with the
+   runtime's cache types (llama.cpp's sequence state: keys Hadamard-rotated per head, as
+   llama.cpp stores a quantized key cache, then quantized to q8_0), against prefilling there.
 
     .venv/bin/python bench/llamacpp_probes.py --out bench/results/llamacpp-probes-2026-11-24.json
-        [--items 1,2,3,4] [--rounds 4]
+        [--items 1,2,3,4,5] [--rounds 4]
 
 Item 2 also times the other key/value pairs that keep the per-query kernel (f32 keys or f32
 values) and f32 / f32 (tiled, not exact), to show what the exact cache costs on this CPU.
@@ -106,17 +109,99 @@ def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: in
         lib.llama_free(ctx)
 
 
+def _context(weights, type_k: int, type_v: int, sequences: int = 1):
+    """A flash-attention llama_context of 4,096 cells with these key/value cache types."""
+    lib = weights.lib
+    params = lib.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, sequences
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    params.flash_attn_type, params.type_k, params.type_v, params.no_perf, params.kv_unified = 1, type_k, type_v, True, True
+    return lib.llama_init_from_model(weights.model, params)
+
+
+def _rotated_q8_0_keys(blob: bytes, quantize) -> bytes:
+    """A sequence state of an f32-key context rewritten for a q8_0-key one: llama.cpp's state is
+    [8-byte header][streams, cells: u32][per cell: pos i32, n u32, n seq ids i32][v_trans, layers:
+    u32][per layer: key type i32, row bytes u64, rows][values likewise]; a q8_0 key cache holds
+    each head's keys times the normalised 64-point Hadamard matrix (measured: the cache's
+    dequantized keys equal the rotated f32 keys to q8_0 precision)."""
+    import numpy as np
+
+    hadamard = np.array([[1.0]])
+    while hadamard.shape[0] < 64:
+        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+    hadamard = (hadamard / 8.0).astype(np.float32)
+    view, offset = memoryview(blob), 8
+    cells = int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
+    offset += 8
+    for _ in range(cells):
+        offset += 8 + 4 * int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
+    layers = int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
+    out, offset = [bytes(view[: offset + 8])], offset + 8
+    for _ in range(layers):
+        if int(np.frombuffer(blob, np.int32, 1, offset)[0]) != 0:
+            raise RuntimeError("item 5 needs an f32 key cache")
+        row = int(np.frombuffer(blob, np.uint64, 1, offset + 4)[0])
+        keys = np.frombuffer(blob, np.float32, cells * row // 4, offset + 12).reshape(cells, -1, 64)
+        rotated = np.ascontiguousarray((keys @ hadamard.T).reshape(-1), dtype=np.float32)
+        per_row = row // 4
+        packed = np.empty(cells * per_row // 32 * 34, np.uint8)
+        quantize(8, rotated.ctypes.data, packed.ctypes.data, 0, cells, per_row, None)
+        out += [np.int32(8).tobytes(), np.uint64(per_row // 32 * 34).tobytes(), packed.tobytes()]
+        offset += 12 + cells * row
+    return b"".join(out) + bytes(view[offset:])
+
+
+def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tuple[float, float, float, float]:
+    """(ms prefilling in f32 / f16, ms moving the cells, ms prefilling with runtime_kv, max |logit
+    difference| of the next token between the two paths)."""
+    import ctypes
+    from pathlib import Path as LibPath
+
+    import llama_cpp
+    import numpy as np
+
+    lib = weights.lib
+    ggml = ctypes.CDLL(str(LibPath(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    wide, moved, direct = _context(weights, 0, 1), _context(weights, *runtime_kv, 64), _context(weights, *runtime_kv, 64)
+    try:
+        started = time.perf_counter()
+        prefill(lib, wide, tokens)
+        wide_ms = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        size = lib.llama_state_seq_get_size(wide, 0)
+        state = (ctypes.c_uint8 * size)()
+        lib.llama_state_seq_get_data(wide, state, size, 0)
+        blob = _rotated_q8_0_keys(bytes(state), ggml.ggml_quantize_chunk)
+        if lib.llama_state_seq_set_data(moved, (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob), len(blob), 0) != len(blob):
+            raise RuntimeError("llama.cpp refused the moved cells")
+        move_ms = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        prefill(lib, direct, tokens)
+        direct_ms = (time.perf_counter() - started) * 1000
+        logits = []
+        for ctx in (moved, direct):
+            lib.llama_decode(ctx, lib.llama_batch_get_one((lib.llama_token * 1)(5), 1))
+            logits.append(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(weights.vocab_size,)).copy())
+        return wide_ms, move_ms, direct_ms, float(np.abs(logits[0] - logits[1]).max())
+    finally:
+        for ctx in (wide, moved, direct):
+            lib.llama_free(ctx)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=3, help="bench prompts per category for item 1 (default 3)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds for items 2-3 (default 4)")
-    parser.add_argument("--items", default="1,2,3,4", help="comma-separated items to run (default all)")
+    parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default all)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     wanted = set(args.items.split(","))
-    if not wanted <= {"1", "2", "3", "4"}:
-        parser.error(f"--items takes a comma-separated subset of 1,2,3,4, not {args.items!r}")
+    if not wanted <= {"1", "2", "3", "4", "5"}:
+        parser.error(f"--items takes a comma-separated subset of 1,2,3,4,5, not {args.items!r}")
 
     from moaspec.api import load_target
     from moaspec.bench.prompts import CATEGORIES, load_prompts
@@ -184,6 +269,14 @@ def main() -> int:
         relative = [round(float((got[:, i] - want[:, i]).norm() / want[:, i].norm()), 4) for i in range(30)]
         print(f"4. relative error of captured keys/values, layers 0-29: {relative}", file=sys.stderr)
         result["layer_kv_relative_error"] = relative
+
+    if "5" in wanted:
+        rounds = [moved_prefill(weights, runtime_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
+        moved = {key: round(statistics.median(r[i] for r in rounds), 1)
+                 for i, key in enumerate(("f32_f16_prefill_ms", "move_ms", "runtime_prefill_ms"))}
+        moved["next_token_max_logit_difference"] = round(max(r[3] for r in rounds), 3)
+        print(f"5. prefill of 1000 tokens in f32 / f16, moved into the runtime's cache types: {moved}", file=sys.stderr)
+        result["moved_prefill_1000"] = moved
 
     print(json.dumps(result, indent=1))
     if args.out is not None:

@@ -20,8 +20,8 @@
                   [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [--categories ...] [--limit N] ...
     moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--dry-run]
     moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
-                  [--memory-hidden] [--no-layer-attention] [--anchor-every MIN MAX] [--anchor-loss-weight W] [--draft-vocab N]
-                  [--ce-weight W] [--feature-weight W]
+                  [--memory-hidden] [--no-layer-attention] [--no-cross-attention] [--anchor-every MIN MAX]
+                  [--anchor-loss-weight W] [--draft-vocab N] [--ce-weight W] [--feature-weight W]
                   [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
 
 Text streams to stdout as it is verified; `--json` prints one JSON object at the end instead.
@@ -205,6 +205,10 @@ def _add_train_parser(commands, default_target: str) -> None:
         help="MoA memory without the Layer Self-Attention: the layers' raw keys/values pooled (an ablation)",
     )
     train.add_argument(
+        "--no-cross-attention", action="store_true",
+        help="MoA without the Cross-Attention's term: the drafter reads no target activations (an ablation)",
+    )
+    train.add_argument(
         "--anchor-every", type=int, nargs=2, metavar=("MIN", "MAX"), default=[defaults.anchor_min, defaults.anchor_max],
         help="MoA verified-block length: each sequence draws anchors every T tokens, T uniform in [MIN, MAX]; "
         f"position i - s(i) = d trains draft depth d (default {defaults.anchor_min} {defaults.anchor_max})",
@@ -266,8 +270,8 @@ def _train(args: argparse.Namespace) -> int:
         raise MoaspecError("--staircase-fraction must be within [0, 1]")
     if args.method == "eagle" and args.tli_layers:
         raise MoaspecError("--tli-layers applies to --method moa only")
-    if args.method == "eagle" and (args.memory_layers or args.memory_hidden or args.no_layer_attention):
-        raise MoaspecError("--memory-layers, --memory-hidden and --no-layer-attention apply to --method moa only")
+    if args.method == "eagle" and (args.memory_layers or args.memory_hidden or args.no_layer_attention or args.no_cross_attention):
+        raise MoaspecError("--memory-layers, --memory-hidden, --no-layer-attention and --no-cross-attention apply to --method moa only")
     if not 1 <= args.anchor_every[0] <= args.anchor_every[1]:
         raise MoaspecError("--anchor-every needs 1 <= MIN <= MAX")
     if not (args.ce_weight >= 0 and args.feature_weight >= 0 and args.ce_weight + args.feature_weight > 0):
@@ -284,6 +288,7 @@ def _train(args: argparse.Namespace) -> int:
             staircase_fraction=args.staircase_fraction, tli_rms_scaled=not args.tli_raw_feature_loss,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
             memory_layers=args.memory_layers, memory_hidden=args.memory_hidden, layer_attention=not args.no_layer_attention,
+            cross_attention=not args.no_cross_attention,
             ce_weight=args.ce_weight, feature_weight=args.feature_weight,
             anchor_min=args.anchor_every[0], anchor_max=args.anchor_every[1], anchor_loss_weight=args.anchor_loss_weight,
         )

@@ -163,6 +163,7 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "moa", "--data", "d", "--out", "run", "--ce-weight", "-1"], "--ce-weight and --feature-weight must be >= 0"),
         (["--method", "moa", "--data", "d", "--out", "run", "--ce-weight", "0", "--feature-weight", "0"], "not both 0"),
         (["--method", "eagle", "--data", "d", "--out", "run", "--no-layer-attention"], "--method moa only"),
+        (["--method", "eagle", "--data", "d", "--out", "run", "--no-cross-attention"], "--method moa only"),
         (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--steps", "0"], "--steps must be >= 1"),
         (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
         (["--data", "d", "--out", "run"], "required: --method"),

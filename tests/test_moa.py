@@ -15,6 +15,7 @@ from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.moa import MoADrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
+from moaspec.nn.layers import additive_mask
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
 from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree, depths
@@ -254,6 +255,38 @@ def test_memory_without_layer_attention_pools_the_raw_keys_values() -> None:
     record = net.config.to_dict()
     del record["layer_attention"]
     assert MoAConfig(**record).layer_attention
+
+
+def test_without_cross_attention_the_drafter_reads_no_target_activations() -> None:
+    """The ablation `cross_attention=False`: c = h + MLP(norm(h)) whatever the target's keys/values
+    hold, in training and in drafting alike; old checkpoints keep the CA."""
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float64)
+    config = MoAConfig.for_target(target.config, cross_attention=False)
+    net = make_random_drafter_net(MoADrafterNet, config, target, None, 0)
+    length, prompt_len = 12, 4
+    tokens = torch.randint(0, target.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
+    anchors = anchors_for(length, prompt_len, [7, 11])
+    parts = target.parts(0)
+    layer_kv = torch.randn(length, target.num_layers, config.kv_dim, dtype=torch.float64)
+    out = net.forward_train(parts, tokens, layer_kv, anchors).final
+    torch.testing.assert_close(net.forward_train(parts, tokens, torch.randn_like(layer_kv), anchors).final, out, rtol=0, atol=0)
+    positions = torch.arange(length)
+    causal = additive_mask(positions[None, :] <= positions[:, None], torch.float64)
+    h, _ = net.self_attention(parts.embed_tokens(tokens).double(), positions, causal)
+    torch.testing.assert_close(out, h + net.ca_mlp(net.ca_post_norm(h)), rtol=0, atol=1e-12)
+
+    drafter = MoADrafter(net, target)
+    prefilled = target.prefill(tokens[:prompt_len])
+    drafter.accept(VerifiedUpdate(tokens[:prompt_len], 0, prefilled.hidden, target))
+    training = torch.log_softmax(out @ net.head_weight(parts).T, dim=-1)
+    torch.testing.assert_close(drafter.start(int(tokens[prompt_len]))[0], training[prompt_len], rtol=0, atol=1e-9)
+
+    with_ca = MoADrafterNet(dataclasses.replace(config, cross_attention=True)).double()
+    with_ca.load_state_dict(net.state_dict())
+    assert not torch.allclose(with_ca.forward_train(parts, tokens, layer_kv, anchors).final, out)
+    record = config.to_dict()
+    del record["cross_attention"]
+    assert MoAConfig(**record).cross_attention
 
 
 def greedy_reference(target: HFTarget, prompt: list[int], max_new: int) -> list[int]:

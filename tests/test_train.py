@@ -289,6 +289,12 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     with pytest.raises(MoaspecError, match="layer_attention False vs True"):
         plain = build_net("moa", target, 0, weights["draft_vocab_ids"])
         load_initial_weights(plain, tmp_path / "no-lsa" / "checkpoint", target, config)
+    # so does the cross-attention ablation (its weights kept, unused)
+    no_ca = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, cross_attention=False)
+    started = build_net("moa", target, 0, weights["draft_vocab_ids"], cross_attention=False)
+    load_initial_weights(started, all_layers, target, no_ca)
+    assert not started.config.cross_attention
+    torch.testing.assert_close(started.cross_attention.q_proj.weight.detach(), weights["cross_attention.q_proj.weight"].float())
 
 
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:

@@ -10,6 +10,7 @@ Per drafted position i (root or tree node):
     h_i = SA(embed(x_0..x_i))                  causal self-attention over the target's embeddings
     c_i = h_i + CA(norm(h_i) -> norm(memory_j), j <= s(i)) ; c_i += MLP(norm(c_i))
           s(i) = the last verified position before the root: the CA never sees the root's memory
+          without `cross_attention` (an ablation): c_i = h_i + MLP(norm(h_i)), the target unread
     TLI k = 0:  logits_i = lm_head(c_i)        (c_i is trained to match the post-norm target state)
     TLI k > 0:  c_i stands for the residual stream entering target layer L-k; the target's own last
                 k layers, its final norm and lm_head finish (target_layers.py).
@@ -70,6 +71,7 @@ class MoAConfig:
     memory_layers: int = 0  # the memory reads the last N target layers; 0 = all (the paper's form)
     memory_hidden: bool = False  # the memory also reads the target's post-norm last hidden state
     layer_attention: bool = True  # the LSA over layers (the paper's); False pools the raw keys/values (ablation)
+    cross_attention: bool = True  # the CA over the memory (the paper's); False drops its term: the target unread (ablation)
 
     def __post_init__(self) -> None:
         if not 0 <= self.tli_layers < self.num_target_layers:
@@ -95,6 +97,7 @@ class MoAConfig:
         memory_layers: int = 0,
         memory_hidden: bool = False,
         layer_attention: bool = True,
+        cross_attention: bool = True,
     ) -> MoAConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
@@ -123,6 +126,7 @@ class MoAConfig:
             memory_layers=memory_layers,
             memory_hidden=memory_hidden,
             layer_attention=layer_attention,
+            cross_attention=cross_attention,
         )
 
     def to_dict(self) -> dict:
@@ -259,7 +263,12 @@ class MoADrafterNet(DrafterNet):
         SmolLM2 with 50-400 steps of training: without it the CA stayed near uniform over the
         whole context (7 % of its mass on the last verified token) and shuffling the memory
         across positions did not change a single prediction.
+
+        Without `cross_attention` (an ablation) c = h + MLP(norm(h)): the memory is ignored, so
+        the drafter is a small model over the token embeddings (its memory modules stay, unused).
         """
+        if not self.config.cross_attention:  # the ablation: a token model with the same MLP
+            return h + self.ca_mlp(self.ca_post_norm(h))
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
         q = self.cross_attention.queries(self.ca_norm(h), cos, sin)
         if self.config.ca_recency_bias:

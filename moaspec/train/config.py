@@ -12,6 +12,7 @@ class TrainConfig:
     memory_layers: int = 0  # MoA: the memory reads the last N target layers, 0 = all (MoAConfig)
     memory_hidden: bool = False  # MoA: the memory also reads the target's last hidden state (no loss at anchors)
     layer_attention: bool = True  # MoA: the LSA over layers; False pools the raw keys/values (ablation)
+    cross_attention: bool = True  # MoA: the CA over the memory; False leaves the target unread (ablation)
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     ce_weight: float = 0.1  # weight of the soft cross-entropy with the target's distribution (the paper's)
     feature_weight: float = 1.0  # weight of the SmoothL1 feature term (the paper's)
@@ -44,5 +45,6 @@ class TrainConfig:
             raise ValueError("ce_weight and feature_weight must be >= 0, not both 0")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
-        if self.method != "moa" and (self.memory_layers or self.memory_hidden or not self.layer_attention):
-            raise ValueError("memory_layers, memory_hidden and layer_attention apply to the moa method only")
+        moa_only = self.memory_layers or self.memory_hidden or not self.layer_attention or not self.cross_attention
+        if self.method != "moa" and moa_only:
+            raise ValueError("memory_layers, memory_hidden, layer_attention and cross_attention apply to the moa method only")

@@ -82,6 +82,7 @@ def build_net(
     memory_layers: int = 0,
     memory_hidden: bool = False,
     layer_attention: bool = True,
+    cross_attention: bool = True,
 ):
     """A freshly initialised drafter for `target` (float32 master weights)."""
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
@@ -90,7 +91,7 @@ def build_net(
 
         config = MoAConfig.for_target(
             target.config, tli_layers=tli_layers, draft_vocab_size=size, memory_layers=memory_layers,
-            memory_hidden=memory_hidden, layer_attention=layer_attention,
+            memory_hidden=memory_hidden, layer_attention=layer_attention, cross_attention=cross_attention,
         )
         net = MoADrafterNet(config)
     else:
@@ -109,7 +110,8 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     traceable). The checkpoint's draft vocabulary comes with it. A MoA checkpoint may read more
     target layers than this net (`memory_layers`): the layer mix keeps those layers' weights; one
     without `memory_hidden` starts a net with it (its hidden-state map at zero: the same function),
-    and any one a net without the layer attention (its LSA weights dropped: the ablation).
+    and any one a net without the layer attention (its LSA weights dropped) or without the
+    cross-attention (its weights kept, unused): the ablations.
     MoaspecError when its method, TLI depth, vocabulary size or other sizes differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
@@ -131,6 +133,8 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     if "layer_attention" in differing and not wanted["layer_attention"]:
         weights = {name: value for name, value in weights.items() if not name.startswith("layer_self_attention.")}
         differing.discard("layer_attention")
+    if "cross_attention" in differing and not wanted["cross_attention"]:
+        differing.discard("cross_attention")
     if differing:
         detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in sorted(differing))
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
@@ -208,7 +212,8 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     if spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
     net = build_net(
-        config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden, config.layer_attention
+        config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden,
+        config.layer_attention, config.cross_attention,
     )
     initial = None
     if spec.init_from is not None:

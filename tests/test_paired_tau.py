@@ -1,0 +1,37 @@
+"""bench/paired_tau.py: the paired bootstrap of τ differences between methods of one bench run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import load_bench_script
+
+
+def bench_runs(method: str, taus: list[float], forwards: list[int]) -> list[dict]:
+    return [{"category": "mt_bench", "prompt_id": str(i), "turn": 1, "method": method, "tau": tau, "target_forwards": f}
+            for i, (tau, f) in enumerate(zip(taus, forwards))]
+
+
+def test_pairs_generations_and_reports_the_difference(tmp_path, capsys) -> None:
+    script = load_bench_script("paired_tau")
+    forwards = [40, 50, 30, 60]
+    base = bench_runs("a", [2.0, 1.5, 2.5, 1.8], forwards)
+    better = bench_runs("b", [2.2, 1.6, 2.6, 1.9], forwards)
+    rows_a, rows_b = script.per_generation(base + better, "a"), script.per_generation(base + better, "b")
+    assert rows_a[("mt_bench", "0", 1)] == (80.0, 40)
+
+    same = script.paired_differences(rows_a, rows_a, rounds=200)
+    assert np.all(same == 0)
+    diffs = script.paired_differences(rows_a, rows_b, rounds=2000)
+    assert np.all(diffs > 0)  # b leads on every generation, so on every resample
+    full = sum(t * f for t, f in zip([2.2, 1.6, 2.6, 1.9], forwards)) / 180 - sum(t * f for t, f in zip([2.0, 1.5, 2.5, 1.8], forwards)) / 180
+    assert diffs.mean() == pytest.approx(full, abs=0.02)
+
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"runs": base + better}))
+    assert script.main([str(results), "a", "b", "--rounds", "500"]) == 0
+    assert "positive in 100% of 500 rounds" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no runs of method 'c'"):
+        script.main([str(results), "a", "c"])
