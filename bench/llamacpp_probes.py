@@ -84,18 +84,24 @@ def prefill(lib, ctx, tokens: list[int]) -> None:
             raise RuntimeError("llama_decode failed")
 
 
+def _context(weights, type_k: int, type_v: int, sequences: int = 1, callback=None):
+    """A flash-attention llama_context of 4,096 cells with these key/value cache types."""
+    lib = weights.lib
+    params = lib.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, sequences
+    params.n_threads = params.n_threads_batch = torch.get_num_threads()
+    params.flash_attn_type, params.type_k, params.type_v, params.no_perf, params.kv_unified = 1, type_k, type_v, True, True
+    if callback is not None:
+        params.cb_eval = callback
+    return lib.llama_init_from_model(weights.model, params)
+
+
 def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: int, callback=None) -> tuple[float, float]:
     """(ms of the prefill of context_len tokens, mean ms of one-token llama_decode after it)."""
     import numpy as np
 
     lib = weights.lib
-    params = lib.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, 1
-    params.n_threads = params.n_threads_batch = torch.get_num_threads()
-    params.flash_attn_type, params.type_k, params.type_v, params.no_perf = 1, type_k, type_v, True
-    if callback is not None:
-        params.cb_eval = callback
-    ctx = lib.llama_init_from_model(weights.model, params)
+    ctx = _context(weights, type_k, type_v, callback=callback)
     try:
         started = time.perf_counter()
         prefill(lib, ctx, (CONTEXT * 100)[:context_len])
@@ -107,16 +113,6 @@ def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: in
         return prefill_ms, (time.perf_counter() - started) / steps * 1000
     finally:
         lib.llama_free(ctx)
-
-
-def _context(weights, type_k: int, type_v: int, sequences: int = 1):
-    """A flash-attention llama_context of 4,096 cells with these key/value cache types."""
-    lib = weights.lib
-    params = lib.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, sequences
-    params.n_threads = params.n_threads_batch = torch.get_num_threads()
-    params.flash_attn_type, params.type_k, params.type_v, params.no_perf, params.kv_unified = 1, type_k, type_v, True, True
-    return lib.llama_init_from_model(weights.model, params)
 
 
 def _rotated_q8_0_keys(blob: bytes, quantize) -> bytes:
@@ -156,13 +152,14 @@ def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tu
     """(ms prefilling in f32 / f16, ms moving the cells, ms prefilling with runtime_kv, max |logit
     difference| of the next token between the two paths)."""
     import ctypes
-    from pathlib import Path as LibPath
 
     import llama_cpp
     import numpy as np
 
+    if runtime_kv[0] != 8:
+        raise RuntimeError("item 5 moves keys into a q8_0 key cache")
     lib = weights.lib
-    ggml = ctypes.CDLL(str(LibPath(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
     ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
     wide, moved, direct = _context(weights, 0, 1), _context(weights, *runtime_kv, 64), _context(weights, *runtime_kv, 64)
