@@ -118,7 +118,7 @@ def main() -> None:
                   "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in table]
         lines.append("")
-        print("\n".join(lines[-len(table) - 4:]), flush=True)
+        print("\n".join(lines[-len(table) - 5:]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results) + "\n")
