@@ -14,8 +14,11 @@
     .venv/bin/python bench/llamacpp_probes.py --out bench/results/llamacpp-probes-2026-11-24.json
         [--items 1,2,3,4,5] [--rounds 4]
 
-Item 2 also times the other key/value pairs that keep the per-query kernel (f32 keys or f32
-values) and f32 / f32 (tiled, not exact), to show what the exact cache costs on this CPU.
+Item 2 also times pairs with an f32 side and f32 / f32, to show what the exact cache costs on
+this CPU. With flash attention llama.cpp casts an f32 key or value cache to f16 before attending
+(llama-graph.cpp, `build_attn_mha`), so those pairs run the f16 / f16 kernels: tiled for long
+batches, not batch-invariant, hence not exact with trees (the runtime's prompt context uses f32 /
+f16 for prompts only, in fixed chunks: targets/llamacpp.py).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch
 
 from moaspec.targets.llamacpp import MAX_BATCH
 
-# ggml types: 0 f32, 1 f16, 8 q8_0. Pairs with one f32 side keep the per-query kernel (exact with
-# trees); f16 / f16 and f32 / f32 take llama.cpp's tiled and split-KV kernels (not exact).
+# ggml types: 0 f32, 1 f16, 8 q8_0. Only a quantized key cache keeps the per-query kernel (exact
+# with trees); an f32 side is cast to f16, so every other pair takes the tiled and split-KV kernels.
 KV_TYPES = {"q8_0/q8_0": (8, 8), "f16/f16": (1, 1), "f32/f16": (0, 1), "f16/f32": (1, 0), "f32/f32": (0, 0)}
 CONTEXT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 411, 5356, 12401, 102, 2, 198, 1, 4093, 198]
 
@@ -115,54 +118,21 @@ def raw_decode_ms(weights, type_k: int, type_v: int, context_len: int, steps: in
         lib.llama_free(ctx)
 
 
-def _rotated_q8_0_keys(blob: bytes, quantize) -> bytes:
-    """A sequence state of an f32-key context rewritten for a q8_0-key one: llama.cpp's state is
-    [8-byte header][streams, cells: u32][per cell: pos i32, n u32, n seq ids i32][v_trans, layers:
-    u32][per layer: key type i32, row bytes u64, rows][values likewise]; a q8_0 key cache holds
-    each head's keys times the normalised 64-point Hadamard matrix (measured: the cache's
-    dequantized keys equal the rotated f32 keys to q8_0 precision)."""
-    import numpy as np
-
-    hadamard = np.array([[1.0]])
-    while hadamard.shape[0] < 64:
-        hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
-    hadamard = (hadamard / 8.0).astype(np.float32)
-    view, offset = memoryview(blob), 8
-    cells = int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
-    offset += 8
-    for _ in range(cells):
-        offset += 8 + 4 * int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
-    layers = int(np.frombuffer(blob, np.uint32, 1, offset + 4)[0])
-    out, offset = [bytes(view[: offset + 8])], offset + 8
-    for _ in range(layers):
-        if int(np.frombuffer(blob, np.int32, 1, offset)[0]) != 0:
-            raise RuntimeError("item 5 needs an f32 key cache")
-        row = int(np.frombuffer(blob, np.uint64, 1, offset + 4)[0])
-        keys = np.frombuffer(blob, np.float32, cells * row // 4, offset + 12).reshape(cells, -1, 64)
-        rotated = np.ascontiguousarray((keys @ hadamard.T).reshape(-1), dtype=np.float32)
-        per_row = row // 4
-        packed = np.empty(cells * per_row // 32 * 34, np.uint8)
-        quantize(8, rotated.ctypes.data, packed.ctypes.data, 0, cells, per_row, None)
-        out += [np.int32(8).tobytes(), np.uint64(per_row // 32 * 34).tobytes(), packed.tobytes()]
-        offset += 12 + cells * row
-    return b"".join(out) + bytes(view[offset:])
-
-
 def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tuple[float, float, float, float]:
-    """(ms prefilling in f32 / f16, ms moving the cells, ms prefilling with runtime_kv, max |logit
-    difference| of the next token between the two paths)."""
+    """(ms prefilling in f32 / f16, ms moving the cells (the runtime's own conversion,
+    moaspec/targets/llamacpp_cells.py), ms prefilling with runtime_kv, max |logit difference| of
+    the next token between the two paths)."""
     import ctypes
 
-    import llama_cpp
     import numpy as np
+
+    from moaspec.targets.llamacpp_cells import SequenceState
 
     if runtime_kv[0] != 8:
         raise RuntimeError("item 5 moves keys into a q8_0 key cache")
     lib = weights.lib
-    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
-    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
     wide, moved, direct = _context(weights, 0, 1), _context(weights, *runtime_kv, 64), _context(weights, *runtime_kv, 64)
+    head_dim = weights.hidden_size // lib.llama_model_n_head(weights.model)
     try:
         started = time.perf_counter()
         prefill(lib, wide, tokens)
@@ -171,7 +141,7 @@ def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tu
         size = lib.llama_state_seq_get_size(wide, 0)
         state = (ctypes.c_uint8 * size)()
         lib.llama_state_seq_get_data(wide, state, size, 0)
-        blob = _rotated_q8_0_keys(bytes(state), ggml.ggml_quantize_chunk)
+        blob = SequenceState.parse(bytes(state)).with_q8_0_keys(head_dim).to_bytes()
         if lib.llama_state_seq_set_data(moved, (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob), len(blob), 0) != len(blob):
             raise RuntimeError("llama.cpp refused the moved cells")
         move_ms = (time.perf_counter() - started) * 1000

@@ -19,7 +19,7 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.targets.llamacpp import MAX_LEAVES, LlamaCppTarget, _leaf_sequences
+from moaspec.targets.llamacpp import MAX_LEAVES, PROMPT_CHUNK, PROMPT_CONTEXT_MIN_TOKENS, LlamaCppTarget, _leaf_sequences
 from moaspec.tree import DraftTree, ancestor_mask, depths
 from moaspec.verify import verify_greedy
 
@@ -112,18 +112,24 @@ def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: in
     return DraftTree(torch.tensor(ids), torch.tensor(parents))
 
 
-@pytest.mark.parametrize("cells", [8192, 264])
-def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, category_prompts, cells: int) -> None:
+@pytest.mark.parametrize(("cells", "names", "length"), [
+    (8192, ("mt_bench", "humaneval"), 200),
+    (264, ("mt_bench", "humaneval"), 200),
+    (8192, ("qa",), 400),  # a long prompt: prefilled in the prompt context, moved in
+    (460, ("qa",), 400),  # ... and moved in again when the context is re-decoded
+])
+def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, category_prompts, cells: int, names, length: int) -> None:
     """Random trees holding the true continuation, committed step by step (rejected nodes parked;
-    with 264 cells the context is re-decoded to reclaim them): every accepted node's logits equal
+    with few cells the context is re-decoded to reclaim them): every accepted node's logits equal
     plain decoding's exactly, so the greedy path is the same."""
     require_exact_trees(llama_target)
     target = llama_target if cells == 8192 else llama_target.__class__(
         llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2
     )
     generator = random.Random(cells)
-    for name in ("mt_bench", "humaneval"):
-        prompt = category_prompts[name][:200]
+    for name in names:
+        prompt = category_prompts[name][:length]
+        assert (len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS) == (name == "qa")
         tokens, logits = plain_decode(target, prompt, 52)
         target.reset()
         target.prefill(torch.tensor(prompt))
@@ -321,10 +327,14 @@ def test_a_reader_closing_the_stream_ends_generate_quietly() -> None:
     assert "Traceback" not in err and "Exception" not in err, err
 
 
-@pytest.mark.parametrize("drafter", ["none", "eagle", "moa"])
-def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter: str) -> None:
+@pytest.mark.parametrize(("drafter", "name", "length"), [
+    ("none", "mt_bench", 150), ("eagle", "mt_bench", 150), ("moa", "mt_bench", 150),
+    ("none", "qa", 450), ("eagle", "qa", 450), ("moa", "qa", 450),  # long: the prompt context reuses whole chunks
+])
+def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter: str, name: str, length: int) -> None:
     """A chat's next turn starts with the previous prompt and answer: set_context decodes only the
-    new part, and the logits, hidden states and keys/values equal a fresh context's bit for bit."""
+    new part (a long prompt: from the last whole chunk the prompt context holds), and the logits,
+    hidden states and keys/values equal a fresh context's bit for bit."""
     from moaspec.api import load_target
 
     warm = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
@@ -332,16 +342,16 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
     require_exact_trees(warm)
     engine = Engine(warm, make_drafter(drafter, warm))
     make_drafter(drafter, fresh)  # the same key/value capture
-    first = category_prompts["mt_bench"][:150]
+    first = category_prompts[name][:length]
     answer = engine.generate(first, SamplingConfig(), GenerationConfig(max_new_tokens=24)).token_ids
     follow_up = first + answer + [2, 198, 1, 4093, 198, 11, 12, 13]
     hidden = (warm.num_layers,) if drafter == "eagle" else ()
-    decoded = len(warm._tokens)
+    decoded = len(warm._tokens) if length < PROMPT_CONTEXT_MIN_TOKENS else len(warm._prompt_tokens)
     got = warm.set_context(torch.tensor(follow_up), hidden)
     want = fresh.set_context(torch.tensor(follow_up), hidden)
     assert torch.equal(got.logits, want.logits)
     assert warm.num_cached == fresh.num_cached == len(follow_up)
-    assert decoded > len(first)  # there was something to reuse
+    assert decoded >= min(len(first), PROMPT_CHUNK)  # there was something to reuse
     if hidden:
         assert torch.equal(got.hidden, want.hidden)
     if drafter == "moa":
@@ -413,3 +423,27 @@ def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(lla
     assert capturing.num_cached == 0 and capturing.capture.failure is None
     capturing.capture.ggml = real
     assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
+
+
+def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_target, category_prompts) -> None:
+    """A short conversation growing past PROMPT_CONTEXT_MIN_TOKENS, then a short prompt sharing a
+    long one's start: each takes the path a fresh context takes (nothing computed on the other
+    path is reused), so the logits equal a fresh context's bit for bit."""
+    from moaspec.api import load_target
+
+    fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    short = category_prompts["mt_bench"][:100]
+    grown = short + category_prompts["qa"][: PROMPT_CONTEXT_MIN_TOKENS]
+    shrunk = grown[:120] + [11, 12, 13]
+    for prompt in (short, grown, shrunk, grown):
+        fresh.reset()
+        assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
+    assert llama_target._moved == len(grown)
+    llama_target.rollback(len(grown) - 10)  # into the moved cells, then on in this context
+    fresh.set_context(torch.tensor(grown[:-10]))
+    for token in grown[-10:]:
+        want = fresh.verify(one_token(token))
+        fresh.commit([0])
+        got = llama_target.verify(one_token(token))
+        llama_target.commit([0])
+        assert torch.equal(got.logits, want.logits)

@@ -1,0 +1,150 @@
+"""Moving a prompt's cells from the prompt context (f32 keys) into the verified context (q8_0 keys).
+
+llama.cpp prefills a long prompt faster with f32 keys than with the q8_0 keys that keep tree
+verification exact (bench/llamacpp_probes.py item 5), so the llama.cpp runtime prefills prompts
+in a second context and moves the cells over through llama.cpp's sequence state:
+
+    [magic u32][seq id i32][streams u32][cells u32]
+    per cell: [pos i32][n u32][n seq ids i32]
+    [v_trans u32][layers u32]
+    per layer: [key type i32][row bytes u64][cells rows]   then the values likewise
+
+A quantized key cache holds each head's keys multiplied by a normalised Walsh-Hadamard matrix
+(llama.cpp rotates queries and keys alike before attention, `attn_rot_k`), so the keys are
+rotated, then quantized to q8_0 with llama.cpp's reference rounding. Values (f16 in both
+contexts) are copied as they are.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from moaspec.errors import MoaspecError
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_Q8_0 = 8
+Q8_0_BLOCK = 32  # values per q8_0 block: an f16 scale and 32 int8
+STATE_HEADER = 8  # magic and sequence id
+
+
+def hadamard(size: int) -> np.ndarray:
+    """The normalised Sylvester-Hadamard matrix of llama.cpp's `ggml_gen_hadamard`: [size, size]."""
+    matrix = np.ones((1, 1), dtype=np.float64)
+    while matrix.shape[0] < size:
+        matrix = np.block([[matrix, matrix], [matrix, -matrix]])
+    return (matrix / np.sqrt(size)).astype(np.float32)
+
+
+def key_rotation_size(head_dim: int) -> int:
+    """Size of the Hadamard blocks llama.cpp rotates quantized keys by (0: not rotated): the largest
+    power of two from 64 up that divides the head size, unless LLAMA_ATTN_ROT_DISABLE is set."""
+    if int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or 0) or head_dim % 64:
+        return 0
+    size = 64
+    while head_dim % (2 * size) == 0:
+        size *= 2
+    return size
+
+
+def quantize_q8_0(values: np.ndarray) -> np.ndarray:
+    """llama.cpp's reference q8_0 quantization (`quantize_row_q8_0_ref`): values [..., n] (n a
+    multiple of 32) -> bytes [..., n // 32 * 34] (per block: f16 scale, 32 int8)."""
+    blocks = values.reshape(-1, Q8_0_BLOCK).astype(np.float32)
+    scale = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    scaled = (blocks * inverse).astype(np.float64)  # roundf: halves away from zero
+    quantized = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8)
+    packed = np.empty((blocks.shape[0], 2 + Q8_0_BLOCK), dtype=np.uint8)
+    packed[:, :2] = scale.astype(np.float16).view(np.uint8)
+    packed[:, 2:] = quantized.view(np.uint8)
+    return packed.reshape(*values.shape[:-1], values.shape[-1] // Q8_0_BLOCK * (2 + Q8_0_BLOCK))
+
+
+class _Reader:
+    def __init__(self, state: bytes) -> None:
+        self.state, self.offset = state, 0
+
+    def take(self, dtype, count: int = 1) -> np.ndarray:
+        size = np.dtype(dtype).itemsize * count
+        if self.offset + size > len(self.state):
+            raise MoaspecError("llama.cpp's sequence state is shorter than its layout says")
+        values = np.frombuffer(self.state, dtype, count, self.offset)
+        self.offset += size
+        return values
+
+    def one(self, dtype) -> int:
+        return int(self.take(dtype)[0])
+
+
+@dataclass
+class SequenceState:
+    """One sequence's cells as llama.cpp saves them (module docstring), positions 0.. in cell order."""
+
+    header: bytes
+    metas: list[bytes]  # per cell: position, sequence ids
+    keys: list[tuple[int, np.ndarray]]  # per layer: ggml type, rows [cells, row bytes] (uint8)
+    values: list[tuple[int, np.ndarray]]
+
+    @classmethod
+    def parse(cls, state: bytes) -> SequenceState:
+        reader = _Reader(state)
+        header = reader.take(np.uint8, STATE_HEADER).tobytes()
+        if reader.one(np.uint32) != 1:
+            raise MoaspecError("moving cells needs a unified KV cache (one stream)")
+        cells = reader.one(np.uint32)
+        metas = []
+        for expected in range(cells):
+            start = reader.offset
+            position, seqs = reader.one(np.int32), reader.one(np.uint32)
+            reader.take(np.int32, seqs)
+            if position != expected:
+                raise MoaspecError("the prompt context's cells are not in position order")
+            metas.append(state[start : reader.offset])
+        v_trans, layers = reader.one(np.uint32), reader.one(np.uint32)
+        if v_trans:
+            raise MoaspecError("moving cells needs untransposed values (flash attention)")
+        tables = []
+        for _ in range(2 * layers):
+            kind, row = reader.one(np.int32), reader.one(np.uint64)
+            tables.append((kind, reader.take(np.uint8, cells * row).reshape(cells, row)))
+        if reader.offset != len(state):
+            raise MoaspecError("llama.cpp's sequence state has a layout this version of moaspec does not know")
+        return cls(header, metas, tables[:layers], tables[layers:])
+
+    @property
+    def cells(self) -> int:
+        return len(self.metas)
+
+    def leading(self, count: int) -> SequenceState:
+        """The first `count` cells (positions 0..count-1)."""
+        if not 0 < count <= self.cells:
+            raise MoaspecError(f"cannot take {count} cells out of {self.cells}")
+        return SequenceState(
+            self.header, self.metas[:count],
+            [(kind, rows[:count]) for kind, rows in self.keys], [(kind, rows[:count]) for kind, rows in self.values],
+        )
+
+    def with_q8_0_keys(self, head_dim: int) -> SequenceState:
+        """The same cells for a q8_0-key context: f32 keys rotated (key_rotation_size), quantized."""
+        rotation = key_rotation_size(head_dim)
+        rotate = hadamard(rotation) if rotation else None
+        keys = []
+        for kind, rows in self.keys:
+            if kind != GGML_TYPE_F32:
+                raise MoaspecError("moving cells needs f32 keys in the prompt context")
+            values = rows.view(np.float32)
+            if rotate is not None:
+                values = (values.reshape(self.cells, -1, rotation) @ rotate.T).reshape(self.cells, -1)
+            keys.append((GGML_TYPE_Q8_0, quantize_q8_0(values)))
+        return SequenceState(self.header, self.metas, keys, self.values)
+
+    def to_bytes(self) -> bytes:
+        """The state for llama_state_seq_set_data."""
+        out = [self.header, np.array([1, self.cells], np.uint32).tobytes(), *self.metas]
+        out.append(np.array([0, len(self.keys)], np.uint32).tobytes())
+        for kind, rows in (*self.keys, *self.values):
+            out += [np.int32(kind).tobytes(), np.uint64(rows.shape[1]).tobytes(), np.ascontiguousarray(rows).tobytes()]
+        return b"".join(out)
