@@ -71,8 +71,11 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
-    """Depth of each node, root = 0.  parents: [N] -> [N] long."""
-    return ancestor_mask(parents).sum(-1) - 1
+    """Depth of each node, root = 0.  parents: [N] -> [N] long (parents come before children)."""
+    result: list[int] = []
+    for parent in parents.tolist():
+        result.append(0 if parent < 0 else result[parent] + 1)
+    return torch.tensor(result, dtype=torch.long)
 
 
 def children(parents: torch.Tensor) -> list[list[int]]:
