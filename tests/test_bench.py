@@ -147,7 +147,7 @@ class FlipLastToken:
         from moaspec.drafters.none import NoDrafter
 
         self.label = label
-        self.inner = EngineMethod(label, target, NoDrafter())
+        self.inner = EngineMethod(label, target, NoDrafter(), target.stop_ids)
 
     def run(self, prompt_ids, sampling, max_new_tokens, seed) -> MethodRun:
         run = self.inner.run(prompt_ids, sampling, max_new_tokens, seed)
@@ -175,6 +175,25 @@ def test_greedy_mismatch_is_reported_loudly(tmp_path, tiny_bench, monkeypatch, c
     assert [(m["method"], m["first_divergence"]) for m in results["mismatches"]] == [("ngram", 5), ("ngram", 5)]
     assert results["summary"][1]["num_mismatches"] == 2
     assert "MISMATCHES" in (out / "results.md").read_text()
+
+
+def test_ignore_eos_writes_every_answer_to_the_limit(tmp_path, tiny_bench, monkeypatch, capsys) -> None:
+    """With a third of the vocabulary as stop tokens answers end early; with --ignore-eos every
+    method (ours, transformers' generate) writes all --max-new-tokens, still checked lossless."""
+    stops = frozenset(range(0, tiny_bench.vocab_size, 3))
+    monkeypatch.setattr(type(tiny_bench), "stop_ids", property(lambda self: stops))
+    results = {}
+    for name, flags in (("stopping", []), ("ignoring", ["--ignore-eos"])):
+        out = tmp_path / name
+        code = main(bench_args(out, "--categories", "mt_bench,translation", "--methods", "none,hf,ngram", *flags))
+        assert code == 0, capsys.readouterr().err
+        results[name] = json.loads((out / "results.json").read_text())
+        schema.validate(results[name])
+    assert not results["stopping"]["config"]["ignore_eos"] and results["ignoring"]["config"]["ignore_eos"]
+    assert any(run["new_tokens"] < 6 for run in results["stopping"]["runs"])
+    assert all(run["new_tokens"] == 6 for run in results["ignoring"]["runs"])
+    assert results["ignoring"]["mismatches"] == []
+    assert "stop tokens ignored" in (tmp_path / "ignoring" / "results.md").read_text()
 
 
 def test_schema_rejects_missing_and_mistyped_fields(tmp_path, tiny_bench) -> None:
@@ -214,6 +233,7 @@ def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatc
         (["--methods", "ngram,ngram"], "names a method twice"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+        (["--ignore-eos", "--client-server"], "--ignore-eos applies to the single-device bench"),
         (["--tree-depth", "0"], "--tree-depth, --tree-top-k and --tree-budget must be >= 1"),
     ],
 )

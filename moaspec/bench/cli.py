@@ -48,6 +48,11 @@ def add_bench_parser(commands, default_target: str) -> None:
     )
     bench.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default 256)")
     bench.add_argument(
+        "--ignore-eos", action="store_true",
+        help="stop tokens do not end an answer: every method writes --max-new-tokens tokens (speed across "
+        "runtimes whose answers differ in length; a chat's next turn still keeps the answer up to its stop token)",
+    )
+    bench.add_argument(
         "--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})"
     )
     bench.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i for every method (default 0)")
@@ -86,6 +91,8 @@ def run_bench(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     target_name, _ = resolve_target(args.target)
     if args.client_server:
+        if args.ignore_eos:
+            raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
         return run_client_server_bench(args, categories, sampling, out, target_name)
     from moaspec.targets.options import runtime_options
 
@@ -109,7 +116,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # The calibration first: it lays out the target (every method then runs on the layout a user
     # of this machine gets) and gives the `default` method its drafter.
     default_drafter, calibration = _calibrated_default(target)
-    methods = [build_method(spec, target, default_drafter, overrides) for spec in specs]
+    methods = [build_method(spec, target, default_drafter, overrides, args.ignore_eos) for spec in specs]
     data = run_benchmark(
         target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
     )
@@ -124,6 +131,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "method_sources": {spec.label: spec.described for spec in specs},
         "temperature": args.temperature,
         "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
         "seed": args.seed,
         "method_trees": {method.label: _tree_record(method) for method in methods},
         "calibration": calibration,

@@ -135,24 +135,30 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
             raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
 
 
-def build_method(spec: MethodSpec, target: Target, calibrated=None, tree_overrides: dict | None = None) -> Method:
+def build_method(
+    spec: MethodSpec, target: Target, calibrated=None, tree_overrides: dict | None = None, ignore_eos: bool = False
+) -> Method:
     """calibrated: the drafter of the `default` method (the calibrated choice); tree_overrides:
-    --tree-* values for the model-drafter methods (the model-free ones have no tree)."""
+    --tree-* values for the model-drafter methods (the model-free ones have no tree); ignore_eos:
+    stop tokens do not end a generation (every method writes max_new_tokens)."""
+    stop_ids = frozenset() if ignore_eos else target.stop_ids
     if spec.source in LLAMA_CPP_METHODS:
-        return _llama_cpp_method(spec, target)
+        return _llama_cpp_method(spec, target, stop_ids)
     if spec.drafter is None:
-        return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None)
+        return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None, stop_ids)
     if spec.drafter == DEFAULT_METHOD:
-        return EngineMethod(spec.label, target, calibrated)
+        return EngineMethod(spec.label, target, calibrated, stop_ids)
     from moaspec.drafters import make_drafter
 
     # a session of its own: what one drafter asks of the target (llama.cpp: the keys/values MoA
     # reads, captured at a cost on every decode) must not slow the other methods down
     session = target.new_session()
-    return EngineMethod(spec.label, session, make_drafter(spec.drafter, session, drafter_tree(spec, tree_overrides)))
+    return EngineMethod(
+        spec.label, session, make_drafter(spec.drafter, session, drafter_tree(spec, tree_overrides)), stop_ids
+    )
 
 
-def _llama_cpp_method(spec: MethodSpec, target: Target) -> Method:
+def _llama_cpp_method(spec: MethodSpec, target: Target, stop_ids: frozenset[int]) -> Method:
     from moaspec.bench.llamacpp_methods import LLAMA_CPP_PLD_TOKENS, LlamaCppGenerateMethod
     from moaspec.targets.load import gguf_file
     from moaspec.targets.options import llama_cpp_available
@@ -165,7 +171,7 @@ def _llama_cpp_method(spec: MethodSpec, target: Target) -> Method:
         raise MoaspecError(f"method '{spec.label}' needs llama-cpp-python: pip install llama-cpp-python==0.3.36")
     threads = getattr(target, "threads", None) or _torch_threads()
     lookup = LLAMA_CPP_PLD_TOKENS if spec.source == "llama.cpp-pld" else None
-    return LlamaCppGenerateMethod(spec.label, gguf, threads, target.max_positions, target.stop_ids, lookup)
+    return LlamaCppGenerateMethod(spec.label, gguf, threads, target.max_positions, stop_ids, lookup)
 
 
 def _torch_threads() -> int:
@@ -187,17 +193,19 @@ class EngineMethod:
 
     lossless = True  # greedy output must equal plain decoding's (the benchmark checks)
 
-    def __init__(self, label: str, target: Target, drafter) -> None:
+    def __init__(self, label: str, target: Target, drafter, stop_ids: frozenset[int]) -> None:
         from moaspec.engine import Engine
 
         self.label = label
         self.engine = Engine(target, drafter)
+        self.stop_ids = stop_ids
 
     def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun:
         from moaspec.config import GenerationConfig
 
         started = time.perf_counter()
-        result = self.engine.generate(prompt_ids, sampling, GenerationConfig(max_new_tokens=max_new_tokens, seed=seed))
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
+        result = self.engine.generate(prompt_ids, sampling, generation, stop_ids=self.stop_ids)
         wall = time.perf_counter() - started
         return MethodRun(result.token_ids, wall, result.stats, has_time_split=True)
 
@@ -207,10 +215,11 @@ class HFGenerateMethod:
 
     lossless = True  # the same float32 model as our `none`: its greedy output must be the same
 
-    def __init__(self, label: str, target: HFTarget, prompt_lookup_tokens: int | None) -> None:
+    def __init__(self, label: str, target: HFTarget, prompt_lookup_tokens: int | None, stop_ids: frozenset[int]) -> None:
         self.label = label
         self.target = target
         self.prompt_lookup_tokens = prompt_lookup_tokens
+        self.stop_ids = stop_ids
 
     def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun:
         import torch
@@ -218,7 +227,7 @@ class HFGenerateMethod:
 
         model = self.target.model
         room = self.target.max_positions - len(prompt_ids)
-        stop_ids = sorted(self.target.stop_ids)
+        stop_ids = sorted(self.stop_ids)
         config = HFGenerationConfig(
             max_new_tokens=min(max_new_tokens, room),
             do_sample=not sampling.greedy,
@@ -226,7 +235,7 @@ class HFGenerateMethod:
             top_k=sampling.top_k if not sampling.greedy else None,
             top_p=sampling.top_p if not sampling.greedy else None,
             eos_token_id=stop_ids or None,
-            pad_token_id=stop_ids[0] if stop_ids else 0,
+            pad_token_id=stop_ids[0] if stop_ids else min(self.target.stop_ids, default=0),
             prompt_lookup_num_tokens=self.prompt_lookup_tokens,
         )
         forwards = [0]

@@ -178,7 +178,7 @@ def render_markdown(results: dict) -> str:
         "# moaspec bench",
         "",
         (
-            f"Target `{config['target']}`, {decoding}, at most {config['max_new_tokens']} new tokens, "
+            f"Target `{config['target']}`, {decoding}, {_length_phrase(config)}, "
             f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded."
         ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
@@ -217,6 +217,12 @@ def render_markdown(results: dict) -> str:
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"
+
+
+def _length_phrase(config: dict) -> str:
+    if config.get("ignore_eos"):
+        return f"{config['max_new_tokens']} new tokens per answer (stop tokens ignored: --ignore-eos)"
+    return f"at most {config['max_new_tokens']} new tokens"
 
 
 def decoding_phrase(temperature: float) -> str:

@@ -149,8 +149,16 @@ def _run_prompt(
                     f"{mismatch.method} differs from {BASELINE} on {mismatch.category}/{mismatch.prompt_id} "
                     f"turn {turn} at new token {mismatch.first_divergence}",
                 )
-        answer = target.tokenizer.decode(runs[BASELINE].token_ids, skip_special_tokens=True)
+        answer = target.tokenizer.decode(_until_stop(runs[BASELINE].token_ids, target.stop_ids), skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
+
+
+def _until_stop(token_ids: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """The answer a chat keeps: up to the first stop token (--ignore-eos writes on past it)."""
+    for index, token in enumerate(token_ids):
+        if token in stop_ids:
+            return token_ids[:index]
+    return token_ids
 
 
 def find_mismatches(prompt: BenchPrompt, turn: int, runs: dict[str, MethodRun]) -> list[Mismatch]:
