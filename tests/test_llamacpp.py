@@ -256,6 +256,12 @@ def test_keys_and_values_match_the_transformers_runtime() -> None:
     assert wrong > 10 * error
     with pytest.raises(MoaspecError, match="not captured"):
         llama.layer_kv(0, 2, [5])
+    long_ids = torch.tensor(llama.tokenizer("The quick brown fox jumps over the lazy dog. " * 60)["input_ids"])
+    long_ids = long_ids[: PROMPT_CONTEXT_MIN_TOKENS + 8]  # captured in the prompt context
+    llama.set_context(long_ids)
+    exact.set_context(long_ids)
+    got, want = llama.layer_kv(0, len(long_ids), [29, 0]), exact.layer_kv(0, len(long_ids), [29, 0])
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < 0.1
 
 
 @pytest.mark.parametrize(
