@@ -25,8 +25,9 @@ def test_the_hadamard_matrix_is_orthonormal_symmetric_and_sylvester_ordered() ->
 def test_key_rotation_follows_llama_cpp(head_dim: int, size: int, monkeypatch) -> None:
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
     assert key_rotation_size(head_dim) == size
-    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
-    assert key_rotation_size(head_dim) == 0
+    for setting, rotated in (("1", False), (" 2x", False), ("0", True), ("off", True)):  # C's atoi
+        monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", setting)
+        assert key_rotation_size(head_dim) == (size if rotated else 0)
 
 
 def test_q8_0_quantization_equals_llama_cpps_own() -> None:

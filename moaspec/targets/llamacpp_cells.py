@@ -18,6 +18,7 @@ contexts) are copied as they are.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +42,8 @@ def hadamard(size: int) -> np.ndarray:
 def key_rotation_size(head_dim: int) -> int:
     """Size of the Hadamard blocks llama.cpp rotates quantized keys by (0: not rotated): the largest
     power of two from 64 up that divides the head size, unless LLAMA_ATTN_ROT_DISABLE is set."""
-    if int(os.environ.get("LLAMA_ATTN_ROT_DISABLE", "0") or 0) or head_dim % 64:
+    setting = re.match(r"\s*[+-]?\d+", os.environ.get("LLAMA_ATTN_ROT_DISABLE", ""))  # read as C's atoi
+    if (setting is not None and int(setting.group())) or head_dim % 64:
         return 0
     size = 64
     while head_dim % (2 * size) == 0:
