@@ -47,13 +47,15 @@ def test_q8_0_quantization_equals_llama_cpps_own() -> None:
     assert np.array_equal(ours, theirs)
 
 
-def _state(cells: int, layers: int = 2, width: int = 128, start: int = 0) -> bytes:
-    """A sequence state as llama.cpp writes it: f32 keys, f16 values, positions start.."""
+def _state(cells: int, layers: int = 2, width: int = 128, start: int = 0, key_type: int = 0) -> bytes:
+    """A sequence state as llama.cpp writes it: f32 (key_type 0) or f16 (1) keys, f16 values,
+    positions start.."""
     generator = np.random.default_rng(cells)
     parts = [np.array([0xAF143CD8, 0], np.uint32).tobytes(), np.array([1, cells], np.uint32).tobytes()]
     parts += [np.array([start + i, 1, 0], np.int32).tobytes() for i in range(cells)]
     parts.append(np.array([0, layers], np.uint32).tobytes())
-    for kind, dtype in [(0, np.float32)] * layers + [(1, np.float16)] * layers:
+    key_dtype = np.float32 if key_type == 0 else np.float16
+    for kind, dtype in [(key_type, key_dtype)] * layers + [(1, np.float16)] * layers:
         rows = generator.standard_normal((cells, width)).astype(dtype)
         parts += [np.int32(kind).tobytes(), np.uint64(rows.nbytes // cells).tobytes(), rows.tobytes()]
     return b"".join(parts)
@@ -62,10 +64,10 @@ def _state(cells: int, layers: int = 2, width: int = 128, start: int = 0) -> byt
 def test_a_state_parses_and_writes_back_unchanged_and_its_first_cells_are_a_state() -> None:
     blob = _state(5)
     state = SequenceState.parse(blob)
-    assert state.cells == 5 and state.to_bytes() == blob
+    assert state.cells == 5 and state.to_buffer() == blob
     first = state.leading(3)
-    assert SequenceState.parse(first.to_bytes()).cells == 3
-    assert first.to_bytes() == _state_prefix(blob, 5, 3)
+    assert SequenceState.parse(first.to_buffer()).cells == 3
+    assert first.to_buffer() == _state_prefix(blob, 5, 3)
     with pytest.raises(MoaspecError, match="cannot take"):
         state.leading(6)
 
@@ -77,14 +79,15 @@ def _state_prefix(blob: bytes, cells: int, count: int) -> bytes:
                      *[np.int32(k).tobytes() + np.uint64(r.shape[1]).tobytes() + r[:count].tobytes() for k, r in (*state.keys, *state.values)]])
 
 
-def test_moved_keys_are_rotated_then_quantized_and_values_kept() -> None:
-    state = SequenceState.parse(_state(4, width=128))
+@pytest.mark.parametrize(("key_type", "dtype"), [(0, np.float32), (1, np.float16)])
+def test_moved_keys_are_rotated_then_quantized_and_values_kept(key_type: int, dtype) -> None:
+    state = SequenceState.parse(_state(4, width=128, key_type=key_type))
     moved = state.with_q8_0_keys(head_dim=64)
-    keys = state.keys[0][1].view(np.float32)
+    keys = state.keys[0][1].view(dtype).astype(np.float32)
     rotated = (keys.reshape(4, 2, 64) @ hadamard(64).T).reshape(4, 128)
     assert moved.keys[0][0] == 8 and np.array_equal(moved.keys[0][1], quantize_q8_0(rotated))
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(moved.values, state.values))
-    assert SequenceState.parse(moved.to_bytes()).keys[1][1].shape == (4, 4 * 34)
+    assert SequenceState.parse(moved.to_buffer()).keys[1][1].shape == (4, 4 * 34)
 
 
 @pytest.mark.parametrize(("blob", "message"), [
@@ -95,3 +98,9 @@ def test_moved_keys_are_rotated_then_quantized_and_values_kept() -> None:
 def test_a_state_of_another_layout_is_refused_clearly(blob: bytes, message: str) -> None:
     with pytest.raises(MoaspecError, match=message):
         SequenceState.parse(blob)
+
+
+def test_keys_of_another_type_are_refused_clearly() -> None:
+    state = SequenceState.parse(_state(3, key_type=8))
+    with pytest.raises(MoaspecError, match="f32 or f16 keys"):
+        state.with_q8_0_keys(head_dim=64)

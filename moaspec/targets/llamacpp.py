@@ -33,7 +33,7 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) are prefilled in a second context, the prompt
-context, with f32 keys: llama.cpp casts them to f16 and attends with its tiled kernel, 16-25 %
+context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
 the move costs). Its cells are then moved into the verified context through llama.cpp's
 sequence state (llamacpp_cells.py: keys Hadamard-rotated and quantized as a q8_0 key cache holds
@@ -76,7 +76,7 @@ MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
 PARKED = MAX_LEAVES + 1  # the sequence of parked cells (see the module docstring)
 KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0
-PROMPT_KEY_CACHE_TYPE = 0  # ggml_type of the prompt context's keys: f32 (module docstring)
+PROMPT_KEY_CACHE_TYPE = 1  # ggml_type of the prompt context's keys: f16 (module docstring)
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
@@ -202,18 +202,18 @@ class LlamaCppTarget:
         """The verified context: q8_0 keys, every sequence a tree needs (module docstring). The
         prompt context goes with it (it is made again, with the same callback, on first need)."""
         self._free_prompt_context()
-        ctx = self._new_llama_context(self.cells, KEY_CACHE_TYPE, PARKED + 1)
+        ctx = self._new_llama_context(self.cells, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
         self.memory = self.lib.llama_get_memory(ctx)
         self._embeddings_on = {ctx: False}
         return ctx
 
-    def _new_llama_context(self, cells: int, key_type: int, sequences: int):
-        """A flash-attention llama_context on the weights (with the eval callback when
-        keys/values are captured)."""
+    def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int):
+        """A flash-attention llama_context on the weights, decoding up to `batch` tokens at once
+        (its compute buffers are sized by it), with the eval callback when keys/values are captured."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = cells
-        params.n_batch = params.n_ubatch = MAX_BATCH
+        params.n_batch = params.n_ubatch = batch
         params.n_seq_max = sequences
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = True
@@ -228,13 +228,13 @@ class LlamaCppTarget:
         return ctx
 
     def _prompt_context(self, length: int):
-        """The prompt context (f32 keys, one sequence), grown to hold `length` tokens; growing
+        """The prompt context (f16 keys, one sequence), grown to hold `length` tokens; growing
         makes a new one, empty."""
         if self._prompt_ctx is not None and length <= self._prompt_capacity:
             return self._prompt_ctx
         self._free_prompt_context()
         cells = min(self.cells, max(PROMPT_CELLS_MIN, 1 << (length - 1).bit_length()))
-        self._prompt_ctx = self._new_llama_context(cells, PROMPT_KEY_CACHE_TYPE, 1)
+        self._prompt_ctx = self._new_llama_context(cells, PROMPT_KEY_CACHE_TYPE, 1, PROMPT_CHUNK)
         self._prompt_capacity = cells
         self._embeddings_on[self._prompt_ctx] = False
         self._prompt_tokens = []
@@ -419,7 +419,7 @@ class LlamaCppTarget:
         return TargetOutput(out.logits, torch.cat([self._hidden.read(0, keep)[:, None], out.hidden]))
 
     def _prefill_in_prompt_context(self, ids: list[int], hidden_layers: tuple[int, ...]) -> TargetOutput:
-        """Prefill a long prompt in the prompt context (f32 keys: llama.cpp's faster batched
+        """Prefill a long prompt in the prompt context (f16 keys: llama.cpp's faster batched
         attention), in PROMPT_CHUNK-aligned chunks from position 0, reusing whole chunks the
         prompt context still holds, then move every cell into the verified context."""
         ctx = self._prompt_context(len(ids))
@@ -628,12 +628,12 @@ class LlamaCppTarget:
         if lib.llama_state_seq_get_data(ctx, state, size, 0) != size:
             self.reset()
             raise MoaspecError("llama.cpp could not save the prompt's cells; the target's context was reset")
-        return SequenceState.parse(bytes(state)).leading(count)
+        return SequenceState.parse(memoryview(state)).leading(count)
 
     def _load_cells(self, ctx, cells: SequenceState) -> None:
         """Make `cells` sequence 0 of the empty context `ctx` (in cells 0.., position order)."""
-        data = cells.to_bytes()
-        if self.lib.llama_state_seq_set_data(ctx, (ctypes.c_uint8 * len(data)).from_buffer_copy(data), len(data), 0) != len(data):
+        data = cells.to_buffer()
+        if self.lib.llama_state_seq_set_data(ctx, (ctypes.c_uint8 * len(data)).from_buffer(data), len(data), 0) != len(data):
             self.reset()
             raise MoaspecError("llama.cpp refused the prompt's cells; the target's context was reset")
 

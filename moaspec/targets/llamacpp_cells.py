@@ -1,8 +1,9 @@
-"""Moving a prompt's cells from the prompt context (f32 keys) into the verified context (q8_0 keys).
+"""Moving a prompt's cells from the prompt context (f16 keys) into the verified context (q8_0 keys).
 
-llama.cpp prefills a long prompt faster with f32 keys than with the q8_0 keys that keep tree
-verification exact (bench/llamacpp_probes.py item 5), so the llama.cpp runtime prefills prompts
-in a second context and moves the cells over through llama.cpp's sequence state:
+llama.cpp prefills a long prompt faster with an f16 key cache (its tiled attention kernel) than
+with the q8_0 keys that keep tree verification exact (bench/llamacpp_probes.py items 2 and 5), so
+the llama.cpp runtime prefills long prompts in a second context and moves the cells over through
+llama.cpp's sequence state:
 
     [magic u32][seq id i32][streams u32][cells u32]
     per cell: [pos i32][n u32][n seq ids i32]
@@ -25,7 +26,7 @@ import numpy as np
 
 from moaspec.errors import MoaspecError
 
-GGML_TYPE_F32 = 0
+FLOAT_KEY_TYPES = {0: np.float32, 1: np.float16}  # ggml types f32, f16
 GGML_TYPE_Q8_0 = 8
 Q8_0_BLOCK = 32  # values per q8_0 block: an f16 scale and 32 int8
 STATE_HEADER = 8  # magic and sequence id
@@ -91,7 +92,8 @@ class SequenceState:
     values: list[tuple[int, np.ndarray]]
 
     @classmethod
-    def parse(cls, state: bytes) -> SequenceState:
+    def parse(cls, state: bytes | memoryview) -> SequenceState:
+        """Read a saved state (any bytes-like object; the rows stay views into it)."""
         reader = _Reader(state)
         header = reader.take(np.uint8, STATE_HEADER).tobytes()
         if reader.one(np.uint32) != 1:
@@ -104,7 +106,7 @@ class SequenceState:
             reader.take(np.int32, seqs)
             if position != expected:
                 raise MoaspecError("the prompt context's cells are not in position order")
-            metas.append(state[start : reader.offset])
+            metas.append(bytes(state[start : reader.offset]))
         v_trans, layers = reader.one(np.uint32), reader.one(np.uint32)
         if v_trans:
             raise MoaspecError("moving cells needs untransposed values (flash attention)")
@@ -130,23 +132,32 @@ class SequenceState:
         )
 
     def with_q8_0_keys(self, head_dim: int) -> SequenceState:
-        """The same cells for a q8_0-key context: f32 keys rotated (key_rotation_size), quantized."""
+        """The same cells for a q8_0-key context: float keys rotated (key_rotation_size), quantized."""
         rotation = key_rotation_size(head_dim)
         rotate = hadamard(rotation) if rotation else None
         keys = []
         for kind, rows in self.keys:
-            if kind != GGML_TYPE_F32:
-                raise MoaspecError("moving cells needs f32 keys in the prompt context")
-            values = rows.view(np.float32)
+            if kind not in FLOAT_KEY_TYPES:
+                raise MoaspecError("moving cells needs f32 or f16 keys in the prompt context")
+            values = rows.view(FLOAT_KEY_TYPES[kind]).astype(np.float32)
             if rotate is not None:
                 values = (values.reshape(self.cells, -1, rotation) @ rotate.T).reshape(self.cells, -1)
             keys.append((GGML_TYPE_Q8_0, quantize_q8_0(values)))
         return SequenceState(self.header, self.metas, keys, self.values)
 
-    def to_bytes(self) -> bytes:
-        """The state for llama_state_seq_set_data."""
-        out = [self.header, np.array([1, self.cells], np.uint32).tobytes(), *self.metas]
-        out.append(np.array([0, len(self.keys)], np.uint32).tobytes())
-        for kind, rows in (*self.keys, *self.values):
-            out += [np.int32(kind).tobytes(), np.uint64(rows.shape[1]).tobytes(), np.ascontiguousarray(rows).tobytes()]
-        return b"".join(out)
+    def to_buffer(self) -> bytearray:
+        """The state for llama_state_seq_set_data, written once into one buffer."""
+        head = [self.header, np.array([1, self.cells], np.uint32).tobytes(), *self.metas]
+        head.append(np.array([0, len(self.keys)], np.uint32).tobytes())
+        tables = [(np.int32(kind).tobytes() + np.uint64(rows.shape[1]).tobytes(), rows) for kind, rows in (*self.keys, *self.values)]
+        buffer = bytearray(sum(map(len, head)) + sum(len(label) + rows.nbytes for label, rows in tables))
+        view, offset = memoryview(buffer), 0
+        for part in head:
+            view[offset : offset + len(part)] = part
+            offset += len(part)
+        for label, rows in tables:
+            view[offset : offset + len(label)] = label
+            offset += len(label)
+            np.frombuffer(buffer, np.uint8, rows.nbytes, offset).reshape(rows.shape)[...] = rows
+            offset += rows.nbytes
+        return buffer
