@@ -453,3 +453,28 @@ def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_ta
         got = llama_target.verify(one_token(token))
         llama_target.commit([0])
         assert torch.equal(got.logits, want.logits)
+
+
+def test_an_interrupted_long_prefill_leaves_an_empty_context(llama_target, category_prompts, monkeypatch) -> None:
+    """Ctrl-C between the prompt context's chunks: the target holds nothing (not the previous
+    conversation with half-replaced rows), and the same prompt afterwards equals a fresh one."""
+    from moaspec.api import load_target
+
+    prompt = category_prompts["qa"]
+    assert len(prompt) > PROMPT_CHUNK + 1 and len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS  # two chunks
+    llama_target.set_context(torch.tensor(category_prompts["mt_bench"]))
+    original, calls = LlamaCppTarget._fill, []
+
+    def interrupted(self, *args) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        original(self, *args)
+
+    monkeypatch.setattr(LlamaCppTarget, "_fill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llama_target.set_context(torch.tensor(prompt))
+    monkeypatch.undo()
+    assert llama_target.num_cached == 0
+    fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)

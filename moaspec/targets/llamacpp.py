@@ -429,9 +429,15 @@ class LlamaCppTarget:
                 break
             common += 1
         common = min(common, self._moved)
+        if self.capture is not None:
+            common = min(common, self._kv.valid)
         if hidden_layers:
             common = min(common, self._hidden.valid)
         keep = common // PROMPT_CHUNK * PROMPT_CHUNK
+        # the verified context is rebuilt from the prompt context below: empty it first, so that an
+        # interruption in between leaves an empty context rather than a stale one
+        self.lib.llama_memory_clear(self.memory, True)
+        self._tokens, self._moved, self._parked = [], 0, 0
         self._restore_prompt_cells(keep)
         self._kv.truncate(keep)
         self._hidden.truncate(keep)
@@ -450,10 +456,8 @@ class LlamaCppTarget:
             if self.capture is not None:
                 self._kv.write(start, self.capture.rows(len(chunk)))
             self._prompt_tokens.extend(chunk)
-        self.lib.llama_memory_clear(self.memory, True)
-        self._parked = 0
-        self._tokens = list(ids)
         self._move_prompt_cells(len(ids))
+        self._tokens = list(ids)
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
         return TargetOutput(logits, hidden)
 
