@@ -19,7 +19,13 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.targets.llamacpp import MAX_LEAVES, PROMPT_CHUNK, PROMPT_CONTEXT_MIN_TOKENS, LlamaCppTarget, _leaf_sequences
+from moaspec.targets.llamacpp import (
+    MAX_LEAVES,
+    PROMPT_CHUNK,
+    PROMPT_CONTEXT_MIN_TOKENS,
+    LlamaCppTarget,
+    _leaf_sequences,
+)
 from moaspec.tree import DraftTree, ancestor_mask, depths
 from moaspec.verify import verify_greedy
 

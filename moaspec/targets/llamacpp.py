@@ -399,12 +399,7 @@ class LlamaCppTarget:
         self._drop_pending()
         if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS:
             return self._prefill_in_prompt_context(ids, hidden_layers)
-        keep = 0
-        if not self._moved:  # moved cells are not what this path computes
-            for old, new in zip(self._tokens, ids[:-1]):  # the last token is decoded again for its logits
-                if old != new:
-                    break
-                keep += 1
+        keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
         if self.capture is not None:
             keep = min(keep, self._kv.valid)
         if hidden_layers:
@@ -423,12 +418,7 @@ class LlamaCppTarget:
         attention), in PROMPT_CHUNK-aligned chunks from position 0, reusing whole chunks the
         prompt context still holds, then move every cell into the verified context."""
         ctx = self._prompt_context(len(ids))
-        common = 0
-        for old, new in zip(self._prompt_tokens, ids[:-1]):
-            if old != new:
-                break
-            common += 1
-        common = min(common, self._moved)
+        common = min(_shared_start(self._prompt_tokens, ids), self._moved)
         if self.capture is not None:
             common = min(common, self._kv.valid)
         if hidden_layers:
@@ -442,24 +432,11 @@ class LlamaCppTarget:
         self._kv.truncate(keep)
         self._hidden.truncate(keep)
         self._use_embeddings(ctx, bool(hidden_layers))
-        logits = None
-        for start in range(keep, len(ids), PROMPT_CHUNK):
-            chunk = ids[start : start + PROMPT_CHUNK]
-            last = start + len(chunk) == len(ids)
-            outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
-            self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), outputs)
-            self._decode(ctx)
-            if hidden_layers:
-                self._hidden.write(start, self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size, ctx))
-            if last:
-                logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size, ctx)[-1:]
-            if self.capture is not None:
-                self._kv.write(start, self.capture.rows(len(chunk)))
-            self._prompt_tokens.extend(chunk)
+        out = self._decode_in_chunks(ctx, ids[keep:], keep, PROMPT_CHUNK, hidden_layers, self._prompt_tokens)
         self._move_prompt_cells(len(ids))
         self._tokens = list(ids)
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
-        return TargetOutput(logits, hidden)
+        return TargetOutput(out.logits, hidden)
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -477,23 +454,30 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
         self._make_room(len(ids))
+        return self._decode_in_chunks(self.ctx, ids, self.num_cached, MAX_BATCH, hidden_layers, self._tokens)
+
+    def _decode_in_chunks(
+        self, ctx, ids: list[int], first: int, size: int, hidden_layers: tuple[int, ...], held: list[int]
+    ) -> TargetOutput:
+        """Decode ids [T] at positions first.. in sequence 0 of `ctx`, `size` tokens per
+        llama_decode; their captured keys/values (and hidden states, when asked) go to the
+        verified rows, the tokens to `held`. -> logits [1, V] after the last, hidden [T, 1, D]."""
         hidden_chunks, logits = [], None
-        for start in range(0, len(ids), MAX_BATCH):
-            chunk = ids[start : start + MAX_BATCH]
+        for start in range(0, len(ids), size):
+            chunk, position = ids[start : start + size], first + start
             last = start + len(chunk) == len(ids)
             outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
-            self._fill(chunk, range(self.num_cached, self.num_cached + len(chunk)), [[0]] * len(chunk), outputs)
-            self._decode()
+            self._fill(chunk, range(position, position + len(chunk)), [[0]] * len(chunk), outputs)
+            self._decode(ctx)
             if hidden_layers:
-                hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size))
-                self._hidden.write(self.num_cached, hidden_chunks[-1])
+                hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size, ctx))
+                self._hidden.write(position, hidden_chunks[-1])
             if last:
-                logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size)[-1:]
+                logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size, ctx)[-1:]
             if self.capture is not None:
-                self._kv.write(self.num_cached, self.capture.rows(len(chunk)))
-            self._tokens.extend(chunk)
-        hidden = torch.cat(hidden_chunks)[:, None] if hidden_layers else None
-        return TargetOutput(logits, hidden)
+                self._kv.write(position, self.capture.rows(len(chunk)))
+            held.extend(chunk)
+        return TargetOutput(logits, torch.cat(hidden_chunks)[:, None] if hidden_layers else None)
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -637,7 +621,8 @@ class LlamaCppTarget:
     def _load_cells(self, ctx, cells: SequenceState) -> None:
         """Make `cells` sequence 0 of the empty context `ctx` (in cells 0.., position order)."""
         data = cells.to_buffer()
-        if self.lib.llama_state_seq_set_data(ctx, (ctypes.c_uint8 * len(data)).from_buffer(data), len(data), 0) != len(data):
+        source = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        if self.lib.llama_state_seq_set_data(ctx, source, len(data), 0) != len(data):
             self.reset()
             raise MoaspecError("llama.cpp refused the prompt's cells; the target's context was reset")
 
@@ -710,6 +695,17 @@ def trees_exact_here(target: LlamaCppTarget) -> bool:
         return exact and torch.equal(after.logits[0], logits[EXACTNESS_STEPS])
     finally:
         probe.weights.trees_exact = None
+
+
+def _shared_start(held: list[int], ids: list[int]) -> int:
+    """How many leading tokens of `held` the prompt `ids` repeats, its last token left out (it
+    is decoded again for its logits)."""
+    count = 0
+    for old, new in zip(held, ids[:-1]):
+        if old != new:
+            break
+        count += 1
+    return count
 
 
 def _leaf_sequences(parents: torch.Tensor) -> list[list[int]]:

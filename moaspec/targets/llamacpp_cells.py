@@ -149,7 +149,9 @@ class SequenceState:
         """The state for llama_state_seq_set_data, written once into one buffer."""
         head = [self.header, np.array([1, self.cells], np.uint32).tobytes(), *self.metas]
         head.append(np.array([0, len(self.keys)], np.uint32).tobytes())
-        tables = [(np.int32(kind).tobytes() + np.uint64(rows.shape[1]).tobytes(), rows) for kind, rows in (*self.keys, *self.values)]
+        tables = [
+            (np.int32(kind).tobytes() + np.uint64(rows.shape[1]).tobytes(), rows) for kind, rows in (*self.keys, *self.values)
+        ]
         buffer = bytearray(sum(map(len, head)) + sum(len(label) + rows.nbytes for label, rows in tables))
         view, offset = memoryview(buffer), 0
         for part in head:
