@@ -138,7 +138,13 @@ def trie(root_id: int, continuations: list[list[int]], max_nodes: int) -> DraftT
     A continuation follows existing nodes while its tokens match a child, then adds a chain
     (cut where the trie is full). Deterministic drafts: no `draft_probs`.
     """
-    token_ids, parents = [root_id], [-1]
+    token_ids, parents, _ = trie_nodes(root_id, continuations, max_nodes)
+    return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
+
+
+def trie_nodes(root_id: int, continuations: list[list[int]], max_nodes: int) -> tuple[list[int], list[int], list[int]]:
+    """`trie`'s nodes as lists: (token ids, parents, depths), root first."""
+    token_ids, parents, node_depths = [root_id], [-1], [0]
     child_of: dict[tuple[int, int], int] = {}
     for continuation in continuations:
         node = 0
@@ -150,7 +156,7 @@ def trie(root_id: int, continuations: list[list[int]], max_nodes: int) -> DraftT
                 existing = len(token_ids)
                 token_ids.append(token)
                 parents.append(node)
+                node_depths.append(node_depths[node] + 1)
                 child_of[(node, token)] = existing
             node = existing
-    return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
-
+    return token_ids, parents, node_depths

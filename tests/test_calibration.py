@@ -17,7 +17,7 @@ from conftest import make_random_drafter_net, make_tiny_target
 import moaspec.calibration.plan as plan
 from moaspec.calibration import costs_store
 from moaspec.calibration.costs import CycleCosts
-from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_option
+from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
 from moaspec.config import GenerationConfig
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
@@ -76,6 +76,36 @@ def test_speculation_must_beat_plain_decoding_by_the_margin() -> None:
     assert choose([plain, barely, clearly]) is clearly
     faster_plain = Option("none", "column", 23.0)
     assert choose([plain, faster_plain, barely]) is faster_plain
+
+
+def _two_gram_trap_profile() -> list[LookupSequence]:
+    """Text whose 2-token matches are mostly wrong and whose longer matches are right: the prompt
+    holds a passage and many (a, b, x) triples; the answer copies the passage and, for each
+    triple, writes (c, a, b) then x only one time in three (y otherwise), with c never before a."""
+    passage = list(range(100, 140))
+    prompt, answer = list(passage), [7, *passage]
+    for j in range(30):
+        a, b, x, c = 200 + 4 * j, 201 + 4 * j, 202 + 4 * j, 203 + 4 * j
+        prompt += [a, b, x, 9]
+        answer += [c, a, b, x if j % 3 == 0 else 600 + j]
+    return [LookupSequence(prompt, answer)]
+
+
+def _best_lookup(profile: list[LookupSequence], costs: CycleCosts) -> NgramConfig:
+    options = [lookup_option("row", costs, c, simulate_lookup(profile, c), 0.0) for c in lookup_configs()]
+    return max(options, key=lambda option: option.tokens_per_s).lookup
+
+
+def test_the_lookup_matches_longer_ngrams_where_verified_nodes_are_costly() -> None:
+    """Where an extra node costs most of a step, wrong 2-gram guesses cost more than the right
+    ones bring, so the calibration's lookup matches 3+ tokens; where nodes are nearly free, it
+    keeps the 2-gram matches for the tokens they add."""
+    profile = _two_gram_trap_profile()
+    steep = {1: 10.0, 2: 18.4, 3: 24.6, 4: 29.2, 5: 34.1, 6: 36.7, 8: 45.3, 10: 55.3, 12: 64.7, 16: 83.3}
+    flat = {n: 10.0 + 0.1 * n for n in steep}
+    assert _best_lookup(profile, _costs(steep)).min_ngram >= 3
+    assert _best_lookup(profile, _costs(flat)).min_ngram == 2
+    assert {c.min_ngram for c in lookup_configs()} == {2, 3, 4}
 
 
 # -- the whole procedure on a tiny target with a tiny MoA checkpoint -----------------------------

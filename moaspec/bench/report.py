@@ -165,7 +165,9 @@ def _calibration_lines(calibration: dict | None) -> list[str]:
         tree = calibration["tree"]
         parts.append(f"tree depth {tree['depth']} / top-k {tree['top_k']} / budget {tree['budget']}")
     if calibration.get("lookup"):
-        parts.append(f"lookup {calibration['lookup']['max_depth']} deep x {calibration['lookup']['max_branches']}")
+        lookup = calibration["lookup"]
+        shortest = f"{lookup['min_ngram']}+-grams, " if "min_ngram" in lookup else ""
+        parts.append(f"lookup {shortest}{lookup['max_depth']} deep x {lookup['max_branches']}")
     speedup = calibration.get("predicted_speedup")
     predicted = f", predicted {speedup:.2f}x `none`" if speedup else ""
     return [f"Calibration (`default`, CPU {calibration['cpu']}): {', '.join(parts)}{predicted}."]

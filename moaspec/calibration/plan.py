@@ -302,7 +302,8 @@ def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:
     if chosen.tree is not None:
         parts.append(f"tree depth {chosen.tree.depth} top-k {chosen.tree.top_k} budget {chosen.tree.budget}")
     if chosen.lookup is not None:
-        parts.append(f"lookup depth {chosen.lookup.max_depth} x {chosen.lookup.max_branches}")
+        lookup = chosen.lookup
+        parts.append(f"lookup {lookup.min_ngram}+-grams, depth {lookup.max_depth} x {lookup.max_branches}")
     if plain is not None:
         parts.append(f"predicted {chosen.tokens_per_s / plain.tokens_per_s:.2f}x plain decoding")
     return ", ".join(parts)

@@ -31,12 +31,24 @@ MIN_GAIN = 1.05
 LOOKUP_DEPTHS = (1, 2, 3, 4, 6, 8)
 LOOKUP_BRANCHES = (1, 3)
 LOOKUP_MAX_NODES = 16
+# The shortest n-gram a lookup matches on: longer matches draft less often and are right more
+# often, which pays where every verified node costs much of a step (llama.cpp on 2 cores).
+LOOKUP_MIN_NGRAMS = (2, 3, 4)
 
 
 def lookup_configs() -> list[NgramConfig]:
-    """The lookup tries the calibration chooses among (depth x branches, at most 16 nodes)."""
+    """The lookup tries the calibration chooses among (shortest match x depth x branches, at
+    most 16 nodes; n-grams of up to max(4, shortest) tokens are tried, longest first)."""
+    longest = NgramConfig().max_ngram
     return [
-        NgramConfig(max_depth=depth, max_branches=branches, max_nodes=min(LOOKUP_MAX_NODES, 1 + depth * branches))
+        NgramConfig(
+            min_ngram=shortest,
+            max_ngram=max(longest, shortest),
+            max_depth=depth,
+            max_branches=branches,
+            max_nodes=min(LOOKUP_MAX_NODES, 1 + depth * branches),
+        )
+        for shortest in LOOKUP_MIN_NGRAMS
         for depth in LOOKUP_DEPTHS
         for branches in LOOKUP_BRANCHES
     ]
@@ -63,7 +75,11 @@ class Option:
         if self.tree is not None:
             record["tree"] = {"depth": self.tree.depth, "top_k": self.tree.top_k, "budget": self.tree.budget}
         if self.lookup is not None:
-            record["lookup"] = {"max_depth": self.lookup.max_depth, "max_branches": self.lookup.max_branches}
+            record["lookup"] = {
+                "min_ngram": self.lookup.min_ngram,
+                "max_depth": self.lookup.max_depth,
+                "max_branches": self.lookup.max_branches,
+            }
         return record
 
 

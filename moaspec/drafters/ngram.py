@@ -76,7 +76,11 @@ class NgramDrafter:
         self.accept_context(update.token_ids, update.start_pos, {})
 
     def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
-        for token in token_ids.tolist():
+        self.extend(token_ids.tolist())
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append verified tokens to the history and index the n-grams they end."""
+        for token in tokens:
             self.history.append(token)
             end = len(self.history) - 1
             for n, index in self.ends.items():
