@@ -20,6 +20,7 @@ from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
 from moaspec.config import GenerationConfig
+from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.engine import Engine
 
@@ -33,25 +34,45 @@ def test_accepted_length_walks_the_matching_path() -> None:
     assert accepted_length(tokens, parents, []) == 0
 
 
-@pytest.mark.parametrize("config", [NgramConfig(), NgramConfig(max_depth=2, max_branches=1, max_nodes=3)])
-def test_lookup_replay_equals_the_engine_with_the_ngram_drafter(config: NgramConfig) -> None:
-    """The replay over the target's greedy text counts exactly the engine's cycles, tokens and nodes.
+# a gate that finds many matches too costly (an extra node costs half a step): it opens and closes
+HALF_STEP_GATE = tuple(0.5 * (n - 1) if n else 0.0 for n in range(17))
+
+
+@pytest.mark.parametrize(
+    "config, gate_costs",
+    [
+        (NgramConfig(), None),
+        (NgramConfig(max_depth=2, max_branches=1, max_nodes=3), None),
+        (NgramConfig(), HALF_STEP_GATE),
+    ],
+)
+def test_lookup_replay_equals_the_engine_with_the_ngram_drafter(config: NgramConfig, gate_costs) -> None:
+    """The replay over the target's greedy text counts exactly the engine's cycles, tokens and
+    nodes, with or without the gate (which then verifies fewer matches: asserted, so the gated
+    case is not the ungated one again).
 
     A random tiny target falls into loops under greedy decoding, so the lookup matches often
     (asserted, so the comparison is not vacuous)."""
     target = make_tiny_target("llama", max_position_embeddings=512)
     prompts = [[3, 14, 15, 92, 65], [2, 71, 82, 81, 82, 84, 59]]
+
+    def gate() -> LookupGate | None:
+        return None if gate_costs is None else LookupGate(gate_costs)
+
     cycles = tokens = nodes = 0
     sequences = []
     for prompt in prompts:
-        result = Engine(target, NgramDrafter(config)).generate(prompt, generation=GenerationConfig(max_new_tokens=120))
+        engine = Engine(target, NgramDrafter(config, gate()))
+        result = engine.generate(prompt, generation=GenerationConfig(max_new_tokens=120))
         sequences.append(LookupSequence(prompt, result.token_ids))
         cycles += result.stats.num_verifications
         tokens += result.stats.new_tokens - 1  # the first token comes from the prefill
         nodes += result.stats.drafted_nodes + result.stats.num_verifications  # roots included
-    stats = simulate_lookup(sequences, config)
+    stats = simulate_lookup(sequences, config, gate())
     assert stats.matched_cycles > 10
     assert (stats.cycles, stats.tokens, stats.matched_nodes + stats.unmatched_cycles) == (cycles, tokens, nodes)
+    if gate_costs is not None:
+        assert stats.matched_cycles < simulate_lookup(sequences, config).matched_cycles
 
 
 def _costs(verify_ms: dict[int, float], level_ms: float = 2.0, accept_ms: float = 1.0) -> CycleCosts:

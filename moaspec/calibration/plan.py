@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from moaspec.calibration import costs_store
 from moaspec.calibration.machine import cpu_description, runtime_description
 from moaspec.calibration.predict import (
+    LOOKUP_MAX_NODES,
     Option,
     choose,
     lookup_configs,
@@ -43,6 +44,7 @@ from moaspec.calibration.predict import (
 )
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
 from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
+from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
@@ -131,24 +133,31 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
         raise CalibrationUnavailable(str(exc)) from exc
     measure_s = time.perf_counter() - begin if measured else 0.0
 
-    lookups = []
-    if sequences:
+    lookups = []  # the lookup tries as the model drafter's first guess (no gate: the model answers otherwise)
+    if sequences and with_lookup:
         lookups = costs_store.simulated_lookups(target.name, sequences, lookup_configs(), simulate_lookup)
     rates, rates_source = None, None
     if model is not None:
         rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
     options: list[Option] = []
     trees = None  # the model's tree candidates: their acceptance is the same in every layout
+    gates: dict[str, LookupGate] = {}  # the `ngram` form's gate per layout, from its verify costs
     for layout in layouts:
         costs = costs_store.cycle_costs(verify_costs[layout], drafter_costs[layout] if model is not None else None)
         if model is not None:
             trees = _tree_candidates(model, costs, rates) if trees is None else _recost(trees, costs)
-        options += _options(requested, base, with_lookup, trees, layout, costs, lookups, lookup_s)
+        gated = []  # the lookup tries of the `ngram` form, behind the gate
+        if sequences and (requested == DEFAULT or base == "ngram"):
+            gates[layout] = LookupGate.from_verify_costs(costs.verify, LOOKUP_MAX_NODES)
+            gated = costs_store.simulated_lookups(
+                target.name, sequences, lookup_configs(), simulate_lookup, gates[layout]
+            )
+        options += _options(requested, base, with_lookup, trees, layout, costs, lookups, gated, lookup_s)
     if target.runtime == "llama.cpp" and not target.trees_exact:  # trees would change the output here
         options = [o for o in options if o.drafter == "none"] or options
     chosen = choose(options)
     plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
-    drafter = _apply(target, chosen, model, spec)
+    drafter = _apply(target, chosen, model, spec, gates.get(chosen.layout))
     best_per_form: dict[tuple[str, str], Option] = {}
     for option in sorted(options, key=lambda o: -o.tokens_per_s):
         best_per_form.setdefault((option.drafter, option.layout), option)
@@ -164,15 +173,16 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
 
 
 def _options(
-    requested: str, base: str, with_lookup: bool, trees, layout: str, costs, lookups, lookup_s: float
+    requested: str, base: str, with_lookup: bool, trees, layout: str, costs, lookups, gated, lookup_s: float
 ) -> list[Option]:
     """The options of one layout for what was requested (module docstring); trees: the model
-    drafter's candidates costed in this layout, None without a model drafter."""
+    drafter's candidates costed in this layout, None without a model drafter; lookups / gated:
+    [(lookup config, replayed stats)] without / with the `ngram` form's gate."""
     options: list[Option] = []
     if requested in (DEFAULT, "none"):
         options.append(plain_option(layout, costs))
     if requested == DEFAULT or base == "ngram":
-        options += [lookup_option(layout, costs, config, stats, lookup_s) for config, stats in lookups]
+        options += [lookup_option(layout, costs, config, stats, lookup_s) for config, stats in gated]
     if trees is not None:
         if with_lookup and lookups:
             options += [
@@ -276,8 +286,9 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     return verify, lookup_s, drafter, measured
 
 
-def _apply(target, chosen: Option, model, spec: str):
-    """Lay out the target (and drafter) as chosen; -> the drafter of the chosen form."""
+def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None):
+    """Lay out the target (and drafter) as chosen; -> the drafter of the chosen form (`ngram`
+    with `gate`, the chosen layout's)."""
     from moaspec.drafters.ngram import NgramDrafter
     from moaspec.drafters.none import NoDrafter
 
@@ -287,7 +298,7 @@ def _apply(target, chosen: Option, model, spec: str):
     if chosen.drafter == "none":
         return NoDrafter.for_target(target)
     if chosen.drafter == "ngram" or model is None:
-        return NgramDrafter(chosen.lookup) if chosen.lookup is not None else make_drafter(spec, target)
+        return NgramDrafter(chosen.lookup, gate) if chosen.lookup is not None else make_drafter(spec, target)
     model = model.drafter()
     model.use_layout(chosen.layout)
     if chosen.tree is not None and model.tree_source == "checkpoint":

@@ -9,6 +9,10 @@ the root alone (a plain decoding step costs less than a useless tree).
 Drafts are deterministic (no `draft_probs`), which the stochastic verifier handles losslessly.
 An index from n-gram to the positions where it ends is updated incrementally, so a proposal
 costs O(branches * depth), not a scan of the context.
+
+With a `LookupGate` (lookup_gate.py; the machine calibration gives one to the `ngram` form), a
+match is verified only while matches have paid in this generation; otherwise the root goes
+alone and the match is scored in the shadow against the tokens the target writes next.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
-from moaspec.tree import DraftTree, trie
+from moaspec.drafters.lookup_gate import LookupGate
+from moaspec.tree import DraftTree, trie, trie_nodes
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target
@@ -56,8 +61,9 @@ class NgramDrafter:
     hidden_layers: tuple[int, ...] = ()
     context_encoder = NoContext()
 
-    def __init__(self, config: NgramConfig | None = None) -> None:
+    def __init__(self, config: NgramConfig | None = None, gate: LookupGate | None = None) -> None:
         self.config = config or NgramConfig()
+        self.gate = gate
         self.reset()
 
     @classmethod
@@ -71,6 +77,12 @@ class NgramDrafter:
         self.ends: dict[int, defaultdict[tuple[int, ...], list[int]]] = {
             n: defaultdict(list) for n in range(self.config.min_ngram, self.config.max_ngram + 1)
         }
+        # the gate's pending matches: (history index of the root, trie nodes) of a verified
+        # trie; (the same, the trie's children: node -> token -> child) of a shadow one
+        self._verified: tuple[int, int] | None = None
+        self._shadow: tuple[int, int, dict[int, dict[int, int]]] | None = None
+        if self.gate is not None:
+            self.gate.reset()
 
     def accept(self, update: VerifiedUpdate) -> None:
         self.accept_context(update.token_ids, update.start_pos, {})
@@ -86,13 +98,57 @@ class NgramDrafter:
             for n, index in self.ends.items():
                 if end + 1 >= n:
                     index[tuple(self.history[end + 1 - n : end + 1])].append(end)
+        if self.gate is not None:
+            self._score_matches()
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
-        return trie(root_id, self.continuations(root_id), self.config.max_nodes)
+        token_ids, parents, _ = self.propose_nodes(root_id)
+        return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
+
+    def propose_nodes(self, root_id: int) -> tuple[list[int], list[int], list[int]]:
+        """`propose`'s trie as lists (token ids, parents, depths; tree.trie_nodes): the root
+        alone without a match, or while the gate is closed (the match is then scored in the shadow)."""
+        nodes = trie_nodes(root_id, self.continuations(root_id), self.config.max_nodes)
+        num_nodes = len(nodes[0])
+        if self.gate is None or num_nodes == 1:
+            return nodes
+        if self.gate.is_open:
+            self._verified = (len(self.history), num_nodes)
+            return nodes
+        if self._shadow is None:
+            children: dict[int, dict[int, int]] = {}
+            for node, (token, parent) in enumerate(zip(*nodes[:2])):
+                if parent >= 0:
+                    children.setdefault(parent, {})[token] = node
+            self._shadow = (len(self.history), num_nodes, children)
+        return [root_id], [-1], [0]
+
+    def _score_matches(self) -> None:
+        """Tell the gate what the pending matches gained, once the history shows it: a verified
+        trie at its accept (the root and its accepted drafts), a shadow one when the target's
+        tokens leave it or reach one of its leaves."""
+        if self._verified is not None:
+            start, num_nodes = self._verified
+            self._verified = None
+            self.gate.record(len(self.history) - start - 1, num_nodes)
+        if self._shadow is not None:
+            start, num_nodes, children = self._shadow
+            node, accepted = 0, 0
+            for token in self.history[start + 1 :]:
+                node = children.get(node, {}).get(token, -1)
+                if node < 0:
+                    break
+                accepted += 1
+            else:
+                if node in children:  # right so far, and the trie goes on: wait for more tokens
+                    return
+            self._shadow = None
+            self.gate.record(accepted, num_nodes)
 
     def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None:
-        """The first token of the best continuation, or None when the context has no match."""
-        tree = self.propose(root_id, sampling, generator)
+        """The first token of the best continuation, or None when the context has no match
+        (the gate does not apply: nothing is verified)."""
+        tree = trie(root_id, self.continuations(root_id), self.config.max_nodes)
         if tree.num_nodes == 1:
             return None
         self.accept_context(torch.tensor([root_id]), len(self.history), {})
