@@ -160,3 +160,24 @@ def trie_nodes(root_id: int, continuations: list[list[int]], max_nodes: int) -> 
                 child_of[(node, token)] = existing
             node = existing
     return token_ids, parents, node_depths
+
+
+def trie_children(token_ids: list[int], parents: list[int]) -> dict[int, dict[int, int]]:
+    """node -> {token: child node} of a tree given as lists (tokens are unique among siblings in a trie)."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(token_ids, parents)):
+        if parent >= 0:
+            children.setdefault(parent, {}).setdefault(token, node)
+    return children
+
+
+def walk(children: dict[int, dict[int, int]], future: list[int]) -> tuple[int, int]:
+    """Follow `future` down from the root. -> (drafts matched, the node reached, or -1 where
+    `future` left the tree)."""
+    node, matched = 0, 0
+    for token in future:
+        node = children.get(node, {}).get(token, -1)
+        if node < 0:
+            break
+        matched += 1
+    return matched, node

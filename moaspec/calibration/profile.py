@@ -32,6 +32,7 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.tree import trie_children, walk
 
 PROFILE_FILE = "acceptance.json"
 PRIOR_TARGET = "smollm2-135m"
@@ -70,17 +71,7 @@ class LookupStats:
 
 def accepted_length(tree_token_ids: list[int], tree_parents: list[int], future: list[int]) -> int:
     """Drafted tokens greedy verification keeps: the longest root path spelling `future`'s start."""
-    children: dict[int, dict[int, int]] = {}
-    for node, parent in enumerate(tree_parents):
-        if parent >= 0:
-            children.setdefault(parent, {}).setdefault(tree_token_ids[node], node)
-    node, accepted = 0, 0
-    for token in future:
-        node = children.get(node, {}).get(token, -1)
-        if node < 0:
-            break
-        accepted += 1
-    return accepted
+    return walk(trie_children(tree_token_ids, tree_parents), future)[0]
 
 
 def simulate_lookup(

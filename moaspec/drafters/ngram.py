@@ -26,7 +26,7 @@ import torch
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
 from moaspec.drafters.lookup_gate import LookupGate
-from moaspec.tree import DraftTree, trie, trie_nodes
+from moaspec.tree import DraftTree, trie, trie_children, trie_nodes, walk
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target
@@ -116,11 +116,7 @@ class NgramDrafter:
             self._verified = (len(self.history), num_nodes)
             return nodes
         if self._shadow is None:
-            children: dict[int, dict[int, int]] = {}
-            for node, (token, parent) in enumerate(zip(*nodes[:2])):
-                if parent >= 0:
-                    children.setdefault(parent, {})[token] = node
-            self._shadow = (len(self.history), num_nodes, children)
+            self._shadow = (len(self.history), num_nodes, trie_children(*nodes[:2]))
         return [root_id], [-1], [0]
 
     def _score_matches(self) -> None:
@@ -133,15 +129,9 @@ class NgramDrafter:
             self.gate.record(len(self.history) - start - 1, num_nodes)
         if self._shadow is not None:
             start, num_nodes, children = self._shadow
-            node, accepted = 0, 0
-            for token in self.history[start + 1 :]:
-                node = children.get(node, {}).get(token, -1)
-                if node < 0:
-                    break
-                accepted += 1
-            else:
-                if node in children:  # right so far, and the trie goes on: wait for more tokens
-                    return
+            accepted, node = walk(children, self.history[start + 1 :])
+            if node in children:  # right so far, and the trie goes on: wait for more tokens
+                return
             self._shadow = None
             self.gate.record(accepted, num_nodes)
 
