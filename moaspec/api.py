@@ -16,7 +16,7 @@ import torch
 
 from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import FALLBACK_DRAFTER, default_drafter, make_drafter
+from moaspec.drafters import make_drafter, target_default_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
@@ -166,9 +166,7 @@ def load(
     from moaspec.calibration.plan import drafter_for
 
     loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
-    default = default_drafter(loaded.name)
-    if loaded.device.type != "cpu":  # model drafters run next to a CPU target only (drafters/__init__.py)
-        drafter, default = drafter or FALLBACK_DRAFTER, FALLBACK_DRAFTER
+    default = target_default_drafter(loaded)
     if not calibrate:
         name = drafter or default
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)

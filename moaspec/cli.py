@@ -348,6 +348,11 @@ def _add_data_parser(commands, default_target: str) -> None:
     distill.add_argument(
         "--seed", type=int, default=0, help="prompt shuffle, batch modes and sampling seeds (default 0)"
     )
+    distill.add_argument(
+        "--skip-conversations", type=int, default=0, metavar="N",
+        help="pass over the first N usable prompts of the shuffle: with the same seed, the prompts that "
+        "continue where --num-conversations N stopped (default 0)",
+    )
     sharegpt = actions.add_parser(
         "sharegpt", help="whole ShareGPT conversations, every assistant turn a loss span (teacher-forced, no generation)"
     )
@@ -464,6 +469,7 @@ def _data_distill(args: argparse.Namespace) -> int:
         shard_size=args.shard_size,
         seed=args.seed,
         num_conversations=args.num_conversations,
+        skip_conversations=args.skip_conversations,
     )
     out = output_dir(args.out)
     if out.is_dir():

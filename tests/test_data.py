@@ -202,12 +202,29 @@ def test_select_prompts_dedupes_skips_long_and_is_deterministic() -> None:
     assert "c3~2" in {p.id for p in everything}
 
 
+def test_select_prompts_skip_continues_where_a_shorter_selection_stopped() -> None:
+    convs = [_conv(f"c{i}", f"prompt number {i}") for i in range(30)] + [_conv("long", "x" * 100)]
+    tokenizer = _FakeTokenizer()
+
+    def select(**kw):
+        return ds.select_prompts(convs, tokenizer, ds.DistillConfig(max_prompt_tokens=40, seed=5, **kw))
+
+    first, _ = select(num_conversations=12)
+    rest, counts = select(skip_conversations=12)
+    both, _ = select(num_conversations=20)
+    assert [p.id for p in first] + [p.id for p in rest][:8] == [p.id for p in both]
+    assert len(rest) == 30 - 12 and not {p.id for p in first} & {p.id for p in rest}
+    assert counts["passed_over"] == 12 and counts["skipped_too_long"] == 1
+    assert select(skip_conversations=30)[0] == []
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
         ("batch_size", 0, "batch-size must be >= 1"),
         ("max_new_tokens", -1, "max-new-tokens must be >= 1"),
         ("num_conversations", 0, "num-conversations must be >= 1"),
+        ("skip_conversations", -1, "skip-conversations must be >= 0"),
         ("sampled_fraction", 1.01, "sampled-fraction must be in"),
         ("sampled_fraction", float("nan"), "sampled-fraction must be in"),
     ],
@@ -499,3 +516,12 @@ def test_real_target_distills_two_prompts(tmp_path: Path, monkeypatch) -> None:
     assert manifest["counts"]["records_recovered"] == 17671
     assert main(argv) == 0  # resume: nothing left to do
     assert len(ds.read_shards(out)) == 2
+
+
+def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> None:
+    settings = {"target": "t", **asdict(ds.DistillConfig(num_conversations=4))}
+    older = {k: v for k, v in settings.items() if k != "skip_conversations"}
+    (tmp_path / ds.MANIFEST).write_text(json.dumps({"settings": older}))
+    assert ds.check_resume(tmp_path, settings) == {"settings": older}
+    with pytest.raises(MoaspecError, match=r"different settings \(skip_conversations\)"):
+        ds.check_resume(tmp_path, {**settings, "skip_conversations": 3})

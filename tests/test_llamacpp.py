@@ -384,6 +384,26 @@ def test_model_drafters_are_refused_next_to_a_gpu_target() -> None:
     assert make_drafter("ngram", gpu_target).__class__.__name__ == "NgramDrafter"
 
 
+def test_a_gpu_target_defaults_to_prompt_lookup_everywhere(monkeypatch) -> None:
+    """generate, load() and bench pick the default drafter through target_default_drafter: a GPU
+    target gets `ngram` (the bench's default method list leaves the model drafters out), a CPU
+    target the shipped `moa+ngram`."""
+    from types import SimpleNamespace
+
+    from moaspec.bench.methods import default_methods
+    from moaspec.calibration.plan import drafter_for
+    from moaspec.drafters import target_default_drafter
+
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
+    gpu_target = SimpleNamespace(name="smollm2-135m", runtime="transformers", device=torch.device("cuda"))
+    assert target_default_drafter(gpu_target) == "ngram"
+    assert target_default_drafter(SimpleNamespace(name="smollm2-135m", device=torch.device("cpu"))) == "moa+ngram"
+    drafter, calibration = drafter_for(gpu_target, None)
+    assert drafter.__class__.__name__ == "NgramDrafter" and calibration is None
+    assert default_methods("smollm2-135m", "transformers", "cuda") == "none,hf,hf-pld,ngram,default"
+    assert "moa+ngram" in default_methods("smollm2-135m", "transformers", "cpu").split(",")
+
+
 def test_the_exactness_check_fails_when_batched_kernels_round_differently(llama_target, monkeypatch) -> None:
     """trees_exact_here passes on this machine's kernels (the other tests hold it to that) and
     fails as soon as a tree's logits move by one rounding step; trees are then refused."""

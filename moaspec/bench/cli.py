@@ -98,7 +98,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     options = runtime_options(args, args.target)
     runtime = options["runtime"]
-    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime))
+    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime, options["device"]))
     check_available(specs, target_name)
     check_runtime_methods(specs, runtime)
     if not args.no_plots:

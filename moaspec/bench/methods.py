@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moaspec.drafters import (
+    FALLBACK_DRAFTER,
     MODEL_FREE,
     SHIPPED,
     SHIPPED_DIR,
@@ -103,14 +104,17 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
     return tuple(specs)
 
 
-def default_methods(target_name: str, runtime: str = "transformers") -> str:
+def default_methods(target_name: str, runtime: str = "transformers", device: str = "cpu") -> str:
     """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
     `ngram`, every shipped drafter that exists for the target and runs on the runtime, the
-    default drafter form (`moa+ngram`) and `default` (the calibrated choice)."""
-    shipped = [name for name in SHIPPED if runs_on(SHIPPED_DIR / target_name / name, runtime)]
+    default drafter form (`moa+ngram`) and `default` (the calibrated choice). With the target on a
+    GPU, the model drafters (which run next to a CPU target only) are left out."""
+    on_cpu = device == "cpu"
+    shipped = [name for name in SHIPPED if on_cpu and runs_on(SHIPPED_DIR / target_name / name, runtime)]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
-    return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
+    default = default_drafter(target_name) if on_cpu else FALLBACK_DRAFTER
+    return ",".join(dict.fromkeys([*methods, default, DEFAULT_METHOD]))
 
 
 def check_runtime_methods(specs: tuple[MethodSpec, ...], runtime: str) -> None:
@@ -240,7 +244,7 @@ class HFGenerateMethod:
         )
         forwards = [0]
         hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
-        input_ids = torch.tensor([prompt_ids])
+        input_ids = torch.tensor([prompt_ids], device=self.target.device)  # [1, T] where the target's weights are
         try:
             torch.manual_seed(seed)  # generate() samples from the global generator
             started = time.perf_counter()

@@ -47,6 +47,12 @@ def default_drafter(target_name: str) -> str:
     return DEFAULT_DRAFTER if (SHIPPED_DIR / target_name / "moa").is_dir() else FALLBACK_DRAFTER
 
 
+def target_default_drafter(target) -> str:
+    """default_drafter for a loaded target: model drafters run next to a CPU target only
+    (load_drafter), so a target on a GPU gets the model-free FALLBACK_DRAFTER."""
+    return default_drafter(target.name) if target.device.type == "cpu" else FALLBACK_DRAFTER
+
+
 def split_lookup(spec: str) -> tuple[str, bool]:
     """`moa+ngram` -> ("moa", True); `moa` -> ("moa", False); an existing directory is taken as
     it is, even when its name ends in `+ngram`."""

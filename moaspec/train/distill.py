@@ -27,7 +27,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ class DistillConfig:
     shard_size: int = 1000
     seed: int = 0
     num_conversations: int | None = None  # None: all
+    skip_conversations: int = 0  # usable prompts of the shuffle passed over before the selection
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
@@ -57,6 +58,8 @@ class DistillConfig:
                 raise MoaspecError(f"{name.replace('_', '-')} must be >= 1")
         if self.num_conversations is not None and self.num_conversations < 1:
             raise MoaspecError("num-conversations must be >= 1")
+        if self.skip_conversations < 0:
+            raise MoaspecError("skip-conversations must be >= 0")
         if not 0.0 <= self.sampled_fraction <= 1.0:  # also rejects nan
             raise MoaspecError("sampled-fraction must be in [0, 1]")
         if not self.temperature > 0.0:
@@ -84,10 +87,12 @@ class Batch:
 
 
 def select_prompts(conversations: Iterable, tokenizer, config: DistillConfig) -> tuple[list[Prompt], dict[str, int]]:
-    """The first `num_conversations` usable first-turn prompts after a `seed` shuffle.
+    """The first `num_conversations` usable first-turn prompts after a `seed` shuffle, once the
+    first `skip_conversations` usable ones are passed over.
 
     Duplicate prompts (same text up to case and whitespace) are kept once; prompts longer than
     `max_prompt_tokens` are skipped and the next ones taken, so exactly N come back when possible.
+    With the same seed, skip S then N selects what `num_conversations` S + N adds to S's prompts.
     """
     from moaspec.train.sharegpt import normalize_text
 
@@ -105,7 +110,7 @@ def select_prompts(conversations: Iterable, tokenizer, config: DistillConfig) ->
         unique.append((conv_id, conversation.first_prompt))
     random.Random(config.seed).shuffle(unique)
     wanted = config.num_conversations or len(unique)
-    prompts, too_long = [], 0
+    prompts, too_long, passed_over = [], 0, 0
     for conv_id, text in unique:
         if len(prompts) == wanted:
             break
@@ -113,8 +118,13 @@ def select_prompts(conversations: Iterable, tokenizer, config: DistillConfig) ->
         if len(ids) > config.max_prompt_tokens:
             too_long += 1
             continue
+        if passed_over < config.skip_conversations:
+            passed_over += 1
+            continue
         prompts.append(Prompt(conv_id, ids))
     counts = {"unique_prompts": len(unique), "skipped_too_long": too_long, "selected": len(prompts)}
+    if config.skip_conversations:
+        counts["passed_over"] = passed_over
     return prompts, counts
 
 
@@ -334,8 +344,10 @@ def check_resume(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
         previous = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise MoaspecError(f"{path} is not valid JSON ({exc.msg}); use a new --out directory") from exc
-    if previous.get("settings") != settings:
-        changed = sorted(k for k in settings if previous.get("settings", {}).get(k) != settings[k])
+    defaults = {f.name: f.default for f in fields(DistillConfig)}  # fields added since the run began
+    written = {**defaults, **previous.get("settings", {})}
+    if written != settings:
+        changed = sorted(k for k in settings if written.get(k) != settings[k])
         raise MoaspecError(
             f"{out_dir} was written with different settings ({', '.join(changed)}); "
             "rerun with the same options to resume, or use a new --out directory"
