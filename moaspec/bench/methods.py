@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moaspec.drafters import (
-    FALLBACK_DRAFTER,
     MODEL_FREE,
     SHIPPED,
     SHIPPED_DIR,
@@ -113,8 +112,7 @@ def default_methods(target_name: str, runtime: str = "transformers", device: str
     shipped = [name for name in SHIPPED if on_cpu and runs_on(SHIPPED_DIR / target_name / name, runtime)]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
-    default = default_drafter(target_name) if on_cpu else FALLBACK_DRAFTER
-    return ",".join(dict.fromkeys([*methods, default, DEFAULT_METHOD]))
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name, device), DEFAULT_METHOD]))
 
 
 def check_runtime_methods(specs: tuple[MethodSpec, ...], runtime: str) -> None:

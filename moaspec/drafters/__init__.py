@@ -41,16 +41,18 @@ DEFAULT_DRAFTER = "moa+ngram"  # when no drafter is named, for targets with a sh
 FALLBACK_DRAFTER = "ngram"  # ... and for any other target
 
 
-def default_drafter(target_name: str) -> str:
+def default_drafter(target_name: str, device: str = "cpu") -> str:
     """The drafter used when none is named: the shipped MoA drafter with prompt lookup, or the
-    model-free `ngram` for a target without a shipped MoA drafter."""
-    return DEFAULT_DRAFTER if (SHIPPED_DIR / target_name / "moa").is_dir() else FALLBACK_DRAFTER
+    model-free `ngram` for a target without a shipped MoA drafter or on a device other than the
+    CPU (model drafters run next to a CPU target only: load_drafter)."""
+    if device == "cpu" and (SHIPPED_DIR / target_name / "moa").is_dir():
+        return DEFAULT_DRAFTER
+    return FALLBACK_DRAFTER
 
 
 def target_default_drafter(target) -> str:
-    """default_drafter for a loaded target: model drafters run next to a CPU target only
-    (load_drafter), so a target on a GPU gets the model-free FALLBACK_DRAFTER."""
-    return default_drafter(target.name) if target.device.type == "cpu" else FALLBACK_DRAFTER
+    """default_drafter for a loaded target, on its device."""
+    return default_drafter(target.name, target.device.type)
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
