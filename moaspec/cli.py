@@ -10,7 +10,7 @@
 
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
                          [--max-new-tokens N] [--max-prompt-tokens N] [--sampled-fraction F]
-                         [--shard-size N] [--seed S]
+                         [--shard-size N] [--seed S] [--skip-conversations N] [--device cpu|cuda[:N]]
     moaspec data sharegpt --out DIR [--target NAME|PATH] [--num-conversations N] [--max-seq-len N]
                           [--shard-size N] [--seed S] [--skip-conversations N]
     moaspec data stats DIR
