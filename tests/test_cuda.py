@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_target
+from test_train import samples
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
@@ -14,7 +15,6 @@ from moaspec.engine import Engine
 from moaspec.targets.hf import HFTarget
 from moaspec.train import distill as ds
 from moaspec.train.config import TrainConfig
-from moaspec.train.features import TrainSample
 from moaspec.train.run import build_net
 from moaspec.train.trainer import train
 
@@ -23,11 +23,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 def on_gpu(target: HFTarget) -> HFTarget:
     return HFTarget(target.model.to("cuda"), target.tokenizer, target.name)
-
-
-def samples(count: int, seed: int) -> list[TrainSample]:
-    gen = torch.Generator().manual_seed(seed)
-    return [TrainSample(torch.randint(0, 97, (24,), generator=gen), 6, index) for index in range(count)]
 
 
 @pytest.mark.parametrize("method", ["moa", "eagle"])
