@@ -6,7 +6,9 @@ then let it draft M tokens alone (`draft_alone`, exactly what the split client c
 them with the target's own greedy continuation. For every stopping threshold P it reports what
 `--offline-min-prob P` would write: tokens written, leading tokens agreeing with the target, and
 their ratio; and, per drafter, how often a token whose prefix agreed is right (conditional
-precision; for `ngram` this is the precision of a prompt-lookup copy, LOOKUP_PRECISION).
+precision), in all and by where the token came from (`AloneDraft.source`: the model, a lookup
+copy, or a copy the model's first choice agrees with): the measurements behind the copy
+precisions in moaspec/drafters/ngram.py.
 
     .venv/bin/python bench/offline_confidence.py --out DIR [--categories mt_bench,humaneval]
         [--limit 25] [--skip 10] [--drafters ngram,moa,moa+ngram] [--cut-after 16] [--offline-tokens 24]
@@ -45,7 +47,7 @@ def offline_tokens(target, spec: str, prompt_ids: list[int], cut_after: int, cou
         draft = drafter.draft_alone(root, SamplingConfig(), generator)
         if draft is None:  # n-gram without a match: it would wait for the server
             break
-        rows.append({"token": draft.token_id, "probability": draft.probability,
+        rows.append({"token": draft.token_id, "probability": draft.probability, "source": draft.source,
                      "right": index < len(expected) and draft.token_id == expected[index]})
         root = draft.token_id
     return rows
@@ -70,16 +72,19 @@ def stopping_table(generations: list[list[dict]]) -> list[dict]:
     return table
 
 
-def conditional_precision(generations: list[list[dict]]) -> tuple[int, int]:
-    """(right, drafted) over tokens whose earlier offline tokens all agreed with the target."""
-    right = drafted = 0
+def conditional_precision(generations: list[list[dict]]) -> dict[str, list[int]]:
+    """{source: [right, drafted]} over tokens whose earlier offline tokens all agreed with the
+    target, per AloneDraft.source and in "all"."""
+    counts: dict[str, list[int]] = {"all": [0, 0]}
     for rows in generations:
         for row in rows:
-            drafted += 1
-            right += row["right"]
+            for key in ("all", row["source"]):
+                counts.setdefault(key, [0, 0])
+                counts[key][0] += row["right"]
+                counts[key][1] += 1
             if not row["right"]:
                 break
-    return right, drafted
+    return counts
 
 
 def main() -> None:
@@ -112,9 +117,11 @@ def main() -> None:
             if rows is not None:
                 generations[f"{item.category}/{item.prompt_id}"] = rows
         table = stopping_table(list(generations.values()))
-        right, drafted = conditional_precision(list(generations.values()))
-        results["drafters"][spec] = {"generations": generations, "stopping": table, "conditional_precision": [right, drafted]}
-        lines += [f"## {spec} ({len(generations)} generations; right when the prefix agreed: {right} of {drafted})", "",
+        precision = conditional_precision(list(generations.values()))
+        results["drafters"][spec] = {"generations": generations, "stopping": table, "conditional_precision": precision}
+        by_source = "; ".join(f"{key} {right} of {drafted}" for key, (right, drafted) in precision.items() if key != "all")
+        right, drafted = precision["all"]
+        lines += [f"## {spec} ({len(generations)} generations; right when the prefix agreed: {right} of {drafted}: {by_source})", "",
                   "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
         lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in table]
         lines.append("")

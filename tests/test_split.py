@@ -4,6 +4,7 @@ generation (greedy and seeded sampling), for MoA (with and without TLI), EAGLE-2
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
@@ -129,10 +130,11 @@ def test_mismatched_drafter_is_refused() -> None:
 @pytest.mark.parametrize("method", ["moa", "eagle", "moa+ngram"])
 def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> None:
     """A model drafter's token drafted alone comes with the model's own probability of it (its
-    top choice, greedy); a prompt-lookup copy comes with LOOKUP_PRECISION (the tiny target's answer
-    to this prompt turns periodic from its 7th token, so after 16 `moa+ngram` copies)."""
+    top choice, greedy); a prompt-lookup copy beside a model comes with the copy's precision where
+    the model agrees or disputes (the tiny target's answer to this prompt turns periodic from its
+    7th token, so after 16 `moa+ngram` copies)."""
     from moaspec.drafters.base import AloneDraft
-    from moaspec.drafters.ngram import LOOKUP_PRECISION
+    from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED
 
     prepared = []
     for _ in range(2):  # two identical drafters in the same state: one drafts alone, one is probed
@@ -144,14 +146,49 @@ def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> Non
     root = emitted[-1]
     draft = prepared[0].draft_alone(root, SamplingConfig(), None)
     assert isinstance(draft, AloneDraft)
-    if method.endswith("+ngram"):
-        assert draft.probability == LOOKUP_PRECISION
-        return
     log_probs = prepared[1].start(root)[0]
     vocab = prepared[1].draft_vocab_ids
     best = int(log_probs.argmax())
-    assert draft.token_id == (best if vocab is None else int(vocab[best]))
+    model_choice = best if vocab is None else int(vocab[best])
+    if method.endswith("+ngram"):
+        agreed = model_choice == draft.token_id
+        assert draft[1:] == ((LOOKUP_PRECISION_AGREED, "lookup+model") if agreed else (LOOKUP_PRECISION_DISPUTED, "lookup"))
+        return
+    assert draft.token_id == model_choice and draft.source == "model"
     assert draft.probability == pytest.approx(float(log_probs[best].exp()), rel=1e-9)
+
+
+@pytest.mark.parametrize("model_agrees", [True, False])
+def test_a_copy_drafted_alone_reports_whether_the_model_agrees(model_agrees: bool) -> None:
+    """Beside a model, the lookup's copy is drafted alone whatever the model's first choice is; its
+    probability is LOOKUP_PRECISION_AGREED when that choice is the copy, else
+    LOOKUP_PRECISION_DISPUTED. The model's distribution is forced to put its top on the copy or
+    on another token."""
+    from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED
+
+    prepared = []
+    for _ in range(2):  # two identical drafters in the same state: one drafts alone, one is probed
+        target = make_tiny_target("llama", num_hidden_layers=3)
+        drafter = make_drafter("moa+ngram", target)
+        generation = GenerationConfig(max_new_tokens=16)
+        emitted = Engine(target, drafter).generate([*PROMPT, 71, 5, 17, 33], SamplingConfig(), generation).token_ids
+        prepared.append(drafter)
+    drafter, probe = prepared
+    copy = int(probe._lookup_proposal(emitted[-1], SamplingConfig(), None).token_ids[1])
+    ids = drafter.draft_vocab_ids  # rows of the model's distribution -> token ids
+    vocab = list(range(target.vocab_size)) if ids is None else ids.tolist()
+    favoured = vocab.index(copy) if model_agrees else next(row for row, token in enumerate(vocab) if token != copy)
+    model_start = drafter.start
+
+    def forced_start(root_id: int):
+        log_probs = model_start(root_id).clone()
+        log_probs[0, favoured] = log_probs[0].max() + 5.0
+        return torch.log_softmax(log_probs, dim=-1)
+
+    drafter.start = forced_start
+    draft = drafter.draft_alone(emitted[-1], SamplingConfig(), None)
+    expected = (LOOKUP_PRECISION_AGREED, "lookup+model") if model_agrees else (LOOKUP_PRECISION_DISPUTED, "lookup")
+    assert draft == (copy, *expected)
 
 
 class CountingClient(SplitClient):

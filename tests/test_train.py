@@ -190,6 +190,7 @@ def test_validation_records_are_spaced_through_the_data() -> None:
 
 
 def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path) -> None:
+    """A TLI-0 checkpoint starts a TLI-1 net with the same weights (TLI adds none); other sizes refuse."""
     from moaspec.nn.checkpoint import read_checkpoint
     from moaspec.train.run import load_initial_weights
 
@@ -204,8 +205,12 @@ def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path)
     for name, value in fresh.state_dict().items():
         assert value.dtype == (torch.float32 if value.is_floating_point() else torch.long)
         torch.testing.assert_close(value, saved[name].to(value.dtype), rtol=0, atol=0, msg=name)
+    with_tli = build_net("moa", target, 1, torch.arange(0, 97, 3))
+    load_initial_weights(with_tli, checkpoint, target, TrainConfig(tli_layers=1))
+    for name, value in with_tli.state_dict().items():
+        torch.testing.assert_close(value, saved[name].to(value.dtype), rtol=0, atol=0, msg=name)
     with pytest.raises(MoaspecError, match="does not fit"):
-        load_initial_weights(build_net("moa", target, 1, torch.arange(0, 97, 3)), checkpoint, target, TrainConfig(tli_layers=1))
+        load_initial_weights(build_net("moa", target, 0, torch.arange(0, 97, 2)), checkpoint, target, TrainConfig())
     with pytest.raises(MoaspecError, match="is a moa drafter, not eagle"):
         load_initial_weights(build_net("eagle", target, 0, None), checkpoint, target, TrainConfig(method="eagle"))
 

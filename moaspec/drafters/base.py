@@ -60,10 +60,13 @@ class VerifiedUpdate:
 
 class AloneDraft(NamedTuple):
     """A token drafted without the target, with the drafter's probability that it is the target's
-    own next token (a model's probability of it, or `LOOKUP_PRECISION` for a prompt-lookup copy)."""
+    own next token (a model's probability of it, or a prompt-lookup copy's measured precision:
+    ngram.py) and where it came from: "model", "lookup" (a copy; beside a model, one the model's
+    own first choice disputes) or "lookup+model" (a copy that is also the model's first choice)."""
 
     token_id: int
     probability: float
+    source: str = "model"
 
 
 class Drafter(Protocol):

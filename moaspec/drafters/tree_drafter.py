@@ -30,7 +30,7 @@ import torch
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import AloneDraft, Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
-from moaspec.drafters.ngram import LOOKUP_PRECISION, NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED, NgramConfig, NgramDrafter
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
@@ -88,17 +88,24 @@ class TreeDrafter:
     @torch.inference_mode()
     def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft:
         """The next token without the target: the first token of the lookup's trie when it has
-        one (as `propose`; probability LOOKUP_PRECISION), else the model's own choice (with the
-        model's probability of it). The root becomes provisional context (base.py) either way, so
-        the model runs even when the lookup answers (EAGLE keeps its predicted feature of the root)."""
+        one (as `propose`), with the copy's measured precision where the model's own first choice
+        is the same token or is not (ngram.py), else the model's own choice (with the model's
+        probability of it). The root becomes provisional context (base.py) either way, so the
+        model runs even when the lookup answers (EAGLE keeps its predicted feature of the root)."""
         trie = self._lookup_proposal(root_id, sampling, generator)
         log_probs = self.start(root_id)[0]
         self._keep_provisional_root(root_id)
         if trie is not None:  # the first child: the longest n-gram's most recent match
-            return AloneDraft(int(trie.token_ids[1]), LOOKUP_PRECISION)
+            copy = int(trie.token_ids[1])
+            if self._full_vocabulary_id(int(log_probs.argmax())) == copy:
+                return AloneDraft(copy, LOOKUP_PRECISION_AGREED, "lookup+model")
+            return AloneDraft(copy, LOOKUP_PRECISION_DISPUTED, "lookup")
         token = pick_alone(log_probs, sampling, generator)
-        probability = float(log_probs[token].exp())
-        return AloneDraft(token if self.draft_vocab_ids is None else int(self.draft_vocab_ids[token]), probability)
+        return AloneDraft(self._full_vocabulary_id(token), float(log_probs[token].exp()), "model")
+
+    def _full_vocabulary_id(self, draft_row: int) -> int:
+        """A row of the drafter's (reduced) vocabulary -> the target's token id."""
+        return draft_row if self.draft_vocab_ids is None else int(self.draft_vocab_ids[draft_row])
 
     def _keep_provisional_root(self, root_id: int) -> None:
         """After `start(root_id)`: keep the root as context, with predicted activations."""

@@ -111,8 +111,10 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     target layers than this net (`memory_layers`): the layer mix keeps those layers' weights; one
     without `memory_hidden` starts a net with it (its hidden-state map at zero: the same function),
     and any one a net without the layer attention (its LSA weights dropped) or without the
-    cross-attention (its weights kept, unused): the ablations.
-    MoaspecError when its method, TLI depth, vocabulary size or other sizes differ."""
+    cross-attention (its weights kept, unused): the ablations. A MoA of another TLI depth starts
+    this one (TLI borrows the target's frozen layers and adds no weights: the same weights, their
+    output now entering the target's last k layers, a fine-tuning start).
+    MoaspecError when its method, vocabulary size or other sizes differ."""
     from moaspec.nn.checkpoint import read_checkpoint
 
     record, weights = read_checkpoint(directory, target)
@@ -135,6 +137,7 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
         differing.discard("layer_attention")
     if "cross_attention" in differing and not wanted["cross_attention"]:
         differing.discard("cross_attention")
+    differing.discard("tli_layers")
     if differing:
         detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in sorted(differing))
         raise MoaspecError(f"--init-from {directory} does not fit this drafter ({detail})")
