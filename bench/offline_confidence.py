@@ -15,7 +15,9 @@ precisions in moaspec/drafters/ngram.py.
 
 `--skip K` leaves out each category's first K items (per --limit's even draw): the disconnection
 experiment of the README uses the first 10 of qa and mt_bench, so the defaults calibrate on others.
-Writes DIR/results.json (every offline token) and DIR/results.md. One torch thread.
+Writes DIR/results.json (every offline token) and DIR/results.md, which ends with every drafter's
+agreeing tokens at equal output (drafters' probabilities differ in scale, so one P makes them
+write different amounts); `--report-only` rewrites results.md from results.json. One torch thread.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import json
 from pathlib import Path
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+FINE_THRESHOLDS = tuple(i / 200 for i in range(201))  # agreeing_at's sweep
+EQUAL_OUTPUT_AT = (0.3, 0.4, 0.5, 0.6)  # the first drafter's totals at these P set the equal-output table
 
 
 def offline_tokens(target, spec: str, prompt_ids: list[int], cut_after: int, count: int) -> list[dict] | None:
@@ -53,10 +57,10 @@ def offline_tokens(target, spec: str, prompt_ids: list[int], cut_after: int, cou
     return rows
 
 
-def stopping_table(generations: list[list[dict]]) -> list[dict]:
-    """What `--offline-min-prob P` would write, for each P in THRESHOLDS (pooled over generations)."""
+def stopping_table(generations: list[list[dict]], thresholds: tuple[float, ...] = THRESHOLDS) -> list[dict]:
+    """What `--offline-min-prob P` would write, for each P in `thresholds` (pooled over generations)."""
     table = []
-    for threshold in THRESHOLDS:
+    for threshold in thresholds:
         written = agreeing = 0
         for rows in generations:
             probability, prefix_right = 1.0, True
@@ -70,6 +74,24 @@ def stopping_table(generations: list[list[dict]]) -> list[dict]:
         table.append({"min_prob": threshold, "written": written, "agreeing": agreeing,
                       "agreement": round(agreeing / written, 4) if written else 0.0})
     return table
+
+
+def agreeing_at(generations: list[list[dict]], written: int) -> float | None:
+    """Agreeing tokens (from the first) when the drafter writes `written` offline tokens in all:
+    P swept over FINE_THRESHOLDS, linear between the two nearest totals it writes; None outside
+    them. Drafters report probabilities on different scales, so the same P makes them write
+    different amounts: this compares them at equal output."""
+    best: dict[int, int] = {}
+    for row in stopping_table(generations, FINE_THRESHOLDS):
+        best[row["written"]] = max(best.get(row["written"], 0), row["agreeing"])
+    totals = sorted(best)
+    if not totals or not totals[0] <= written <= totals[-1]:
+        return None
+    above = next(total for total in totals if total >= written)
+    below = max(total for total in totals if total <= written)
+    if above == below:
+        return float(best[above])
+    return best[below] + (best[above] - best[below]) * (written - below) / (above - below)
 
 
 def conditional_precision(generations: list[list[dict]]) -> dict[str, list[int]]:
@@ -96,7 +118,13 @@ def main() -> None:
     parser.add_argument("--drafters", default="ngram,moa,moa+ngram")
     parser.add_argument("--cut-after", type=int, default=16)
     parser.add_argument("--offline-tokens", type=int, default=24)
+    parser.add_argument("--report-only", action="store_true", help="rewrite DIR/results.md from DIR/results.json")
     args = parser.parse_args()
+    out = Path(args.out)
+    if args.report_only:
+        results = json.loads((out / "results.json").read_text())
+        (out / "results.md").write_text("\n".join(report(results)) + "\n")
+        return
 
     import torch
 
@@ -108,7 +136,6 @@ def main() -> None:
     target = moaspec.api.load_target("smollm2-135m", runtime="transformers")
     items = [item for group in load_prompts(tuple(args.categories.split(",")), args.limit).values() for item in group[args.skip:]]
     results = {"command": " ".join(["bench/offline_confidence.py", *__import__("sys").argv[1:]]), "drafters": {}}
-    lines = ["# Offline confidence (drafting alone after a cut)", "", f"`{results['command']}`", ""]
     for spec in args.drafters.split(","):
         generations = {}
         for item in items:
@@ -119,18 +146,46 @@ def main() -> None:
         table = stopping_table(list(generations.values()))
         precision = conditional_precision(list(generations.values()))
         results["drafters"][spec] = {"generations": generations, "stopping": table, "conditional_precision": precision}
-        by_source = "; ".join(f"{key} {right} of {drafted}" for key, (right, drafted) in precision.items() if key != "all")
-        right, drafted = precision["all"]
-        lines += [f"## {spec} ({len(generations)} generations; right when the prefix agreed: {right} of {drafted}: {by_source})", "",
-                  "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in table]
-        lines.append("")
-        print("\n".join(lines[-len(table) - 5:]), flush=True)
-    out = Path(args.out)
+        print(f"{spec}: {len(generations)} generations", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results) + "\n")
+    lines = report(results)
     (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
 
+
+def report(results: dict) -> list[str]:
+    """results.md's lines: each drafter's stopping table and precision by source, then every
+    drafter's agreeing tokens at the first drafter's totals for EQUAL_OUTPUT_AT."""
+    lines = ["# Offline confidence (drafting alone after a cut)", "", f"`{results['command']}`", ""]
+    drafters = results["drafters"]
+    for spec, measured in drafters.items():
+        precision = measured["conditional_precision"]
+        if isinstance(precision, list):  # results written before session 15: [right, drafted] in all
+            precision = {"all": precision}
+        by_source = "; ".join(f"{key} {right} of {drafted}" for key, (right, drafted) in precision.items() if key != "all")
+        right, drafted = precision["all"]
+        by_source = f": {by_source}" if by_source else ""
+        lines += [f"## {spec} ({len(measured['generations'])} generations; right when the prefix agreed: {right} of {drafted}{by_source})", "",
+                  "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
+        lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in measured["stopping"]]
+        lines.append("")
+    first = next(iter(drafters))
+    totals = list(dict.fromkeys(row["written"] for row in drafters[first]["stopping"] if row["min_prob"] in EQUAL_OUTPUT_AT and row["written"]))
+    if len(drafters) > 1 and totals:
+        lines += [f"## At equal output: agreeing tokens when each drafter writes as many as `{first}` at P = "
+                  + ", ".join(f"{p:g}" for p in EQUAL_OUTPUT_AT), "",
+                  "P is swept in steps of 0.005 and the totals interpolated (`agreeing_at`); – where a drafter never writes that many.", "",
+                  "| drafter | " + " | ".join(f"{total} written" for total in totals) + " |", "|---|" + "---:|" * len(totals)]
+        for spec, measured in drafters.items():
+            generations = list(measured["generations"].values())
+            cells = []
+            for total in totals:
+                agreeing = agreeing_at(generations, total)
+                cells.append("–" if agreeing is None else f"{agreeing:.1f} ({agreeing / total:.2f})")
+            lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 if __name__ == "__main__":
     main()
