@@ -187,5 +187,6 @@ def report(results: dict) -> list[str]:
         lines.append("")
     return lines
 
+
 if __name__ == "__main__":
     main()
