@@ -127,6 +127,19 @@ def test_mismatched_drafter_is_refused() -> None:
         made.server.stop()
 
 
+def drafters_after_a_cut(method: str):
+    """Two identical `method` drafters in the same state after 16 greedy tokens of the tiny target
+    (one to draft alone, one to probe) -> (drafter, probe, target, root: the last emitted token)."""
+    prepared = []
+    for _ in range(2):
+        target = make_tiny_target("llama", num_hidden_layers=3)
+        drafter = make_drafter(method, target)
+        generation = GenerationConfig(max_new_tokens=16)
+        emitted = Engine(target, drafter).generate([*PROMPT, 71, 5, 17, 33], SamplingConfig(), generation).token_ids
+        prepared.append(drafter)
+    return *prepared, target, emitted[-1]
+
+
 @pytest.mark.parametrize("method", ["moa", "eagle", "moa+ngram"])
 def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> None:
     """A model drafter's token drafted alone comes with the model's own probability of it (its
@@ -136,18 +149,11 @@ def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> Non
     from moaspec.drafters.base import AloneDraft
     from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED
 
-    prepared = []
-    for _ in range(2):  # two identical drafters in the same state: one drafts alone, one is probed
-        target = make_tiny_target("llama", num_hidden_layers=3)
-        drafter = make_drafter(method, target)
-        generation = GenerationConfig(max_new_tokens=16)
-        emitted = Engine(target, drafter).generate([*PROMPT, 71, 5, 17, 33], SamplingConfig(), generation).token_ids
-        prepared.append(drafter)
-    root = emitted[-1]
-    draft = prepared[0].draft_alone(root, SamplingConfig(), None)
+    drafter, probe, _, root = drafters_after_a_cut(method)
+    draft = drafter.draft_alone(root, SamplingConfig(), None)
     assert isinstance(draft, AloneDraft)
-    log_probs = prepared[1].start(root)[0]
-    vocab = prepared[1].draft_vocab_ids
+    log_probs = probe.start(root)[0]
+    vocab = probe.draft_vocab_ids
     best = int(log_probs.argmax())
     model_choice = best if vocab is None else int(vocab[best])
     if method.endswith("+ngram"):
@@ -166,15 +172,8 @@ def test_a_copy_drafted_alone_reports_whether_the_model_agrees(model_agrees: boo
     on another token."""
     from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED
 
-    prepared = []
-    for _ in range(2):  # two identical drafters in the same state: one drafts alone, one is probed
-        target = make_tiny_target("llama", num_hidden_layers=3)
-        drafter = make_drafter("moa+ngram", target)
-        generation = GenerationConfig(max_new_tokens=16)
-        emitted = Engine(target, drafter).generate([*PROMPT, 71, 5, 17, 33], SamplingConfig(), generation).token_ids
-        prepared.append(drafter)
-    drafter, probe = prepared
-    copy = int(probe._lookup_proposal(emitted[-1], SamplingConfig(), None).token_ids[1])
+    drafter, probe, target, root = drafters_after_a_cut("moa+ngram")
+    copy = int(probe._lookup_proposal(root, SamplingConfig(), None).token_ids[1])
     ids = drafter.draft_vocab_ids  # rows of the model's distribution -> token ids
     vocab = list(range(target.vocab_size)) if ids is None else ids.tolist()
     favoured = vocab.index(copy) if model_agrees else next(row for row, token in enumerate(vocab) if token != copy)
@@ -186,7 +185,7 @@ def test_a_copy_drafted_alone_reports_whether_the_model_agrees(model_agrees: boo
         return torch.log_softmax(log_probs, dim=-1)
 
     drafter.start = forced_start
-    draft = drafter.draft_alone(emitted[-1], SamplingConfig(), None)
+    draft = drafter.draft_alone(root, SamplingConfig(), None)
     expected = (LOOKUP_PRECISION_AGREED, "lookup+model") if model_agrees else (LOOKUP_PRECISION_DISPUTED, "lookup")
     assert draft == (copy, *expected)
 
