@@ -18,11 +18,13 @@ Selection is deterministic given the drafter, so the verifier treats drafts as p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from moaspec.config import TreeConfig
+from moaspec.drafters.vocab import target_token_ids
 from moaspec.tree import DraftTree
 
 
@@ -34,7 +36,7 @@ def build_dynamic_tree(
     draft_vocab_ids: torch.Tensor | None = None,
 ) -> DraftTree:
     """Build the tree; token ids are mapped from the draft vocabulary to target ids."""
-    to_target = (lambda ids: ids) if draft_vocab_ids is None else (lambda ids: draft_vocab_ids[ids])
+    to_target = functools.partial(target_token_ids, draft_vocab_ids=draft_vocab_ids)
     log_probs = start()  # [Vd]
     k = min(config.top_k, log_probs.shape[-1])
     scores, draft_ids = torch.topk(log_probs.float(), k)
@@ -106,7 +108,7 @@ def build_sampled_tree(
     the earlier siblings removed and renormalised for the k-th first-level node. Rows are over
     the target vocabulary (zero outside a reduced draft vocabulary).
     """
-    to_target = (lambda ids: ids) if draft_vocab_ids is None else (lambda ids: draft_vocab_ids[ids])
+    to_target = functools.partial(target_token_ids, draft_vocab_ids=draft_vocab_ids)
 
     def full_rows(draft_probs: torch.Tensor) -> torch.Tensor:  # [n, Vd] -> [n, V]
         if draft_vocab_ids is None:

@@ -31,6 +31,7 @@ from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import AloneDraft, Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED, NgramConfig, NgramDrafter
+from moaspec.drafters.vocab import target_token_ids
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
@@ -97,15 +98,11 @@ class TreeDrafter:
         self._keep_provisional_root(root_id)
         if trie is not None:  # the first child: the longest n-gram's most recent match
             copy = int(trie.token_ids[1])
-            if self._full_vocabulary_id(int(log_probs.argmax())) == copy:
+            if int(target_token_ids(int(log_probs.argmax()), self.draft_vocab_ids)) == copy:
                 return AloneDraft(copy, LOOKUP_PRECISION_AGREED, "lookup+model")
             return AloneDraft(copy, LOOKUP_PRECISION_DISPUTED, "lookup")
         token = pick_alone(log_probs, sampling, generator)
-        return AloneDraft(self._full_vocabulary_id(token), float(log_probs[token].exp()), "model")
-
-    def _full_vocabulary_id(self, draft_row: int) -> int:
-        """A row of the drafter's (reduced) vocabulary -> the target's token id."""
-        return draft_row if self.draft_vocab_ids is None else int(self.draft_vocab_ids[draft_row])
+        return AloneDraft(int(target_token_ids(token, self.draft_vocab_ids)), float(log_probs[token].exp()), "model")
 
     def _keep_provisional_root(self, root_id: int) -> None:
         """After `start(root_id)`: keep the root as context, with predicted activations."""

@@ -30,6 +30,12 @@ def most_frequent_token_ids(
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def target_token_ids(rows, draft_vocab_ids: torch.Tensor | None):
+    """Rows of a reduced draft vocabulary (an index or a tensor of them) -> the target's token ids
+    at those rows; the rows themselves with the full vocabulary (draft_vocab_ids None)."""
+    return rows if draft_vocab_ids is None else draft_vocab_ids[rows]
+
+
 def coverage(sequences: Iterable[Sequence[int]], draft_vocab_ids: torch.Tensor) -> float:
     """Fraction of token occurrences inside the draft vocabulary (an upper bound on what the
     drafter can ever propose correctly)."""
