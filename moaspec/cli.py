@@ -22,7 +22,7 @@
     moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
                   [--memory-hidden] [--no-layer-attention] [--no-cross-attention] [--anchor-every MIN MAX]
                   [--anchor-loss-weight W] [--draft-vocab N] [--ce-weight W] [--feature-weight W]
-                  [--steps S] [--batch-size B] [--lr LR] [--time-limit-min M] ...
+                  [--steps S] [--batch-size B] [--micro-batch M] [--lr LR] [--time-limit-min M] ...
 
 Text streams to stdout as it is verified; `--json` prints one JSON object at the end instead.
 `data distill` has the target regenerate ShareGPT responses into resumable jsonl shards (rerun the
@@ -221,6 +221,11 @@ def _add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192)")
     train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
+    train.add_argument(
+        "--micro-batch", type=int, default=1,
+        help="sequences per forward pass, padded to the longest (same gradient, more memory; raise it on a GPU, "
+        "and a run resumes with any value) (default 1)",
+    )
     train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
     train.add_argument("--min-lr", type=float, default=defaults.min_lr, help=f"final learning rate (default {defaults.min_lr})")
     train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help=f"linear warm-up steps (default {defaults.warmup_steps})")
@@ -261,7 +266,7 @@ def _train(args: argparse.Namespace) -> int:
     from moaspec.train.config import TrainConfig
     from moaspec.train.distill import shard_files
 
-    for name in ("steps", "batch_size", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
+    for name in ("steps", "batch_size", "micro_batch", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     if args.draft_vocab < 0 or args.tli_layers < 0 or not args.lr > 0:
@@ -312,6 +317,7 @@ def _train(args: argparse.Namespace) -> int:
         feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
         init_from=init_from,
         device=args.device,
+        micro_batch=args.micro_batch,
     )
     try:
         checkpoint = run_training(spec, config, tree)

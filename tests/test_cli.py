@@ -165,6 +165,7 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "eagle", "--data", "d", "--out", "run", "--no-layer-attention"], "--method moa only"),
         (["--method", "eagle", "--data", "d", "--out", "run", "--no-cross-attention"], "--method moa only"),
         (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--steps", "0"], "--steps must be >= 1"),
+        (["--method", "moa", "--data", "/no/such/dir", "--out", "run", "--micro-batch", "0"], "--micro-batch must be >= 1"),
         (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
         (["--data", "d", "--out", "run"], "required: --method"),
         (["--method", "moa", "--data", "d", "--out", "run", "--staircase-fraction", "2"], "--staircase-fraction must be within"),

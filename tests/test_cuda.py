@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_target
-from test_train import samples
+from test_train import samples, unequal_samples
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
@@ -27,9 +27,10 @@ def on_gpu(target: HFTarget) -> HFTarget:
 
 @pytest.mark.parametrize("method", ["moa", "eagle"])
 def test_training_on_the_gpu_matches_the_cpu_within_bfloat16_and_resumes_on_the_cpu(tmp_path, method: str) -> None:
+    """The GPU run goes in padded micro-batches (--micro-batch), the CPU run one sequence at a time."""
     cpu_target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
-    data = samples(5, 11)
-    config = TrainConfig(method=method, steps=3, batch_size=2, warmup_steps=1, val_every=3, ckpt_every=1000)
+    data = [*unequal_samples(11), *samples(1, 11)]
+    config = TrainConfig(method=method, steps=3, batch_size=3, warmup_steps=1, val_every=3, ckpt_every=1000)
     torch.manual_seed(0)
     cpu_net = build_net(method, cpu_target, 0, None)
     initial = {name: tensor.clone() for name, tensor in cpu_net.state_dict().items()}
@@ -37,7 +38,7 @@ def test_training_on_the_gpu_matches_the_cpu_within_bfloat16_and_resumes_on_the_
     gpu_target = on_gpu(make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32))
     gpu_net = build_net(method, gpu_target, 0, None)
     gpu_net.load_state_dict(initial)
-    gpu_state = train(gpu_net, gpu_target, data[:3], data[3:], config, tmp_path / "gpu", progress=False)
+    gpu_state = train(gpu_net, gpu_target, data[:3], data[3:], config, tmp_path / "gpu", progress=False, micro_batch=3)
     assert next(gpu_net.parameters()).device.type == "cuda"
     assert gpu_state.history[0]["loss"] == pytest.approx(cpu_state.history[0]["loss"], rel=0.05)
     assert "acc_depth1" in gpu_state.history[-1] and "val_tau" not in gpu_state.history[-1]

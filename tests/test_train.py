@@ -84,6 +84,18 @@ def samples(count: int, seed: int) -> list[TrainSample]:
     return [TrainSample(torch.randint(0, 97, (24,), generator=gen), 6, index) for index in range(count)]
 
 
+def unequal_samples(seed: int) -> list[TrainSample]:
+    """Four sequences of different lengths, one with two learned spans (a conversation)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 97, (length,), generator=gen) for length in (19, 31, 24, 12)]
+    return [
+        TrainSample(ids[0], 5, 0),
+        TrainSample(ids[1], 4, 1, loss_spans=((4, 12), (17, 31))),
+        TrainSample(ids[2], 9, 2),
+        TrainSample(ids[3], 3, 3),
+    ]
+
+
 @pytest.mark.parametrize("method, tli, reduced", [("moa", 0, False), ("moa", 1, True), ("eagle", 0, False)])
 def test_loss_falls_when_overfitting_one_batch(tmp_path, method: str, tli: int, reduced: bool) -> None:
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
@@ -249,7 +261,7 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     assert loaded[4].spans() == ((5, 11), (16, 20)) and loaded[0].spans() == ((6, 16),)
     config = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2)
     spec = RunSpec((distilled, conversations), tmp_path / "all", "tiny", draft_vocab=70, val_conversations=2,
-                   time_limit_s=None, command="moaspec train ...")
+                   time_limit_s=None, command="moaspec train ...", micro_batch=2)
     all_layers = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
     record, weights = read_checkpoint(all_layers, target)
     assert set(record["training"]["last"]) >= {"acc_depth1", "val_tau"}
@@ -272,7 +284,7 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     # a memory that also reads the target's last hidden state continues the same checkpoint
     hidden = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, memory_hidden=True)
     spec = RunSpec((distilled, conversations), tmp_path / "hidden", "tiny", draft_vocab=70, val_conversations=2,
-                   time_limit_s=None, command="moaspec train --memory-hidden ...", init_from=all_layers)
+                   time_limit_s=None, command="moaspec train --memory-hidden ...", init_from=all_layers, micro_batch=2)
     record, hidden_weights = read_checkpoint(run_training(spec, hidden, TreeConfig(depth=2, top_k=2, budget=3)), target)
     assert record["config"]["memory_hidden"] and torch.count_nonzero(hidden_weights["h2m.weight"]) > 0
     started = build_net("moa", target, 0, weights["draft_vocab_ids"], memory_hidden=True)
@@ -463,15 +475,19 @@ def test_tau_probe_runs_the_engine_on_a_copy_of_the_network(method: str) -> None
 def test_mixed_precision_training_runs_the_gpu_code_path_on_the_cpu(tmp_path, method: str) -> None:
     """The path `--device cuda` takes (features moved to the target's device, bfloat16 autocast,
     CPU-made masks moved over, val_tau skipped off the CPU only) runs here with autocast on the
-    CPU: the loss is finite and within bfloat16 error of the float32 run's, validation works."""
+    CPU, in padded micro-batches as a GPU run would: the loss is finite and within bfloat16 error
+    of the float32 run's, validation works."""
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
-    data = samples(4, 11)
-    config = TrainConfig(method=method, steps=2, batch_size=2, warmup_steps=1, val_every=2, ckpt_every=1000)
+    data = unequal_samples(11)
+    config = TrainConfig(method=method, steps=2, batch_size=3, warmup_steps=1, val_every=2, ckpt_every=1000)
     losses = []
     for autocast in (False, True):
         torch.manual_seed(0)
         net = make_net(method, target)
-        state = train(net, target, data[:3], data[3:], config, tmp_path / str(autocast), progress=False, autocast=autocast)
+        state = train(
+            net, target, data[:3], data[3:], config, tmp_path / str(autocast), progress=False, autocast=autocast,
+            micro_batch=3 if autocast else 1,
+        )
         losses.append(state.history[0]["loss"])
         assert "acc_depth1" in state.history[-1] and "val_tau" in state.history[-1]
     assert losses[1] == pytest.approx(losses[0], rel=0.05) and losses[1] == losses[1]
@@ -486,3 +502,67 @@ def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:
     for device, message in (("gpu", "cpu or cuda"), ("cuda:7", "no such CUDA device")):
         code = main(["train", "--method", "moa", "--data", str(data), "--out", str(tmp_path / "o"), "--device", device])
         assert code != 0 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, tli", [("moa", 0), ("moa", 1), ("eagle", 0)])
+def test_a_padded_batch_has_the_loss_and_gradient_of_its_sequences_one_at_a_time(method: str, tli: int) -> None:
+    """batch_loss over sequences of unequal lengths (padded, staircase on some) = the mean of
+    their own losses, gradients included, in float64: padding never reaches a real token and
+    every sequence weighs the same whatever its length."""
+    from moaspec.train.trainer import Draw, batch_loss, feature_noise, kv_layers_read
+
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    torch.manual_seed(0)
+    net = make_net(method, target, tli, torch.arange(0, 97, 2))
+    config = TrainConfig(method=method, tli_layers=tli, anchor_loss_weight=0.5)
+    parts = target.parts(tli)
+    generator = torch.Generator().manual_seed(3)
+    draws = [
+        Draw(sample, every, staircase, feature_noise(config, sample, net.config.hidden_size, generator))
+        for sample, every, staircase in zip(unequal_samples(7), (3, 5, 4, 2), (True, False, True, False))
+    ]
+    source = OnlineFeatures(target)
+    features = [source.features(draw.sample, tli, kv_layers_read(net, config)) for draw in draws]
+
+    def loss_and_grads(groups: list[list[int]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+        net.zero_grad(set_to_none=True)
+        parts_sum = [0.0, 0.0, 0.0, 0.0]
+        for group in groups:
+            loss = batch_loss(net, parts, [draws[i] for i in group], [features[i] for i in group], config)
+            (loss.total * len(group) / len(draws)).backward()
+            for k, value in enumerate((loss.total, loss.soft_ce, loss.feature, loss.top1)):
+                parts_sum[k] += float(value.detach()) * len(group) / len(draws)
+        return parts_sum, {name: p.grad.clone() for name, p in net.named_parameters() if p.grad is not None}
+
+    one_at_a_time, grads_single = loss_and_grads([[0], [1], [2], [3]])
+    together, grads_batched = loss_and_grads([[0, 1, 2, 3]])
+    assert together[:3] == pytest.approx(one_at_a_time[:3], rel=1e-9)
+    assert together[3] == pytest.approx(one_at_a_time[3], rel=1e-6)  # top1, a metric counted in float32
+    assert grads_single.keys() == grads_batched.keys() and grads_single
+    for name, grad in grads_single.items():
+        rtol = 1e-6 if name == "layer_mix_raw" else 1e-8  # the layer mix's softmax runs in float32 (nn/moa.py)
+        torch.testing.assert_close(grads_batched[name], grad, rtol=rtol, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    # the padded batch is not simply the longest sequence: each sequence counts once
+    assert abs(together[0] - loss_and_grads([[1]])[0][0]) > 1e-3
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_training_by_micro_batches_follows_training_one_sequence_at_a_time(tmp_path, method: str) -> None:
+    """The same run with 1 or 3 sequences per forward pass draws the same sequences and reaches
+    the same weights (float64), so a run may resume with another --micro-batch."""
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    config = TrainConfig(method=method, steps=3, batch_size=4, warmup_steps=1, staircase_fraction=1.0, val_every=1000, ckpt_every=1)
+    weights = []
+    for micro_batch, stop in ((1, None), (3, 2)):
+        torch.manual_seed(0)
+        net = make_net(method, target)
+        train(net, target, unequal_samples(2), [], config, tmp_path / str(micro_batch), progress=False, micro_batch=micro_batch, stop_at_step=stop)
+        if stop:  # resumed with a third size
+            torch.manual_seed(0)
+            net = make_net(method, target)
+            train(net, target, unequal_samples(2), [], config, tmp_path / str(micro_batch), progress=False, micro_batch=2)
+        weights.append(net.state_dict())
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-7, atol=1e-10, msg=name)
+    with pytest.raises(ValueError, match="micro_batch"):
+        train(make_net(method, target), target, unequal_samples(2), [], config, tmp_path / "bad", progress=False, micro_batch=0)

@@ -82,7 +82,8 @@ class EagleDrafterNet(DrafterNet):
         self.reset_parameters()
 
     def pair_inputs(self, parts: TargetParts, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """token_ids [n] (x_{t+1}) and features [n, D] (h_t or a predicted f_t) -> inputs [n, D]."""
+        """token_ids [..., n] (x_{t+1}) and features [..., n, D] (h_t or a predicted f_t) -> inputs
+        [..., n, D]."""
         embeds = parts.embed_tokens(token_ids).to(self.fc.weight.dtype)
         return self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
 
@@ -92,10 +93,12 @@ class EagleDrafterNet(DrafterNet):
         One causal pass over the T - 1 pairs (x_{t+1}, h_t), t = 0..T-2, all with true features
         (as in EAGLE's training). -> [T - 1, D]: row t is f_{t+1}, compared with h_{t+1}; its
         logits predict x_{t+2}. Training noise, if any, is the caller's (added to target_hidden).
+        A batch padded to T: input_ids [B, T], target_hidden [B, T, D] -> [B, T - 1, D] (causal:
+        the padding after a sequence's end never reaches its rows).
         """
-        num_pairs = input_ids.numel() - 1
+        num_pairs = input_ids.shape[-1] - 1
         positions = torch.arange(num_pairs, device=input_ids.device)
-        inputs = self.pair_inputs(parts, input_ids[1:], target_hidden[:-1])
+        inputs = self.pair_inputs(parts, input_ids[..., 1:], target_hidden[..., :-1, :])
         causal = positions[None, :] <= positions[:, None]
         out, _ = self.decoder_layer(inputs, positions, additive_mask(causal, inputs.dtype))
         return out

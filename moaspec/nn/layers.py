@@ -2,8 +2,9 @@
 
 Activations are [..., T, D] and heads [..., H, T, d] (leading dims optional: the Layer
 Self-Attention batches over tokens and runs over layers), so one code path serves the single-pass training forward and the step-by-step inference forward.
-Attention takes an additive float mask ([Tq, Tk], 0 = visible, dtype min = hidden) and returns
-the new post-RoPE keys/values so callers can cache them.
+Attention takes an additive float mask ([Tq, Tk], 0 = visible, dtype min = hidden; training
+batches pass [B, 1, Tq, Tk], one mask per sequence shared by the heads) and returns the new
+post-RoPE keys/values so callers can cache them.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention. q [..., Hq, Tq, d], k/v [..., Hkv, Tk, d], mask [Tq, Tk] additive
-    -> [..., Tq, Hq*d]."""
+    """Grouped-query attention. q [..., Hq, Tq, d], k/v [..., Hkv, Tk, d], mask additive, [Tq, Tk]
+    or broadcastable to [..., Hq, Tq, Tk] -> [..., Tq, Hq*d]."""
     groups = q.shape[-3] // k.shape[-3]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=-3)
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def output(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Attend and project back: -> [Tq, D]."""
+        """Attend and project back: -> [..., Tq, D]."""
         return self.o_proj(attend(q, k, v, mask))
 
 
@@ -118,7 +119,8 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [..., T, D] at positions [T]; mask [T, P + T] over (past, new).
+        """x [..., T, D] at positions [T]; mask [T, P + T] over (past, new), or per sequence
+        [B, 1, T, P + T].
         -> (out [..., T, D], new (k, v) each [..., Hkv, T, d])."""
         cos, sin = rope_cos_sin(positions, self.self_attn.head_dim, self.rope_theta, x.dtype)
         normed = self.input_layernorm(x)
@@ -130,7 +132,8 @@ class DecoderLayer(nn.Module):
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool visibility [Tq, Tk] -> additive float mask (0 visible, dtype min hidden)."""
+    """bool visibility [..., Tq, Tk] -> additive float mask of the same shape (0 visible, dtype
+    min hidden)."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, torch.finfo(dtype).min)
 
 

@@ -142,11 +142,11 @@ def encode_memory(
     layer_kv: torch.Tensor,
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The memory path: layer_kv [n, Lm, kv_dim] of the target layers `layer_ids` [Lm] -> LSA over
-    them (RoPE at the layer indices; with `lsa` None the raw keys/values go on) -> pooled over
-    layers (learned softmax weights from layer_mix_raw [Lm], or the mean when None) -> Ekv2E ->
-    [n, D]; with `h2m`, plus h2m(hidden [n, D]), the target's post-norm last hidden states of the
-    same tokens."""
+    """The memory path: layer_kv [..., n, Lm, kv_dim] of the target layers `layer_ids` [Lm] -> LSA
+    over them (RoPE at the layer indices; with `lsa` None the raw keys/values go on) -> pooled
+    over layers (learned softmax weights from layer_mix_raw [Lm], or the mean when None) -> Ekv2E
+    -> [..., n, D]; with `h2m`, plus h2m(hidden [..., n, D]), the target's post-norm last hidden
+    states of the same tokens."""
     if layer_kv.shape[-2] != len(layer_ids):
         raise ValueError(f"the memory reads {len(layer_ids)} target layers, got keys/values of {layer_kv.shape[-2]}")
     if (h2m is None) != (hidden is None):
@@ -157,7 +157,7 @@ def encode_memory(
         memory = ekv2e(mixed.mean(dim=-2))
     else:
         weights = torch.softmax(LAYER_MIX_SCALE * layer_mix_raw.float(), dim=0).to(mixed.dtype)  # [L]
-        memory = ekv2e(torch.einsum("nld,l->nd", mixed, weights))
+        memory = ekv2e(torch.einsum("...ld,l->...d", mixed, weights))
     return memory if h2m is None else memory + H2M_SCALE * h2m(hidden.to(memory.dtype))
 
 
@@ -286,7 +286,7 @@ class MoADrafterNet(DrafterNet):
         input_ids: torch.Tensor,
         layer_kv: torch.Tensor,
         last_anchor: torch.Tensor,
-        staircase: bool = False,
+        staircase: bool | torch.Tensor = False,
         tli_true_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         tli_true_hidden: torch.Tensor | None = None,
         target_hidden: torch.Tensor | None = None,
@@ -298,28 +298,41 @@ class MoADrafterNet(DrafterNet):
         staircase: SA query i sees only (s(i), i] (curriculum); otherwise plain causal.
         TLI (k > 0): tli_true_kv = the target's cached keys/values [Hkv, T, d] of its last k
         layers, tli_true_hidden [T, D] = the residual stream entering layer L-k.
+
+        A batch of B sequences padded to T takes the same arguments with a leading [B] (input_ids
+        [B, T], layer_kv [B, T, Lm, kv_dim], keys/values [B, Hkv, T, d], ...) and staircase a [B]
+        bool tensor; every sequence starts at position 0 and sees only its own tokens, so row b
+        equals the sequence's own pass (padding after its end is never visible to its tokens).
         """
-        n = input_ids.numel()
+        batched = input_ids.dim() == 2
+        n = input_ids.shape[-1]
         positions = torch.arange(n, device=input_ids.device)
         dtype = self.ekv2e.weight.dtype
+
+        def shared_by_heads(visible: torch.Tensor) -> torch.Tensor:  # [..., T, K] -> additive, per sequence
+            return additive_mask(visible.unsqueeze(-3) if batched else visible, dtype)
+
         embeds = parts.embed_tokens(input_ids).to(dtype)
-        causal = positions[None, :] <= positions[:, None]
+        anchor = last_anchor[..., :, None]  # [..., T, 1]
+        causal = positions[None, :] <= positions[:, None]  # [T, T]
+        since_anchor = causal & (positions[None, :] > anchor)  # [..., T, T]: the drafted tokens in (s(i), i]
         own = torch.eye(n, dtype=torch.bool, device=input_ids.device)
-        sa_visible = (causal & (positions[None, :] > last_anchor[:, None])) | own if staircase else causal
-        h, _ = self.self_attention(embeds, positions, additive_mask(sa_visible, dtype))
+        stairs = torch.as_tensor(staircase, dtype=torch.bool, device=input_ids.device)
+        stairs = stairs.reshape(-1, 1, 1) if batched else stairs  # one flag per sequence
+        sa_visible = torch.where(stairs, since_anchor | own, causal) if bool(stairs.any()) else causal
+        h, _ = self.self_attention(embeds, positions, shared_by_heads(sa_visible))
         memory_hidden = target_hidden.to(dtype) if self.config.memory_hidden and target_hidden is not None else None
         memory_kv = self.memory_keys_values(self.memory(layer_kv.to(dtype), memory_hidden), positions)
-        ca_visible = positions[None, :] <= last_anchor[:, None]
-        c = self.cross_attend(h, positions, memory_kv, additive_mask(ca_visible, dtype))
+        ca_visible = positions[None, :] <= anchor  # [..., T, T]
+        c = self.cross_attend(h, positions, memory_kv, shared_by_heads(ca_visible))
         if self.config.tli_layers == 0:
             return MoATrainOutput(c, None)
         if tli_true_kv is None or tli_true_hidden is None:
             raise ValueError("TLI training needs the target's true keys/values and hidden state")
         is_anchor = last_anchor == positions
-        x = torch.where(is_anchor[:, None], tli_true_hidden.to(dtype), c)
-        # keys: [true states of all positions ; predicted states of all positions]
-        pred_visible = causal & (positions[None, :] > last_anchor[:, None])  # predictions in (s(i), i]
-        mask = additive_mask(torch.cat([ca_visible, pred_visible], dim=1), dtype)
+        x = torch.where(is_anchor[..., None], tli_true_hidden.to(dtype), c)
+        # keys: [true states of all positions ; predicted states of all positions in (s(i), i]]
+        mask = shared_by_heads(torch.cat([ca_visible, since_anchor], dim=-1))
         cos, sin = target_rope(parts.rotary_emb, positions, x)
         for layer, (true_k, true_v) in zip(parts.tli_layers, tli_true_kv):
             x, _ = target_layer_forward(layer, x, cos, sin, (true_k.to(dtype), true_v.to(dtype)), mask)

@@ -28,18 +28,19 @@ def target_layer_forward(
     context: tuple[torch.Tensor, torch.Tensor] | None,
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """One transformers decoder layer over x [T, D].
+    """One transformers decoder layer over x [..., T, D] (a training batch: [B, T, D]).
 
-    context: keys/values [Hkv, P, d] placed before the new ones; mask [T, P + T] additive.
-    -> (out [T, D], (k_new, v_new) each [Hkv, T, d]).
+    context: keys/values [..., Hkv, P, d] placed before the new ones; mask [T, P + T] additive
+    (or per sequence [B, 1, T, P + T]).
+    -> (out [..., T, D], (k_new, v_new) each [..., Hkv, T, d]).
     """
     attn = layer.self_attn
     head_dim = attn.head_dim
     normed = layer.input_layernorm(x)
-    q = attn.q_proj(normed).unflatten(-1, (-1, head_dim)).transpose(0, 1)
-    k_new = attn.k_proj(normed).unflatten(-1, (-1, head_dim)).transpose(0, 1)
-    v_new = attn.v_proj(normed).unflatten(-1, (-1, head_dim)).transpose(0, 1)
+    q = attn.q_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
+    k_new = attn.k_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
+    v_new = attn.v_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
     q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
-    k, v = (k_new, v_new) if context is None else (torch.cat([context[0], k_new], 1), torch.cat([context[1], v_new], 1))
+    k, v = (k_new, v_new) if context is None else (torch.cat([context[0], k_new], -2), torch.cat([context[1], v_new], -2))
     h = x + attn.o_proj(attend(q, k, v, mask))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k_new, v_new)

@@ -1,7 +1,7 @@
 """Drafter losses (moa_reference.md §2.3): 0.1 x soft cross-entropy + SmoothL1 feature loss
 (the weights are the paper's defaults; `ce_weight` and `feature_weight` change them).
 
-Both are per token and averaged over the loss mask: sum(loss * mask) / (sum(mask) + 1e-5).
+Both are per token (in float32, or float64 for a float64 net) and averaged over the loss mask: sum(loss * mask) / (sum(mask) + 1e-5).
 - soft CE: -sum_v p_target(v) log q_drafter(v), p_target = softmax of the target's logits
   (restricted to the draft vocabulary: mass outside it cannot be matched and is dropped), over
   the masked positions only (the head products dominate the cost of a step);
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from moaspec.nn.layers import at_least_fp32
+
 CE_WEIGHT = 0.1
 FEATURE_WEIGHT = 1.0
 
@@ -38,8 +40,9 @@ class LossParts:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """values [T], mask [T] (weights in [0, 1]) -> scalar weighted mean."""
-    return (values * mask).sum() / (mask.sum() + 1e-5)
+    """values [..., T], mask [..., T] (weights in [0, 1]) -> scalar: each sequence's weighted mean,
+    averaged over the sequences of a batch (a sequence without weight counts 0)."""
+    return ((values * mask).sum(-1) / (mask.sum(-1) + 1e-5)).mean()
 
 
 def drafter_loss(
@@ -63,25 +66,29 @@ def drafter_loss(
     wanted_ids [T]: the target's own next token as a draft-vocabulary row (-1 outside it) for
     `top1`, None to compare with the best of the draft vocabulary's teacher logits.
     total = ce_weight * soft CE + feature_weight * feature term.
-    The mask may weigh positions (values in [0, 1]): every term is a weighted mean."""
+    The mask may weigh positions (values in [0, 1]): every term is a weighted mean.
+    A padded batch of B sequences passes [B, T, ...] and masks [B, T] (0 on the padding): every
+    term, and top1, is then the mean over the sequences of each one's own value."""
     rows = mask.bool()
-    row_weights = mask[rows].float()  # [M]
     with torch.autocast(device_type=target_state.device.type, enabled=False):  # the teacher stays float32
-        teacher_logits = (target_state[rows].to(head_weight.dtype) @ head_weight.T).float()
-    teacher = torch.exp(teacher_logits - teacher_logsumexp[rows, None].float())  # [M, Vd]
-    draft_log_probs = torch.log_softmax((drafter_state[rows] @ head_weight.T).float(), dim=-1)
-    soft_ce = -(teacher * draft_log_probs).sum(-1)
-    feature = F.smooth_l1_loss(drafter_state.float(), target_state.float(), reduction="none", beta=1.0).mean(-1)
+        teacher_logits = at_least_fp32(target_state[rows].to(head_weight.dtype) @ head_weight.T)
+    teacher = torch.exp(teacher_logits - at_least_fp32(teacher_logsumexp[rows, None]))  # [M, Vd]
+    draft_log_probs = torch.log_softmax(at_least_fp32(drafter_state[rows] @ head_weight.T), dim=-1)
+    soft_ce = torch.zeros(mask.shape, dtype=draft_log_probs.dtype, device=mask.device)
+    soft_ce[rows] = -(teacher * draft_log_probs).sum(-1)  # [..., T], 0 off the mask
+    feature = F.smooth_l1_loss(at_least_fp32(drafter_state), at_least_fp32(target_state), reduction="none", beta=1.0).mean(-1)
     feature_loss = masked_mean(feature, mask)
     if pre_tli is not None and tli_target is not None and tli_mask is not None:
-        predicted, wanted = pre_tli.float(), tli_target.float()
+        predicted, wanted = at_least_fp32(pre_tli), at_least_fp32(tli_target)
         if tli_rms_scaled:
             rms = wanted.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)  # [T, 1], a constant
             predicted, wanted = predicted / rms, wanted / rms
         pre = F.smooth_l1_loss(predicted, wanted, reduction="none", beta=1.0).mean(-1)
         feature_loss = 0.5 * feature_loss + 0.5 * masked_mean(pre, tli_mask)
-    ce_loss = (soft_ce * row_weights).sum() / (row_weights.sum() + 1e-5)
+    ce_loss = masked_mean(soft_ce, mask)
     wanted = teacher_logits.argmax(-1) if wanted_ids is None else wanted_ids[rows]
-    top1 = (draft_log_probs.argmax(-1) == wanted).float().sum() / (rows.sum() + 1e-5)
+    hits = torch.zeros(mask.shape, device=mask.device)
+    hits[rows] = (draft_log_probs.argmax(-1) == wanted).float()
+    top1 = masked_mean(hits, rows.float())
     total = ce_weight * ce_loss + feature_weight * feature_loss
     return LossParts(total, ce_loss.detach(), feature_loss.detach(), top1.detach())

@@ -1,7 +1,8 @@
 """`moaspec train`: load the training data, build the drafter, train, write the checkpoint.
 
     moaspec train --method moa --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
-                  [--memory-hidden] [--draft-vocab N] [--steps S] [--batch-size B] [--lr LR] [--val-conversations V]
+                  [--memory-hidden] [--draft-vocab N] [--steps S] [--batch-size B] [--micro-batch M] [--lr LR]
+                  [--val-conversations V]
                   [--time-limit-min M] [--feature-cache DIR] [--init-from CHECKPOINT] [--device D] ...
 
 Rerunning the same command resumes from RUN/train_state.pt (which takes precedence over
@@ -43,6 +44,7 @@ class RunSpec:
     feature_cache: Path | None = None  # memory-mapped target features (built on first use)
     init_from: Path | None = None  # a drafter checkpoint whose weights start the run (fresh optimizer)
     device: str = "cpu"  # where the target's features and the drafter's training run ("cuda": bf16 autocast)
+    micro_batch: int = 1  # sequences per forward pass (speed and memory only, trainer.train)
 
 
 def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSample]:
@@ -242,6 +244,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     state = train(
         net, target, train_samples, val_samples, config, spec.out_dir,
         tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,
+        micro_batch=spec.micro_batch,
     )
     wall = time.perf_counter() - started
     record_path = spec.out_dir / "runs.jsonl"

@@ -9,7 +9,9 @@ a sequence uses the staircase mask with probability 1 - min(1, step / (staircase
 total_steps)), annealed by steps.
 EAGLE (§4.3): true features in, next feature out, U(-noise/2, noise/2) added to the input features.
 Loss inside the learned spans only (a response, or every assistant turn of a conversation; a
-position predicts the token after it); accuracy against the target's argmax.
+position predicts the token after it); accuracy against the target's argmax. A step's loss is the
+mean over its sequences of each one's own loss; its sequences are drawn first (`draw_sequence`)
+and run `micro_batch` at a time, padded (`batch_loss`), which changes speed, not the gradient.
 Device: the net trains where the target's weights are (a GPU when `--device cuda`), bfloat16
 autocast there; features, masks and noise are moved to it.
 """
@@ -83,48 +85,119 @@ def loss_mask(length: int, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
     return _in_spans(length, spans, end_offset=1).float()
 
 
-def sequence_loss(
+@dataclass(frozen=True)
+class Draw:
+    """One sequence as a training step draws it: the sample, MoA's anchor interval (`every`),
+    whether its SA uses the staircase mask, and EAGLE's feature noise [T, D] (None for MoA)."""
+
+    sample: TrainSample
+    every: int
+    staircase: bool = False
+    noise: torch.Tensor | None = None
+
+
+def draw_sequence(
+    samples: list[TrainSample], config: TrainConfig, staircase_p: float, rng: random.Random,
+    generator: torch.Generator, hidden_size: int,
+) -> Draw:
+    """The next training sequence and its random choices, in a fixed order of draws, so a step's
+    draws do not depend on how its sequences are grouped into forward passes."""
+    sample = samples[rng.randrange(len(samples))]
+    every = rng.randint(config.anchor_min, config.anchor_max)
+    staircase = rng.random() < staircase_p
+    return Draw(sample, every, staircase, feature_noise(config, sample, hidden_size, generator))
+
+
+def feature_noise(config: TrainConfig, sample: TrainSample, hidden_size: int, generator: torch.Generator) -> torch.Tensor | None:
+    """EAGLE's input noise for a sequence, U(-noise/2, noise/2) [T, D]; None for MoA."""
+    if config.method != "eagle":
+        return None
+    return (torch.rand((sample.input_ids.numel(), hidden_size), generator=generator) - 0.5) * config.eagle_noise
+
+
+def padded_stack(tensors: list[torch.Tensor], length: int, dim: int = 0) -> torch.Tensor:
+    """Tensors of equal shape but along `dim` -> [B, ...] with zeros after each one's end up to
+    `length`."""
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        shape = list(tensor.shape)
+        shape[dim] = length - shape[dim]
+        return torch.cat([tensor, tensor.new_zeros(shape)], dim=dim) if shape[dim] else tensor
+
+    if len(tensors) == 1:
+        return pad(tensors[0]).unsqueeze(0)  # no copy for a batch of one
+    return torch.stack([pad(tensor) for tensor in tensors])
+
+
+def stacked_features(features: list[TargetFeatures], length: int) -> TargetFeatures:
+    """Per-sequence features -> one batch padded with zeros to `length` (each tensor gains a
+    leading [B]; keys/values [B, Hkv, T, d]); an empty layer_kv (EAGLE) stays empty."""
+    first = features[0]
+    layer_kv = padded_stack([f.layer_kv for f in features], length) if first.layer_kv.numel() else first.layer_kv
+    tli_kv = [
+        (padded_stack([f.tli_kv[i][0] for f in features], length, 1), padded_stack([f.tli_kv[i][1] for f in features], length, 1))
+        for i in range(len(first.tli_kv))
+    ]
+    return TargetFeatures(
+        layer_kv=layer_kv,
+        final_hidden=padded_stack([f.final_hidden for f in features], length),
+        teacher_logsumexp=padded_stack([f.teacher_logsumexp for f in features], length),
+        teacher_argmax=padded_stack([f.teacher_argmax for f in features], length),
+        tli_kv=tli_kv,
+        tli_hidden=None if first.tli_hidden is None else padded_stack([f.tli_hidden for f in features], length),
+    )
+
+
+def batch_loss(
     net: torch.nn.Module,
     parts: TargetParts,
-    sample: TrainSample,
-    features: TargetFeatures,
+    draws: list[Draw],
+    features: list[TargetFeatures],
     config: TrainConfig,
-    staircase: bool,
-    every: int,
-    generator: torch.Generator,
 ) -> LossParts:
-    """Loss of one sequence (MoA or EAGLE) given the target's features of it (on the device the
-    net trains on; ids, masks and noise are made on the CPU and moved there)."""
-    device = features.final_hidden.device
-    ids = sample.input_ids.to(device)
-    length = ids.numel()
+    """The mean over `draws` of each sequence's loss (MoA or EAGLE), in one forward pass over the
+    sequences padded to the longest. features: the target's, one per draw, on the device the net
+    trains on (ids, masks and noise are made on the CPU and moved there). Equal to the mean of
+    the sequences' losses computed one at a time (tested), whatever the grouping."""
+    device = features[0].final_hidden.device
+    length = max(draw.sample.input_ids.numel() for draw in draws)
+    ids = padded_stack([draw.sample.input_ids for draw in draws], length).to(device)  # [B, T]
+    batch = stacked_features(features, length)
     head = net.head_weight(parts).to(next(net.parameters()).dtype)
-    mask = loss_mask(length, sample.spans()).to(device)
-    wanted = target_choice_in_draft_vocab(net, features.teacher_argmax)  # [T]
+    mask = padded_stack([loss_mask(d.sample.input_ids.numel(), d.sample.spans()) for d in draws], length).to(device)
+    wanted = target_choice_in_draft_vocab(net, batch.teacher_argmax)  # [B, T]
     if config.method == "moa":
-        anchors = last_anchors(length, sample.spans(), every)
-        at_anchor = (anchors == torch.arange(length)).to(device)
-        anchors = anchors.to(device)
+        positions = torch.arange(length)
+        anchors = torch.stack([  # the padding: anchors (s(i) = i), never read by the sequence's tokens
+            torch.cat([last_anchors(n, d.sample.spans(), d.every), positions[n:]])
+            for d in draws for n in [d.sample.input_ids.numel()]
+        ])
+        at_anchor = (anchors == positions).to(device)
+        staircase = torch.tensor([draw.staircase for draw in draws], device=device)
         out = net.forward_train(
-            parts, ids, features.layer_kv, anchors, staircase,
-            features.tli_kv, features.tli_hidden, features.final_hidden,
+            parts, ids, batch.layer_kv, anchors.to(device), staircase,
+            batch.tli_kv, batch.tli_hidden, batch.final_hidden,
         )
         tli_mask = mask * (~at_anchor).float() if config.tli_layers else None
         # a memory_hidden net's memory at an anchor holds the very state its loss asks for there
         anchor_weight = 0.0 if config.memory_hidden else config.anchor_loss_weight
         weights = mask * torch.where(at_anchor, anchor_weight, 1.0)
         return drafter_loss(
-            out.final, features.final_hidden, head, features.teacher_logsumexp, weights,
-            out.pre_tli, features.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
+            out.final, batch.final_hidden, head, batch.teacher_logsumexp, weights,
+            out.pre_tli, batch.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
             ce_weight=config.ce_weight, feature_weight=config.feature_weight,
         )
-    noise = (torch.rand(features.final_hidden.shape, generator=generator) - 0.5) * config.eagle_noise
-    noisy = features.final_hidden + noise.to(device=device, dtype=features.final_hidden.dtype)
-    predicted = net.forward_train(parts, ids, noisy)  # [T-1, D]
+    noise = padded_stack([draw.noise for draw in draws], length).to(device=device, dtype=batch.final_hidden.dtype)
+    predicted = net.forward_train(parts, ids, batch.final_hidden + noise)  # [B, T-1, D]
     return drafter_loss(
-        predicted, features.final_hidden[1:], head, features.teacher_logsumexp[1:], mask[1:], wanted_ids=wanted[1:],
+        predicted, batch.final_hidden[:, 1:], head, batch.teacher_logsumexp[:, 1:], mask[:, 1:], wanted_ids=wanted[:, 1:],
         ce_weight=config.ce_weight, feature_weight=config.feature_weight,
     )
+
+
+def micro_batches(draws: list[Draw], size: int) -> list[list[Draw]]:
+    """A step's draws in groups of at most `size` sequences of similar lengths (less padding)."""
+    by_length = sorted(draws, key=lambda draw: draw.sample.input_ids.numel())
+    return [by_length[i : i + size] for i in range(0, len(by_length), size)]
 
 
 def target_choice_in_draft_vocab(net: torch.nn.Module, target_argmax: torch.Tensor) -> torch.Tensor:
@@ -207,8 +280,9 @@ def validation_counts(
     for sample in samples:
         length = sample.input_ids.numel()
         features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
+        draw = Draw(sample, max_depth + 1, noise=feature_noise(config, sample, net.config.hidden_size, generator))
         with mixed_precision(device, autocast):
-            parts_loss = sequence_loss(net, parts, sample, features, config, False, max_depth + 1, generator)
+            parts_loss = batch_loss(net, parts, [draw], [features], config)
             totals.loss_sum += float(parts_loss.total)
             totals.sequences += 1
             predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
@@ -298,8 +372,13 @@ def train(
     stop_after_s: float | None = None,
     source: FeatureSource | None = None,
     autocast: bool | None = None,
+    micro_batch: int = 1,
 ) -> TrainState:
     """Train `net` in place; resume from out_dir/train_state.pt when it exists.
+
+    micro_batch: sequences per forward pass (padded to the longest of them, grouped by length);
+    the step's gradient is the same for any value (up to rounding), only speed and memory
+    change, so a run may resume with another.
 
     source: where target features come from (default: run the target online per sequence).
     The net trains where the target's weights are (`target.device`: a GPU when the caller put the
@@ -311,6 +390,8 @@ def train(
     """
     from tqdm import tqdm
 
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     if any(sample.input_ids.numel() > config.max_seq_len for sample in [*train_samples, *val_samples]):
         raise ValueError(f"training samples must be cut to max_seq_len={config.max_seq_len} tokens first")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -351,20 +432,24 @@ def train(
             staircase_p = staircase_probability(config, state.step)
             optimizer.zero_grad(set_to_none=True)
             totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
-            num_tokens = 0
-            for _ in range(config.batch_size):
-                sample = train_samples[rng.randrange(len(train_samples))]
-                every = rng.randint(config.anchor_min, config.anchor_max)
-                features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
-                staircase = rng.random() < staircase_p
+            draws = [
+                draw_sequence(train_samples, config, staircase_p, rng, generator, net.config.hidden_size)
+                for _ in range(config.batch_size)
+            ]
+            for sequences in micro_batches(draws, micro_batch):
+                features = [
+                    features_on(source.features(draw.sample, config.tli_layers, kv_layers_read(net, config)), device)
+                    for draw in sequences
+                ]
                 with mixed_precision(device, autocast):
-                    parts_loss = sequence_loss(net, parts, sample, features, config, staircase, every, generator)
-                (parts_loss.total / config.batch_size).backward()
-                totals["loss"] += float(parts_loss.total.detach()) / config.batch_size
-                totals["ce"] += float(parts_loss.soft_ce) / config.batch_size
-                totals["feat"] += float(parts_loss.feature) / config.batch_size
-                totals["top1"] += float(parts_loss.top1) / config.batch_size
-                num_tokens += sample.input_ids.numel()
+                    parts_loss = batch_loss(net, parts, sequences, features, config)
+                share = len(sequences) / config.batch_size  # the step's loss is the mean over its sequences
+                (parts_loss.total * share).backward()
+                totals["loss"] += float(parts_loss.total.detach()) * share
+                totals["ce"] += float(parts_loss.soft_ce) * share
+                totals["feat"] += float(parts_loss.feature) * share
+                totals["top1"] += float(parts_loss.top1) * share
+            num_tokens = sum(draw.sample.input_ids.numel() for draw in draws)
             grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
             optimizer.step()
             state.step += 1
@@ -415,6 +500,6 @@ def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, gene
 
 
 __all__ = [
-    "TrainConfig", "TrainSample", "TrainState", "last_anchors", "learning_rate", "loss_mask",
+    "Draw", "TrainConfig", "TrainSample", "TrainState", "batch_loss", "last_anchors", "learning_rate", "loss_mask",
     "staircase_probability", "train", "validate", "validation_counts",
 ]
