@@ -504,6 +504,27 @@ def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:
         assert code != 0 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_target_features_of_a_padded_batch_are_those_of_each_sequence(family: str) -> None:
+    """One right-padded target forward over sequences of unequal lengths gives each sequence's
+    own features (float64): keys/values of the layers read, both hidden states TLI reads, the
+    teacher's summary."""
+    from moaspec.train.features import batch_target_features, target_features
+
+    target = make_tiny_target(family, num_hidden_layers=3)
+    sequences = [sample.input_ids for sample in unequal_samples(4)]
+    together = batch_target_features(target, sequences, tli_layers=1, kv_layers=(0, 2))
+    for sequence, got in zip(sequences, together, strict=True):
+        expected = target_features(target, sequence, tli_layers=1, kv_layers=(0, 2))
+        assert got.layer_kv.shape == (sequence.numel(), 2, expected.layer_kv.shape[-1])
+        for name in ("layer_kv", "final_hidden", "teacher_logsumexp", "tli_hidden"):
+            torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-9, atol=1e-9, msg=name)
+        assert torch.equal(got.teacher_argmax, expected.teacher_argmax)
+        (k, v), (k_expected, v_expected) = got.tli_kv[0], expected.tli_kv[0]
+        torch.testing.assert_close((k, v), (k_expected, v_expected), rtol=1e-9, atol=1e-9)
+    assert target.num_cached == 0  # the verified context is left empty, as after target_features
+
+
 @pytest.mark.parametrize("method, tli", [("moa", 0), ("moa", 1), ("eagle", 0)])
 def test_a_padded_batch_has_the_loss_and_gradient_of_its_sequences_one_at_a_time(method: str, tli: int) -> None:
     """batch_loss over sequences of unequal lengths (padded, staircase on some) = the mean of

@@ -27,6 +27,12 @@ from moaspec.targets.base import TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias
 
 
+def per_head_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One layer's keys, values [Hkv, n, d] -> [n, Hkv * 2 * d], laid out per KV head as [k_h, v_h]
+    (the MoA Layer-Self-Attention input, moa_reference.md §1.2)."""
+    return torch.stack([keys, values], dim=2).permute(1, 0, 2, 3).flatten(1)
+
+
 class HFTarget:
     """Adapter over a transformers Llama/Qwen2-style `*ForCausalLM` (batch size 1)."""
 
@@ -201,8 +207,7 @@ class HFTarget:
         per_layer = []
         cached = self.cache.layers
         for layer in cached if layers is None else [cached[i] for i in layers]:
-            kv = torch.stack([layer.keys[0, :, start:end], layer.values[0, :, start:end]], dim=2)
-            per_layer.append(kv.permute(1, 0, 2, 3).flatten(1))  # [n, n_kv * 2 * head_dim]
+            per_layer.append(per_head_kv(layer.keys[0, :, start:end], layer.values[0, :, start:end]))
         return torch.stack(per_layer, dim=1)
 
     # -- internals ----------------------------------------------------------------------------

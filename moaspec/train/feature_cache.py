@@ -120,6 +120,10 @@ class FeatureCache:
         )
 
 
+    def batch_features(self, samples: list[TrainSample], tli_layers: int, kv_layers: tuple[int, ...]) -> list[TargetFeatures]:
+        return [self.features(sample, tli_layers, kv_layers) for sample in samples]
+
+
 def tli_kv_layers(num_layers: int, tli_layers: int) -> list[int]:
     """The target layers whose keys/values TLI k reads: L-k .. L-1."""
     return list(range(num_layers - tli_layers, num_layers))

@@ -1,4 +1,5 @@
-"""Target activations a drafter is trained on, computed online for one sequence.
+"""Target activations a drafter is trained on, computed online for one sequence (or for a
+micro-batch of them in one padded forward).
 
 One frozen target forward (prefill) gives everything: per-layer keys/values (MoA memory input),
 the post-norm last hidden state (feature targets, and the teacher distribution through the LM
@@ -14,7 +15,9 @@ from typing import Protocol
 
 import torch
 
-from moaspec.targets.hf import HFTarget
+from transformers import DynamicCache
+
+from moaspec.targets.hf import HFTarget, per_head_kv
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,10 @@ class FeatureSource(Protocol):
         """kv_layers: the target layers whose keys/values `layer_kv` holds (in that order)."""
         ...
 
+    def batch_features(self, samples: list[TrainSample], tli_layers: int, kv_layers: tuple[int, ...]) -> list[TargetFeatures]:
+        """`features` of each sample, in order (a source may compute them together)."""
+        ...
+
 
 def teacher_summary(
     hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 256
@@ -84,33 +91,77 @@ def teacher_summary(
     return torch.cat(lse), torch.cat(argmax)
 
 
-@torch.no_grad()
-def target_features(
-    target: HFTarget, input_ids: torch.Tensor, tli_layers: int = 0, kv_layers: tuple[int, ...] = ()
+def collected_features(
+    target: HFTarget,
+    final_hidden: torch.Tensor,
+    tli_hidden: torch.Tensor | None,
+    layer_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    tli_layers: int,
+    kv_layers: tuple[int, ...],
 ) -> TargetFeatures:
-    """Run the target over input_ids [T] once and collect what the drafters need.
-
-    Everything is copied out of the (inference-mode) target, so the tensors can feed trainable
-    layers (inference tensors cannot be saved for backward).
-    """
-    num_layers = target.num_layers
-    hidden_layers = (num_layers - tli_layers, num_layers) if tli_layers else (num_layers,)
-    target.reset()
-    out = target.prefill(input_ids, hidden_layers)
-    kv = target.layer_kv(0, input_ids.numel(), kv_layers) if kv_layers else torch.empty(0)
-    tli_kv = [(layer.keys[0].clone(), layer.values[0].clone()) for layer in target.cache.layers[num_layers - tli_layers :]] if tli_layers else []
-    final_hidden = out.hidden[:, -1].clone()
+    """One sequence's features from its target pass: final_hidden [T, D] (post-norm), tli_hidden
+    [T, D] (the stream entering layer L-k) or None, layer_caches: every layer's keys/values
+    [Hkv, T, d]. Everything is copied, so the tensors can feed trainable layers (inference
+    tensors cannot be saved for backward)."""
+    final_hidden = final_hidden.clone()
     lse, argmax = teacher_summary(final_hidden, target.lm_head.weight)
-    features = TargetFeatures(
+    kv = torch.stack([per_head_kv(*layer_caches[i]) for i in kv_layers], dim=1) if kv_layers else torch.empty(0)
+    return TargetFeatures(
         layer_kv=kv,
         final_hidden=final_hidden,
         teacher_logsumexp=lse,
         teacher_argmax=argmax,
-        tli_kv=tli_kv,
-        tli_hidden=out.hidden[:, 0].clone() if tli_layers else None,
+        tli_kv=[(k.clone(), v.clone()) for k, v in layer_caches[target.num_layers - tli_layers :]] if tli_layers else [],
+        tli_hidden=tli_hidden.clone() if tli_layers else None,
     )
+
+
+@torch.no_grad()
+def target_features(
+    target: HFTarget, input_ids: torch.Tensor, tli_layers: int = 0, kv_layers: tuple[int, ...] = ()
+) -> TargetFeatures:
+    """Run the target over input_ids [T] once (a prefill of an empty context) and collect what
+    the drafters need."""
+    num_layers = target.num_layers
+    hidden_layers = (num_layers - tli_layers, num_layers) if tli_layers else (num_layers,)
+    target.reset()
+    out = target.prefill(input_ids, hidden_layers)
+    layer_caches = [(layer.keys[0], layer.values[0]) for layer in target.cache.layers]
+    features = collected_features(target, out.hidden[:, -1], out.hidden[:, 0], layer_caches, tli_layers, kv_layers)
     target.reset()
     return features
+
+
+@torch.no_grad()
+def batch_target_features(
+    target: HFTarget, sequences: list[torch.Tensor], tli_layers: int = 0, kv_layers: tuple[int, ...] = ()
+) -> list[TargetFeatures]:
+    """`target_features` of several sequences [T_b] in one forward, right-padded to the longest
+    (causal attention keeps the padding after a sequence's end out of its rows; equal to one at a
+    time up to rounding, tested): the target's share of a `--micro-batch` step on a GPU. One
+    sequence takes target_features."""
+    if len(sequences) == 1:
+        return [target_features(target, sequences[0], tli_layers, kv_layers)]
+    lengths = [sequence.numel() for sequence in sequences]
+    length = max(lengths)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, : lengths[row]] = sequence
+    device = target.device
+    with torch.inference_mode():
+        cache = DynamicCache(config=target.config)
+        out = target.model(
+            input_ids=ids.to(device), position_ids=torch.arange(length)[None].expand(len(sequences), -1).to(device),
+            past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+        )
+    final, stream = out.hidden_states[target.num_layers], out.hidden_states[target.num_layers - tli_layers]
+    return [
+        collected_features(
+            target, final[row, :n], stream[row, :n],
+            [(layer.keys[row, :, :n], layer.values[row, :, :n]) for layer in cache.layers], tli_layers, kv_layers,
+        )
+        for row, n in enumerate(lengths)
+    ]
 
 
 class OnlineFeatures:
@@ -121,3 +172,6 @@ class OnlineFeatures:
 
     def features(self, sample: TrainSample, tli_layers: int, kv_layers: tuple[int, ...]) -> TargetFeatures:
         return target_features(self.target, sample.input_ids, tli_layers, kv_layers)
+
+    def batch_features(self, samples: list[TrainSample], tli_layers: int, kv_layers: tuple[int, ...]) -> list[TargetFeatures]:
+        return batch_target_features(self.target, [sample.input_ids for sample in samples], tli_layers, kv_layers)

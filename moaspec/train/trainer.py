@@ -438,8 +438,8 @@ def train(
             ]
             for sequences in micro_batches(draws, micro_batch):
                 features = [
-                    features_on(source.features(draw.sample, config.tli_layers, kv_layers_read(net, config)), device)
-                    for draw in sequences
+                    features_on(one, device)
+                    for one in source.batch_features([draw.sample for draw in sequences], config.tli_layers, kv_layers_read(net, config))
                 ]
                 with mixed_precision(device, autocast):
                     parts_loss = batch_loss(net, parts, sequences, features, config)

@@ -1,0 +1,86 @@
+"""Training speed by micro-batch: `moaspec train` steps at several `--micro-batch` sizes, run in
+interleaved rounds, each for a few steps from the same start; medians of the per-step tokens/s
+(the first step of every run, which warms up, left out). The gradient does not depend on the
+size (tests/test_train.py), so the fastest one is the one to train with on this machine.
+
+    .venv/bin/python bench/train_throughput.py --micro-batches 1,4,8 --out bench/results/train-throughput.json -- \
+        --method moa --memory-layers 4 --data data/sharegpt-tf-smollm2-8400-9600 --batch-size 8 \
+        --init-from moa --feature-cache /work/cache/features-tf9600-last4
+
+Everything after `--` goes to `moaspec train` as it is (not --out, --steps, --micro-batch or
+--val-every, set here). On a GPU add `--device cuda` there. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from moaspec.bench.machine import machine_info
+from moaspec.cli import main as moaspec_main
+
+OWN_FLAGS = ("--out", "--steps", "--micro-batch", "--val-every")
+
+
+def tokens_per_s(train_args: list[str], micro_batch: int, steps: int, out_dir: Path) -> list[float]:
+    """One fresh `moaspec train` run of `steps` steps -> tokens/s of each step after the first."""
+    command = ["train", *train_args, "--micro-batch", str(micro_batch), "--steps", str(steps),
+               "--val-every", str(10 * steps), "--out", str(out_dir)]
+    if moaspec_main(command) != 0:
+        raise SystemExit(f"train_throughput: `moaspec {' '.join(command)}` failed")
+    history = torch.load(out_dir / "train_state.pt", weights_only=False, map_location="cpu")["history"]
+    return [record["tokens_per_s"] for record in history[1:]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s [options] -- TRAIN_FLAGS")
+    parser.add_argument("--micro-batches", default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per run, the first not counted (default 5)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the sizes (default 2)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args, train_args = parser.parse_known_args(argv)
+    train_args = [arg for arg in train_args if arg != "--"]
+    try:
+        sizes = [int(size) for size in args.micro_batches.split(",")]
+    except ValueError:
+        parser.error("--micro-batches takes integers, e.g. 1,4,8")
+    if not sizes or min(sizes) < 1 or args.steps < 2 or args.rounds < 1:
+        parser.error("--micro-batches must be >= 1, --steps >= 2 and --rounds >= 1")
+    if not train_args or any(arg.split("=")[0] in OWN_FLAGS for arg in train_args):
+        parser.error(f"give `moaspec train` flags after --, without {', '.join(OWN_FLAGS)}")
+    per_size: dict[int, list[float]] = {size: [] for size in sizes}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(args.rounds):
+            for size in sizes:
+                run_dir = Path(scratch) / f"r{round_index}-m{size}"
+                per_size[size] += tokens_per_s(train_args, size, args.steps, run_dir)
+    results = {
+        "machine": machine_info(),
+        "train_flags": train_args,
+        "steps_per_run": args.steps,
+        "rounds": args.rounds,
+        "micro_batches": {
+            str(size): {"tokens_per_s": [round(v, 1) for v in values], "median": round(statistics.median(values), 1)}
+            for size, values in per_size.items()
+        },
+    }
+    baseline = results["micro_batches"][str(sizes[0])]["median"]
+    print(f"| --micro-batch | tokens/s (median of {len(per_size[sizes[0]])} steps) | vs {sizes[0]} |")
+    print("|---:|---:|---:|")
+    for size in sizes:
+        median = results["micro_batches"][str(size)]["median"]
+        print(f"| {size} | {median:,.0f} | {median / baseline:.2f}× |")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
