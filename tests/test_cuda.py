@@ -1,15 +1,17 @@
-"""The CUDA code paths on a real GPU: training with bfloat16 autocast, distillation, and the
-transformers runtime verifying drafts there. Skipped where no GPU is visible (CI, the project's
-CPU machines); `tests/test_train.py` runs the same training path with autocast on the CPU."""
+"""The CUDA code paths on a real GPU: training with bfloat16 autocast, distillation, the
+transformers runtime verifying drafts there, and model drafters running on the target's GPU.
+Skipped where no GPU is visible (CI, the project's CPU machines); `tests/test_train.py` runs the
+same training path with autocast on the CPU, and the drafter tests the same drafting code on the
+CPU (where its device moves are no-ops)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_random_drafter_net, make_tiny_target
 from test_train import samples, unequal_samples
 
-from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.targets.hf import HFTarget
@@ -80,3 +82,49 @@ def test_the_bench_hf_baselines_generate_on_the_gpu(lookup_tokens) -> None:
     )
     run = HFGenerateMethod("hf", target, lookup_tokens, set()).run(prompt, SamplingConfig(), 24, seed=0)
     assert run.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("method, tli, lookup", [("moa", 0, False), ("moa", 1, False), ("moa", 0, True), ("eagle", 0, False)])
+def test_a_model_drafter_on_the_gpu_drafts_as_on_the_cpu_and_stays_lossless(method: str, tli: int, lookup: bool) -> None:
+    """The same random float64 drafter next to the same target, on the CPU and on the GPU: the
+    greedy text equals plain decoding on the GPU, and the GPU drafter proposed what the CPU one
+    did (the same verifications and accepted drafts), so its net, caches and the target modules
+    it borrows (TLI) all ran on the GPU without a device mismatch."""
+    from moaspec.drafters.eagle import EagleDrafter
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    cpu_target = make_tiny_target("llama", num_hidden_layers=3)
+    gpu_target = on_gpu(make_tiny_target("llama", num_hidden_layers=3))
+    draft_vocab = torch.arange(0, 97, 2)
+    if method == "moa":
+        config = MoAConfig.for_target(cpu_target.config, tli_layers=tli, draft_vocab_size=draft_vocab.numel())
+        net_class, drafter_class = MoADrafterNet, MoADrafter
+    else:
+        config = EagleConfig.for_target(cpu_target.config, draft_vocab_size=draft_vocab.numel())
+        net_class, drafter_class = EagleDrafterNet, EagleDrafter
+    prompt = torch.tensor([5, 9, 13, 5, 9, 13, 5, 9, 13, 5, 9, 21, 5, 9, 13, 5])
+    generation, tree = GenerationConfig(max_new_tokens=32), TreeConfig(depth=3, top_k=2, budget=5)
+    results = []
+    for target in (cpu_target, gpu_target):
+        drafter = drafter_class(make_random_drafter_net(net_class, config, target, draft_vocab), target, tree)
+        if lookup:
+            drafter.enable_lookup()
+        assert next(drafter.net.parameters()).device.type == target.device.type
+        results.append(Engine(target, drafter).generate(prompt, SamplingConfig(), generation))
+    plain = Engine(gpu_target, make_drafter("none", gpu_target)).generate(prompt, SamplingConfig(), generation)
+    on_cpu, on_gpu_ = results
+    assert on_gpu_.token_ids == plain.token_ids == on_cpu.token_ids
+    assert on_gpu_.stats.num_verifications == on_cpu.stats.num_verifications
+    assert on_gpu_.stats.accepted_depth == on_cpu.stats.accepted_depth
+
+
+def test_a_gpu_servers_context_goes_on_the_wire() -> None:
+    """A split server whose target is on a GPU sends its context tensors from there."""
+    from moaspec.split import protocol
+
+    memory = torch.randn(3, 8, device="cuda")
+    for wire_dtype in ("f32", "i8"):
+        decoded = protocol.decode_context(protocol.encode_context({"memory": memory}, wire_dtype), 3)["memory"]
+        torch.testing.assert_close(decoded.float(), memory.cpu(), rtol=0.02, atol=0.05)

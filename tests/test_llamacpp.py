@@ -373,17 +373,6 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
     assert engine.generate(follow_up, SamplingConfig(), generation).token_ids == plain.token_ids
 
 
-def test_model_drafters_are_refused_next_to_a_gpu_target() -> None:
-    """Drafters run on the CPU; with the target on a GPU (--device cuda) only none and ngram run,
-    said clearly (the CUDA paths are not exercised on this machine)."""
-    from types import SimpleNamespace
-
-    gpu_target = SimpleNamespace(name="smollm2-135m", runtime="transformers", device=torch.device("cuda"))
-    with pytest.raises(MoaspecError, match="CPU target"):
-        make_drafter("moa", gpu_target)
-    assert make_drafter("ngram", gpu_target).__class__.__name__ == "NgramDrafter"
-
-
 def test_a_gpu_target_defaults_to_prompt_lookup_everywhere(monkeypatch) -> None:
     """generate, load() and bench pick the default drafter through target_default_drafter: a GPU
     target gets `ngram` (the bench's default method list leaves the model drafters out), a CPU

@@ -35,7 +35,7 @@ def cpu_description() -> str:
 
 
 def runtime_description(target) -> str:
-    """'transformers <ver> torch <ver> <dtype> <attention> <n> threads', or
+    """'transformers <ver> torch <ver> <dtype> <attention> <n> threads[ on <GPU name>]', or
     'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads'."""
     import torch
 
@@ -50,9 +50,11 @@ def runtime_description(target) -> str:
 
     dtype = str(target.dtype).removeprefix("torch.")
     attention = str(getattr(target.config, "_attn_implementation", None) or "default")
+    # a GPU's costs are not the CPU's (a CPU target keeps the key it always had)
+    device = "" if target.device.type == "cpu" else f" on {torch.cuda.get_device_name(target.device)}"
     return (
         f"transformers {transformers.__version__} torch {torch.__version__} {dtype} "
-        f"{attention} {torch.get_num_threads()} threads"
+        f"{attention} {torch.get_num_threads()} threads{device}"
     )
 
 

@@ -63,9 +63,9 @@ class EagleDrafter(TreeDrafter):
 
     def reset(self) -> None:
         self.history: list[int] = []
-        self.sa_kv = empty_kv(self.net.config.num_kv_heads, self.net.config.head_dim, self.dtype)
+        self.sa_kv = empty_kv(self.net.config.num_kv_heads, self.net.config.head_dim, self.dtype, self.device)
         self.sa_valid = 0
-        self.unpaired_hidden = torch.zeros(0, self.net.config.hidden_size, dtype=self.dtype)  # [n, D]
+        self.unpaired_hidden = torch.zeros(0, self.net.config.hidden_size, dtype=self.dtype, device=self.device)  # [n, D]
         self.proposal_root: int | None = None  # the root of the pairs `start` appended
 
     @torch.inference_mode()
@@ -79,7 +79,7 @@ class EagleDrafter(TreeDrafter):
         # the pairs start() fed up to the root are final once that root is verified
         root_verified = self.proposal_root is not None and self.history[start] == self.proposal_root
         num_valid = start if root_verified else self.sa_valid
-        new_hidden = context["hidden"].to(self.dtype)  # [n, D]
+        new_hidden = context["hidden"].to(device=self.device, dtype=self.dtype)  # [n, D]
         self.unpaired_hidden = torch.cat([self.unpaired_hidden[num_valid - self.sa_valid :], new_hidden])
         self.sa_valid, self.proposal_root = num_valid, None
         self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
@@ -96,7 +96,7 @@ class EagleDrafter(TreeDrafter):
             raise ValueError("start() needs at least one verified token (its feature pairs with the root)")
         self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
         feed = torch.tensor([*self.history[self.sa_valid + 1 :], root_id])  # x_{t+1}, t = sa_valid..root_pos-1
-        positions = torch.arange(self.sa_valid, root_pos)
+        positions = torch.arange(self.sa_valid, root_pos, device=self.device)
         visible = torch.ones(feed.numel(), root_pos, dtype=torch.bool)
         visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
         root_feature = self._decode(feed, self.unpaired_hidden, positions, visible)[-1:]  # f_{root_pos} [1, D]
@@ -112,11 +112,11 @@ class EagleDrafter(TreeDrafter):
         count = token_ids.numel()
         rows, parent_slots = self._add_level(parent)
         # a depth-d beam pairs with its parent's feature, which stands for the parent's position
-        positions = torch.full((count,), root_pos + depth - 1)
+        positions = torch.full((count,), root_pos + depth - 1, device=self.device)
         # SA sees every entry up to the root pair (drafted entry 0) and its own tree ancestors
         # (drafted entries 1.. are the SA cache's tree part).
         sa_visible = torch.cat([torch.ones(count, root_pos, dtype=torch.bool), rows[:, 1:]], 1)
-        features = self._decode(token_ids, self.node_features[parent_slots], positions, sa_visible)
+        features = self._decode(token_ids, self.node_features[parent_slots.to(self.device)], positions, sa_visible)
         self.node_features = torch.cat([self.node_features, features])
         return self._log_probs(features)
 
@@ -125,8 +125,10 @@ class EagleDrafter(TreeDrafter):
         self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
         """Pairs (token_ids [n], features [n, D]) at positions [n] through the layer, appending
-        their keys/values to the SA cache; visible [n, cache + n]. -> output features [n, D]."""
-        inputs = self.net.pair_inputs(self.parts, token_ids, features)
-        out, new_kv = self.net.decoder_layer(inputs, positions, additive_mask(visible, self.dtype), self.sa_kv)
+        their keys/values to the SA cache; visible [n, cache + n]. -> output features [n, D].
+        token_ids and visible come from the CPU bookkeeping; the rest is on the drafter's device."""
+        inputs = self.net.pair_inputs(self.parts, token_ids.to(self.device), features)
+        mask = additive_mask(visible.to(self.device), self.dtype)
+        out, new_kv = self.net.decoder_layer(inputs, positions, mask, self.sa_kv)
         self.sa_kv = append_kv(self.sa_kv, new_kv)
         return out

@@ -93,10 +93,10 @@ class MoADrafter(TreeDrafter):
     def reset(self) -> None:
         self.history: list[int] = []
         config = self.net.config
-        self.memory_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
-        self.sa_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype)
+        self.memory_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype, self.device)
+        self.sa_kv = empty_kv(config.num_kv_heads, config.head_dim, self.dtype, self.device)
         self.sa_valid = 0
-        self.tli_cache = [empty_kv(config.num_kv_heads, config.head_dim, self.dtype) for _ in range(config.tli_layers)]
+        self.tli_cache = [empty_kv(config.num_kv_heads, config.head_dim, self.dtype, self.device) for _ in range(config.tli_layers)]
 
     @torch.inference_mode()
     def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
@@ -106,12 +106,12 @@ class MoADrafter(TreeDrafter):
         if start_pos != len(self.history):
             raise ValueError(f"verified tokens start at {start_pos}, expected {len(self.history)}")
         self.history.extend(token_ids.tolist())
-        positions = torch.arange(start_pos, start_pos + count)
-        memory = context["memory"].to(self.dtype)  # [n, D]
+        positions = torch.arange(start_pos, start_pos + count, device=self.device)
+        memory = context["memory"].to(device=self.device, dtype=self.dtype)  # [n, D]
         self.memory_kv = append_kv(self.memory_kv, self.net.memory_keys_values(memory, positions))
         if self.tli_cache:
             config = self.net.config
-            per_head = context["tli_kv"].to(self.dtype).reshape(count, len(self.tli_cache), config.num_kv_heads, 2, config.head_dim)
+            per_head = context["tli_kv"].to(device=self.device, dtype=self.dtype).reshape(count, len(self.tli_cache), config.num_kv_heads, 2, config.head_dim)
             for i, cached in enumerate(self.tli_cache):
                 new_kv = (per_head[:, i, :, 0].transpose(0, 1), per_head[:, i, :, 1].transpose(0, 1))  # [Hkv, n, d]
                 self.tli_cache[i] = append_kv(cached, new_kv)
@@ -132,20 +132,20 @@ class MoADrafter(TreeDrafter):
         self.sa_valid = min(self.sa_valid, root_pos)
         self.sa_kv = crop_kv(self.sa_kv, self.sa_valid)
         feed = torch.tensor([*self.history[self.sa_valid :], root_id])
-        positions = torch.arange(self.sa_valid, root_pos + 1)
+        positions = torch.arange(self.sa_valid, root_pos + 1, device=self.device)
         visible = torch.ones(feed.numel(), self.sa_valid + feed.numel(), dtype=torch.bool)
         visible[:, self.sa_valid :] = torch.tril(visible[:, self.sa_valid :])
         h = self._self_attend(feed, positions, visible)[-1:]
         self.sa_valid = root_pos + 1
         self._begin_tree()
         self.tli_kv = list(self.tli_cache)  # the context; this proposal appends its drafted states
-        return self._finish(h, torch.tensor([root_pos]), self.tree_rows)
+        return self._finish(h, torch.tensor([root_pos], device=self.device), self.tree_rows)
 
     def expand(self, token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
         """Beams token_ids [k] at depth `depth` (>= 1); parent [k] indexes the previous call's
         batch (-1 = the root). -> log-probs [k, Vd]."""
         rows, _ = self._add_level(parent)
-        positions = torch.full((token_ids.numel(),), self.sa_valid - 1 + depth)
+        positions = torch.full((token_ids.numel(),), self.sa_valid - 1 + depth, device=self.device)
         # SA sees all valid entries (verified + root) and its own tree ancestors (drafted entries
         # 1.. are the SA cache's tree part; entry 0, the root, is already in the valid prefix).
         sa_visible = torch.cat([torch.ones(token_ids.numel(), self.sa_valid, dtype=torch.bool), rows[:, 1:]], 1)
@@ -154,8 +154,11 @@ class MoADrafter(TreeDrafter):
 
     # -- internals ------------------------------------------------------------------------------
     def _self_attend(self, token_ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        embeds = self.parts.embed_tokens(token_ids).to(self.dtype)
-        h, new_kv = self.net.self_attention(embeds, positions, additive_mask(visible, self.dtype), self.sa_kv)
+        """token_ids [n] and visible [n, cache + n] from the CPU bookkeeping, positions [n] on the
+        drafter's device -> SA outputs [n, D] there."""
+        embeds = self.parts.embed_tokens(token_ids.to(self.device)).to(self.dtype)
+        mask = additive_mask(visible.to(self.device), self.dtype)
+        h, new_kv = self.net.self_attention(embeds, positions, mask, self.sa_kv)
         self.sa_kv = append_kv(self.sa_kv, new_kv)
         return h
 
@@ -170,7 +173,7 @@ class MoADrafter(TreeDrafter):
         """Drafted states through the target's last k layers; their keys/values join the context."""
         root_pos = self.sa_valid - 1
         visible = torch.cat([torch.ones(x.shape[0], root_pos, dtype=torch.bool), drafted_visible], 1)
-        mask = additive_mask(visible, self.dtype)
+        mask = additive_mask(visible.to(self.device), self.dtype)
         cos, sin = target_rope(self.parts.rotary_emb, positions, x)
         for i, layer in enumerate(self.parts.tli_layers):
             x, new_kv = target_layer_forward(layer, x, cos, sin, self.tli_kv[i], mask)

@@ -7,6 +7,11 @@ holds the borrowed target modules, the (reduced) LM head, checkpoint loading, an
 bookkeeping: the entries a proposal drafted (entry 0 = the root) and, for each, which drafted
 entries it may attend to (its ancestors and itself).
 
+Devices: the net, its caches and the target modules it borrows sit on the target's device (a
+GPU with `--device cuda`); the tree bookkeeping, the tree builders and the lookup stay on the
+CPU, so token ids, positions and masks move to the device at each net call and log-probs come
+back once per tree level.
+
 Prompt lookup (`--drafter moa+ngram`): with `enable_lookup()`, a proposal first asks the n-gram
 drafter for continuations of the context; when it has some, they alone are the tree (the model
 does not run: its caches catch up at its next proposal), otherwise the model drafts its tree.
@@ -52,12 +57,14 @@ class TreeDrafter:
 
     def __init__(self, net: DrafterNet, target: Target, tree: TreeConfig | None = None, tli_layers: int = 0) -> None:
         self.target = target
-        self.net = use_layout(net.eval(), target.weight_layout)
+        self.device = target.device  # the net, its caches and the target's borrowed modules
+        self.net = use_layout(net.eval().to(self.device), target.weight_layout)
         self.tree_config = tree or TreeConfig()
         self.parts = target.parts(tli_layers)
         self.dtype = next(net.parameters()).dtype
-        self.head = weight_in_layout(net.head_weight(self.parts).to(self.dtype), target.weight_layout)  # [Vd, D]
-        self.draft_vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
+        self.head = weight_in_layout(self.net.head_weight(self.parts).to(self.dtype), target.weight_layout)  # [Vd, D]
+        # the tree builders map draft-vocabulary rows on the CPU (log-probs come back there)
+        self.draft_vocab_ids = self.net.draft_vocab_ids.cpu() if net.config.draft_vocab_size else None
         self.reset()
 
     @classmethod
@@ -160,5 +167,6 @@ class TreeDrafter:
         return rows, parent_slots
 
     def _log_probs(self, final: torch.Tensor) -> torch.Tensor:
-        """The (reduced) LM head on the drafter's final states [n, D] -> log-probs [n, Vd]."""
-        return torch.log_softmax(at_least_fp32(final @ self.head.T), dim=-1)
+        """The (reduced) LM head on the drafter's final states [n, D] -> log-probs [n, Vd], on the
+        CPU, where the tree is built (a copy only when the drafter runs on a GPU)."""
+        return torch.log_softmax(at_least_fp32(final @ self.head.T), dim=-1).cpu()

@@ -140,9 +140,9 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-def empty_kv(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> KVCache:
-    """An empty keys/values pair, each [Hkv, 0, d]."""
-    return torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype), torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype)
+def empty_kv(num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> KVCache:
+    """An empty keys/values pair, each [Hkv, 0, d], on `device`."""
+    return tuple(torch.zeros(num_kv_heads, 0, head_dim, dtype=dtype, device=device) for _ in range(2))  # type: ignore[return-value]
 
 
 def append_kv(cache: KVCache, new: KVCache) -> KVCache:

@@ -152,7 +152,7 @@ def decode_tensor(value: Any, name: str, max_elements: int = MAX_TENSOR_ELEMENTS
 
 
 def _raw(x: torch.Tensor) -> bytes:
-    return x.contiguous().numpy().tobytes()
+    return x.detach().cpu().contiguous().numpy().tobytes()  # a server's target may be on a GPU
 
 
 def _from_raw(data: bytes, dtype: torch.dtype, num_bytes: int, name: str) -> torch.Tensor:
