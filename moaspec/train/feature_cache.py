@@ -119,7 +119,6 @@ class FeatureCache:
             tli_hidden=hidden[:, self.tli_max - tli_layers] if tli_layers else None,
         )
 
-
     def batch_features(self, samples: list[TrainSample], tli_layers: int, kv_layers: tuple[int, ...]) -> list[TargetFeatures]:
         return [self.features(sample, tli_layers, kv_layers) for sample in samples]
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
 from transformers import DynamicCache
 
 from moaspec.targets.hf import HFTarget, per_head_kv

@@ -1,7 +1,8 @@
 """Drafter losses (moa_reference.md §2.3): 0.1 x soft cross-entropy + SmoothL1 feature loss
 (the weights are the paper's defaults; `ce_weight` and `feature_weight` change them).
 
-Both are per token (in float32, or float64 for a float64 net) and averaged over the loss mask: sum(loss * mask) / (sum(mask) + 1e-5).
+Both are per token (float32, or float64 for a float64 net), averaged over each sequence's loss
+mask, sum(loss * mask) / (sum(mask) + 1e-5), then over the sequences of a batch.
 - soft CE: -sum_v p_target(v) log q_drafter(v), p_target = softmax of the target's logits
   (restricted to the draft vocabulary: mass outside it cannot be matched and is dropped), over
   the masked positions only (the head products dominate the cost of a step);
