@@ -319,6 +319,9 @@ def _train(args: argparse.Namespace) -> int:
         device=args.device,
         micro_batch=args.micro_batch,
     )
+    from moaspec.train.allocator import keep_freed_memory
+
+    keep_freed_memory()  # training frees and reallocates large tensors every step (allocator.py)
     try:
         checkpoint = run_training(spec, config, tree)
     except ValueError as exc:  # e.g. resuming with another config

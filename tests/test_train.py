@@ -587,3 +587,29 @@ def test_training_by_micro_batches_follows_training_one_sequence_at_a_time(tmp_p
         torch.testing.assert_close(weights[1][name], value, rtol=1e-7, atol=1e-10, msg=name)
     with pytest.raises(ValueError, match="micro_batch"):
         train(make_net(method, target), target, unequal_samples(2), [], config, tmp_path / "bad", progress=False, micro_batch=0)
+
+
+def test_moaspec_train_keeps_freed_memory_for_the_next_step(tmp_path, monkeypatch) -> None:
+    """`moaspec train` raises glibc's mmap and trim thresholds before it trains (allocator.py);
+    on a Linux/glibc machine both mallopt calls take effect (checked in a child process, which
+    keeps this one's allocator as it is)."""
+    import subprocess
+    import sys
+
+    import moaspec.train.allocator as allocator
+    import moaspec.train.run as run
+
+    if sys.platform.startswith("linux"):
+        code = "from moaspec.train.allocator import keep_freed_memory; print(keep_freed_memory())"
+        assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "True\n"
+    order = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: order.append("allocator") or True)
+    monkeypatch.setattr(run, "run_training", lambda spec, config, tree: order.append("train") or tmp_path)
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: None)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text("{}\n")
+    from moaspec.cli import main
+
+    assert main(["train", "--method", "moa", "--data", str(data), "--out", str(tmp_path / "run")]) == 0
+    assert order == ["allocator", "train"]
