@@ -490,6 +490,9 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.targets.options import check_device
 
     check_device(args.device)
+    from moaspec.train.allocator import keep_freed_memory
+
+    keep_freed_memory()  # batched generation frees and reallocates large tensors every step (allocator.py)
     manifest = run_distill(args.target, out, config, command_line(args), device=args.device)
     totals = manifest["totals"]
     print(

@@ -525,3 +525,23 @@ def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> No
     assert ds.check_resume(tmp_path, settings) == {"settings": older}
     with pytest.raises(MoaspecError, match=r"different settings \(skip_conversations\)"):
         ds.check_resume(tmp_path, {**settings, "skip_conversations": 3})
+
+
+def test_moaspec_data_distill_keeps_freed_memory_too(tmp_path, monkeypatch) -> None:
+    """`moaspec data distill` raises the same thresholds before it generates."""
+    import moaspec.train.allocator as allocator
+    import moaspec.train.distill as distill
+
+    order = []
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: order.append("allocator") or True)
+
+    def fake_distill(*args, **kwargs) -> dict:
+        order.append("distill")
+        return {"totals": {"num_records": 0, "response_tokens": 0}, "complete": True}
+
+    monkeypatch.setattr(distill, "run_distill", fake_distill)
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: None)
+    from moaspec.cli import main
+
+    assert main(["data", "distill", "--out", str(tmp_path / "d"), "--num-conversations", "2"]) == 0
+    assert order == ["allocator", "distill"]
