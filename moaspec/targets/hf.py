@@ -172,7 +172,7 @@ class HFTarget:
         pending = self.cache.get_seq_length() - self.num_cached
         num_keep = len(path_node_idx)
         if path_node_idx != list(range(num_keep)):
-            keep = torch.cat([torch.arange(self.num_cached), self.num_cached + torch.tensor(path_node_idx)])
+            keep = torch.cat([torch.arange(self.num_cached), self.num_cached + torch.tensor(path_node_idx)]).to(self.device)
             for layer in self.cache.layers:
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
