@@ -68,9 +68,11 @@ def test_lookup_replay_equals_the_engine_with_the_ngram_drafter(config: NgramCon
         cycles += result.stats.num_verifications
         tokens += result.stats.new_tokens - 1  # the first token comes from the prefill
         nodes += result.stats.drafted_nodes + result.stats.num_verifications  # roots included
-    stats = simulate_lookup(sequences, config, gate())
+    seen = []
+    stats = simulate_lookup(sequences, config, gate(), on_cycle=lambda nodes, emitted: seen.append((nodes, emitted)))
     assert stats.matched_cycles > 10
     assert (stats.cycles, stats.tokens, stats.matched_nodes + stats.unmatched_cycles) == (cycles, tokens, nodes)
+    assert (len(seen), sum(e for _, e in seen), sum(n for n, _ in seen)) == (cycles, tokens, nodes)
     if gate_costs is not None:
         assert stats.matched_cycles < simulate_lookup(sequences, config).matched_cycles
 

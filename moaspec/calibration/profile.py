@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,12 +76,16 @@ def accepted_length(tree_token_ids: list[int], tree_parents: list[int], future: 
 
 
 def simulate_lookup(
-    sequences: list[LookupSequence], config: NgramConfig, gate: LookupGate | None = None
+    sequences: list[LookupSequence],
+    config: NgramConfig,
+    gate: LookupGate | None = None,
+    on_cycle: Callable[[int, int], None] | None = None,
 ) -> LookupStats:
     """Replay greedy decoding with the n-gram drafter (and its gate) over each sequence: exactly
     the cycles the engine runs with that drafter (greedy, max_new_tokens = the sequence's length)
     on these prompts, whose first generated token comes from the prefill and needs no cycle. The
-    drafter's trie is taken as lists (`propose_nodes`), ~6x faster than as tensors."""
+    drafter's trie is taken as lists (`propose_nodes`), ~6x faster than as tensors.
+    on_cycle(num_nodes, emitted), when given, sees every cycle (nodes verified incl. the root)."""
     matched_cycles = matched_tokens = matched_nodes = unmatched = 0
     for sequence in sequences:
         drafter = NgramDrafter(config, gate)
@@ -100,6 +105,8 @@ def simulate_lookup(
                 matched_nodes += num_nodes
             else:
                 unmatched += 1
+            if on_cycle is not None:
+                on_cycle(num_nodes, emitted)
             drafter.extend(generated[position : position + emitted])
             position += emitted
     return LookupStats(matched_cycles, matched_tokens, matched_nodes, unmatched)
