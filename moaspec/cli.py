@@ -18,7 +18,7 @@
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,...]
                   [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [--categories ...] [--limit N] ...
-    moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--dry-run]
+    moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--device cpu|cuda[:N]] [--dry-run]
     moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
                   [--memory-hidden] [--no-layer-attention] [--no-cross-attention] [--anchor-every MIN MAX]
                   [--anchor-loss-weight W] [--draft-vocab N] [--ce-weight W] [--feature-weight W]

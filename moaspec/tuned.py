@@ -1,15 +1,17 @@
 """Tuned draft trees: `moaspec tune`'s choice per machine, target and drafter checkpoint.
 
 Stored as JSON in `<cache root>/tuned/<target name>/<method>-<checkpoint key>.json` (cache root as
-in model_store.py: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec). The
-checkpoint key hashes the checkpoint's config.json and its weights' size and modification time,
-so a retrained drafter is not served a stale choice.
+in model_store.py: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec), and in
+`...-<checkpoint key>-cuda.json` for the choice measured on a GPU (`moaspec tune --device cuda`):
+a tree that pays where a verified node is nearly free would be slow on a CPU, so each kind of
+device reads its own. The checkpoint key hashes the checkpoint's config.json and its weights'
+size and modification time, so a retrained drafter is not served a stale choice.
 
 Precedence of the tree a model drafter uses (highest first):
 1. explicit values: `tree_overrides` of `make_drafter` / `load`, the `--tree-*` flags of
    `moaspec generate` (each given field replaces that field only);
-2. the tuned choice for this machine, target and checkpoint, when one was saved
-   (set MOASPEC_NO_TUNED=1 to ignore it);
+2. the tuned choice for this machine, target, checkpoint and kind of device (CPU or GPU), when
+   one was saved (set MOASPEC_NO_TUNED=1 to ignore it);
 3. the machine calibration's choice (moaspec/calibration/plan.py; applied by `load()`, `moaspec
    generate`, `bench` and `serve` to a drafter whose tree came from the checkpoint);
 4. the tree recorded in the checkpoint at training time;
@@ -33,6 +35,7 @@ from moaspec.model_store import cache_root
 
 TREE_FIELDS = ("depth", "top_k", "budget")
 DISABLE_ENV = "MOASPEC_NO_TUNED"
+DEVICE_KINDS = ("cpu", "cuda")
 
 
 def checkpoint_key(directory: Path) -> str:
@@ -48,15 +51,29 @@ def checkpoint_key(directory: Path) -> str:
     return f"{method}-{digest.hexdigest()[:16]}"
 
 
-def tuned_path(target_name: str, directory: Path) -> Path:
-    return cache_root() / "tuned" / target_name / f"{checkpoint_key(directory)}.json"
+def device_kind(device) -> str:
+    """"cpu" or "cuda" (a torch.device or a --device string such as "cuda:1")."""
+    kind = str(getattr(device, "type", device)).partition(":")[0]
+    if kind not in DEVICE_KINDS:
+        raise MoaspecError(f"no tuned trees for device '{device}' (known: {', '.join(DEVICE_KINDS)})")
+    return kind
 
 
-def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details: dict) -> Path:
-    """Write the choice atomically; -> its path."""
-    path = tuned_path(target_name, directory)
+def tuned_path(target_name: str, directory: Path, device="cpu") -> Path:
+    """Where `moaspec tune` keeps its choice for this target, checkpoint and kind of device."""
+    kind = device_kind(device)
+    suffix = "" if kind == "cpu" else f"-{kind}"
+    return cache_root() / "tuned" / target_name / f"{checkpoint_key(directory)}{suffix}.json"
+
+
+def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details: dict, device="cpu") -> Path:
+    """Write the choice measured on `device` atomically; -> its path."""
+    path = tuned_path(target_name, directory, device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"tree": asdict(tree), "target": target_name, "checkpoint": str(directory.resolve()), **details}
+    record = {
+        "tree": asdict(tree), "target": target_name, "checkpoint": str(directory.resolve()),
+        "device": device_kind(device), **details,
+    }
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(handle, "w") as stream:
@@ -67,11 +84,12 @@ def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details
     return path
 
 
-def load_tuned_tree(target_name: str, directory: Path) -> TreeConfig | None:
-    """The saved choice, or None (none saved, disabled by MOASPEC_NO_TUNED, or unreadable)."""
+def load_tuned_tree(target_name: str, directory: Path, device="cpu") -> TreeConfig | None:
+    """The choice saved for `device`'s kind, or None (none saved, disabled by MOASPEC_NO_TUNED,
+    or unreadable)."""
     if os.environ.get(DISABLE_ENV):
         return None
-    path = tuned_path(target_name, directory)
+    path = tuned_path(target_name, directory, device)
     if not path.is_file():
         return None
     try:
@@ -99,13 +117,14 @@ def tree_overrides(args) -> dict:
 
 
 def resolve_tree(
-    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None
+    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None, device="cpu"
 ) -> tuple[TreeConfig, str]:
-    """Apply the precedence above to a drafter whose checkpoint tree is `base`.
+    """Apply the precedence above to a drafter whose checkpoint tree is `base` and whose target
+    runs on `device`.
 
     -> (tree, source) with source "explicit", "tuned" or "checkpoint".
     """
-    tuned = load_tuned_tree(target_name, directory) if directory is not None else None
+    tuned = load_tuned_tree(target_name, directory, device) if directory is not None else None
     tree, source = (tuned, "tuned") if tuned is not None else (base, "checkpoint")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     unknown = set(given) - {f.name for f in fields(TreeConfig)}

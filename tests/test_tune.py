@@ -168,10 +168,41 @@ def test_saved_choice_depends_on_the_checkpoint_and_survives_a_damaged_file(tiny
     assert make_drafter(str(checkpoint), target).tree_source == "checkpoint"
 
 
+def test_a_gpu_choice_serves_gpu_targets_only(tiny_with_checkpoint) -> None:
+    from moaspec.drafters import make_drafter
+    from moaspec.tuned import resolve_tree, save_tuned_tree, tuned_path
+
+    target, checkpoint = tiny_with_checkpoint
+    base = TreeConfig(depth=2, top_k=1, budget=2)
+    gpu_tree, cpu_tree = TreeConfig(depth=6, top_k=4, budget=16), TreeConfig(depth=1, top_k=2, budget=2)
+    path = save_tuned_tree("tiny-llama", checkpoint, gpu_tree, {}, "cuda:1")
+    assert path == tuned_path("tiny-llama", checkpoint, "cuda") != tuned_path("tiny-llama", checkpoint)
+    assert json.loads(path.read_text())["device"] == "cuda"
+    # the CPU target keeps its checkpoint's tree; a target on any GPU gets the GPU's choice
+    assert make_drafter(str(checkpoint), target).tree_source == "checkpoint"
+    assert resolve_tree(base, "tiny-llama", checkpoint, None, torch.device("cuda", 0)) == (gpu_tree, "tuned")
+    save_tuned_tree("tiny-llama", checkpoint, cpu_tree, {})
+    assert make_drafter(str(checkpoint), target).tree_config == cpu_tree
+    assert resolve_tree(base, "tiny-llama", checkpoint, None, "cuda") == (gpu_tree, "tuned")
+
+
+def test_rank_rates_come_from_a_tune_on_either_device(tiny_with_checkpoint) -> None:
+    from moaspec.calibration.profile import load_rank_rates
+    from moaspec.tuned import save_tuned_tree
+
+    _, checkpoint = tiny_with_checkpoint
+    assert load_rank_rates("tiny-llama", checkpoint)[1] == "prior"
+    rates = {"rates_source": "calibrated", "rank_rates": [0.5, 0.1, 0.05, 0.02]}
+    save_tuned_tree("tiny-llama", checkpoint, TreeConfig(), rates, "cuda")
+    assert load_rank_rates("tiny-llama", checkpoint) == ((0.5, 0.1, 0.05, 0.02), "tuned")
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["--drafters", "ngram"], "no draft tree to tune"),
+        (["--drafters", "moa", "--device", "gpu"], "--device must be cpu or cuda[:N]"),
+        (["--drafters", "moa", "--device", "cuda:99"], "no such CUDA device"),
         (["--drafters", "moa"], "no shipped 'moa' drafter"),
         (["--drafters", "moa", "--top1-rate", "1.5"], "--top1-rate must be in (0, 1)"),
         (["--drafters", "moa", "--repeats", "0"], "--repeats"),

@@ -201,12 +201,18 @@ def add_tune_parser(commands, default_target: str) -> None:
     tune.add_argument(
         "--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)"
     )
+    tune.add_argument(
+        "--device", default="cpu",
+        help="cpu, cuda or cuda:N: where the target (transformers runtime) and the drafters are measured; "
+        "the choice serves that kind of device only (default cpu)",
+    )
     tune.add_argument("--dry-run", action="store_true", help="print the ranking, save nothing")
 
 
 def run_tune(args: argparse.Namespace) -> int:
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, split_lookup
     from moaspec.model_store import resolve_target
+    from moaspec.targets.options import check_device
 
     # 1. cheap checks before torch loads
     if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
@@ -223,6 +229,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if not specs:
         raise MoaspecError("--drafters is empty")
     target_name, _ = resolve_target(args.target)
+    check_device(args.device)
     for spec in specs:
         check_drafter_spec(spec)
         if spec in MODEL_FREE:
@@ -240,12 +247,16 @@ def run_tune(args: argparse.Namespace) -> int:
     from moaspec.calibration.costs import measure_verify
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
-    from moaspec.tuned import save_tuned_tree
+    from moaspec.tuned import device_kind, save_tuned_tree
 
-    target = moaspec.api.load_target(args.target, runtime="transformers")  # tuned trees are per target, measured there
+    # tuned trees are per target and kind of device, measured there
+    target = moaspec.api.load_target(args.target, runtime="transformers", device=args.device)
     context_len = min(args.context, target.max_positions // 2)
     prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
-    print(f"[moaspec] measuring target verify costs ({target.name}, context {context_len})...", file=sys.stderr)
+    print(
+        f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len})...",
+        file=sys.stderr,
+    )
     verify_s = measure_verify(target, context_len, args.repeats)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
@@ -267,8 +278,11 @@ def run_tune(args: argparse.Namespace) -> int:
                 "context_len": context_len,
                 **result.details(),
             }
-            path = save_tuned_tree(target.name, checkpoint_directory(spec, target.name), result.best.tree, details)
-            print(f"saved: {path} (used by default for this drafter and target; see moaspec/tuned.py)\n")
+            path = save_tuned_tree(
+                target.name, checkpoint_directory(spec, target.name), result.best.tree, details, args.device
+            )
+            where = "GPU" if device_kind(args.device) == "cuda" else "CPU"
+            print(f"saved: {path} (used by default for this drafter and target on a {where}; see moaspec/tuned.py)\n")
     return 0
 
 

@@ -219,7 +219,7 @@ class LazyModelDrafter:
             self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source
         else:
             self._drafter = None
-            self.tree_config, self.tree_source = resolve_tree(tree, target.name, directory, tree_overrides)
+            self.tree_config, self.tree_source = resolve_tree(tree, target.name, directory, tree_overrides, target.device)
 
     def drafter(self):
         if self._drafter is None:

@@ -172,13 +172,15 @@ def weights_digest(directory: Path) -> str:
 
 
 def load_rank_rates(target_name: str, directory: Path) -> tuple[tuple[float, ...], str]:
-    """-> (rank rates h_1..h_4, source) with source "tuned", "checkpoint" or "prior"."""
+    """-> (rank rates h_1..h_4, source) with source "tuned", "checkpoint" or "prior". Acceptance
+    does not depend on the device, so a tune run on either kind (CPU first) serves."""
     from moaspec.calibration.tree_ranking import geometric_rates, rates_from_hit_rates
-    from moaspec.tuned import tuned_path
+    from moaspec.tuned import DEVICE_KINDS, tuned_path
 
-    tuned = _read_json(tuned_path(target_name, directory))
-    if tuned and tuned.get("rates_source") == "calibrated" and tuned.get("rank_rates"):
-        return tuple(float(r) for r in tuned["rank_rates"]), "tuned"
+    for kind in DEVICE_KINDS:
+        tuned = _read_json(tuned_path(target_name, directory, kind))
+        if tuned and tuned.get("rates_source") == "calibrated" and tuned.get("rank_rates"):
+            return tuple(float(r) for r in tuned["rank_rates"]), "tuned"
     stored = _read_json(directory / PROFILE_FILE)
     if stored and stored.get("hit_rate_by_top_k") and stored.get("weights_sha256") == weights_digest(directory):
         return rates_from_hit_rates([float(h) for h in stored["hit_rate_by_top_k"]]), "checkpoint"

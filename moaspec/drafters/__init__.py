@@ -83,7 +83,8 @@ def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) 
     """Build the drafter `spec` names for `target`; MoaspecError when it cannot.
 
     Model drafters get their tree by the precedence in moaspec/tuned.py: `tree_overrides`
-    (explicit depth / top_k / budget), then `moaspec tune`'s saved choice, then the checkpoint's.
+    (explicit depth / top_k / budget), then `moaspec tune`'s saved choice for the target's kind
+    of device, then the checkpoint's.
     """
     check_drafter_spec(spec)
     if spec in MODEL_FREE:
@@ -94,7 +95,9 @@ def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) 
 
     directory = checkpoint_directory(spec, target.name)
     drafter = load_drafter(directory, target)
-    drafter.tree_config, drafter.tree_source = resolve_tree(drafter.tree_config, target.name, directory, tree_overrides)
+    drafter.tree_config, drafter.tree_source = resolve_tree(
+        drafter.tree_config, target.name, directory, tree_overrides, target.device
+    )
     if split_lookup(spec)[1]:
         drafter.enable_lookup()
     return drafter
