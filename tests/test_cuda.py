@@ -128,3 +128,29 @@ def test_a_gpu_servers_context_goes_on_the_wire() -> None:
     for wire_dtype in ("f32", "i8"):
         decoded = protocol.decode_context(protocol.encode_context({"memory": memory}, wire_dtype), 3)["memory"]
         torch.testing.assert_close(decoded.float(), memory.cpu(), rtol=0.02, atol=0.05)
+
+
+def test_tune_on_the_gpu_saves_a_choice_that_gpu_targets_use(tmp_path, monkeypatch) -> None:
+    from test_bench import char_tokenizer
+
+    import moaspec.api
+    import moaspec.model_store
+    from moaspec.cli import main
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+    from moaspec.tuned import tuned_path
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_NO_TUNED", raising=False)
+    target = make_tiny_target("llama", max_position_embeddings=1024, dtype=torch.float32)
+    target.tokenizer = char_tokenizer()
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
+    checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 2, "top_k": 1, "budget": 2})
+    gpu_target = on_gpu(target)
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", tmp_path))
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None, **kwargs: gpu_target)
+    args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--device", "cuda", "--repeats", "1",
+            "--context", "32", "--calibration-prompts", "1", "--calibration-tokens", "8"]
+    assert main(args) == 0
+    assert tuned_path("tiny-llama", checkpoint, "cuda").is_file() and not tuned_path("tiny-llama", checkpoint).is_file()
+    assert make_drafter(str(checkpoint), gpu_target).tree_source == "tuned"
