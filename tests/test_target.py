@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import make_tiny_target
 
-from moaspec.targets.hf import HFTarget
+from moaspec.targets.hf import HFTarget, cache_keyword
 from moaspec.tree import DraftTree, path_to
 
 PREFIX = torch.tensor([3, 14, 15, 92, 65, 35, 89])
@@ -138,3 +140,16 @@ def test_prefill_beyond_context_is_a_clear_error() -> None:
     target = make_tiny_target("llama", max_position_embeddings=16)
     with pytest.raises(MoaspecError, match="context"):
         target.prefill(torch.arange(17))
+
+
+def test_the_cache_goes_by_the_name_this_transformers_takes() -> None:
+    class EarlierModel(torch.nn.Module):  # transformers 5.x before `cache` replaced `past_key_values`
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    assert cache_keyword(EarlierModel()) == "past_key_values"
+    target = make_tiny_target("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the installed release's deprecations included
+        target.prefill(torch.tensor([1, 2, 3]))
+        target.verify(DraftTree(torch.tensor([4, 5]), torch.tensor([-1, 0])))

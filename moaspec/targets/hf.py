@@ -16,7 +16,9 @@ Drafters read activations through `hidden_states` in the outputs (layer index as
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,6 +27,12 @@ from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.targets.base import TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The argument transformers' forward takes the KV cache by: `cache` in recent 5.x releases
+    (where `past_key_values` is deprecated, to be removed in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def per_head_kv(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -45,6 +53,7 @@ class HFTarget:
         self.config = model.config
         self.cache = DynamicCache(config=self.config)
         self.num_cached = 0
+        self._cache_keyword = cache_keyword(model)
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -224,7 +233,7 @@ class HFTarget:
             input_ids=input_ids[None].to(device),
             position_ids=positions[None].to(device),
             attention_mask=None if attention_bias is None else attention_bias.to(device),
-            past_key_values=self.cache,
+            **{self._cache_keyword: self.cache},
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=logits_to_keep,
