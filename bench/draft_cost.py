@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from moaspec.api import load_target
+from moaspec.bench.output import write_json
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
@@ -121,8 +122,7 @@ def main() -> None:
     record = {"tree": tree.__dict__, "context": CONTEXT, "accepted": args.accepted, "rounds": args.rounds, "results": rows}
     print(json.dumps(record))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.out, record, indent=1)
 
 
 if __name__ == "__main__":

@@ -28,13 +28,13 @@ Speedups are against `plain`; against llama-cpp-python's own generation multiply
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from moaspec.api import load_target
+from moaspec.bench.output import write_json
 from moaspec.bench.prompts import CATEGORIES, load_prompts, parse_categories
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.costs_store import measure_verify_costs
@@ -173,8 +173,7 @@ def main() -> int:
             f"{row['best_lookup']['speedup']:.2f}× | {row['lookup_oracle_speedup']:.2f}× | {row['perfect_drafter_speedup']:.2f}× |"
         )
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.out, record, indent=1)
     return 0
 
 

@@ -10,7 +10,6 @@ Run it on an idle machine: every process competes for the same cores. Prints a m
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -59,6 +58,7 @@ def main() -> int:
     if moaspec is None:
         parser.error("no `moaspec` console script beside this Python or on PATH")
 
+    from moaspec.bench.output import write_json
     from moaspec.calibration.machine import cpu_description
 
     run_once(moaspec, CASES[args.cases[0]], args.max_new_tokens)  # warm the page cache and calibration
@@ -95,8 +95,7 @@ def main() -> int:
         )
     print("\n".join(lines))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result, indent=2)
     return 0
 
 

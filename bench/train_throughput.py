@@ -14,7 +14,6 @@ Everything after `--` goes to `moaspec train` as it is (not --out, --steps, --mi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 
 from moaspec.bench.machine import machine_info
+from moaspec.bench.output import write_json
 from moaspec.cli import main as moaspec_main
 
 OWN_FLAGS = ("--out", "--steps", "--micro-batch", "--val-every")
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         median = results["micro_batches"][str(size)]["median"]
         print(f"| {size} | {median:,.0f} | {median / baseline:.2f}× |")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_json(args.out, results, indent=2)
     return 0
 
 

@@ -10,7 +10,6 @@ Prints a markdown table (the one in the README's *Target runtimes* section).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -31,6 +30,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from moaspec.api import load_target
+    from moaspec.bench.output import write_json
     from moaspec.calibration.costs import measure_verify
     from moaspec.calibration.machine import cpu_description, runtime_description
 
@@ -60,8 +60,7 @@ def main() -> int:
         lines.append(f"| {runtime} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result, indent=2)
     return 0
 
 

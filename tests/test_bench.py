@@ -223,6 +223,16 @@ def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatc
     assert not out.exists() or list(out.iterdir()) == []
 
 
+def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
+    from moaspec.bench.output import write_json
+
+    path = tmp_path / "new" / "figures.json"
+    assert write_json(path, {"a": [1, 2]}) == path and json.loads(path.read_text()) == {"a": [1, 2]}
+    with pytest.raises(TypeError):  # not serialisable: the earlier file stays, nothing else is left
+        write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": [1, 2]} and [p.name for p in path.parent.iterdir()] == ["figures.json"]
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

@@ -508,10 +508,12 @@ def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:
 def test_target_features_of_a_padded_batch_are_those_of_each_sequence(family: str) -> None:
     """One right-padded target forward over sequences of unequal lengths gives each sequence's
     own features (float64): keys/values of the layers read, both hidden states TLI reads, the
-    teacher's summary."""
+    teacher's summary. SDPA attention: transformers' eager attention takes its softmax in float32
+    even for a float64 model, and how a float32 row of 12 or 31 columns rounds depends on the
+    CPU's vector width (equal on an AVX2 EPYC, 2e-7 apart on an AVX-512 one)."""
     from moaspec.train.features import batch_target_features, target_features
 
-    target = make_tiny_target(family, num_hidden_layers=3)
+    target = make_tiny_target(family, num_hidden_layers=3, attn="sdpa")
     sequences = [sample.input_ids for sample in unequal_samples(4)]
     together = batch_target_features(target, sequences, tli_layers=1, kv_layers=(0, 2))
     for sequence, got in zip(sequences, together, strict=True):
@@ -570,8 +572,9 @@ def test_a_padded_batch_has_the_loss_and_gradient_of_its_sequences_one_at_a_time
 @pytest.mark.parametrize("method", ["moa", "eagle"])
 def test_training_by_micro_batches_follows_training_one_sequence_at_a_time(tmp_path, method: str) -> None:
     """The same run with 1 or 3 sequences per forward pass draws the same sequences and reaches
-    the same weights (float64), so a run may resume with another --micro-batch."""
-    target = make_tiny_target("llama", num_hidden_layers=3)
+    the same weights (float64), so a run may resume with another --micro-batch. SDPA attention,
+    float64 throughout (see the padded-batch features test above)."""
+    target = make_tiny_target("llama", num_hidden_layers=3, attn="sdpa")
     config = TrainConfig(method=method, steps=3, batch_size=4, warmup_steps=1, staircase_fraction=1.0, val_every=1000, ckpt_every=1)
     weights = []
     for micro_batch, stop in ((1, None), (3, 2)):

@@ -1,6 +1,7 @@
 """Write a benchmark's output files all or nothing.
 
-`write_results` writes results.json and results.md (plus e.g. plots) of any benchmark kind. Every file is first written to a hidden temporary name in the output directory; only when all of
+`write_results` writes results.json and results.md (plus e.g. plots) of any benchmark kind,
+`write_json` one JSON file (the --out of the scripts under bench/). Every file is first written to a hidden temporary name in the output directory; only when all of
 them are complete are they renamed into place (one `os.replace` each, atomic per file). A failure
 before that leaves no new file behind, and an earlier run's files stay intact.
 """
@@ -26,6 +27,11 @@ def write_results(out_dir: Path, results: dict, markdown: str, extra_files: dict
     paths = write_files_atomically(out_dir, {**files, **(extra_files or {})})
     print(f"[moaspec] wrote {', '.join(str(path) for path in paths)}", file=sys.stderr)
     return paths
+
+
+def write_json(path: Path, record: dict | list, indent: int = 1) -> Path:
+    """One JSON file (a bench script's --out), written atomically; its folder is created if needed."""
+    return write_files_atomically(path.parent, {path.name: (json.dumps(record, indent=indent) + "\n").encode()})[0]
 
 
 def write_files_atomically(out_dir: Path, files: dict[str, bytes]) -> list[Path]:
