@@ -10,7 +10,7 @@ for 1-16 nodes are measured as the machine calibration measures them. From the t
 greedy tokens (lossless speculation emits exactly these) each category's time is then predicted,
 prefill as measured plus one verify cost per cycle:
 
-- `plain`: one node per token (the model; its error against the measured decode is printed);
+- `plain`: one node per token (the model; the JSON holds it beside the measured decode time);
 - `lookup`: every trie the calibration weighs (calibration/predict.py's `lookup_configs`, with
   and without the gate built from these costs), replayed exactly (profile.simulate_lookup); the
   best one per category in hindsight;

@@ -223,7 +223,7 @@ def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatc
     assert not out.exists() or list(out.iterdir()) == []
 
 
-def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path, monkeypatch) -> None:
+def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
     from moaspec.bench.output import write_json
 
     path = tmp_path / "new" / "figures.json"
