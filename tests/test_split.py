@@ -152,7 +152,8 @@ def test_drafting_alone_reports_the_probability_of_its_token(method: str) -> Non
     drafter, probe, _, root = drafters_after_a_cut(method)
     draft = drafter.draft_alone(root, SamplingConfig(), None)
     assert isinstance(draft, AloneDraft)
-    log_probs = probe.start(root)[0]
+    with torch.inference_mode():  # as draft_alone runs it
+        log_probs = probe.start(root)[0]
     vocab = probe.draft_vocab_ids
     best = int(log_probs.argmax())
     model_choice = best if vocab is None else int(vocab[best])
