@@ -84,6 +84,7 @@ def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, ca
     assert hf_row["tau"] == pytest.approx(1.0) and hf_row["time_s"] is None
     markdown = (out / "results.md").read_text()
     assert "## mt_bench" in markdown and "## Mean over categories" in markdown and "| ngram |" in markdown
+    assert "Fastest per category" in markdown and "## Relative to `hf`" in markdown
     for name in ("speedup.png", "tau.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "speedup.png", "tau.png"]
@@ -221,6 +222,29 @@ def test_no_partial_files_when_the_report_fails(tmp_path, tiny_bench, monkeypatc
     with pytest.raises(RuntimeError):
         main(bench_args(out, "--categories", "math", "--methods", "none", "--limit", "1"))
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_the_report_compares_every_method_with_the_runtimes_own_generation() -> None:
+    from moaspec.bench.report import render_markdown
+
+    def row(method: str, rates: dict[str, float]) -> dict:
+        per = {c: {"speedup": rate / 100.0, "tau": 1.0, "tokens_per_s": rate} for c, rate in rates.items()}
+        return {"method": method, "speedup": 1.0, "tau": 1.0, "tokens_per_s": 0.0, "per_category": per}
+
+    results = {
+        "config": {"target": "t", "temperature": 0.0, "max_new_tokens": 8, "seed": 0},
+        "machine": {"description": "m"}, "command": "c", "mismatches": [], "agreement": [], "skipped": [],
+        "categories": [{"category": "qa", "num_prompts": 1, "num_generations": 1, "rows": []},
+                       {"category": "math", "num_prompts": 1, "num_generations": 1, "rows": []}],
+        "summary": [row("none", {"qa": 100.0, "math": 100.0}), row("llama.cpp", {"qa": 80.0, "math": 125.0}),
+                    row("ngram", {"qa": 120.0, "math": 50.0})],
+    }
+    markdown = render_markdown(results)
+    assert "Fastest per category (speedup over `none`): qa `ngram` (1.20×), math `llama.cpp` (1.25×)." in markdown
+    relative = markdown[markdown.index("## Relative to `llama.cpp`"):]
+    # none: 100/80 = 1.25 and 100/125 = 0.80, mean 1.025; ngram: 1.50 and 0.40, mean 0.95
+    assert "| none | 1.02× | 1.25× | 0.80× |" in relative and "| ngram | 0.95× | 1.50× | 0.40× |" in relative
+    assert "## Relative to `hf`" not in markdown  # only for a runtime's generation the run has
 
 
 def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:

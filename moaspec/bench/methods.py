@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 HF_METHODS = ("hf", "hf-pld")
 LLAMA_CPP_METHODS = ("llama.cpp", "llama.cpp-pld")
 EXTERNAL_METHODS = (*HF_METHODS, *LLAMA_CPP_METHODS)  # generation by another library, not our engine
+OWN_GENERATION_METHODS = (HF_METHODS[0], LLAMA_CPP_METHODS[0])  # each runtime's own plain generation
 DEFAULT_METHOD = "default"
 HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 REFERENCE_SUFFIX = "@ref"

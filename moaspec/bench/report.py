@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict
 
+from moaspec.bench.methods import OWN_GENERATION_METHODS
 from moaspec.bench.runner import BASELINE, BenchData, RunRecord
 from moaspec.metrics import SpecStats
 
@@ -194,7 +195,9 @@ def render_markdown(results: dict) -> str:
             "",
         ]
         lines += _category_table(category["rows"])
-    lines += ["## Mean over categories", "", *_summary_table(results)]
+    lines += ["## Mean over categories", "", *_summary_table(results), *_fastest_lines(results)]
+    for reference in OWN_GENERATION_METHODS:
+        lines += _relative_table(results, reference)
     lines += ["## Greedy check", ""]
     if config["temperature"] != 0:
         lines.append("Sampled run: outputs are not compared (only the distribution is preserved).")
@@ -246,6 +249,41 @@ def _category_table(rows: list[dict]) -> list[str]:
             f"| {row['method']} | {row['tokens_per_s']:.2f} | {row['speedup']:.2f}× | {row['tau']:.2f} | {acceptance} "
             f"| {split} | {row['peak_rss_mb']:.0f} | {row['rss_growth_mb']:.1f} |"
         )
+    return [*out, ""]
+
+
+def _fastest_lines(results: dict) -> list[str]:
+    """The fastest method of each category, by tokens/s."""
+    parts = []
+    for category in (c["category"] for c in results["categories"]):
+        best = max(results["summary"], key=lambda row: row["per_category"][category]["tokens_per_s"])
+        parts.append(f"{category} `{best['method']}` ({best['per_category'][category]['speedup']:.2f}×)")
+    return [f"Fastest per category (speedup over `{BASELINE}`): {', '.join(parts)}.", ""] if parts else []
+
+
+def _relative_table(results: dict, reference: str) -> list[str]:
+    """Every method's tokens/s over `reference`'s per category, and their mean, where the run has
+    that method (a runtime's own generation: the speed a user gets without moaspec)."""
+    rows = {row["method"]: row for row in results["summary"]}
+    if reference not in rows:
+        return []
+    categories = [c["category"] for c in results["categories"]]
+    base = rows[reference]["per_category"]
+    out = [
+        f"## Relative to `{reference}`",
+        "",
+        f"Tokens/s over `{reference}`'s in each category; the mean is the mean of those ratios.",
+        "",
+        "| method | mean | " + " | ".join(categories) + " |",
+        "|---|---:|" + "---:|" * len(categories),
+    ]
+    for row in results["summary"]:
+        ratios = [
+            row["per_category"][c]["tokens_per_s"] / base[c]["tokens_per_s"] if base[c]["tokens_per_s"] > 0 else 0.0
+            for c in categories
+        ]
+        mean = sum(ratios) / len(ratios) if ratios else 0.0
+        out.append(f"| {row['method']} | {mean:.2f}× | " + " | ".join(f"{r:.2f}×" for r in ratios) + " |")
     return [*out, ""]
 
 
