@@ -53,7 +53,7 @@ class HFTarget:
         self.config = model.config
         self.cache = DynamicCache(config=self.config)
         self.num_cached = 0
-        self._cache_keyword = cache_keyword(model)
+        self.cache_argument = cache_keyword(model)  # how model.forward takes a KV cache
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -233,7 +233,7 @@ class HFTarget:
             input_ids=input_ids[None].to(device),
             position_ids=positions[None].to(device),
             attention_mask=None if attention_bias is None else attention_bias.to(device),
-            **{self._cache_keyword: self.cache},
+            **{self.cache_argument: self.cache},
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=logits_to_keep,

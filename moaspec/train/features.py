@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from moaspec.targets.hf import HFTarget, cache_keyword, per_head_kv
+from moaspec.targets.hf import HFTarget, per_head_kv
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def batch_target_features(
         cache = DynamicCache(config=target.config)
         out = target.model(
             input_ids=ids.to(device), position_ids=torch.arange(length)[None].expand(len(sequences), -1).to(device),
-            **{cache_keyword(target.model): cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+            **{target.cache_argument: cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1,
         )
     final, stream = out.hidden_states[target.num_layers], out.hidden_states[target.num_layers - tli_layers]
     return [
