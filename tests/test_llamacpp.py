@@ -274,7 +274,9 @@ def test_keys_and_values_match_the_transformers_runtime() -> None:
     "flags, message",
     [
         (["--threads", "0"], "--threads must be >= 1"),
-        (["--gpu-layers", "-1"], "--gpu-layers must be >= 0"),
+        (["--n-gpu-layers", "-1"], "--n-gpu-layers must be >= 0"),
+        (["--gpu-layers", "-1"], "--n-gpu-layers must be >= 0"),
+        (["-ngl", "-1"], "--n-gpu-layers must be >= 0"),
         (["--device", "cuda"], "--device applies to the transformers runtime"),
         (["--runtime", "transformers", "--threads", "2"], "apply to the llama.cpp runtime"),
         (["--runtime", "transformers", "--device", "tpu"], "--device must be cpu or cuda"),
@@ -289,6 +291,19 @@ def test_runtime_flags_are_checked_before_anything_loads(flags: list[str], messa
         pytest.skip("this machine has 8 CUDA devices")
     assert main(["generate", "--prompt", "hi", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+@pytest.mark.parametrize("spelling", ["--n-gpu-layers", "--gpu-layers", "-ngl"])
+def test_gpu_layers_reach_the_llama_cpp_runtime_under_each_spelling(command: str, spelling: str) -> None:
+    """Issue 21: llama.cpp's `--n-gpu-layers` passes through (llama.cpp's own name; `--gpu-layers`
+    and `-ngl` are aliases) on every command that loads a target."""
+    from moaspec.cli import _build_parser
+    from moaspec.targets.options import runtime_options
+
+    required = {"generate": ["--prompt", "hi"], "serve": [], "bench": ["--out", "unused"]}[command]
+    args = _build_parser().parse_args([command, *required, spelling, "3"])
+    assert runtime_options(args, "smollm2-135m")["gpu_layers"] == 3
 
 
 def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) -> None:

@@ -39,7 +39,8 @@ def llama_cpp_available() -> bool:
 
 
 def add_runtime_arguments(parser) -> None:
-    """--runtime, --device, --threads, --gpu-layers (argparse)."""
+    """--runtime, --device, --threads, --n-gpu-layers (argparse; llama.cpp's own name for it, with
+    --gpu-layers and -ngl as aliases)."""
     group = parser.add_argument_group("target runtime")
     group.add_argument(
         "--runtime", choices=RUNTIMES, default=None,
@@ -49,7 +50,8 @@ def add_runtime_arguments(parser) -> None:
     group.add_argument("--device", default="cpu", help="transformers runtime: cpu, cuda or cuda:N (default cpu)")
     group.add_argument("--threads", type=int, default=None, help="llama.cpp runtime: CPU threads (default: torch's)")
     group.add_argument(
-        "--gpu-layers", type=int, default=0, help="llama.cpp runtime: layers offloaded to a GPU (default 0)"
+        "--n-gpu-layers", "--gpu-layers", "-ngl", dest="gpu_layers", type=int, default=0,
+        help="llama.cpp runtime: layers offloaded to a GPU by a GPU build of llama-cpp-python (default 0)",
     )
 
 
@@ -59,11 +61,11 @@ def runtime_options(args, target: str) -> dict:
     if args.threads is not None and args.threads < 1:
         raise MoaspecError("--threads must be >= 1")
     if args.gpu_layers < 0:
-        raise MoaspecError("--gpu-layers must be >= 0")
+        raise MoaspecError("--n-gpu-layers must be >= 0")
     if runtime == "llama.cpp" and args.device != "cpu":
-        raise MoaspecError("--device applies to the transformers runtime; llama.cpp takes --gpu-layers")
+        raise MoaspecError("--device applies to the transformers runtime; llama.cpp takes --n-gpu-layers")
     if runtime == "transformers" and (args.threads is not None or args.gpu_layers):
-        raise MoaspecError("--threads and --gpu-layers apply to the llama.cpp runtime")
+        raise MoaspecError("--threads and --n-gpu-layers apply to the llama.cpp runtime")
     check_device(args.device)
     return {"runtime": runtime, "device": args.device, "threads": args.threads, "gpu_layers": args.gpu_layers}
 
