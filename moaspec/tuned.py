@@ -25,10 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.config import TreeConfig
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
@@ -69,19 +69,11 @@ def tuned_path(target_name: str, directory: Path, device="cpu") -> Path:
 def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details: dict, device="cpu") -> Path:
     """Write the choice measured on `device` atomically; -> its path."""
     path = tuned_path(target_name, directory, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "tree": asdict(tree), "target": target_name, "checkpoint": str(directory.resolve()),
         "device": device_kind(device), **details,
     }
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(json.dumps(record, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
-    return path
+    return write_file_atomically(path, json.dumps(record, indent=1) + "\n")
 
 
 def load_tuned_tree(target_name: str, directory: Path, device="cpu") -> TreeConfig | None:

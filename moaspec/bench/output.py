@@ -9,11 +9,11 @@ before that leaves no new file behind, and an earlier run's files stay intact.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+
+from moaspec.atomic_files import write_file_atomically, write_files_atomically
 
 
 def timestamp() -> str:
@@ -31,26 +31,4 @@ def write_results(out_dir: Path, results: dict, markdown: str, extra_files: dict
 
 def write_json(path: Path, record: dict | list, indent: int = 1) -> Path:
     """One JSON file (a bench script's --out), written atomically; its folder is created if needed."""
-    return write_files_atomically(path.parent, {path.name: (json.dumps(record, indent=indent) + "\n").encode()})[0]
-
-
-def write_files_atomically(out_dir: Path, files: dict[str, bytes]) -> list[Path]:
-    """Write {name: content} into out_dir (created if needed); -> the final paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staged: list[tuple[str, Path]] = []
-    try:
-        for name, content in files.items():
-            handle, temporary = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-            staged.append((name, Path(temporary)))
-            with os.fdopen(handle, "wb") as stream:
-                stream.write(content)
-                stream.flush()
-                os.fsync(stream.fileno())
-        final = []
-        for name, temporary in staged:
-            os.replace(temporary, out_dir / name)
-            final.append(out_dir / name)
-        return final
-    finally:
-        for _, temporary in staged:
-            temporary.unlink(missing_ok=True)
+    return write_file_atomically(path, json.dumps(record, indent=indent) + "\n")

@@ -13,11 +13,10 @@ again, never an error.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.calibration.costs import CycleCosts, measure_drafter, measure_verify
 from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
@@ -114,14 +113,7 @@ def measure_lookup_s(sequences) -> float:
 
 def save(path: Path, record: dict) -> None:
     """Write atomically (a concurrent reader sees the old file or the new one, never half)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as stream:
-            stream.write(json.dumps({"format_version": FORMAT_VERSION, **record}, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
+    write_file_atomically(path, json.dumps({"format_version": FORMAT_VERSION, **record}, indent=1) + "\n")
 
 
 def read_field(path: Path, key: str):

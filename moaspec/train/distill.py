@@ -22,7 +22,6 @@ torch is imported inside the functions that need it, so the CLI can validate inp
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.chat import encode_chat_prompt
 from moaspec.errors import MoaspecError
 
@@ -218,12 +218,6 @@ def read_shards(out_dir: str | Path) -> list[dict]:
     return records
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 class ShardWriter:
     """Appends records; full shards are final, the tail shard is rewritten after every batch."""
 
@@ -250,7 +244,7 @@ class ShardWriter:
 
     def _write(self, shard: int, records: list[dict]) -> None:
         text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records)
-        write_atomic(self.out_dir / SHARD_PATTERN.format(shard), text)
+        write_file_atomically(self.out_dir / SHARD_PATTERN.format(shard), text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +383,7 @@ def run_distill(
         "complete": False,
         "wall_s_total": previous.get("wall_s_total", 0.0) if previous else 0.0,
     }
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     result = None
     try:
         result = distill(model, prompts, config, out_dir, pad_id=pad_id, eos_ids=eos_ids)
@@ -404,7 +398,7 @@ def run_distill(
             new_tokens_per_s_last_run=(result.new_tokens / result.wall_s) if result and result.wall_s else None,
             totals=summarize(records, eos_ids),
         )
-        write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError
 from moaspec.targets.hf import HFTarget
 from moaspec.train.features import TargetFeatures, TrainSample, teacher_summary
@@ -52,12 +52,6 @@ def data_key(samples: list[TrainSample]) -> str:
         digest.update(sample.input_ids.to(torch.int64).numpy().tobytes())
         digest.update(b"|")
     return digest.hexdigest()
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(payload) + "\n")
-    os.replace(staging, path)
 
 
 class FeatureCache:
@@ -187,7 +181,7 @@ def build_feature_cache(
         for name, (shape, dtype) in shapes.items()
     }
     if fresh:
-        _write_json_atomic(index_path, index)
+        write_file_atomically(index_path, json.dumps(index) + "\n")
     hidden_layers = tuple(range(num_layers - tli_max, num_layers + 1))
     started, wall_before = time.perf_counter(), index.get("build_wall_s", 0.0)
     bar = tqdm(total=offsets[-1], initial=offsets[index["done"]], unit="tok", desc="target features", disable=not progress)
@@ -210,7 +204,7 @@ def build_feature_cache(
             index["done"] = position + 1
             index["complete"] = position + 1 == len(samples)
             index["build_wall_s"] = round(wall_before + time.perf_counter() - started, 1)
-            _write_json_atomic(index_path, index)
+            write_file_atomically(index_path, json.dumps(index) + "\n")
     target.reset()
     bar.close()
     del arrays

@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError
-from moaspec.train.distill import MANIFEST, ShardWriter, check_resume, log_progress, read_shards, write_atomic
+from moaspec.train.distill import MANIFEST, ShardWriter, check_resume, log_progress, read_shards
 
 MODE = "teacher-forced"
 
@@ -175,5 +176,5 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
         "wall_s_total": round(time.perf_counter() - started, 1),
         "totals": summarize_teacher_forced(records),
     }
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest

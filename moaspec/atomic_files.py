@@ -1,0 +1,45 @@
+"""Files written all or nothing: every file goes to a hidden temporary name in its folder first
+(`.NAME.XXXXXXXX.tmp`: a crashed write leaves a file that readers ignore and writers may sweep)
+and is renamed into place (`os.replace`, atomic per file) only once complete, so a reader, a
+crash or a concurrent writer sees the old file or the new one, never half of one.
+
+Used for everything moaspec writes that another run may read: benchmark results, calibration
+and tuning caches, data shards and manifests, the feature cache's index.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_files_atomically(out_dir: Path, files: dict[str, bytes | str]) -> list[Path]:
+    """Write {name: content} into out_dir (created if needed), all renamed into place only after
+    every one is complete (str content as UTF-8); -> the final paths. A failure before the renames
+    leaves no new file behind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged: list[tuple[str, Path]] = []
+    try:
+        for name, content in files.items():
+            handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
+            staged.append((name, Path(temporary)))
+            with os.fdopen(handle, "wb") as stream:
+                stream.write(content.encode("utf-8") if isinstance(content, str) else content)
+                stream.flush()
+                os.fsync(stream.fileno())
+        final = []
+        for name, temporary in staged:
+            os.replace(temporary, out_dir / name)
+            final.append(out_dir / name)
+        return final
+    finally:
+        for _, temporary in staged:
+            temporary.unlink(missing_ok=True)
+
+
+def write_file_atomically(path: Path, content: bytes | str) -> Path:
+    """One file (its folder created if needed), atomically; -> path."""
+    path = Path(path)
+    return write_files_atomically(path.parent, {path.name: content})[0]

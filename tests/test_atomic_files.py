@@ -1,0 +1,36 @@
+"""atomic_files: whole files or none, and temporaries a crashed write leaves recognisable."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from moaspec.atomic_files import write_file_atomically, write_files_atomically
+
+
+def test_files_appear_together_or_not_at_all(tmp_path) -> None:
+    out = tmp_path / "out"
+    paths = write_files_atomically(out, {"a.json": "{}\n", "b.bin": b"\x00\x01"})
+    assert paths == [out / "a.json", out / "b.bin"]
+    assert (out / "a.json").read_text() == "{}\n" and (out / "b.bin").read_bytes() == b"\x00\x01"
+    with pytest.raises(TypeError):  # the second file cannot be written: the first is not renamed either
+        write_files_atomically(out, {"a.json": "new", "c.txt": 3})  # type: ignore[dict-item]
+    assert (out / "a.json").read_text() == "{}\n" and sorted(p.name for p in out.iterdir()) == ["a.json", "b.bin"]
+
+
+def test_a_temporary_is_hidden_and_ends_in_tmp(tmp_path, monkeypatch) -> None:
+    """What a killed writer leaves (the rename never ran) matches `.NAME.*.tmp`, the pattern that
+    readers skip and the data writers sweep (distill.ShardWriter)."""
+    sources = []
+    real_replace = os.replace
+
+    def recording_replace(source, destination):
+        sources.append(os.path.basename(source))
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    path = write_file_atomically(tmp_path / "deep" / "shard-00001.jsonl", "x\n")
+    assert path.read_text() == "x\n"
+    assert len(sources) == 1 and sources[0].startswith(".shard-00001.jsonl.") and sources[0].endswith(".tmp")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["shard-00001.jsonl"]
