@@ -187,6 +187,22 @@ def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, cat
     assert forwards < tokens  # drafts were accepted: the comparison covered verified trees
 
 
+def test_the_client_server_bench_serves_moa_from_the_default_runtime(tmp_path, capsys) -> None:
+    """`bench --client-server` loads the target where `serve` would (llama.cpp for the built-in
+    GGUF target), and its MoA server captures the keys/values its context encoder reads (it used
+    to build the server's drafter on another session of the target: every verify failed)."""
+    from moaspec.cli import main
+
+    out = tmp_path / "split"
+    argv = ["bench", "--client-server", "--out", str(out), "--network", "lan", "--categories", "math",
+            "--limit", "1", "--max-new-tokens", "6", "--methods", "moa", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["runtime"] == "llama.cpp" and results["mismatches"] == []
+    split = [row for row in results["client_server"] if row["method"] == "moa" and row["mode"] == "split"]
+    assert len(split) == 1 and split[0]["new_tokens"] == 6 and split[0]["tau"] >= 1.0
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

@@ -90,13 +90,13 @@ def run_bench(args: argparse.Namespace) -> int:
     overrides = tree_overrides(args)
     out = output_dir(args.out)
     target_name, _ = resolve_target(args.target)
-    if args.client_server:
-        if args.ignore_eos:
-            raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
-        return run_client_server_bench(args, categories, sampling, out, target_name)
     from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
+    if args.client_server:
+        if args.ignore_eos:
+            raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
+        return run_client_server_bench(args, categories, sampling, out, target_name, options)
     runtime = options["runtime"]
     specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime, options["device"]))
     check_available(specs, target_name)

@@ -128,9 +128,11 @@ def client_server_methods(value: str | None, target_name: str):
 
 
 def run_client_server_bench(
-    args: argparse.Namespace, categories: tuple[str, ...], sampling, out: Path, target_name: str
+    args: argparse.Namespace, categories: tuple[str, ...], sampling, out: Path, target_name: str, runtime: dict
 ) -> int:
-    """The rest of `run_bench` for --client-server: cheap checks, load, run, write, print."""
+    """The rest of `run_bench` for --client-server: cheap checks, load, run, write, print.
+    runtime: load_target's runtime keywords from the flags (targets/options.py): the servers'
+    target runs where `serve` would run it."""
     # 1. the remaining cheap checks, before torch and the target load
     from moaspec.bench.output import write_results
     from moaspec.bench.prompts import load_prompts
@@ -147,7 +149,7 @@ def run_client_server_bench(
     from moaspec.bench.client_server_runner import BASELINE, run_client_server, run_disconnection
     from moaspec.drafters import make_drafter
 
-    target = moaspec.api.load_target(args.target, runtime=args.runtime or "transformers")
+    target = moaspec.api.load_target(args.target, **runtime)
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     prompts, skipped = conversations(target, items)

@@ -194,7 +194,8 @@ class LoopbackServers:
         self.client_drafters: dict[str, SplitDrafter] = {}
         try:
             for method, make in {BASELINE: NoDrafter.for_target, **drafters}.items():
-                server = SplitServer(target_view(target), make(target_view(target)), [self.key], limits)
+                served = target_view(target)  # the server's drafter announces its features to the target it serves
+                server = SplitServer(served, make(served), [self.key], limits)
                 self.servers[method] = ServerThread(server).start()
                 if method != BASELINE:
                     self.client_drafters[method] = _split_drafter(method, make(target_view(target)))
