@@ -203,6 +203,28 @@ def test_the_client_server_bench_serves_moa_from_the_default_runtime(tmp_path, c
     assert len(split) == 1 and split[0]["new_tokens"] == 6 and split[0]["tau"] >= 1.0
 
 
+def test_a_split_generation_prints_the_json_fields_of_a_local_one(llama_target, capsys, monkeypatch) -> None:
+    """Issue 6: `generate --server URL --json` has every field of a local `generate --json` (the
+    runtime being the server's), the split's own figures besides, and the same greedy tokens."""
+    from moaspec.cli import main
+    from moaspec.split.server import ServerLimits, ServerThread, SplitServer
+
+    monkeypatch.setenv("MOASPEC_API_KEY", "split-json-key")
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
+    server = ServerThread(SplitServer(llama_target.new_session(), make_drafter("ngram", llama_target),
+                                      ["split-json-key"], ServerLimits())).start()
+    common = ["generate", "--prompt", "Name three colours.", "--drafter", "ngram", "--max-new-tokens", "12", "--json"]
+    try:
+        assert main([*common, "--server", f"http://127.0.0.1:{server.port}"]) == 0
+        split = json.loads(capsys.readouterr().out)
+    finally:
+        server.stop()
+    assert main(common) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert set(local) <= set(split) and "split" in split
+    assert split["runtime"] == local["runtime"] == "llama.cpp" and split["token_ids"] == local["token_ids"]
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

@@ -112,8 +112,11 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
             streamer.end()
     text = lm.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
-        record = {"target": target.name, "drafter": args.drafter, "text": text, "token_ids": result.token_ids,
-                  "stop_reason": result.stop_reason, **result.stats.to_dict(), "split": result.split_dict(client)}
+        # the fields of a local generation's --json (runtime: the server's; calibration: none runs
+        # here, the client drafts with the drafter as configured), then the split's own
+        record = {"target": target.name, "runtime": generator.info.get("runtime"), "drafter": args.drafter,
+                  "text": text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+                  **result.stats.to_dict(), "calibration": None, "split": result.split_dict(client)}
         print(json.dumps(record))
     else:
         split = result.split_dict(client)

@@ -117,6 +117,7 @@ class SplitServer:
         self.info = {
             "version": wire.PROTOCOL_VERSION,
             "target": target.name,
+            "runtime": target.runtime,
             "vocab_size": target.vocab_size,
             "max_positions": target.max_positions,
             "drafter": drafter_method(drafter),
