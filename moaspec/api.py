@@ -146,6 +146,8 @@ def load(
     threads: int | None = None,
     gpu_layers: int = 0,
     light_tokenizer: bool = False,
+    *,
+    n_gpu_layers: int | None = None,
 ) -> SpeculativeLM:
     """Load a target and a drafter for it.
 
@@ -161,10 +163,12 @@ def load(
     (precedence: moaspec/tuned.py).
 
     runtime: "llama.cpp" or "transformers" (None: llama.cpp for GGUF targets, targets/load.py);
-    device (transformers: "cpu", "cuda", ...), threads, gpu_layers and light_tokenizer (llama.cpp).
+    device (transformers: "cpu", "cuda", ...), threads, gpu_layers and light_tokenizer (llama.cpp);
+    n_gpu_layers: llama.cpp's name for gpu_layers (the CLI's --n-gpu-layers), either may be given.
     """
     from moaspec.calibration.plan import drafter_for
 
+    gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
     loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
     default = target_default_drafter(loaded)
     if not calibrate:
@@ -176,9 +180,33 @@ def load(
 
 
 def generate(
-    prompt: str | list[int], *, target: str = DEFAULT_TARGET, drafter: str | None = None, runtime: str | None = None,
+    prompt: str | list[int],
+    *,
+    target: str = DEFAULT_TARGET,
+    drafter: str | None = None,
+    runtime: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    n_gpu_layers: int = 0,
+    tree_overrides: dict | None = None,
+    calibrate: bool = True,
     **kwargs,
 ) -> GenerationOutput:
-    """One-shot convenience: `load(target, drafter, runtime=runtime).generate(prompt, **kwargs)`
-    (loads every call; keep the `SpeculativeLM` from `load()` to generate repeatedly)."""
-    return load(target, drafter, runtime=runtime).generate(prompt, **kwargs)
+    """One-shot convenience: `load(target, drafter, ...)` with the keywords that say where and how
+    the target and drafter run, then `.generate(prompt, **kwargs)` (max_new_tokens, temperature,
+    top_p, top_k, seed, raw, streamer). Loads every call: keep the `SpeculativeLM` from `load()`
+    to generate repeatedly."""
+    lm = load(
+        target, drafter, tree_overrides=tree_overrides, calibrate=calibrate, runtime=runtime, device=device,
+        threads=threads, n_gpu_layers=n_gpu_layers,
+    )
+    return lm.generate(prompt, **kwargs)
+
+
+def _gpu_layers(gpu_layers: int, n_gpu_layers: int | None) -> int:
+    """The one value of load()'s two spellings (MoaspecError when they disagree)."""
+    if n_gpu_layers is None or n_gpu_layers == gpu_layers:
+        return gpu_layers
+    if gpu_layers:
+        raise MoaspecError(f"gpu_layers={gpu_layers} and n_gpu_layers={n_gpu_layers} disagree: give one")
+    return n_gpu_layers

@@ -225,6 +225,28 @@ def test_a_split_generation_prints_the_json_fields_of_a_local_one(llama_target, 
     assert split["runtime"] == local["runtime"] == "llama.cpp" and split["token_ids"] == local["token_ids"]
 
 
+def test_the_one_shot_generate_takes_the_keywords_that_place_the_target(monkeypatch) -> None:
+    """`moaspec.generate()` passes where the target runs (runtime, threads, n_gpu_layers, ...) to
+    load() and the generation settings to its generate(); load() takes llama.cpp's spelling
+    n_gpu_layers as well as gpu_layers, and refuses the two disagreeing."""
+    import moaspec
+    import moaspec.api
+
+    seen = {}
+    real_load_target = moaspec.api.load_target
+
+    def recording_load_target(*args, **kwargs):
+        seen["args"] = args
+        return real_load_target(*args, **kwargs)
+
+    monkeypatch.setattr(moaspec.api, "load_target", recording_load_target)
+    out = moaspec.generate("Name three colours.", drafter="ngram", runtime="llama.cpp", threads=2, n_gpu_layers=0,
+                           calibrate=False, max_new_tokens=6, seed=3)
+    assert out.stats.new_tokens == 6 and seen["args"][3:7] == ("llama.cpp", "cpu", 2, 0)
+    with pytest.raises(MoaspecError, match="disagree"):
+        moaspec.load(drafter="none", gpu_layers=1, n_gpu_layers=2, calibrate=False)
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])
