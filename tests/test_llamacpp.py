@@ -247,6 +247,23 @@ def test_the_one_shot_generate_takes_the_keywords_that_place_the_target(monkeypa
         moaspec.load(drafter="none", gpu_layers=1, n_gpu_layers=2, calibrate=False)
 
 
+def test_hf_methods_run_beside_a_llama_cpp_target(tmp_path, capsys) -> None:
+    """`bench --methods hf,hf-pld` on the default (llama.cpp) runtime: transformers' generate() runs
+    on a transformers copy of the same target, as another runtime's generation, so its greedy
+    output is compared for agreement and never reported as a mismatch."""
+    from moaspec.cli import main
+
+    out = tmp_path / "hf-beside-llama"
+    argv = ["bench", "--out", str(out), "--categories", "math,summarization", "--limit", "1", "--max-new-tokens", "8",
+            "--methods", "none,hf,hf-pld", "--no-progress", "--no-plots"]
+    assert main(argv) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["runtime"] == "llama.cpp" and results["mismatches"] == []
+    assert [row["method"] for row in results["summary"]] == ["none", "hf", "hf-pld"]
+    assert {entry["method"] for entry in results["agreement"]} == {"hf", "hf-pld"}  # every prompt, identical or not
+    assert all(row["tokens_per_s"] > 0 for row in results["summary"])
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

@@ -71,7 +71,7 @@ def add_bench_parser(commands, default_target: str) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
-    from moaspec.bench.methods import check_available, check_runtime_methods, default_methods, parse_methods
+    from moaspec.bench.methods import check_available, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
     from moaspec.bench.report import render_markdown
@@ -100,14 +100,13 @@ def run_bench(args: argparse.Namespace) -> int:
     runtime = options["runtime"]
     specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime, options["device"]))
     check_available(specs, target_name)
-    check_runtime_methods(specs, runtime)
     if not args.no_plots:
         check_plotting()
     prompts = load_prompts(categories, args.limit)
 
     # 2. load and run
     import moaspec.api
-    from moaspec.bench.methods import build_method
+    from moaspec.bench.methods import build_method, needs_hf_copy
     from moaspec.bench.runner import run_benchmark
 
     target = moaspec.api.load_target(args.target, **options)
@@ -116,7 +115,9 @@ def run_bench(args: argparse.Namespace) -> int:
     # The calibration first: it lays out the target (every method then runs on the layout a user
     # of this machine gets) and gives the `default` method its drafter.
     default_drafter, calibration = _calibrated_default(target)
-    methods = [build_method(spec, target, default_drafter, overrides, args.ignore_eos) for spec in specs]
+    # hf / hf-pld on a llama.cpp run: the same target on transformers (float32) beside it, once
+    hf_target = moaspec.api.load_target(args.target, runtime="transformers") if needs_hf_copy(specs, runtime) else None
+    methods = [build_method(spec, target, default_drafter, overrides, args.ignore_eos, hf_target) for spec in specs]
     data = run_benchmark(
         target, methods, prompts, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress
     )

@@ -116,13 +116,6 @@ def default_methods(target_name: str, runtime: str = "transformers", device: str
     return ",".join(dict.fromkeys([*methods, default_drafter(target_name, device), DEFAULT_METHOD]))
 
 
-def check_runtime_methods(specs: tuple[MethodSpec, ...], runtime: str) -> None:
-    """Refuse methods the target's runtime cannot run (before any model loads)."""
-    for spec in specs:
-        if spec.source in HF_METHODS and runtime != "transformers":
-            raise MoaspecError(f"method '{spec.label}' runs transformers generate(): add --runtime transformers")
-
-
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
     """Refuse, before any model loads, drafter methods without a checkpoint for the target."""
     for spec in specs:
@@ -139,16 +132,27 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
 
 
 def build_method(
-    spec: MethodSpec, target: Target, calibrated=None, tree_overrides: dict | None = None, ignore_eos: bool = False
+    spec: MethodSpec,
+    target: Target,
+    calibrated=None,
+    tree_overrides: dict | None = None,
+    ignore_eos: bool = False,
+    hf_target: HFTarget | None = None,
 ) -> Method:
     """calibrated: the drafter of the `default` method (the calibrated choice); tree_overrides:
     --tree-* values for the model-drafter methods (the model-free ones have no tree); ignore_eos:
-    stop tokens do not end a generation (every method writes max_new_tokens)."""
+    stop tokens do not end a generation (every method writes max_new_tokens); hf_target: where
+    `hf` / `hf-pld` run when `target` is not on the transformers runtime (a transformers copy of
+    the same target, needs_hf_copy)."""
     stop_ids = frozenset() if ignore_eos else target.stop_ids
     if spec.source in LLAMA_CPP_METHODS:
         return _llama_cpp_method(spec, target, stop_ids)
     if spec.drafter is None:
-        return HFGenerateMethod(spec.label, target, HF_PLD_TOKENS if spec.source == "hf-pld" else None, stop_ids)
+        runs_on = target if target.runtime == "transformers" else hf_target
+        if runs_on is None:
+            raise MoaspecError(f"method '{spec.label}' needs a transformers copy of the target (needs_hf_copy)")
+        lookup = HF_PLD_TOKENS if spec.source == "hf-pld" else None
+        return HFGenerateMethod(spec.label, runs_on, lookup, stop_ids, lossless=runs_on is target)
     if spec.drafter == DEFAULT_METHOD:
         return EngineMethod(spec.label, target, calibrated, stop_ids)
     from moaspec.drafters import make_drafter
@@ -159,6 +163,12 @@ def build_method(
     return EngineMethod(
         spec.label, session, make_drafter(spec.drafter, session, drafter_tree(spec, tree_overrides)), stop_ids
     )
+
+
+def needs_hf_copy(specs: tuple[MethodSpec, ...], runtime: str) -> bool:
+    """Whether `hf` / `hf-pld` are asked for on a run whose target is not on transformers: they
+    then need the same target loaded on the transformers runtime beside it."""
+    return runtime != "transformers" and any(spec.source in HF_METHODS for spec in specs)
 
 
 def _llama_cpp_method(spec: MethodSpec, target: Target, stop_ids: frozenset[int]) -> Method:
@@ -214,15 +224,21 @@ class EngineMethod:
 
 
 class HFGenerateMethod:
-    """transformers `generate()` on the target's model, optionally with prompt-lookup decoding."""
+    """transformers `generate()` on the target's model, optionally with prompt-lookup decoding.
 
-    lossless = True  # the same float32 model as our `none`: its greedy output must be the same
+    lossless: it runs on the bench's own target (the same float32 model as our `none`, whose
+    greedy output it must then equal); on a transformers copy of a llama.cpp target it is another
+    runtime's generation, compared for agreement only (as `llama.cpp` on a transformers run)."""
 
-    def __init__(self, label: str, target: HFTarget, prompt_lookup_tokens: int | None, stop_ids: frozenset[int]) -> None:
+    def __init__(
+        self, label: str, target: HFTarget, prompt_lookup_tokens: int | None, stop_ids: frozenset[int],
+        lossless: bool = True,
+    ) -> None:
         self.label = label
         self.target = target
         self.prompt_lookup_tokens = prompt_lookup_tokens
         self.stop_ids = stop_ids
+        self.lossless = lossless
 
     def run(self, prompt_ids: list[int], sampling: SamplingConfig, max_new_tokens: int, seed: int) -> MethodRun:
         import torch
