@@ -172,7 +172,7 @@ def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_ta
         llama_target.rollback(len(prompt) + 5)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram", "moa", "moa+ngram"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle+ngram", "moa", "moa+ngram", "moa-tli1"])
 def test_greedy_output_equals_plain_decoding_in_every_category(llama_target, category_prompts, drafter: str) -> None:
     require_exact_trees(llama_target)
     engine = Engine(llama_target, make_drafter(drafter, llama_target))
@@ -280,12 +280,35 @@ def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts
     assert torch.allclose(verified.hidden[:, 0] @ head.T, verified.logits, atol=0.5)
 
 
+def test_target_layer_inference_runs_the_targets_own_last_layers(llama_target, category_prompts) -> None:
+    """Issue 21: a TLI drafter on llama.cpp runs the target's last k layers in torch, read once from
+    the converted weights: the same weights the transformers runtime runs there, and with
+    llama.cpp's captured keys/values as their context the drafter's depth-1 choices are about as
+    good as with the transformers runtime's own (llama.cpp's activations are quantized: close,
+    not equal)."""
+    from moaspec.api import load_target
+
+    exact = load_target("smollm2-135m", runtime="transformers")
+    layers = llama_target.parts(1).tli_layers
+    assert len(layers) == 1 and layers[0] is not exact.parts(1).tli_layers[0]
+    for (name, got), (_, want) in zip(layers[0].state_dict().items(), exact.parts(1).tli_layers[0].state_dict().items()):
+        assert torch.equal(got, want), name
+    generation = GenerationConfig(max_new_tokens=48)
+    rates = {}
+    for target in (llama_target, exact):
+        engine = Engine(target, make_drafter("moa-tli1", target, {"depth": 1, "top_k": 1, "budget": 1}))
+        tokens = forwards = 0
+        for name in ("mt_bench", "qa", "math"):  # tokens per target forward, pooled (measured: 1.36 / 1.31)
+            stats = engine.generate(category_prompts[name], SamplingConfig(), generation).stats
+            tokens, forwards = tokens + stats.new_tokens, forwards + stats.target_forwards
+        rates[target.runtime] = tokens / forwards
+    assert rates["llama.cpp"] > 1.15 and abs(rates["llama.cpp"] - rates["transformers"]) < 0.25, rates
+
+
 def test_what_llama_cpp_cannot_give_is_refused_clearly(llama_target) -> None:
     llama_target.reset()
     with pytest.raises(MoaspecError, match="layer"):
         llama_target.prefill(torch.tensor([1, 2, 3]), (3,))
-    with pytest.raises(MoaspecError, match="Target Layer Inference"):
-        make_drafter("moa-tli1", llama_target)
     wide = DraftTree(torch.tensor([1] * (MAX_LEAVES + 2)), torch.tensor([-1] + [0] * (MAX_LEAVES + 1)))
     with pytest.raises(MoaspecError, match="leaves"):
         llama_target.verify(wide)

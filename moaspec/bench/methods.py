@@ -33,7 +33,6 @@ from moaspec.drafters import (
     check_drafter_spec,
     checkpoint_directory,
     default_drafter,
-    runs_on,
 )
 from moaspec.errors import MoaspecError
 from moaspec.bench.method_run import Method, MethodRun
@@ -106,11 +105,11 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
 
 def default_methods(target_name: str, runtime: str = "transformers", device: str = "cpu") -> str:
     """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
-    `ngram`, every shipped drafter that exists for the target and runs on the runtime, the
+    `ngram`, every shipped drafter that exists for the target, the
     default drafter form (`moa+ngram`) and `default` (the calibrated choice). With the target on a
     GPU, the model drafters (which run next to a CPU target only) are left out."""
     on_cpu = device == "cpu"
-    shipped = [name for name in SHIPPED if on_cpu and runs_on(SHIPPED_DIR / target_name / name, runtime)]
+    shipped = [name for name in SHIPPED if on_cpu and (SHIPPED_DIR / target_name / name / "config.json").is_file()]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
     return ",".join(dict.fromkeys([*methods, default_drafter(target_name, device), DEFAULT_METHOD]))

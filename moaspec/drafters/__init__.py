@@ -124,28 +124,7 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
-    problem = runtime_problem(record, getattr(target, "runtime", "transformers"))
-    if problem:
-        raise MoaspecError(f"{directory}: {problem}")
     return drafter_class(method).from_pretrained(directory, target)
-
-
-def runtime_problem(record: dict, runtime: str) -> str | None:
-    """Why a checkpoint (its config.json record) cannot run on `runtime`, or None when it can.
-
-    llama.cpp gives drafters the final hidden state and per-layer keys/values, but has no torch
-    copy of its decoder layers: Target Layer Inference needs the transformers runtime."""
-    if runtime == "llama.cpp" and int(record.get("config", {}).get("tli_layers", 0) or 0) > 0:
-        return "a drafter with Target Layer Inference runs on the transformers runtime only (--runtime transformers)"
-    return None
-
-
-def runs_on(directory: Path, runtime: str) -> bool:
-    """Whether the checkpoint in `directory` can run on `runtime` (False when unreadable)."""
-    try:
-        return runtime_problem(json.loads((directory / "config.json").read_text()), runtime) is None
-    except (OSError, ValueError):
-        return False
 
 
 def drafter_class(method: str) -> type:

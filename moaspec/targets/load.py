@@ -102,9 +102,9 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
 
 
 def _torch_parts(model_dir: Path, config: SimpleNamespace, tli_layers: int) -> TargetParts:
-    """The embedding (= LM head when tied) a drafter borrows, read from the converted copy."""
-    if tli_layers:
-        raise MoaspecError("drafters with Target Layer Inference need --runtime transformers")
+    """What a drafter borrows from a llama.cpp target, as torch modules read from its converted
+    copy (float32): the embedding (= LM head when tied) and final norm, and for Target Layer
+    Inference the target's last `tli_layers` decoder layers with its rotary embedding."""
     from safetensors import safe_open
 
     from moaspec.nn.layers import RMSNorm
@@ -115,8 +115,34 @@ def _torch_parts(model_dir: Path, config: SimpleNamespace, tli_layers: int) -> T
         head = embedding if tied else weights.get_tensor("lm_head.weight").float()
         norm = RMSNorm(embedding.shape[1], float(getattr(config, "rms_norm_eps", 1e-5)))
         norm.weight.data.copy_(weights.get_tensor("model.norm.weight"))
+        layers, rotary_emb = _last_decoder_layers(model_dir, weights, tli_layers) if tli_layers else ([], None)
     embed_tokens = torch.nn.Embedding.from_pretrained(embedding, freeze=True)
-    return TargetParts(embed_tokens=embed_tokens, lm_head_weight=head, final_norm=norm, tli_layers=[], rotary_emb=None)
+    return TargetParts(
+        embed_tokens=embed_tokens, lm_head_weight=head, final_norm=norm, tli_layers=layers, rotary_emb=rotary_emb
+    )
+
+
+def _last_decoder_layers(model_dir: Path, weights, count: int) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+    """The target's last `count` decoder layers (transformers' own modules for its architecture,
+    built on the meta device, only those layers materialised and loaded from `weights`) and its
+    rotary embedding: what Target Layer Inference runs (nn/target_layers.py). Imports
+    transformers' modeling code, which only TLI drafters need on llama.cpp."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    decoder = skeleton.model
+    total = len(decoder.layers)
+    if not 0 < count < total:
+        raise MoaspecError(f"Target Layer Inference over {count} layers needs a target with more than {count} ({total})")
+    layers = []
+    for index in range(total - count, total):
+        layer = decoder.layers[index].to_empty(device="cpu")
+        prefix = f"model.layers.{index}."
+        layer.load_state_dict({name: weights.get_tensor(prefix + name).float() for name in layer.state_dict()})
+        layers.append(layer.eval().requires_grad_(False))
+    return layers, type(decoder.rotary_emb)(config=hf_config)
 
 
 def load_tokenizer(model_dir: Path):
