@@ -264,6 +264,43 @@ def test_hf_methods_run_beside_a_llama_cpp_target(tmp_path, capsys) -> None:
     assert all(row["tokens_per_s"] > 0 for row in results["summary"])
 
 
+def test_a_split_server_reuses_a_finished_sessions_context_exactly(llama_target) -> None:
+    """A llama.cpp context costs ~100 ms to create: the split server keeps finished sessions'
+    targets (IdleTargets) and gives a key back its own, holding its previous turn (the next
+    turn's prefill keeps what they share), or another key's emptied. Every output still equals
+    local plain decoding, and three split sessions made one context."""
+    from moaspec.chat import encode_chat_messages
+    from moaspec.drafters.ngram import NgramDrafter
+    from moaspec.split.client import SplitClient
+    from moaspec.split.generator import SplitGenerator
+    from moaspec.split.server import ServerLimits, ServerThread, SplitServer
+
+    served = llama_target.new_session()
+    made = []
+    real_new_session = served.new_session
+    served.new_session = lambda: made.append(1) or real_new_session()
+    keys = ["key-of-alice-000", "key-of-bob-00000"]
+    server = ServerThread(SplitServer(served, make_drafter("ngram", served), keys, ServerLimits())).start()
+    made.clear()  # the OpenAI routes' own session
+    reference = Engine(llama_target.new_session(), make_drafter("none", llama_target))
+    generation = GenerationConfig(max_new_tokens=12)
+    first = [{"role": "user", "content": "Name three colours."}]
+    try:
+        def split(key: str, messages: list[dict]) -> list[int]:
+            prompt = encode_chat_messages(llama_target.tokenizer, messages)
+            generator = SplitGenerator(SplitClient(f"http://127.0.0.1:{server.port}", key), NgramDrafter())
+            got = generator.generate(prompt, SamplingConfig(), generation, llama_target.stop_ids).token_ids
+            assert got == reference.generate(prompt, SamplingConfig(), generation, llama_target.stop_ids).token_ids
+            return got
+
+        answer = llama_target.tokenizer.decode(split(keys[0], first), skip_special_tokens=True)
+        split(keys[0], [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And three more?"}])
+        split(keys[1], [{"role": "user", "content": "What is two plus two?"}])
+    finally:
+        server.stop()
+    assert len(made) == 1
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

@@ -3,6 +3,8 @@ generation (greedy and seeded sampling), for MoA (with and without TLI), EAGLE-2
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
@@ -245,3 +247,27 @@ def test_a_closed_sessions_last_verify_is_replayed_and_nothing_else(pair: SplitP
     opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=2))
     reply = client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"]], [-1]))
     assert "closed" not in reply and opened["session_id"] in pair.server.server.sessions
+
+
+class _KeptTarget:
+    """Just what IdleTargets reads of a target."""
+
+    def __init__(self, keeps_shared_start: bool = True) -> None:
+        self.keeps_shared_start = keeps_shared_start
+
+
+def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptied() -> None:
+    from moaspec.split.server import IdleTargets
+
+    idle = IdleTargets(capacity=2)
+    first, second, third = _KeptTarget(), _KeptTarget(), _KeptTarget()
+    idle.put(0, first)
+    idle.put(1, second)
+    idle.put(1, third)  # beyond the capacity: the oldest (key 0's) is dropped
+    idle.put(0, _KeptTarget(keeps_shared_start=False))  # nothing to reuse in it: not kept
+    assert idle.take(1) == (third, False)  # the key's most recent one, as it is
+    assert idle.take(0) == (second, True)  # another key's: emptied before use
+    assert idle.take(0) is None
+    idle.put(2, first)
+    idle.expire(released_before=time.monotonic() + 1)
+    assert idle.take(2) is None

@@ -49,6 +49,9 @@ from moaspec.tree import DraftTree, depths
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
 logger = logging.getLogger("moaspec.serve")
+# target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
+# context of 8,192 positions holds ~145 MB of cache
+IDLE_TARGETS = 2
 
 
 class HTTPError(APIError):
@@ -56,6 +59,42 @@ class HTTPError(APIError):
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(status, message, None, code)
+
+
+class IdleTargets:
+    """Target sessions whose split session ended, kept for the next ones, most recent first.
+
+    Only targets that keep what a new prompt shares with their context (`keeps_shared_start`,
+    llama.cpp) are kept: a llama.cpp context costs ~100 ms to create, and one holding a key's
+    previous turn lets the next turn's prefill skip what the two share. A key gets back its own
+    most recent one as it is; otherwise the oldest one, emptied first (`reset` on the worker), so
+    no cache content ever crosses keys. At most `capacity` are kept; the reaper drops stale ones.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.entries: list[tuple[int, Target, float]] = []  # (key index, target, released at)
+
+    def put(self, key_index: int, target: Target) -> None:
+        if target.keeps_shared_start and self.capacity > 0:
+            self.entries.insert(0, (key_index, target, time.monotonic()))
+            del self.entries[self.capacity :]
+
+    def take(self, key_index: int) -> tuple[Target, bool] | None:
+        """-> (target, whether it must be reset before use), or None when none is kept."""
+        for index, (key, target, _) in enumerate(self.entries):
+            if key == key_index:
+                del self.entries[index]
+                return target, False
+        if self.entries:
+            return self.entries.pop()[1], True
+        return None
+
+    def expire(self, released_before: float) -> None:
+        self.entries = [entry for entry in self.entries if entry[2] >= released_before]
+
+    def clear(self) -> None:
+        self.entries.clear()
 
 
 class ModelFailed(Exception):
@@ -127,6 +166,7 @@ class SplitServer:
         self.sessions: dict[str, _Session] = {}
         self.finished: dict[str, _Finished] = {}  # closed by their last verify, oldest first (at most max_sessions)
         self.budget = SessionBudget(limits)
+        self.idle = IdleTargets(IDLE_TARGETS)
         self.connections = ConnectionGuard(limits)
         self.openai: OpenAIRoutes | None = None  # set by build_app
         self.opening: dict[tuple[int, str], asyncio.Future] = {}  # open replies by (key, request_id)
@@ -233,7 +273,7 @@ class SplitServer:
         stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if "stop_ids" in message else frozenset()
         reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
-            done = await self._prefill(prompt, sampling, seed, root_id, context_from, context_dtype)
+            done = await self._prefill(reservation.key_index, prompt, sampling, seed, root_id, context_from, context_dtype)
         except BaseException:
             self.budget.release(reservation)
             raise
@@ -246,14 +286,19 @@ class SplitServer:
                 "server_s": done.server_s}
 
     async def _prefill(
-        self, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None, context_from: int, context_dtype: str
+        self, key_index: int, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None,
+        context_from: int, context_dtype: str,
     ) -> _Prefilled:
-        """A new session's target state: prefill (or resume) on the worker."""
-        session_target = self.target.new_session()
+        """A new session's target state: prefill (or resume) on the worker, in a target this key
+        left idle (keeping what the prompt shares with it), another key's emptied, or a new one."""
+        kept = self.idle.take(key_index)
+        session_target, must_reset = kept if kept is not None else (self.target.new_session(), False)
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
         prompt_ids = torch.tensor(prompt)
 
         def prefill() -> tuple[int, dict]:
+            if must_reset:
+                session_target.reset()
             if root_id is None:
                 first, update = target_session.prefill(prompt_ids)
             else:
@@ -305,7 +350,7 @@ class SplitServer:
         try:
             reply = await self._compute(verify)
         except Exception as exc:  # its cache may be half-updated: the session cannot go on
-            self._drop(request.match_info["session_id"])
+            self._drop(request.match_info["session_id"], reusable=False)
             logger.exception("model failure on a verify; session closed")
             raise ModelFailed from exc
         reply["server_s"] = time.perf_counter() - started
@@ -334,11 +379,15 @@ class SplitServer:
         while len(self.finished) > self.limits.max_sessions:
             del self.finished[next(iter(self.finished))]
 
-    def _drop(self, session_id: str) -> None:
+    def _drop(self, session_id: str, reusable: bool = True) -> None:
+        """End a session; its target is kept for the next ones (IdleTargets) unless `reusable` is
+        False (a model failure may have left its cache half-updated)."""
         session = self.sessions.pop(session_id, None)
         if session is not None:
             self.opening.pop(session.open_ident, None)
             self.budget.release(session.reservation)
+            if reusable:
+                self.idle.put(session.key_index, session.target_session.target)
 
     # -- helpers ------------------------------------------------------------------------------------
     def _finished(self, request: web.Request) -> _Finished | None:
@@ -405,10 +454,12 @@ class SplitServer:
                 self._drop(session_id)
             for session_id in [k for k, f in self.finished.items() if f.closed_at < deadline]:
                 del self.finished[session_id]
+            self.idle.expire(deadline)
 
     async def _stop(self, app: web.Application) -> None:
         app[REAPER].cancel()
         self.sessions.clear()
+        self.idle.clear()
         self.finished.clear()
         self.opening.clear()
         self.budget.clear()

@@ -51,6 +51,9 @@ class Target(Protocol):
 
     name: str
     runtime: str  # one of options.RUNTIMES
+    # set_context keeps what a new prompt shares with the context held (a chat's next turn):
+    # a server reuses such a target for its next session instead of making a new one
+    keeps_shared_start: bool
     tokenizer: Any  # a transformers fast tokenizer, or None
     config: Any  # the transformers config of the architecture (shapes, rope, model_type)
     num_cached: int

@@ -45,6 +45,7 @@ class HFTarget:
     """Adapter over a transformers Llama/Qwen2-style `*ForCausalLM` (batch size 1)."""
 
     runtime = "transformers"
+    keeps_shared_start = False  # transformers' batched kernels round differently from one-token steps
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
         self.model = model.eval()
