@@ -158,8 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
+    else:
+        default_drafter(resolve_target(args.target)[0])  # an unknown target fails here, before loading
     args.runtime_options = runtime_options(args, args.target)
-    args.drafter = args.drafter or default_drafter(resolve_target(args.target)[0])
     return serve(args, keys, ssl_context)
 
 

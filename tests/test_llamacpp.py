@@ -301,6 +301,30 @@ def test_a_split_server_reuses_a_finished_sessions_context_exactly(llama_target)
     assert len(made) == 1
 
 
+def test_serve_generates_openai_requests_with_the_calibrated_choice(llama_target, tmp_path, monkeypatch) -> None:
+    """`moaspec serve` with no drafter named: split sessions get the default model drafter's
+    context encoder (MoA, capturing keys/values), while the OpenAI routes generate as `moaspec
+    generate` would, with the machine calibration's choice, in a session that captures only what
+    that choice reads (it used to decode with `moa+ngram`: 0.7x plain decoding on 2 cores)."""
+    from moaspec.calibration.plan import drafter_for
+    from moaspec.cli import _build_parser
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.split.commands import build_server
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))  # the calibration measures afresh there
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    monkeypatch.setattr("moaspec.api.load_target", lambda *args, **kwargs: llama_target.new_session())
+    args = _build_parser().parse_args(["serve"])  # every flag at its default: no drafter named
+    args.runtime_options = {}
+    server, described = build_server(args, ["k" * 16])
+    _, calibration = drafter_for(llama_target.new_session(), None)
+    assert server.info["drafter"] == "moa" and server.target.capture is not None
+    assert described.endswith(f"(OpenAI API: {calibration.chosen.drafter})")
+    reads_layers = isinstance(server.openai_drafter, MoADrafter)  # what the calibration chose here
+    assert (server.openai_target.capture is not None) == reads_layers
+    assert server.openai_drafter is not server.drafter
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

@@ -51,23 +51,42 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
 def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> int:
     import asyncio
 
+    server, described = build_server(args, keys)
+    scheme = "https" if ssl_context else "http"
+    print(f"[moaspec] serving {described} on {scheme}://{args.host}:{args.port}", file=sys.stderr)
+    asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
+    return 0
+
+
+def build_server(args: argparse.Namespace, keys: list[str]):
+    """`moaspec serve`'s SplitServer (not started) and a line saying what it runs.
+
+    The split's drafter is the named form, else the target's default model drafter (split clients
+    need its context encoder); the machine calibration picks its layout, tree and lookup trie.
+    The OpenAI routes generate with the named drafter too, but with none named they generate as
+    `moaspec generate` does: with the calibration's choice (e.g. gated prompt lookup where a model
+    drafter does not pay), in a session made before the split's drafter asks the target to
+    capture keys/values (llama.cpp's capture slows every decode)."""
     from moaspec.api import load_target
     from moaspec.calibration.plan import drafter_for
+    from moaspec.drafters import default_drafter
+    from moaspec.openai_api.cli import openai_limits_from_args
+    from moaspec.serving.identity import drafter_method
     from moaspec.split.serve_flags import server_limits_from_args
     from moaspec.split.server import SplitServer
 
     limits = server_limits_from_args(args)
     target = load_target(args.target, **args.runtime_options)
-    from moaspec.openai_api.cli import openai_limits_from_args
-
-    # The named (or default) drafter form is kept (split clients need its context encoder); the
-    # machine calibration picks the weight layout, tree and lookup trie for this machine.
-    drafter, _ = drafter_for(target, args.drafter)
-    server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args))
-    scheme = "https" if ssl_context else "http"
-    print(f"[moaspec] serving {target.name} + {args.drafter} context encoder on {scheme}://{args.host}:{args.port}", file=sys.stderr)
-    asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
-    return 0
+    split_form = args.drafter or default_drafter(target.name)
+    decoding_target = None if args.drafter else target.new_session()
+    drafter, _ = drafter_for(target, split_form)
+    openai, decoding = None, split_form
+    if decoding_target is not None:
+        decoding_drafter, calibration = drafter_for(decoding_target, None)
+        openai = (decoding_target, decoding_drafter)
+        decoding = calibration.chosen.drafter if calibration is not None else drafter_method(decoding_drafter)
+    server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai)
+    return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
 
 
 def generate_remote(args: argparse.Namespace, key: str) -> int:

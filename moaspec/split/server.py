@@ -141,12 +141,15 @@ class SplitServer:
 
     def __init__(
         self, target: Target, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits(),
-        openai_limits: OpenAILimits | None = None,
+        openai_limits: OpenAILimits | None = None, openai: tuple[Target, Drafter] | None = None,
     ) -> None:
+        """openai: the target (the OpenAI routes decode in a session of it) and the drafter the
+        OpenAI routes generate with (issue 7); default: the split's own `target` and `drafter`."""
         if not api_keys or not all(api_keys):
             raise MoaspecError("the server needs at least one non-empty API key")
         self.target = target
-        self.drafter = drafter  # the OpenAI routes generate with it (issue 7)
+        self.drafter = drafter
+        self.openai_target, self.openai_drafter = openai if openai is not None else (target, drafter)
         self.openai_limits = openai_limits
         self.encoder = getattr(drafter, "context_encoder", None)
         if self.encoder is None:
@@ -180,7 +183,8 @@ class SplitServer:
         app.router.add_post("/v1/split/sessions/{session_id}/verify", self._verify)
         app.router.add_delete("/v1/split/sessions/{session_id}", self._close)
         self.openai = add_openai_routes(
-            app, self.target, self.drafter, self.worker, self.limits.max_new_tokens, self.openai_limits, self.limits.body_timeout_s
+            app, self.openai_target, self.openai_drafter, self.worker, self.limits.max_new_tokens, self.openai_limits,
+            self.limits.body_timeout_s,
         )
         self.openai.metrics.add_server_gauges(lambda: self.connections.num_open, lambda: len(self.sessions), lambda: self.budget.num_tokens)
         self.connections.on_refusal = self.openai.metrics.count_refusal
