@@ -107,7 +107,7 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
     client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
     # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
     # the target's default runtime: for a GGUF target llama.cpp, whose parts come from the
-    # converted copy without the float32 model (start-up 2.4 s instead of 6-10 s here)
+    # converted copy without the float32 model, and no llama.cpp context is ever made (README)
     target = load_target(args.target, light_tokenizer=True)
     drafter = make_drafter(args.drafter, target)
     if not hasattr(drafter, "accept_context"):

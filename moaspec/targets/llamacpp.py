@@ -193,20 +193,43 @@ class LlamaCppTarget:
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
         self._prompt_ctx = None  # made on first need (_prompt_context)
         self._head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        self.ctx = self._create_context()
+        # the verified context, made on first need (`ctx`): a target loaded only for its tokenizer
+        # and the parts drafters borrow (a split client) never holds its cache
+        self._ctx = self._memory = None
+        self._embeddings_on: dict = {}  # llama context -> whether it outputs embeddings
         self.batch = self.lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
         self.compactions = 0  # times the context was re-decoded to reclaim parked cells
         self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
 
-    def _create_context(self):
-        """The verified context: q8_0 keys, every sequence a tree needs (module docstring). The
-        prompt context goes with it (it is made again, with the same callback, on first need)."""
+    @property
+    def ctx(self):
+        """The verified context: q8_0 keys, every sequence a tree needs (module docstring)."""
+        return self._context()
+
+    @property
+    def memory(self):
+        """The verified context's memory (its cache's sequence operations)."""
+        self._context()
+        return self._memory
+
+    def _context(self):
+        """The verified context, made on first need (with the eval callback when keys/values
+        are captured)."""
+        if self._ctx is None:
+            self._ctx = self._new_llama_context(self.cells, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
+            self._memory = self.lib.llama_get_memory(self._ctx)
+            self._embeddings_on[self._ctx] = False
+        return self._ctx
+
+    def _drop_contexts(self) -> None:
+        """Free the verified context and the prompt context (both are made again on first need,
+        with the callback capture then asks for)."""
         self._free_prompt_context()
-        ctx = self._new_llama_context(self.cells, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
-        self.memory = self.lib.llama_get_memory(ctx)
-        self._embeddings_on = {ctx: False}
-        return ctx
+        if self._ctx is not None:
+            self._embeddings_on.pop(self._ctx, None)
+            self.lib.llama_free(self._ctx)
+            self._ctx = self._memory = None
 
     def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int):
         """A flash-attention llama_context on the weights, decoding up to `batch` tokens at once
@@ -248,12 +271,13 @@ class LlamaCppTarget:
         self._prompt_ctx, self._prompt_capacity, self._prompt_tokens = None, 0, []
 
     def __del__(self) -> None:
-        lib = getattr(self, "lib", None)
-        if lib is not None and getattr(self, "ctx", None):
-            lib.llama_batch_free(self.batch)
-            self._free_prompt_context()
-            lib.llama_free(self.ctx)
-            self.ctx = None
+        if getattr(self, "lib", None) is None:
+            return
+        if getattr(self, "batch", None) is not None:
+            self.lib.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "_embeddings_on", None) is not None:
+            self._drop_contexts()
 
     def keep_layer_kv(self, layers: Sequence[int]) -> None:
         """Capture the keys/values of `layers` from now on (a drafter that reads `layer_kv` asks
@@ -266,8 +290,7 @@ class LlamaCppTarget:
         config = self.config
         num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         self.capture = CapturedKV(self.lib, wanted, num_kv_heads, self._head_dim)
-        self.lib.llama_free(self.ctx)
-        self.ctx = self._create_context()
+        self._drop_contexts()
         self.reset()
 
     @property
@@ -337,8 +360,7 @@ class LlamaCppTarget:
         without the callback, reset."""
         if self.capture is not None:
             self.capture = None
-            self.lib.llama_free(self.ctx)
-            self.ctx = self._create_context()
+            self._drop_contexts()
             self.reset()
 
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -370,7 +392,8 @@ class LlamaCppTarget:
 
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
-        self.lib.llama_memory_clear(self.memory, True)
+        if self._ctx is not None:
+            self.lib.llama_memory_clear(self._memory, True)
         if self._prompt_ctx is not None:
             self.lib.llama_memory_clear(self.lib.llama_get_memory(self._prompt_ctx), True)
         self._prompt_tokens: list[int] = []  # the tokens the prompt context holds (positions 0...)
