@@ -107,7 +107,7 @@ def default_methods(target_name: str, runtime: str = "transformers", device: str
     """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
     `ngram`, every shipped drafter that exists for the target, the
     default drafter form (`moa+ngram`) and `default` (the calibrated choice). With the target on a
-    GPU, the model drafters (which run next to a CPU target only) are left out."""
+    GPU, the model drafters are left out (named, they run there too; the GPU default is `ngram`)."""
     on_cpu = device == "cpu"
     shipped = [name for name in SHIPPED if on_cpu and (SHIPPED_DIR / target_name / name / "config.json").is_file()]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS

@@ -167,7 +167,7 @@ class LlamaCppTarget:
     """A GGUF target on llama.cpp (batch size 1); see the module docstring."""
 
     runtime = "llama.cpp"
-    keeps_shared_start = True  # set_context
+    keeps_shared_start = True  # set_context keeps a shared start, bit for bit (module docstring)
 
     def __init__(
         self,
