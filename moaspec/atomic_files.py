@@ -1,7 +1,8 @@
 """Files written all or nothing: every file goes to a hidden temporary name in its folder first
 (`.NAME.XXXXXXXX.tmp`: a crashed write leaves a file that readers ignore and writers may sweep)
 and is renamed into place (`os.replace`, atomic per file) only once complete, so a reader, a
-crash or a concurrent writer sees the old file or the new one, never half of one.
+crash or a concurrent writer sees the old file or the new one, never half of one. Files and
+directories get the permissions ordinary ones get (the umask's, not tempfile's private 0600).
 
 Used for everything moaspec writes that another run may read: benchmark results, calibration
 and tuning caches, data shards and manifests, the feature cache's index.
@@ -10,7 +11,7 @@ and tuning caches, data shards and manifests, the feature cache's index.
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
@@ -23,8 +24,8 @@ def write_files_atomically(out_dir: Path, files: dict[str, bytes | str]) -> list
     staged: list[tuple[str, Path]] = []
     try:
         for name, content in files.items():
-            handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
-            staged.append((name, Path(temporary)))
+            handle, temporary = _new_hidden_file(out_dir, name)
+            staged.append((name, temporary))
             with os.fdopen(handle, "wb") as stream:
                 stream.write(content.encode("utf-8") if isinstance(content, str) else content)
                 stream.flush()
@@ -43,3 +44,24 @@ def write_file_atomically(path: Path, content: bytes | str) -> Path:
     """One file (its folder created if needed), atomically; -> path."""
     path = Path(path)
     return write_files_atomically(path.parent, {path.name: content})[0]
+
+
+def new_hidden_directory(parent: Path, name: str) -> Path:
+    """A new empty directory `.NAME.XXXXXXXX.tmp` in `parent`, to be filled and renamed into place."""
+    while True:
+        staging = Path(parent) / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.mkdir(staging, 0o777)  # the umask applies
+            return staging
+        except FileExistsError:
+            continue
+
+
+def _new_hidden_file(out_dir: Path, name: str) -> tuple[int, Path]:
+    """A new empty file `.NAME.XXXXXXXX.tmp` in out_dir, open for writing: (descriptor, path)."""
+    while True:
+        temporary = out_dir / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temporary  # the umask applies
+        except FileExistsError:
+            continue

@@ -219,7 +219,7 @@ def _add_train_parser(commands, default_target: str) -> None:
         help="MoA loss weight at anchor positions, where the drafter sees the token's own memory, which "
         f"inference never does (0-1, default {defaults.anchor_loss_weight})",
     )
-    train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192)")
+    train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192; with --init-from: the checkpoint's)")
     train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
     train.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
     train.add_argument(
@@ -286,7 +286,10 @@ def _train(args: argparse.Namespace) -> int:
     for directory in data:
         if not directory.is_dir() or not shard_files(directory):
             raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+    if args.time_limit_min is not None and not args.time_limit_min > 0:
+        raise MoaspecError("--time-limit-min must be > 0")
     out = output_dir(args.out)
+    feature_cache = None if args.feature_cache is None else output_dir(args.feature_cache, "--feature-cache")
     try:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
@@ -315,7 +318,7 @@ def _train(args: argparse.Namespace) -> int:
         val_conversations=args.val_conversations,
         time_limit_s=None if args.time_limit_min is None else 60.0 * args.time_limit_min,
         command=command_line(args),
-        feature_cache=None if args.feature_cache is None else Path(args.feature_cache).expanduser(),
+        feature_cache=feature_cache,
         init_from=init_from,
         device=args.device,
         micro_batch=args.micro_batch,
@@ -515,7 +518,7 @@ def _data_sharegpt(args: argparse.Namespace) -> int:
     )
     out = output_dir(args.out)
     if out.is_dir():
-        check_resume(out, config.settings(args.target))
+        check_resume(out, config.settings(args.target), TeacherForcedConfig)
     sharegpt_path()
     from moaspec.model_store import resolve_target
 
@@ -531,14 +534,25 @@ def _data_sharegpt(args: argparse.Namespace) -> int:
 
 
 def _data_stats(args: argparse.Namespace) -> int:
-    from moaspec.train.distill import MANIFEST, read_shards, shard_files, summarize
-    from moaspec.train.teacher_forced import MODE, summarize_teacher_forced
+    from moaspec.train.distill import read_manifest, read_shards, shard_files
 
     root = Path(args.dir)
     if not root.is_dir() or not shard_files(root):
         raise MoaspecError(f"{root} is not a directory with shard-*.jsonl files")
-    manifest = json.loads((root / MANIFEST).read_text()) if (root / MANIFEST).is_file() else {}
+    manifest = read_manifest(root)
     records = read_shards(root)
+    try:
+        return _print_data_stats(records, manifest)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise MoaspecError(f"{root} holds a record that is not training data ({type(exc).__name__}: {exc})") from exc
+
+
+def _print_data_stats(records: list[dict], manifest: dict) -> int:
+    """`moaspec data stats`' table of distilled or teacher-forced records (KeyError, TypeError or
+    ValueError on records of another shape)."""
+    from moaspec.train.distill import summarize
+    from moaspec.train.teacher_forced import MODE, summarize_teacher_forced
+
     if records and records[0].get("mode") == MODE:
         summary = summarize_teacher_forced(records)
         print(f"records          {summary['num_records']} teacher-forced conversations")

@@ -7,8 +7,10 @@ before torch loads.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from moaspec.errors import MoaspecError
@@ -16,13 +18,18 @@ from moaspec.errors import MoaspecError
 EXIT_MISMATCH = 1
 
 
-def output_dir(value: str) -> Path:
-    """An --out directory that exists or can be created (its parent exists)."""
+def output_dir(value: str, flag: str = "--out") -> Path:
+    """A directory that exists or can be created (its parent exists) and can be written: probed
+    by making and removing a hidden directory in it (or in its parent), so nothing is left."""
     out = Path(value).expanduser()
     if out.exists() and not out.is_dir():
-        raise MoaspecError(f"--out {out} exists and is not a directory")
+        raise MoaspecError(f"{flag} {out} exists and is not a directory")
     if not out.absolute().parent.is_dir():
-        raise MoaspecError(f"the parent directory of --out {out} does not exist")
+        raise MoaspecError(f"the parent directory of {flag} {out} does not exist")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".moaspec-write-probe-", dir=out if out.is_dir() else out.absolute().parent))
+    except OSError as exc:
+        raise MoaspecError(f"cannot write {flag} {out}: {exc.strerror or exc}") from exc
     return out
 
 

@@ -34,3 +34,18 @@ def test_a_temporary_is_hidden_and_ends_in_tmp(tmp_path, monkeypatch) -> None:
     assert path.read_text() == "x\n"
     assert len(sources) == 1 and sources[0].startswith(".shard-00001.jsonl.") and sources[0].endswith(".tmp")
     assert sorted(p.name for p in path.parent.iterdir()) == ["shard-00001.jsonl"]
+
+
+def test_files_and_directories_get_the_umasks_permissions(tmp_path) -> None:
+    """Not tempfile's private 0600 / 0700: data shards, results and checkpoints are meant to be
+    read by whoever may read the folder they are written to."""
+    from moaspec.atomic_files import new_hidden_directory
+
+    umask = os.umask(0o022)
+    try:
+        path = write_file_atomically(tmp_path / "results.json", "{}\n")
+        staging = new_hidden_directory(tmp_path, "checkpoint")
+        assert path.stat().st_mode & 0o777 == 0o644 and staging.stat().st_mode & 0o777 == 0o755
+        assert staging.name.startswith(".checkpoint.") and staging.name.endswith(".tmp")
+    finally:
+        os.umask(umask)

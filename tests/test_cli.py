@@ -196,6 +196,30 @@ def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "/proc/moaspec-run"], "cannot write --out /proc/moaspec-run"),
+        (["--out", "RUN", "--feature-cache", "/proc/moaspec-cache"], "cannot write --feature-cache"),
+        (["--out", "RUN", "--time-limit-min", "0"], "--time-limit-min must be > 0"),
+        (["--out", "RUN", "--time-limit-min", "-1"], "--time-limit-min must be > 0"),
+    ],
+)
+def test_train_refuses_what_it_could_not_write_or_finish(extra: list[str], message: str, tmp_path, capsys) -> None:
+    """An --out or --feature-cache that cannot be written (here under /proc) and a time limit that
+    would stop before the first step are refused in one line before anything loads, and no
+    directory is left behind."""
+    from moaspec.cli import main
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shard-00000.jsonl").write_text("")
+    extra = [str(tmp_path / "run") if flag == "RUN" else flag for flag in extra]
+    assert main(["train", "--method", "moa", "--data", str(tmp_path / "data"), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
 def test_default_drafter_is_moa_with_lookup_where_shipped() -> None:
     from moaspec.drafters import default_drafter
 

@@ -425,7 +425,23 @@ BAD_DATA_INPUTS = {
     ),
     "stats of a missing dir": (lambda tmp: ["data", "stats", str(tmp / "none")], "shard-*.jsonl"),
     "stats of an empty dir": (lambda tmp: ["data", "stats", str(tmp)], "shard-*.jsonl"),
+    "stats with a broken manifest": (
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, manifest="{bad"))], "manifest.json is not readable JSON"
+    ),
+    "stats of records of another kind": (
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))], "holds a record that is not training data"
+    ),
 }
+
+
+def _data_dir(tmp: Path, manifest: str | None = None, record: str = '{"prompt_ids": [1], "response_ids": [2, 3]}') -> Path:
+    """A data directory with one shard of one record, and a manifest with this text if given."""
+    directory = tmp / "data"
+    directory.mkdir(exist_ok=True)
+    (directory / "shard-00000.jsonl").write_text(record + "\n")
+    if manifest is not None:
+        (directory / ds.MANIFEST).write_text(manifest)
+    return directory
 
 
 def _touch(path: Path) -> Path:

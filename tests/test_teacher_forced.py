@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moaspec.errors import MoaspecError
@@ -76,3 +78,25 @@ def test_skip_continues_exactly_where_a_smaller_data_set_stopped() -> None:
     assert "skip_conversations" not in TeacherForcedConfig().settings("t")  # older manifests still resume
     with pytest.raises(MoaspecError, match="skip-conversations"):
         TeacherForcedConfig(skip_conversations=-1)
+
+
+def test_a_small_data_set_is_found_done_on_rerun_and_fine_tunes_a_shipped_drafter(tmp_path, capsys) -> None:
+    """`moaspec data sharegpt` run twice with the same settings finds its work done (it used to
+    refuse, naming no changed setting), and `train --init-from moa` on so few conversations keeps
+    the checkpoint's draft vocabulary (it used to size the new one by the data's tokens first,
+    then refuse the checkpoint for not fitting it)."""
+    from moaspec.cli import main
+
+    data = tmp_path / "tf"
+    make = ["data", "sharegpt", "--out", str(data), "--num-conversations", "6", "--max-seq-len", "128"]
+    assert main(make) == 0
+    shards = {path.name: path.read_bytes() for path in data.glob("shard-*.jsonl")}
+    assert main(make) == 0, capsys.readouterr().err
+    assert {path.name: path.read_bytes() for path in data.glob("shard-*.jsonl")} == shards
+    run = tmp_path / "run"
+    train = ["train", "--method", "moa", "--memory-layers", "4", "--anchor-every", "2", "6", "--data", str(data),
+             "--steps", "1", "--batch-size", "1", "--val-conversations", "1", "--max-seq-len", "128",
+             "--init-from", "moa", "--out", str(run)]
+    assert main(train) == 0, capsys.readouterr().err
+    record = json.loads((run / "checkpoint" / "config.json").read_text())
+    assert record["config"]["draft_vocab_size"] == 8192 and record["training"]["init_from"]["path"]

@@ -3,6 +3,8 @@ anchors and masks follow the reference conventions."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_tiny_target
@@ -312,6 +314,66 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     load_initial_weights(started, all_layers, target, no_ca)
     assert not started.config.cross_attention
     torch.testing.assert_close(started.cross_attention.q_proj.weight.detach(), weights["cross_attention.q_proj.weight"].float())
+
+
+def test_an_interrupt_mid_step_or_mid_validation_resumes_exactly(tmp_path, monkeypatch) -> None:
+    """Ctrl-C / SIGTERM inside a step (its sequences drawn, half its micro-batches run) keeps the
+    last completed step and rewinds the draws, and one inside the last step's validation keeps
+    the step and validates it on resume: the result equals an uninterrupted run bit for bit."""
+    import moaspec.train.trainer as trainer
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data, val = samples(4, 1), samples(1, 2)
+    config = TrainConfig(method="moa", steps=6, batch_size=2, warmup_steps=2, val_every=3, ckpt_every=3)
+    torch.manual_seed(0)
+    straight = make_net("moa", target)
+    reference = train(straight, target, data, val, config, tmp_path / "straight", progress=False)
+
+    real_batch_loss, real_validate, calls = trainer.batch_loss, trainer.validate, []
+
+    def batch_loss_cut_in_step_5(*args, **kwargs):  # calls: 2 per step, 1 for step 3's validation
+        calls.append(1)
+        if len(calls) == 11:  # step 5's second micro-batch
+            raise KeyboardInterrupt
+        return real_batch_loss(*args, **kwargs)
+
+    def validate_cut(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "cut"
+    torch.manual_seed(0)
+    monkeypatch.setattr(trainer, "batch_loss", batch_loss_cut_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_net("moa", target), target, data, val, config, out, progress=False, micro_batch=1)
+    monkeypatch.setattr(trainer, "batch_loss", real_batch_loss)
+    monkeypatch.setattr(trainer, "validate", validate_cut)  # the validation of step 6
+    with pytest.raises(KeyboardInterrupt):
+        train(make_net("moa", target), target, data, val, config, out, progress=False)
+    monkeypatch.setattr(trainer, "validate", real_validate)
+    resumed = make_net("moa", target)
+    state = train(resumed, target, data, val, config, out, progress=False)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert [r["loss"] for r in state.history] == [r["loss"] for r in reference.history]
+    assert [r["step"] for r in state.history if "val_loss" in r] == [3, 6]
+    assert state.history[-1]["val_loss"] == reference.history[-1]["val_loss"]
+
+
+def test_training_data_of_another_target_or_shape_is_refused_naming_it(tmp_path) -> None:
+    from moaspec.train.run import check_data_target, load_samples
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(MoaspecError, match="holds a record that is not training data"):
+        load_samples([data], 64)
+    (data / "manifest.json").write_text(json.dumps({"target": "smollm2-135m"}))
+    check_data_target((data,), "smollm2-135m")
+    with pytest.raises(MoaspecError, match="made by target 'smollm2-135m', not 'tiny-llama'"):
+        check_data_target((data,), "tiny-llama")
+    (data / "manifest.json").write_text("{not json")
+    with pytest.raises(MoaspecError, match="manifest.json is not readable JSON"):
+        check_data_target((data,), "tiny-llama")
 
 
 def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch) -> None:

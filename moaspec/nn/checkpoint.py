@@ -13,13 +13,13 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from moaspec.atomic_files import new_hidden_directory
 from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def save_checkpoint(
         name: (value.to(dtype) if value.is_floating_point() else value).cpu().contiguous()
         for name, value in net.state_dict().items()
     }
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    staging = new_hidden_directory(directory.parent, directory.name)
     try:
         save_file(tensors, str(staging / WEIGHTS_FILE))
         (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")

@@ -327,8 +327,23 @@ def summarize(records: list[dict], eos_ids: Iterable[int] = ()) -> dict[str, Any
     return summary
 
 
-def check_resume(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The previous manifest, after checking it was written with the same settings."""
+def read_manifest(directory: Path) -> dict:
+    """A data directory's manifest.json ({} without one); MoaspecError naming it when unreadable."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MoaspecError(f"{path} is not readable JSON ({exc})") from exc
+    if not isinstance(manifest, dict):
+        raise MoaspecError(f"{path} is not a data manifest (not a JSON object)")
+    return manifest
+
+
+def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | None = None) -> dict[str, Any] | None:
+    """The previous manifest, after checking it was written with the same settings (a setting of
+    `config_type`, a dataclass, that the manifest lacks was added since, at its default)."""
     path = out_dir / MANIFEST
     if not path.is_file():
         if shard_files(out_dir):
@@ -338,8 +353,8 @@ def check_resume(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any] | No
         previous = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise MoaspecError(f"{path} is not valid JSON ({exc.msg}); use a new --out directory") from exc
-    defaults = {f.name: f.default for f in fields(DistillConfig)}  # fields added since the run began
-    written = {**defaults, **previous.get("settings", {})}
+    defaults = {f.name: f.default for f in fields(config_type or DistillConfig)}  # fields added since the run began
+    written = {**{key: defaults[key] for key in settings if key in defaults}, **previous.get("settings", {})}
     if written != settings:
         changed = sorted(k for k in settings if written.get(k) != settings[k])
         raise MoaspecError(

@@ -15,6 +15,7 @@ the wall time.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ import torch
 
 from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import coverage, most_frequent_token_ids
+from moaspec.train.distill import read_manifest
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import TrainSample
@@ -56,24 +58,32 @@ def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSampl
     samples = []
     for data_dir in data_dirs:
         found = len(samples)
-        for record in read_shards(data_dir):
-            if "loss_spans" in record:
-                ids = torch.tensor(record["input_ids"][:max_seq_len], dtype=torch.long)
-                cut = [(start, min(end, ids.numel())) for start, end in record["loss_spans"]]
-                spans = tuple((start, end) for start, end in cut if end - start >= 2)
-                if spans:
-                    samples.append(TrainSample(ids, spans[0][0], index=len(samples), loss_spans=spans))
-                continue
-            prompt, response = record["prompt_ids"], record["response_ids"]
-            if len(response) < 2 or len(prompt) >= max_seq_len - 2:
-                continue
-            ids = torch.tensor(prompt + response, dtype=torch.long)[:max_seq_len]
-            samples.append(TrainSample(ids, len(prompt), index=len(samples)))
+        try:
+            _add_samples(samples, read_shards(data_dir), max_seq_len)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise MoaspecError(f"{data_dir} holds a record that is not training data ({type(exc).__name__}: {exc})") from exc
         if len(samples) == found:
             raise MoaspecError(
                 f"{data_dir} has no usable records (run `moaspec data distill` or `moaspec data sharegpt` first)"
             )
     return samples
+
+
+def _add_samples(samples: list[TrainSample], records: list[dict], max_seq_len: int) -> None:
+    """Append `records` (distilled or teacher-forced) to `samples` as TrainSamples (load_samples)."""
+    for record in records:
+        if "loss_spans" in record:
+            ids = torch.tensor(record["input_ids"][:max_seq_len], dtype=torch.long)
+            cut = [(start, min(end, ids.numel())) for start, end in record["loss_spans"]]
+            spans = tuple((start, end) for start, end in cut if end - start >= 2)
+            if spans:
+                samples.append(TrainSample(ids, spans[0][0], index=len(samples), loss_spans=spans))
+            continue
+        prompt, response = record["prompt_ids"], record["response_ids"]
+        if len(response) < 2 or len(prompt) >= max_seq_len - 2:
+            continue
+        ids = torch.tensor(prompt + response, dtype=torch.long)[:max_seq_len]
+        samples.append(TrainSample(ids, len(prompt), index=len(samples)))
 
 
 def build_net(
@@ -103,6 +113,23 @@ def build_net(
     if draft_vocab_ids is not None:
         net.draft_vocab_ids.copy_(draft_vocab_ids)
     return net.float()
+
+
+def check_data_target(data_dirs: tuple[Path, ...], target_name: str) -> None:
+    """Refuse data made by another target (its token ids, and for distilled data its answers,
+    are that target's): MoaspecError naming both."""
+    for directory in data_dirs:
+        made_by = read_manifest(directory).get("target")
+        if made_by is not None and made_by != target_name:
+            raise MoaspecError(f"{directory} was made by target '{made_by}', not '{target_name}' (--target)")
+
+
+def checkpoint_vocab_size(directory: Path) -> int:
+    """The draft vocabulary size a drafter checkpoint records (0: the full vocabulary)."""
+    try:
+        return int(json.loads((directory / "config.json").read_text())["config"].get("draft_vocab_size", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json)") from exc
 
 
 def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
@@ -212,9 +239,13 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
     check_same_validation(spec.out_dir, val_indices)
+    check_data_target(spec.data_dirs, target.name)
     vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
-    if spec.draft_vocab:
+    if spec.init_from is not None:  # its draft vocabulary comes with its weights (load_initial_weights)
+        size = checkpoint_vocab_size(spec.init_from)
+        vocab_ids = torch.zeros(size, dtype=torch.long) if size else None
+    elif spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
     net = build_net(
         config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden,
@@ -224,11 +255,10 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     if spec.init_from is not None:
         initial = load_initial_weights(net, spec.init_from, target, config)
         vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
-    manifests = [directory / "manifest.json" for directory in spec.data_dirs]
     provenance = {
         "command": spec.command,
         "data": [str(directory) for directory in spec.data_dirs],
-        "data_manifest": [json.loads(path.read_text()) if path.is_file() else {} for path in manifests],
+        "data_manifest": [read_manifest(directory) for directory in spec.data_dirs],
         "val_indices": val_indices,
         "num_train_sequences": len(train_samples),
         "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
@@ -247,6 +277,12 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         micro_batch=spec.micro_batch,
     )
     wall = time.perf_counter() - started
+    if state.step < config.steps:
+        print(
+            f"[moaspec] the time limit stopped training at step {state.step} of {config.steps}; "
+            "the same command continues this run",
+            file=sys.stderr,
+        )
     record_path = spec.out_dir / "runs.jsonl"
     with record_path.open("a") as log:
         log.write(json.dumps({"command": spec.command, "steps_done": state.step, "wall_s": round(wall, 1)}) + "\n")

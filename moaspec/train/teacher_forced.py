@@ -151,7 +151,7 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = config.settings(target)
-    check_resume(out_dir, settings)
+    check_resume(out_dir, settings, TeacherForcedConfig)
     from moaspec.api import load_tokenizer
     from moaspec.model_store import resolve_target
     from moaspec.train.sharegpt import load_training_conversations

@@ -417,15 +417,23 @@ def train(
         state = TrainState(saved["step"], saved["history"], saved.get("train_wall_s", 0.0))
         rng.setstate(saved["python_rng"])
         generator.set_state(saved["torch_rng"])
-    net.train()
     bar = tqdm(total=config.steps, initial=state.step, disable=not progress, desc=f"train {config.method}", unit="step")
     run_started = time.perf_counter()
     wall_before = state.train_wall_s
+    step_start = (state.step, rng.getstate(), generator.get_state())  # what an interrupted step rewinds to
+    validate_step = lambda record: _validate_step(  # noqa: E731
+        record, net, parts, source, val_samples, config, target, tree, device, autocast, bar
+    )
     try:
+        if _missing_validation(state, config, val_samples):  # an interrupt cut the last step's validation
+            validate_step(state.history[-1])
+            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+        net.train()
         while state.step < min(config.steps, stop_at_step or config.steps):
             if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
                 save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
                 break
+            step_start = (state.step, rng.getstate(), generator.get_state())
             started = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, state.step)
@@ -456,23 +464,44 @@ def train(
             state.train_wall_s = wall_before + time.perf_counter() - run_started
             record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
             record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
+            state.history.append(record)  # before its validation, which _missing_validation finds cut
             bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
-            if val_samples and (state.step % config.val_every == 0 or state.step == config.steps):
-                record.update(validate(net, parts, source, val_samples, config, device=device, autocast=autocast))
-                if device.type == "cpu":
-                    tau = measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {})))
-                    record["val_tau"] = round(tau, 4)
-                bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
-            state.history.append(record)
+            if val_samples and _validates_at(state.step, config):
+                validate_step(record)
             if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
                 save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the last completed step
+        if state.step == step_start[0]:  # cut before its update: its draws are drawn again on resume
+            rng.setstate(step_start[1])
+            generator.set_state(step_start[2])
         save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
         bar.close()
         raise
     bar.close()
     return state
+
+
+def _validates_at(step: int, config: TrainConfig) -> bool:
+    return step % config.val_every == 0 or step == config.steps
+
+
+def _missing_validation(state: TrainState, config: TrainConfig, val_samples: list[TrainSample]) -> bool:
+    """Whether the last completed step should have been validated and was not (an interrupt cut
+    its validation: the step itself was saved)."""
+    last = state.history[-1] if state.history else None
+    return bool(val_samples) and last is not None and last["step"] == state.step and (
+        _validates_at(state.step, config) and "val_loss" not in last
+    )
+
+
+def _validate_step(record: dict, net, parts, source, val_samples, config: TrainConfig, target, tree, device, autocast, bar) -> None:
+    """Add the validation figures to a step's record (in place) and print it."""
+    record.update(validate(net, parts, source, val_samples, config, device=device, autocast=autocast))
+    if device.type == "cpu":
+        tau = measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {})))
+        record["val_tau"] = round(tau, 4)
+    bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
 
 
 def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, generator, out_dir: Path, target, tree, provenance) -> None:
