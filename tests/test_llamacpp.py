@@ -325,6 +325,29 @@ def test_serve_generates_openai_requests_with_the_calibrated_choice(llama_target
     assert server.openai_drafter is not server.drafter
 
 
+def test_a_drafter_for_another_target_is_one_line_with_the_calibration_on(llama_target, tmp_path, monkeypatch, capsys) -> None:
+    """The calibration weighs a named drafter lazily: one made for another target is the user's
+    error, said once (it also came out as a calibration warning before)."""
+    from conftest import make_random_drafter_net, make_tiny_target
+
+    from moaspec.cli import main
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    tiny = make_tiny_target("llama", dtype=torch.float32)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(tiny.config), tiny)
+    checkpoint = save_checkpoint(tmp_path / "other", "moa", net, tiny, {"depth": 1, "top_k": 1, "budget": 1})
+    from moaspec.model_store import cache_root
+
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "targets").symlink_to(cache_root() / "targets")  # converted once (llama_target)
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))  # a calibration measured afresh
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    assert main(["generate", "--prompt", "hi", "--max-new-tokens", "2", "--drafter", str(checkpoint)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("moaspec: calibrating")]
+    assert len(lines) == 1 and lines[0].startswith("moaspec: error:") and "was trained for target" in lines[0]
+
+
 def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = torch.tensor(category_prompts["math"][:40])

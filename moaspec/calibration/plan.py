@@ -129,7 +129,9 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
         verify_costs, lookup_s, drafter_costs, measured = _costs(
             target, model, base, layouts, sequences, cpu, runtime, say
         )
-    except MoaspecError as exc:  # raised by the measurement only: the drafter was made above
+    except DrafterUnavailable as exc:  # the named drafter itself cannot be made: that is the error
+        raise MoaspecError(str(exc)) from exc
+    except MoaspecError as exc:  # raised by the measurement
         raise CalibrationUnavailable(str(exc)) from exc
     measure_s = time.perf_counter() - begin if measured else 0.0
 
@@ -197,6 +199,11 @@ def _options(
     return options
 
 
+class DrafterUnavailable(MoaspecError):
+    """The model drafter a calibration weighs cannot be made (e.g. trained for another target):
+    the user's error, not a failed measurement."""
+
+
 class LazyModelDrafter:
     """The model drafter a calibration weighs, loaded only when it is measured or chosen: its tree
     (checkpoint, tuned or explicit: tuned.py) comes from config.json without the weights, so a
@@ -223,7 +230,10 @@ class LazyModelDrafter:
 
     def drafter(self):
         if self._drafter is None:
-            self._drafter = make_drafter(self.base, self.target, self.tree_overrides)
+            try:
+                self._drafter = make_drafter(self.base, self.target, self.tree_overrides)
+            except MoaspecError as exc:
+                raise DrafterUnavailable(str(exc)) from exc
         return self._drafter
 
 
