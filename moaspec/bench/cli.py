@@ -269,7 +269,8 @@ def run_tune(args: argparse.Namespace) -> int:
         if result.best.tokens_per_s < result.plain_tokens_per_s:
             print(
                 f"moaspec: warning: with {spec} every tree is expected to be slower than plain decoding on this machine "
-                f"({result.best.tokens_per_s / result.plain_tokens_per_s:.2f}x); the best of them is saved anyway",
+                f"({result.best.tokens_per_s / result.plain_tokens_per_s:.2f}x)"
+                + ("" if args.dry_run else "; the best of them is saved anyway"),
                 file=sys.stderr,
             )
         if not args.dry_run:

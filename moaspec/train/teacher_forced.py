@@ -149,9 +149,9 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     A rerun with the same settings finds the work done and only rewrites the manifest."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     settings = config.settings(target)
-    check_resume(out_dir, settings, TeacherForcedConfig)
+    if out_dir.is_dir():
+        check_resume(out_dir, settings, TeacherForcedConfig)
     from moaspec.api import load_tokenizer
     from moaspec.model_store import resolve_target
     from moaspec.train.sharegpt import load_training_conversations
@@ -161,6 +161,7 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     if not getattr(tokenizer, "chat_template", None):
         raise MoaspecError(f"target {name} has no chat template: teacher-forced conversations need one")
     conversations, data_counts = load_training_conversations(log_progress)
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused target leaves no directory
     existing = read_shards(out_dir)
     records, skipped = build_records(conversations, tokenizer, config)
     if existing and [r["id"] for r in existing] != [r["id"] for r in records[: len(existing)]]:
