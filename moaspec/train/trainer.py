@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -421,8 +422,9 @@ def train(
     run_started = time.perf_counter()
     wall_before = state.train_wall_s
     step_start = (state.step, rng.getstate(), generator.get_state())  # what an interrupted step rewinds to
-    validate_step = lambda record: _validate_step(  # noqa: E731
-        record, net, parts, source, val_samples, config, target, tree, device, autocast, bar
+    validate_step = functools.partial(
+        _validate_step, net=net, parts=parts, source=source, val_samples=val_samples, config=config, target=target,
+        tree=tree, device=device, autocast=autocast, bar=bar,
     )
     try:
         if _missing_validation(state, config, val_samples):  # an interrupt cut the last step's validation
@@ -496,11 +498,12 @@ def _missing_validation(state: TrainState, config: TrainConfig, val_samples: lis
 
 
 def _validate_step(record: dict, net, parts, source, val_samples, config: TrainConfig, target, tree, device, autocast, bar) -> None:
-    """Add the validation figures to a step's record (in place) and print it."""
-    record.update(validate(net, parts, source, val_samples, config, device=device, autocast=autocast))
+    """Add the validation figures to a step's record (in place, all at once: an interrupt leaves
+    none) and print it."""
+    figures = validate(net, parts, source, val_samples, config, device=device, autocast=autocast)
     if device.type == "cpu":
-        tau = measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {})))
-        record["val_tau"] = round(tau, 4)
+        figures["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
+    record.update(figures)
     bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
 
 
