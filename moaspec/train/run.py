@@ -235,11 +235,11 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)
+    check_data_target(spec.data_dirs, target.name)
     samples = load_samples(spec.data_dirs, config.max_seq_len)
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
     check_same_validation(spec.out_dir, val_indices)
-    check_data_target(spec.data_dirs, target.name)
     vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
     if spec.init_from is not None:  # its draft vocabulary comes with its weights (load_initial_weights)
