@@ -359,6 +359,15 @@ def test_an_interrupt_mid_step_or_mid_validation_resumes_exactly(tmp_path, monke
     assert state.history[-1]["val_loss"] == reference.history[-1]["val_loss"]
 
 
+def test_resuming_with_other_settings_names_them(tmp_path) -> None:
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    config = TrainConfig(method="moa", steps=2, batch_size=1, warmup_steps=1, val_every=100, ckpt_every=1)
+    train(make_net("moa", target), target, samples(2, 1), [], config, tmp_path / "run", progress=False)
+    longer = TrainConfig(method="moa", steps=3, batch_size=1, warmup_steps=1, val_every=100, ckpt_every=1)
+    with pytest.raises(ValueError, match=r"another training config \(steps 2 -> 3\).*--init-from"):
+        train(make_net("moa", target), target, samples(2, 1), [], longer, tmp_path / "run", progress=False)
+
+
 def test_training_data_of_another_target_or_shape_is_refused_naming_it(tmp_path) -> None:
     from moaspec.train.run import check_data_target, load_samples
 

@@ -411,8 +411,15 @@ def train(
     if state_path.is_file():
         saved = torch.load(state_path, weights_only=False, map_location="cpu")
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
-        if {**defaults, **saved["config"]} != asdict(config):
-            raise ValueError(f"{state_path} was written with another training config; use a new --out")
+        written, wanted = {**defaults, **saved["config"]}, asdict(config)
+        if written != wanted:
+            changed = ", ".join(
+                f"{key} {written.get(key)} -> {wanted[key]}" for key in sorted(wanted) if written.get(key) != wanted[key]
+            )
+            raise ValueError(
+                f"{state_path} was written with another training config ({changed}); rerun with the same options "
+                "to resume, continue a finished run with --init-from it and a new --out"
+            )
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
         state = TrainState(saved["step"], saved["history"], saved.get("train_wall_s", 0.0))
