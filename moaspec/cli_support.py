@@ -10,9 +10,9 @@ import argparse
 import os
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
+from moaspec.atomic_files import new_hidden_directory
 from moaspec.errors import MoaspecError
 
 EXIT_MISMATCH = 1
@@ -27,7 +27,7 @@ def output_dir(value: str, flag: str = "--out") -> Path:
     if not out.absolute().parent.is_dir():
         raise MoaspecError(f"the parent directory of {flag} {out} does not exist")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".moaspec-write-probe-", dir=out if out.is_dir() else out.absolute().parent))
+        os.rmdir(new_hidden_directory(out if out.is_dir() else out.absolute().parent, "moaspec-write-probe"))
     except OSError as exc:
         raise MoaspecError(f"cannot write {flag} {out}: {exc.strerror or exc}") from exc
     return out

@@ -350,9 +350,9 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
             raise MoaspecError(f"{out_dir} holds shards but no {MANIFEST}; use an empty --out directory")
         return None
     try:
-        previous = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise MoaspecError(f"{path} is not valid JSON ({exc.msg}); use a new --out directory") from exc
+        previous = read_manifest(out_dir)
+    except MoaspecError as exc:
+        raise MoaspecError(f"{exc}; use a new --out directory") from exc
     defaults = {f.name: f.default for f in fields(config_type or DistillConfig)}  # fields added since the run began
     written = {**{key: defaults[key] for key in settings if key in defaults}, **previous.get("settings", {})}
     if written != settings:
