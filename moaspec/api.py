@@ -116,7 +116,7 @@ class SpeculativeLM:
 
 def load_target(
     target: str = DEFAULT_TARGET,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     runtime: str | None = None,
     device: str = "cpu",
@@ -126,6 +126,9 @@ def load_target(
 ) -> Target:
     """Load a target by built-in name, HF directory or .gguf path (offline only) on `runtime`
     ("llama.cpp" or "transformers"; None: llama.cpp for GGUF targets, see targets/load.py).
+    dtype: the transformers runtime's precision, a torch dtype or its name (float32, the lossless
+    default; bfloat16 / float16 are faster where the hardware has them, but outputs may then differ
+    from plain decoding: targets/load.py).
     light_tokenizer: on llama.cpp, the tokenizer that needs no transformers (targets/tokenizer.py;
     the CLI's choice) instead of transformers' own."""
     return targets_load.load_target(
@@ -137,7 +140,7 @@ def load_target(
 def load(
     target: str = DEFAULT_TARGET,
     drafter: str | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
@@ -163,7 +166,7 @@ def load(
     (precedence: moaspec/tuned.py).
 
     runtime: "llama.cpp" or "transformers" (None: llama.cpp for GGUF targets, targets/load.py);
-    device (transformers: "cpu", "cuda", ...), threads, gpu_layers and light_tokenizer (llama.cpp);
+    dtype and device (transformers: "float32", "bfloat16", ...; "cpu", "cuda", ...; see load_target), threads, gpu_layers and light_tokenizer (llama.cpp);
     n_gpu_layers: llama.cpp's name for gpu_layers (the CLI's --n-gpu-layers), either may be given.
     """
     from moaspec.calibration.plan import drafter_for
@@ -186,6 +189,7 @@ def generate(
     drafter: str | None = None,
     runtime: str | None = None,
     device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
     threads: int | None = None,
     n_gpu_layers: int = 0,
     tree_overrides: dict | None = None,
@@ -197,8 +201,8 @@ def generate(
     top_p, top_k, seed, raw, streamer). Loads every call: keep the `SpeculativeLM` from `load()`
     to generate repeatedly."""
     lm = load(
-        target, drafter, tree_overrides=tree_overrides, calibrate=calibrate, runtime=runtime, device=device,
-        threads=threads, n_gpu_layers=n_gpu_layers,
+        target, drafter, dtype=dtype, tree_overrides=tree_overrides, calibrate=calibrate, runtime=runtime,
+        device=device, threads=threads, n_gpu_layers=n_gpu_layers,
     )
     return lm.generate(prompt, **kwargs)
 

@@ -466,6 +466,8 @@ def test_keys_and_values_match_the_transformers_runtime() -> None:
         (["--runtime", "transformers", "--device", "tpu"], "--device must be cpu or cuda"),
         (["--runtime", "transformers", "--device", "cuda:7"], "no such CUDA device"),
         (["--runtime", "vllm"], "invalid choice"),
+        (["--dtype", "bfloat16"], "--dtype applies to the transformers runtime"),
+        (["--runtime", "transformers", "--dtype", "float64"], "invalid choice"),
     ],
 )
 def test_runtime_flags_are_checked_before_anything_loads(flags: list[str], message: str, capsys) -> None:

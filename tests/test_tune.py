@@ -272,3 +272,22 @@ def test_proposals_are_timed_as_in_an_engine_cycle(method: str, monkeypatch) -> 
     assert set(propose_s) == {(1, 2), (2, 2)}
     assert fed[0] >= 40  # the untimed first proposal takes in the context
     assert fed[1:] == [1] * (len(fed) - 1) and len(fed) == 1 + 2 * 4  # warm-up round + 3 rounds, 2 shapes
+
+
+def test_tune_refuses_a_drafter_of_another_target_before_measuring(tiny_with_checkpoint, tmp_path, monkeypatch, capsys) -> None:
+    import moaspec.calibration.costs
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    other = make_tiny_target("llama", seed=1, max_position_embeddings=1024, dtype=torch.float32)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(other.config), other)
+    foreign = save_checkpoint(tmp_path / "foreign", "moa", net, other, {"depth": 2, "top_k": 1, "budget": 2})
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the target was measured before the drafters were checked")
+
+    monkeypatch.setattr(moaspec.calibration.costs, "measure_verify", no_measuring)
+    _, checkpoint = tiny_with_checkpoint
+    assert main(["tune", "--drafters", f"{checkpoint},{foreign}", "--target", "tiny", "--repeats", "1"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("moaspec: error:") and "trained for target" in err[0]

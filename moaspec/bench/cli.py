@@ -126,6 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
     config = {
         "target": target.name,
         "runtime": target.runtime,
+        "dtype": options["dtype"] if target.runtime == "transformers" else None,  # --dtype
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],
@@ -254,6 +255,7 @@ def run_tune(args: argparse.Namespace) -> int:
     target = moaspec.api.load_target(args.target, runtime="transformers", device=args.device)
     context_len = min(args.context, target.max_positions // 2)
     prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
+    drafters = {spec: make_drafter(spec, target) for spec in specs}  # a drafter of another target fails here
     print(
         f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len})...",
         file=sys.stderr,
@@ -261,9 +263,8 @@ def run_tune(args: argparse.Namespace) -> int:
     verify_s = measure_verify(target, context_len, args.repeats)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
-        drafter = make_drafter(spec, target)
         result = tune_drafter(
-            drafter, target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
+            drafters[spec], target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
         )
         print(_tune_table(spec, result))
         if result.best.tokens_per_s < result.plain_tokens_per_s:

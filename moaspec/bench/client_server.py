@@ -163,6 +163,7 @@ def run_client_server_bench(
         if spec.label != BASELINE
     }
     config = _config(args, target.name, target.runtime, categories, specs, profiles)
+    config["dtype"] = runtime["dtype"] if target.runtime == "transformers" else None  # --dtype
     data = run_client_server(
         target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress,
         adaptive=bool(args.adaptive),

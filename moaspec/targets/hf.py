@@ -12,12 +12,17 @@ State: one KV cache holding exactly `num_cached` verified tokens (positions 0..n
 Drafters read activations through `hidden_states` in the outputs (layer index as in transformers'
 `output_hidden_states`: 0 = embeddings, l = output of layer l, num_layers = after the final norm),
 `layer_kv()` (per-layer keys/values of verified positions) and the frozen modules exposed below.
+
+Reduced precision (a bfloat16 or float16 model, `--dtype`): the verifiers get float32 logits and
+the drafters float32 features, and the modules they borrow (`parts`) are float32 copies read from
+the target's files, so a drafter trained on the float32 target computes as it was trained.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -27,6 +32,9 @@ from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.targets.base import TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias
+
+
+REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def cache_keyword(model: PreTrainedModel) -> str:
@@ -47,7 +55,14 @@ class HFTarget:
     runtime = "transformers"
     keeps_shared_start = False  # transformers' batched kernels round differently from one-token steps
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name: str) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        name: str,
+        parts_loader: Callable[[int], TargetParts] | None = None,
+        parts: dict[int, TargetParts] | None = None,
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -55,11 +70,24 @@ class HFTarget:
         self.cache = DynamicCache(config=self.config)
         self.num_cached = 0
         self.cache_argument = cache_keyword(model)  # how model.forward takes a KV cache
+        # reduced precision: tli_layers -> float32 copies of the borrowed modules (shared by sessions)
+        self._parts_loader = parts_loader
+        self._parts = {} if parts is None else parts
 
     # -- facts --------------------------------------------------------------------------------
     @property
-    def dtype(self) -> torch.dtype:
+    def weights_dtype(self) -> torch.dtype:
+        """The model's own precision (float32 unless loaded with another `dtype`)."""
         return self.model.dtype
+
+    @property
+    def reduced_precision(self) -> bool:
+        return self.weights_dtype in REDUCED_PRECISION
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What drafters read and compute in: the model's dtype, float32 for a reduced-precision one."""
+        return torch.float32 if self.reduced_precision else self.weights_dtype
 
     @property
     def weight_layout(self) -> str:
@@ -125,7 +153,12 @@ class HFTarget:
         return self.model.model.rotary_emb
 
     def parts(self, tli_layers: int) -> TargetParts:
-        """The frozen modules a drafter borrows (its last `tli_layers` decoder layers for TLI)."""
+        """The frozen modules a drafter borrows (its last `tli_layers` decoder layers for TLI):
+        the model's own, or float32 copies for a reduced-precision model (module docstring)."""
+        if self.reduced_precision:
+            if tli_layers not in self._parts:
+                self._parts[tli_layers] = self._float32_parts(tli_layers)
+            return self._parts[tli_layers]
         layers = list(self.decoder_layers)
         return TargetParts(
             embed_tokens=self.embed_tokens,
@@ -135,10 +168,24 @@ class HFTarget:
             rotary_emb=self.rotary_emb,
         )
 
+    def _float32_parts(self, tli_layers: int) -> TargetParts:
+        """The loader's copies from the target's files; without one (a model made in memory),
+        copies of the model's own modules widened to float32."""
+        if self._parts_loader is not None:
+            return self._parts_loader(tli_layers).to(self.device)
+        layers = list(self.decoder_layers)
+        return TargetParts(
+            embed_tokens=copy.deepcopy(self.embed_tokens).float(),
+            lm_head_weight=self.lm_head.weight.detach().float(),
+            final_norm=copy.deepcopy(self.final_norm).float(),
+            tli_layers=[copy.deepcopy(layer).float() for layer in layers[len(layers) - tli_layers :]] if tli_layers else [],
+            rotary_emb=self.rotary_emb,
+        )
+
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self) -> HFTarget:
         """A target sharing these weights with an empty cache of its own."""
-        return HFTarget(self.model, self.tokenizer, self.name)
+        return HFTarget(self.model, self.tokenizer, self.name, self._parts_loader, self._parts)
 
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
@@ -174,7 +221,7 @@ class HFTarget:
         positions = self.num_cached + node_depths
         is_chain = bool((node_depths == torch.arange(tree.num_nodes)).all())
         # A chain is plain causal attention: let transformers build its own mask.
-        bias = None if is_chain else tree_attention_bias(tree.parents, self.num_cached, self.dtype)
+        bias = None if is_chain else tree_attention_bias(tree.parents, self.num_cached, self.weights_dtype)
         return self._forward(tree.token_ids, positions, bias, hidden_layers, logits_to_keep=0)
 
     def commit(self, path_node_idx: list[int]) -> None:
@@ -218,7 +265,7 @@ class HFTarget:
         cached = self.cache.layers
         for layer in cached if layers is None else [cached[i] for i in layers]:
             per_layer.append(per_head_kv(layer.keys[0, :, start:end], layer.values[0, :, start:end]))
-        return torch.stack(per_layer, dim=1)
+        return torch.stack(per_layer, dim=1).to(self.dtype)
 
     # -- internals ----------------------------------------------------------------------------
     def _forward(
@@ -241,5 +288,5 @@ class HFTarget:
         )
         hidden = None
         if hidden_layers:
-            hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers], dim=1)
-        return TargetOutput(out.logits[0], hidden)
+            hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers], dim=1).to(self.dtype)
+        return TargetOutput(out.logits[0].to(self.dtype), hidden)

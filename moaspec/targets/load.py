@@ -8,6 +8,8 @@ directory (model_store.py converts a GGUF once), so a prompt becomes the same to
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -24,6 +26,9 @@ from moaspec.targets.options import check_runtime
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
 # sdpa 73.9 ms per decode step and 127 ms for an 8-node tree; eager 81.1 and 161 ms.
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
+# float32 is the default and the lossless one; float64 for exact small-scale checks; the reduced
+# precisions for speed (targets/hf.py)
+TARGET_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def gguf_file(spec: str) -> Path | None:
@@ -38,7 +43,7 @@ def load_target(
     target: str,
     runtime: str | None = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     device: str = "cpu",
     threads: int | None = None,
@@ -47,14 +52,33 @@ def load_target(
 ) -> Target:
     """Load a target by built-in name, HF directory or .gguf path (offline only).
 
-    transformers: `dtype` and `device` ("cpu", "cuda", "cuda:1"); llama.cpp: `threads` (default:
-    the cores torch uses), `gpu_layers` (layers offloaded by a GPU build of llama.cpp) and
-    `light_tokenizer` (tokenizer.py: no transformers import; the CLI's choice).
+    transformers: `dtype` (float32, the default; float64; bfloat16 or float16, see hf.py: faster
+    on some hardware, but a forward's output then depends on how many tokens it holds, so
+    speculative output may differ from plain decoding) and `device` ("cpu", "cuda", "cuda:1");
+    llama.cpp: `threads` (default: the cores torch uses), `gpu_layers` (layers offloaded by a GPU
+    build of llama.cpp) and `light_tokenizer` (tokenizer.py: no transformers import; the CLI's choice).
     """
     runtime = check_runtime(runtime, target)
+    dtype = torch_dtype(dtype)
     if runtime == "llama.cpp":
+        if dtype != torch.float32:
+            raise MoaspecError(
+                "dtype applies to the transformers runtime; a GGUF target's precision on llama.cpp is its quantization type"
+            )
         return _load_llama_cpp(target, threads, gpu_layers, light_tokenizer)
     return _load_transformers(target, dtype, attn_implementation, device)
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A target dtype by name ("float32", "bfloat16", ...) or as a torch dtype; MoaspecError for others."""
+    by_name = {str(known).removeprefix("torch."): known for known in TARGET_DTYPES}
+    if isinstance(dtype, str):
+        if dtype not in by_name:
+            raise MoaspecError(f"unknown target dtype '{dtype}' (known: {', '.join(by_name)})")
+        return by_name[dtype]
+    if dtype not in TARGET_DTYPES:
+        raise MoaspecError(f"unsupported target dtype {dtype} (known: {', '.join(by_name)})")
+    return dtype
 
 
 def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, device: str) -> Target:
@@ -63,7 +87,7 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     from transformers.utils import logging as hf_logging
 
     from moaspec.nn.fast_linear import requested_layout
-    from moaspec.targets.hf import HFTarget
+    from moaspec.targets.hf import REDUCED_PRECISION, HFTarget
 
     hf_logging.disable_progress_bar()
     name, model_dir = resolve_target(spec)
@@ -76,7 +100,10 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
         raise MoaspecError(f"cannot load target {spec}: {str(exc).splitlines()[0]}") from exc
     if device != "cpu":
         model.to(device)
-    loaded = HFTarget(model, tokenizer, name)
+    parts_loader = None
+    if dtype in REDUCED_PRECISION:  # the drafters' modules in float32, as read from the files
+        parts_loader = functools.partial(_torch_parts, model_dir, model.config)
+    loaded = HFTarget(model, tokenizer, name, parts_loader)
     layout = requested_layout()  # else the machine calibration picks the layout (moaspec/calibration)
     if layout is not None:
         loaded.use_layout(layout)
@@ -101,15 +128,14 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
     )
 
 
-def _torch_parts(model_dir: Path, config: SimpleNamespace, tli_layers: int) -> TargetParts:
-    """What a drafter borrows from a llama.cpp target, as torch modules read from its converted
-    copy (float32): the embedding (= LM head when tied) and final norm, and for Target Layer
-    Inference the target's last `tli_layers` decoder layers with its rotary embedding."""
-    from safetensors import safe_open
-
+def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
+    """What a drafter borrows from a llama.cpp or reduced-precision target, as float32 torch
+    modules read from the target's files (a GGUF's converted copy): the embedding (= LM head when
+    tied) and final norm, and for Target Layer Inference the target's last `tli_layers` decoder
+    layers with its rotary embedding."""
     from moaspec.nn.layers import RMSNorm
 
-    with safe_open(model_dir / "model.safetensors", framework="pt") as weights:
+    with SafetensorsWeights(model_dir) as weights:
         embedding = weights.get_tensor("model.embed_tokens.weight").float()
         tied = getattr(config, "tie_word_embeddings", True)
         head = embedding if tied else weights.get_tensor("lm_head.weight").float()
@@ -143,6 +169,38 @@ def _last_decoder_layers(model_dir: Path, weights, count: int) -> tuple[list[tor
         layer.load_state_dict({name: weights.get_tensor(prefix + name).float() for name in layer.state_dict()})
         layers.append(layer.eval().requires_grad_(False))
     return layers, type(decoder.rotary_emb)(config=hf_config)
+
+
+class SafetensorsWeights:
+    """Tensors by name from a directory's `model.safetensors`, or from the shards its
+    `model.safetensors.index.json` maps them to (a context manager: the files close on exit)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        index = self.model_dir / "model.safetensors.index.json"
+        self.shard_of: dict[str, str] | None = None
+        if index.is_file():
+            self.shard_of = json.loads(index.read_text())["weight_map"]
+        elif not (self.model_dir / "model.safetensors").is_file():
+            raise MoaspecError(f"{self.model_dir} has no safetensors weights to read the drafter's target modules from")
+        self._stack = contextlib.ExitStack()
+        self._open: dict[str, object] = {}
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        file = "model.safetensors" if self.shard_of is None else self.shard_of.get(name)
+        if file is None:
+            raise MoaspecError(f"{self.model_dir}: no tensor '{name}' in model.safetensors.index.json")
+        if file not in self._open:
+            from safetensors import safe_open
+
+            self._open[file] = self._stack.enter_context(safe_open(self.model_dir / file, framework="pt"))
+        return self._open[file].get_tensor(name)
+
+    def __enter__(self) -> SafetensorsWeights:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stack.close()
 
 
 def load_tokenizer(model_dir: Path):

@@ -9,6 +9,7 @@ from moaspec.errors import MoaspecError
 from moaspec.model_store import BUILTIN_TARGETS
 
 RUNTIMES = ("transformers", "llama.cpp")
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype (targets/load.py takes float64 too)
 
 
 def check_runtime(runtime: str | None, spec: str) -> str:
@@ -39,7 +40,7 @@ def llama_cpp_available() -> bool:
 
 
 def add_runtime_arguments(parser) -> None:
-    """--runtime, --device, --threads, --n-gpu-layers (argparse; llama.cpp's own name for it, with
+    """--runtime, --device, --dtype, --threads, --n-gpu-layers (argparse; llama.cpp's own name for it, with
     --gpu-layers and -ngl as aliases)."""
     group = parser.add_argument_group("target runtime")
     group.add_argument(
@@ -48,6 +49,12 @@ def add_runtime_arguments(parser) -> None:
         "(any target; the default for HF directories)",
     )
     group.add_argument("--device", default="cpu", help="transformers runtime: cpu, cuda or cuda:N (default cpu)")
+    group.add_argument(
+        "--dtype", choices=DTYPES, default="float32",
+        help="transformers runtime: the target's precision (default float32, the lossless one; bfloat16 "
+        "and float16 are faster on GPUs and on CPUs with bfloat16 units, but a forward's output then depends "
+        "on how many tokens it holds, so speculative output may differ from plain decoding)",
+    )
     group.add_argument("--threads", type=int, default=None, help="llama.cpp runtime: CPU threads (default: torch's)")
     group.add_argument(
         "--n-gpu-layers", "--gpu-layers", "-ngl", dest="gpu_layers", type=int, default=0,
@@ -64,10 +71,17 @@ def runtime_options(args, target: str) -> dict:
         raise MoaspecError("--n-gpu-layers must be >= 0")
     if runtime == "llama.cpp" and args.device != "cpu":
         raise MoaspecError("--device applies to the transformers runtime; llama.cpp takes --n-gpu-layers")
+    if runtime == "llama.cpp" and args.dtype != "float32":
+        raise MoaspecError(
+            "--dtype applies to the transformers runtime; a GGUF target's precision on llama.cpp is its quantization type"
+        )
     if runtime == "transformers" and (args.threads is not None or args.gpu_layers):
         raise MoaspecError("--threads and --n-gpu-layers apply to the llama.cpp runtime")
     check_device(args.device)
-    return {"runtime": runtime, "device": args.device, "threads": args.threads, "gpu_layers": args.gpu_layers}
+    return {
+        "runtime": runtime, "device": args.device, "threads": args.threads, "gpu_layers": args.gpu_layers,
+        "dtype": args.dtype,
+    }
 
 
 def check_device(device: str) -> None:
