@@ -419,7 +419,7 @@ def _generate(args: argparse.Namespace) -> int:
         from moaspec.split.commands import generate_remote
 
         args.drafter = named
-        return generate_remote(args, api_key)
+        return generate_remote(args, api_key, overrides)
 
     from moaspec.api import load
 

@@ -225,6 +225,28 @@ def test_a_split_generation_prints_the_json_fields_of_a_local_one(llama_target, 
     assert split["runtime"] == local["runtime"] == "llama.cpp" and split["token_ids"] == local["token_ids"]
 
 
+def test_a_split_client_drafts_the_tree_its_flags_ask_for(llama_target, capsys, monkeypatch) -> None:
+    """Bug: `generate --server` dropped --tree-depth/--tree-top-k/--tree-budget (the client drafts
+    the trees, so they are its to size): a one-node tree and a wide one drafted the same."""
+    from moaspec.cli import main
+    from moaspec.split.server import ServerLimits, ServerThread, SplitServer
+
+    monkeypatch.setenv("MOASPEC_API_KEY", "split-tree-key")
+    served = llama_target.new_session()  # the server's drafter announces the layers it reads to this one
+    server = ServerThread(SplitServer(served, make_drafter("moa", served), ["split-tree-key"], ServerLimits())).start()
+    common = ["generate", "--prompt", "Name three colours.", "--drafter", "moa", "--max-new-tokens", "12", "--json",
+              "--server", f"http://127.0.0.1:{server.port}"]
+    drafted = {}
+    try:
+        for name, tree in {"chain of 1": ["1", "1", "1"], "wide": ["3", "3", "9"]}.items():
+            flags = ["--tree-depth", tree[0], "--tree-top-k", tree[1], "--tree-budget", tree[2]]
+            assert main([*common, *flags]) == 0
+            drafted[name] = json.loads(capsys.readouterr().out)["mean_drafted_nodes"]
+    finally:
+        server.stop()
+    assert drafted["chain of 1"] <= 1.0 < 4.0 < drafted["wide"]
+
+
 def test_the_one_shot_generate_takes_the_keywords_that_place_the_target(monkeypatch) -> None:
     """`moaspec.generate()` passes where the target runs (runtime, threads, n_gpu_layers, ...) to
     load() and the generation settings to its generate(); load() takes llama.cpp's spelling

@@ -147,6 +147,36 @@ def test_half_sent_requests_and_slow_bodies_time_out() -> None:
         started.stop()
 
 
+def test_a_shorter_keep_alive_time_out_does_not_cut_a_request_being_sent() -> None:
+    """Bug: with --keepalive-timeout-s below --header-timeout-s, a connection part-way through its
+    request's headers was closed silently at the keep-alive time-out (aiohttp's timer) instead of
+    getting its 408; an idle connection must still close at the keep-alive time-out."""
+    started = start_server("ngram", limits=ServerLimits(header_timeout_s=1.0, keepalive_timeout_s=0.2))
+    try:
+        port = started.port
+        greeting = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            began = time.monotonic()
+            received = read_response(sock)
+            assert received.startswith(b"HTTP/1.1 408 ") and b'"header_timeout"' in received
+            assert time.monotonic() - began > 0.5
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:  # after a response
+            sock.sendall(greeting)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            time.sleep(0.1)
+            sock.sendall(b"GET /health HTTP/1.1\r\n")
+            assert read_response(sock).startswith(b"HTTP/1.1 408 ")
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:  # idle: closed
+            sock.sendall(greeting)
+            assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+            began = time.monotonic()
+            assert sock.recv(1) == b""
+            assert time.monotonic() - began < 0.8
+    finally:
+        started.stop()
+
+
 def test_connections_over_the_cap_get_503_and_room_comes_back() -> None:
     """Bug: nothing bounded open connections. Not flaky: the held connections are counted by the
     server before the extra one is made (polled with a deadline), and the header time-out (10 s

@@ -261,6 +261,8 @@ def test_session_limits_and_idle_expiry() -> None:
         request = wire.OpenRequest(PROMPT)
         first = client.open(request)
         assert client.open(request)["session_id"] == first["session_id"]  # a retried open is idempotent
+        with pytest.raises(ServerRefused, match="request_id was used by another open request"):
+            client.open(wire.OpenRequest([*PROMPT, 7], request_id=request.request_id))
         client.open(wire.OpenRequest(PROMPT))
         with pytest.raises(ServerRefused, match="open sessions"):
             client.open(wire.OpenRequest(PROMPT))

@@ -7,7 +7,9 @@ changes that:
 - header time-out: a request's line and headers must be complete within `header_timeout_s` of
   the connection opening, or of the first byte of a later request on it (else 408 and close);
   a TLS handshake must finish within it too;
-- idle keep-alive connections close after `keepalive_timeout_s`;
+- idle keep-alive connections close after `keepalive_timeout_s` of silence after a response
+  (our own timer: aiohttp's would also close a connection part-way through its next request's
+  headers, before the header time-out could answer it);
 - connection cap: while more than `max_connections` are open, a new connection's request is
   answered 503 and the connection closed (so refused clients hold a descriptor only briefly);
 - malformed HTTP: 431 for an over-long request line or header, 400 otherwise, as OpenAI-shaped
@@ -52,6 +54,7 @@ class GuardedHandler(web.RequestHandler):
         self._counted = False
         self._between_requests = False
         self._header_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -65,25 +68,32 @@ class GuardedHandler(web.RequestHandler):
             self.guard.num_open -= 1
             self._counted = False
         self.headers_received()
+        self._stop_idle_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._between_requests and data:  # the first byte of the next request
             self._between_requests = False
+            self._stop_idle_timer()
             self._arm_header_timer()
         super().data_received(data)
 
     def headers_received(self) -> None:
-        """A request's headers are complete (its handler starts): stop the header clock."""
+        """A request's headers are complete (its handler starts): stop the header clock (and the
+        idle one, which a pipelined request's bytes, read before the last response ended, did not)."""
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        self._between_requests = False
+        self._stop_idle_timer()
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         finished = await super().finish_response(request, resp, start_time)
         self._between_requests = True
+        self._stop_idle_timer()
+        self._idle_timer = asyncio.get_running_loop().call_later(self.guard.limits.keepalive_timeout_s, self._idle_timeout)
         return finished
 
     def handle_error(
@@ -111,6 +121,16 @@ class GuardedHandler(web.RequestHandler):
         self.headers_received()
         loop = asyncio.get_running_loop()
         self._header_timer = loop.call_later(self.guard.limits.header_timeout_s, self._header_timeout)
+
+    def _stop_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_timeout(self) -> None:
+        self._idle_timer = None
+        if self._between_requests and self.transport is not None:
+            self.force_close()
 
     def _header_timeout(self) -> None:
         self._header_timer = None
@@ -150,9 +170,9 @@ class GuardedSite:
         manager, loop, limits = self._runner.server, asyncio.get_running_loop(), self.guard.limits
 
         def connection() -> GuardedHandler:
-            return GuardedHandler(
-                manager, self.guard, loop=loop, keepalive_timeout=limits.keepalive_timeout_s, access_log=None
-            )
+            # aiohttp's keep-alive timer never fires first: GuardedHandler times connections itself
+            never = limits.header_timeout_s + limits.keepalive_timeout_s + 3600.0
+            return GuardedHandler(manager, self.guard, loop=loop, keepalive_timeout=never, access_log=None)
 
         # a TLS handshake gets the header time-out too (asyncio's default is 60 s)
         handshake_s = limits.header_timeout_s if ssl_context is not None else None

@@ -89,9 +89,10 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
 
 
-def generate_remote(args: argparse.Namespace, key: str) -> int:
+def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | None = None) -> int:
     """`moaspec generate --server URL`: the same output and --json fields as local generation,
-    plus a "split" object (server calls, bytes, provisional tokens, ...)."""
+    plus a "split" object (server calls, bytes, provisional tokens, ...). tree_overrides: the
+    --tree-* flags, for the client's drafter (it drafts the trees the server verifies)."""
     import torch
 
     from moaspec.api import SpeculativeLM, load_target
@@ -109,7 +110,7 @@ def generate_remote(args: argparse.Namespace, key: str) -> int:
     # the target's default runtime: for a GGUF target llama.cpp, whose parts come from the
     # converted copy without the float32 model, and no llama.cpp context is ever made (README)
     target = load_target(args.target, light_tokenizer=True)
-    drafter = make_drafter(args.drafter, target)
+    drafter = make_drafter(args.drafter, target, tree_overrides)
     if not hasattr(drafter, "accept_context"):
         raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
     lm = SpeculativeLM(target, drafter)

@@ -19,6 +19,7 @@ also adds the OpenAI-compatible API (moaspec/openai_api, issue 7) to the same ap
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import secrets
@@ -172,7 +173,8 @@ class SplitServer:
         self.idle = IdleTargets(IDLE_TARGETS)
         self.connections = ConnectionGuard(limits)
         self.openai: OpenAIRoutes | None = None  # set by build_app
-        self.opening: dict[tuple[int, str], asyncio.Future] = {}  # open replies by (key, request_id)
+        # open replies by (key, request_id), with the digest of the open request's body
+        self.opening: dict[tuple[int, str], tuple[asyncio.Future, bytes]] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-target")
 
     # -- the application ------------------------------------------------------------------------
@@ -231,26 +233,30 @@ class SplitServer:
 
     async def _open(self, request: web.Request) -> web.StreamResponse:
         """Idempotent per (key, request_id): a retried open (its reply was lost or late) gets the
-        same session instead of a new one."""
-        message = await self._read(request)
+        same session instead of a new one; the same id with another body is a 409."""
+        body = await read_body(request, self.limits.body_timeout_s)
+        message = wire.loads(body, request.content_type)
         request_id = message.get("request_id")
         if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
             raise ProtocolError("'request_id' must be a string of 8..64 characters")
-        ident = (request[KEY_INDEX], request_id)
+        ident, digest = (request[KEY_INDEX], request_id), hashlib.sha256(body).digest()
         if ident in self.opening:
-            return _reply(request, await asyncio.shield(self.opening[ident]))
-        self.opening[ident] = asyncio.get_running_loop().create_future()
+            earlier, earlier_digest = self.opening[ident]
+            if earlier_digest != digest:
+                raise HTTPError(409, "request_id_reused", "this request_id was used by another open request")
+            return _reply(request, await asyncio.shield(earlier))
+        self.opening[ident] = (asyncio.get_running_loop().create_future(), digest)
         try:
             reply = await self._open_session(request, message, ident)
         except BaseException as exc:
-            pending = self.opening.pop(ident)
+            pending = self.opening.pop(ident)[0]
             if isinstance(exc, Exception):
                 pending.set_exception(exc)
                 pending.exception()  # retrieved: a retry waiting on it gets it through its shield, else asyncio logs it
             else:
                 pending.cancel()
             raise
-        self.opening[ident].set_result(reply)
+        self.opening[ident][0].set_result(reply)
         return _reply(request, reply)
 
     async def _open_session(self, request: web.Request, message: dict, ident: tuple[int, str]) -> dict:
