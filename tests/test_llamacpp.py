@@ -340,7 +340,7 @@ def test_serve_generates_openai_requests_with_the_calibrated_choice(llama_target
     args.runtime_options = {}
     server, described = build_server(args, ["k" * 16])
     _, calibration = drafter_for(llama_target.new_session(), None)
-    assert server.info["drafter"] == "moa" and server.target.capture is not None
+    assert server.info["drafter"] == "moa+ngram" and server.target.capture is not None
     assert described.endswith(f"(OpenAI API: {calibration.chosen.drafter})")
     reads_layers = isinstance(server.openai_drafter, MoADrafter)  # what the calibration chose here
     assert (server.openai_target.capture is not None) == reads_layers

@@ -363,6 +363,7 @@ def test_health_and_prometheus_metrics(ngram_server) -> None:
     client(ngram_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "m"}], max_tokens=6, temperature=0)
     state = health(ngram_server)
     assert state["status"] == "ok" and state["model"] == MODEL and state["queue"]["active"] == 0
+    assert state["drafter"] == "ngram"  # as a user names it (was the class name, NgramDrafter)
     response = httpx.get(url(ngram_server, "/metrics"), headers=HEADERS, timeout=TIMEOUT_S)
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text

@@ -251,6 +251,10 @@ def test_bad_json_is_a_400_with_our_message_on_every_route(server, name: str, ca
     status, reply = request(server.port, "POST", "/v1/split/sessions", body)
     assert_our_error(status, reply, 400)
     assert not [r for r in caplog.records if r.exc_info], "a client error was logged with a traceback"
+    # each refusal is one log line: method, route, status and code (README, *Limits*)
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert "refused POST /v1/split/sessions: 400 bad_request" in refusals
+    assert all(f"refused POST {path}: 400 " in "\n".join(refusals) for path in OPENAI_ROUTES)
 
 
 def test_an_oversized_header_is_refused_in_our_shape_and_never_logged(server, caplog) -> None:

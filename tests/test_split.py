@@ -271,3 +271,16 @@ def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptie
     idle.put(2, first)
     idle.expire(released_before=time.monotonic() + 1)
     assert idle.take(2) is None
+
+
+def test_drafters_are_named_as_users_name_them() -> None:
+    """/health, responses' `moaspec.drafter` and /v1/split/info name the form (`--drafter`)."""
+    from moaspec.drafters.none import NoDrafter
+    from moaspec.serving.identity import drafter_form
+
+    target = make_tiny_target("llama")
+    assert drafter_form(NoDrafter()) == "none" and drafter_form(NgramDrafter()) == "ngram"
+    drafter = MoADrafter(make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target), target)
+    assert drafter_form(drafter) == "moa"
+    drafter.enable_lookup()
+    assert drafter_form(drafter) == "moa+ngram"

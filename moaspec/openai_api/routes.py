@@ -39,7 +39,7 @@ from moaspec.openai_api.streaming import DONE, TextStream, sse
 from moaspec.openai_api.validation import ChatRequest, CompletionRequest, GenerationJob
 from moaspec.serving.errors import APIError, error_body, error_response
 from moaspec.serving.http_body import read_body
-from moaspec.serving.identity import drafter_fingerprint, drafter_method
+from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.serving.limits import OpenAILimits, ServerLimits
 from moaspec.targets.base import Target
 
@@ -79,7 +79,7 @@ class OpenAIRoutes:
         self.max_new_tokens = max_new_tokens
         self.body_timeout_s = body_timeout_s
         self.model_id = target.name
-        self.drafter = drafter_method(drafter)
+        self.drafter = drafter_form(drafter)
         self.fingerprint = f"moaspec-{self.drafter}-{drafter_fingerprint(drafter)[:8]}"
         self.created = int(time.time())
         self.queue = AdmissionQueue(limits.max_waiting)
@@ -97,10 +97,12 @@ class OpenAIRoutes:
     # -- middleware ---------------------------------------------------------------------------------
     @web.middleware
     async def _count(self, request: web.Request, handler) -> web.StreamResponse:
-        started, status = time.perf_counter(), 500
+        """Counts every final status; logs each refusal (4xx) in one line: method, route, status
+        and code, never the request's content."""
+        started, status, code = time.perf_counter(), 500, None
         try:
             response = await handler(request)
-            status = response.status
+            status, code = response.status, getattr(response, "code", None)
             return response
         except web.HTTPException as exc:
             status = exc.status
@@ -110,6 +112,8 @@ class OpenAIRoutes:
             route = resource.canonical if resource is not None else "other"  # bounded label values
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+            if 400 <= status < 500:
+                logger.info("refused %s %s: %d %s", request.method, route, status, code or "")
 
     # -- small routes -----------------------------------------------------------------------------
     def _model_card(self) -> dict:

@@ -8,6 +8,8 @@ material). A 4xx is the client's fault and is never logged with a traceback.
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 
@@ -41,8 +43,16 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
+class ErrorResponse(web.Response):
+    """A refusal's response; `code` names it for the server's one-line log (openai_api/routes.py)."""
+
+    def __init__(self, exc: APIError) -> None:
+        super().__init__(text=json.dumps(exc.body()), status=exc.status, content_type="application/json")
+        self.code = exc.code
+
+
 def error_response(exc: APIError) -> web.Response:
-    response = web.json_response(exc.body(), status=exc.status)
+    response = ErrorResponse(exc)
     if exc.close_connection:
         response.force_close()
     return response

@@ -138,6 +138,7 @@ class GuardedHandler(web.RequestHandler):
             return
         too_slow = f"the request headers did not arrive within {self.guard.limits.header_timeout_s:g} s"
         error = APIError(408, too_slow, None, "header_timeout")
+        logger.info("refused a connection: 408 header_timeout")
         self.transport.write(_raw_response(error))
         self.guard.on_refusal(408)
         self.force_close()

@@ -15,6 +15,17 @@ def drafter_method(drafter: object) -> str:
     return getattr(net, "method", None) or type(drafter).__name__
 
 
+MODEL_FREE_FORMS = {"NoDrafter": "none", "NgramDrafter": "ngram"}
+
+
+def drafter_form(drafter: object) -> str:
+    """The drafter as a user names it (`--drafter`): 'none', 'ngram', 'moa', 'eagle', and
+    'moa+ngram' / 'eagle+ngram' for a model drafter that tries prompt lookup first."""
+    if getattr(drafter, "net", None) is None:
+        return MODEL_FREE_FORMS.get(type(drafter).__name__, type(drafter).__name__)
+    return drafter_method(drafter) + ("+ngram" if getattr(drafter, "lookup", None) is not None else "")
+
+
 @torch.inference_mode()
 def drafter_fingerprint(drafter: object) -> str:
     """sha256 (first 16 hex digits) over the drafter network's parameters; the method name for

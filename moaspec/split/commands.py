@@ -54,8 +54,22 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     server, described = build_server(args, keys)
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {described} on {scheme}://{args.host}:{args.port}", file=sys.stderr)
+    _log_to_stderr()
     asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
     return 0
+
+
+def _log_to_stderr() -> None:
+    """The server's log (refusals, model failures, bugs: the "moaspec.serve" logger) as
+    timestamped lines on stderr."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[moaspec] %(asctime)s %(levelname)s %(message)s"))
+    log = logging.getLogger("moaspec.serve")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def build_server(args: argparse.Namespace, keys: list[str]):
@@ -71,7 +85,7 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     from moaspec.calibration.plan import drafter_for
     from moaspec.drafters import default_drafter
     from moaspec.openai_api.cli import openai_limits_from_args
-    from moaspec.serving.identity import drafter_method
+    from moaspec.serving.identity import drafter_form
     from moaspec.split.serve_flags import server_limits_from_args
     from moaspec.split.server import SplitServer
 
@@ -84,7 +98,7 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     if decoding_target is not None:
         decoding_drafter, calibration = drafter_for(decoding_target, None)
         openai = (decoding_target, decoding_drafter)
-        decoding = calibration.chosen.drafter if calibration is not None else drafter_method(decoding_drafter)
+        decoding = calibration.chosen.drafter if calibration is not None else drafter_form(decoding_drafter)
     server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai)
     return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
 

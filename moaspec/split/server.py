@@ -37,7 +37,7 @@ from moaspec.openai_api.routes import OpenAILimits, OpenAIRoutes, add_openai_rou
 from moaspec.serving.errors import APIError, error_response
 from moaspec.serving.http_body import read_body
 from moaspec.serving.http_guard import ConnectionGuard, GuardedSite, guard_middleware
-from moaspec.serving.identity import drafter_fingerprint, drafter_method
+from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.serving.limits import ServerLimits
 from moaspec.serving.strict_json import ProtocolError
 from moaspec.session import TargetSession
@@ -154,7 +154,7 @@ class SplitServer:
         self.openai_limits = openai_limits
         self.encoder = getattr(drafter, "context_encoder", None)
         if self.encoder is None:
-            raise MoaspecError(f"drafter {drafter_method(drafter)} cannot be split (it has no context encoder)")
+            raise MoaspecError(f"drafter {drafter_form(drafter)} cannot be split (it has no context encoder)")
         self.api_keys = [key.encode() for key in api_keys]
         self.limits = limits
         self.info = {
@@ -163,7 +163,7 @@ class SplitServer:
             "runtime": target.runtime,
             "vocab_size": target.vocab_size,
             "max_positions": target.max_positions,
-            "drafter": drafter_method(drafter),
+            "drafter": drafter_form(drafter),
             "drafter_fingerprint": drafter_fingerprint(drafter),
             "limits": asdict(limits),
         }
