@@ -226,6 +226,12 @@ def _post(server, path: str, content: bytes | None = None, body: dict | None = N
         ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "x" * 600}, 413, "prompt"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs"),
+        ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "x", "repetition_penalty": 1.5}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "x", "min_p": 0.5}, 400, "min_p"),
+        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"model": MODEL, "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens"),
     ],
 )
 def test_bad_completion_requests(ngram_server, body: dict, status: int, param: str) -> None:
@@ -245,6 +251,9 @@ def test_bad_completion_requests(ngram_server, body: dict, status: int, param: s
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x" * 600}]}, 413),
         ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy", "format": "wav"}}, 400),
     ],
 )
 def test_bad_chat_requests(ngram_server, body: dict, status: int) -> None:
@@ -480,3 +489,22 @@ def test_split_sessions_and_openai_generations_interleave_safely() -> None:
         assert result.token_ids == expected_split
     finally:
         started.stop()
+
+
+def test_neutral_options_pass_and_top_k_reaches_the_engine(ngram_server) -> None:
+    """Fields that ask for nothing are accepted; vLLM's `top_k` samples: top_k = 1 at temperature 1
+    is greedy decoding; a max_tokens beyond the context left is OpenAI's context_length_exceeded."""
+    neutral = {"tool_choice": "none", "modalities": ["text"], "logprobs": False, "frequency_penalty": 0,
+               "repetition_penalty": 1, "min_p": 0}
+    messages = [{"role": "user", "content": "m"}]
+    response = _post(ngram_server, "/v1/chat/completions", body={"model": MODEL, "messages": messages, "max_tokens": 4, **neutral})
+    assert response.status_code == 200, response.text
+    base = {"model": MODEL, "prompt": "hello", "max_tokens": 12}
+    greedy = _post(ngram_server, "/v1/completions", body={**base, "temperature": 0}).json()["choices"][0]["text"]
+    top1 = _post(ngram_server, "/v1/completions", body={**base, "temperature": 1, "top_k": 1, "seed": 3}).json()
+    assert top1["choices"][0]["text"] == greedy
+    sampled = {_post(ngram_server, "/v1/completions", body={**base, "temperature": 1, "top_k": 50, "seed": seed}).json()["choices"][0]["text"]
+               for seed in range(4)}
+    assert len(sampled) > 1
+    too_long = _post(ngram_server, "/v1/completions", body={**base, "prompt": "x" * 400, "max_tokens": 200}).json()["error"]
+    assert too_long["code"] == "context_length_exceeded" and "room for" in too_long["message"]

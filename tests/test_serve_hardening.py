@@ -234,6 +234,10 @@ BAD_BODIES = {
         b'{"model": "tiny-llama", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "temperature": ' + b"9" * 400 + b"}",
         "'temperature' must be a number",
     ),
+    "a key twice": (
+        b'{"model": "tiny-llama", "prompt": "x", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "max_tokens": 3}',
+        "repeats a key",
+    ),
 }
 OPENAI_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -419,3 +423,21 @@ def test_metrics_parse_as_prometheus_text_with_the_documented_names(server) -> N
     assert not [line for line in text.decode().splitlines() if "_created" in line]
     assert families["moaspec_split_reserved_tokens"].samples[0].value >= len(PROMPT) + 6
     assert families["moaspec_connections_open"].samples[0].value >= 1
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_full_queues_say_when_to_retry(server) -> None:
+    """RFC 9110: `bearer KEY` is `Bearer KEY`; a 429 or 503 carries Retry-After."""
+    status, _ = request(server.port, "GET", "/health", key=KEY)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
+    try:
+        conn.request("GET", "/health", headers={"Authorization": f"bearer {KEY}"})
+        assert conn.getresponse().status == status == 200
+    finally:
+        conn.close()
+    from aiohttp import web
+
+    from moaspec.serving.errors import APIError, error_response
+
+    assert error_response(APIError(429, "full", None, "queue_full")).headers["Retry-After"] == "1"
+    assert "Retry-After" not in error_response(APIError(400, "bad")).headers
+    assert isinstance(error_response(APIError(503, "busy")), web.Response)

@@ -4,12 +4,15 @@ error fields and our own one-line message.
 Types are checked by pydantic models in strict mode (no "5" for 5, no bool for a number, no
 float too large for a double); ranges that depend on the server (max tokens, the vocabulary, the
 context) and semantic rules are checked by hand afterwards. Supported: model, prompt / messages,
-max_tokens (max_completion_tokens for chat), temperature, top_p, seed, stop (a string or up to
-4), n = 1, stream, stream_options.include_usage, user. Options that would change the output
-distribution in ways the engine does not implement (penalties, logit_bias, logprobs, echo,
-best_of > 1, tools) are refused with 400 instead of being silently ignored; unknown fields are
-ignored. Defaults follow OpenAI: temperature 1, top_p 1, max_tokens 16 for /v1/completions and
-"up to the context" (bounded by the server's max new tokens) for chat.
+max_tokens (max_completion_tokens for chat), temperature, top_p, top_k (vLLM's extension), seed,
+stop (a string or up to 4), n = 1, stream, stream_options.include_usage (with stream only), user.
+Options that would change the output or its form in ways the engine does not implement
+(penalties, logit_bias, logprobs, echo, best_of > 1, tools and tool_choice, audio output, vLLM's
+repetition_penalty / min_p / min_tokens / ignore_eos) are refused with 400 instead of being
+silently ignored; other unknown fields are ignored. Defaults follow OpenAI: temperature 1, top_p 1,
+max_tokens 16 for /v1/completions and "up to the context" (bounded by the server's max new
+tokens) for chat; a max_tokens given beyond the context left after the prompt is a 400
+(`context_length_exceeded`), as OpenAI answers.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class _Request(_Strict):
     max_completion_tokens: Integer | None = None
     temperature: Number | None = None
     top_p: Number | None = None
+    top_k: Integer | None = None
     seed: Integer | None = None
     stream: StrictBool | None = None
     stream_options: _StreamOptions | None = None
@@ -86,6 +90,13 @@ class _Request(_Strict):
     suffix: Any = None
     tools: Any = None
     functions: Any = None
+    tool_choice: Any = None
+    modalities: Any = None
+    audio: Any = None
+    repetition_penalty: Any = None
+    min_p: Any = None
+    min_tokens: Any = None
+    ignore_eos: Any = None
 
 
 class CompletionRequest(_Request):
@@ -108,6 +119,7 @@ _TYPE_ERRORS: dict[str, tuple[str, str]] = {
     "max_completion_tokens": ("'max_completion_tokens' must be an integer", "invalid_type"),
     "temperature": ("'temperature' must be a number", "invalid_type"),
     "top_p": ("'top_p' must be a number", "invalid_type"),
+    "top_k": ("'top_k' must be an integer", "invalid_type"),
     "seed": ("'seed' must be an integer", "invalid_type"),
     "stream": ("'stream' must be a boolean", "invalid_type"),
     "stream_options": ("'stream_options' must be an object with a boolean 'include_usage'", "invalid_type"),
@@ -222,25 +234,36 @@ def parse_job(
     name = "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(request, name)
     if max_tokens is None:
-        max_tokens = min(max_new_tokens, room) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    if not 1 <= max_tokens <= max_new_tokens:
+        max_tokens = min(max_new_tokens, room) if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+    elif not 1 <= max_tokens <= max_new_tokens:
         raise APIError(400, f"'{name}' must be in [1, {max_new_tokens}], got {_shown(max_tokens)}", name, "invalid_value")
+    elif max_tokens > room:
+        context = room + len(prompt_ids)
+        raise APIError(
+            400, f"the model's context holds {context} tokens: {len(prompt_ids)} in the prompt leave room for {room}, "
+            f"but '{name}' asks for {max_tokens}", name, "context_length_exceeded",
+        )
     temperature = 1.0 if request.temperature is None else request.temperature
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"'temperature' must be in [0, 2], got {_shown(temperature)}", "temperature", "invalid_value")
     top_p = 1.0 if request.top_p is None else request.top_p
     if not 0.0 < top_p <= 1.0:
         raise APIError(400, f"'top_p' must be in (0, 1], got {_shown(top_p)}", "top_p", "invalid_value")
+    top_k = 0 if request.top_k is None or request.top_k == -1 else request.top_k  # vLLM: -1 = off, as 0
+    if top_k < 0:
+        raise APIError(400, f"'top_k' must be >= 0 (0 or -1: off), got {_shown(top_k)}", "top_k", "invalid_value")
     seed = request.seed
     if seed is None:
         seed = secrets.randbits(63)
     elif not -(2**63) <= seed < 2**64:
         raise APIError(400, "'seed' must fit in 64 bits", "seed", "invalid_value")
     stream = bool(request.stream)
+    if request.stream_options is not None and not stream:
+        raise APIError(400, "'stream_options' is only allowed with 'stream': true", "stream_options", "invalid_value")
     return GenerationJob(
         chat=chat,
         prompt_ids=tuple(prompt_ids),
-        sampling=SamplingConfig(temperature=temperature, top_p=top_p),
+        sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k),
         generation=GenerationConfig(max_new_tokens=max_tokens, seed=seed),
         stop=_stop(request.stop),
         stream=stream,
@@ -257,20 +280,31 @@ def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     return tuple(stops)
 
 
-_REFUSED = {
-    "frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0, "echo": False,
-    "best_of": 1, "logit_bias": {}, "suffix": "", "tools": [], "functions": [],
+# field -> the values that ask for nothing (null always does)
+_NEUTRAL: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logprobs": (False,), "top_logprobs": (0,), "echo": (False,),
+    "best_of": (1,), "logit_bias": ({},), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "modalities": (["text"],), "audio": (), "repetition_penalty": (1,),
+    "min_p": (0,), "min_tokens": (0,), "ignore_eos": (False,),
 }
 
 
 def _refuse_unsupported(request: _Request) -> None:
-    for name, neutral in _REFUSED.items():
+    for name, neutral in _NEUTRAL.items():
         value = getattr(request, name)
-        if value is not None and value != neutral and value != {} and value != [] and value is not False:
+        if value is not None and not any(_same(value, n) for n in neutral):
             raise APIError(400, f"'{name}' is not supported by this server", name, "unsupported_parameter")
     format_ = request.response_format
     if format_ is not None and format_.get("type") != "text":
         raise APIError(400, _TYPE_ERRORS["response_format"][0], "response_format", "unsupported_parameter")
+
+
+def _same(value: object, neutral: object) -> bool:
+    """Equal, with booleans apart from numbers: `logprobs: 0` asks for log-probabilities on
+    /v1/completions though 0 == False."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
 
 
 def _shown(value: object) -> str:

@@ -43,12 +43,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
+RETRY_AFTER_S = 1
+
+
 class ErrorResponse(web.Response):
     """A refusal's response; `code` names it for the server's one-line log (openai_api/routes.py)."""
 
     def __init__(self, exc: APIError) -> None:
         super().__init__(text=json.dumps(exc.body()), status=exc.status, content_type="application/json")
         self.code = exc.code
+        if exc.status in (429, 503):  # full queue or too many connections: room comes back soon
+            self.headers["Retry-After"] = str(RETRY_AFTER_S)
 
 
 def error_response(exc: APIError) -> web.Response:

@@ -217,10 +217,10 @@ class SplitServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
-        header = request.headers.get("Authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
             raise HTTPError(401, "unauthorized", "missing API key (send 'Authorization: Bearer <key>')")
-        presented = header[7:].strip().encode()
+        presented = credentials.strip().encode()
         matches = [hmac.compare_digest(presented, key) for key in self.api_keys]  # no short circuit
         if not any(matches):
             raise HTTPError(401, "unauthorized", "invalid API key")
