@@ -4,7 +4,7 @@
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json] [--raw]
                      [--tree-depth D] [--tree-top-k K] [--tree-budget N]
                      [--server URL --api-key-file F [--context-dtype f16|i8|f32] [--adaptive]
-                      [--accept-offline] [--offline-min-prob P] [--timeout S] [--cafile F]]
+                      [--accept-offline] [--offline-min-prob P] [--timeout S] [--offline-deadline-s S] [--cafile F]]
     moaspec serve [--host H] [--port P] --api-key-file F [--target ...] [--drafter ...]
                   [--ssl-certfile F --ssl-keyfile F] [--max-tree-nodes N] [--max-new-tokens N] ...
 
@@ -98,6 +98,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "provisional tokens are the target's falls below P (default 0: draft up to 64 tokens)",
     )
     split.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server per request (default 10)")
+    split.add_argument(
+        "--offline-deadline-s", type=float, default=120.0,
+        help="seconds to keep retrying a server that is down (at the start, or drafting alone after a cut) "
+        "before giving up (default 120)",
+    )
     split.add_argument("--cafile", default=None, help="CA bundle to verify an https server")
     _add_serve_parser(commands, DEFAULT_TARGET, default_drafter)
     _add_data_parser(commands, DEFAULT_TARGET)
@@ -407,6 +412,8 @@ def _generate(args: argparse.Namespace) -> int:
 
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")
+        if not args.offline_deadline_s >= 0:
+            raise MoaspecError("--offline-deadline-s must be >= 0")
         api_key = read_api_keys(args.api_key_file)[0]
     from moaspec.targets.options import runtime_options
 

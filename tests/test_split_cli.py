@@ -19,13 +19,36 @@ from moaspec.cli import main
         (["serve", "--header-timeout-s", "-1"], "--header-timeout-s must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9"], "an API key is required"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--timeout", "0"], "--timeout must be > 0"),
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-deadline-s", "-1"],
+         "--offline-deadline-s must be >= 0"),
     ],
 )
 def test_split_cli_bad_input(argv: list[str], message: str, capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("MOASPEC_API_KEY", raising=False)
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))  # as on a fresh machine: no converted target yet
-    if "--ssl-certfile" in argv or "--timeout" in argv or "--max-tree-nodes" in argv:
+    if any(flag in argv for flag in ("--ssl-certfile", "--timeout", "--max-tree-nodes", "--offline-deadline-s")):
         monkeypatch.setenv("MOASPEC_API_KEY", "k")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moaspec: error: ") and message in err and "\n" not in err
+
+
+def test_a_server_that_is_down_is_announced_and_given_up_on_at_the_deadline(capsys, monkeypatch) -> None:
+    """Bug: a split client whose server refused connections printed nothing for two minutes (a
+    fixed retry deadline), then failed. Now it says at once that it retries, for how long
+    (--offline-deadline-s), and gives up then."""
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MOASPEC_API_KEY", "k" * 16)
+    started = time.monotonic()
+    argv = ["generate", "--prompt", "hi", "--drafter", "ngram", "--server", f"http://127.0.0.1:{port}",
+            "--offline-deadline-s", "0.5"]
+    assert main(argv) != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert time.monotonic() - started < 60
+    assert lines[0].startswith("[moaspec] ") and "retrying for up to 0.5 s" in lines[0]
+    assert lines[-1].startswith("moaspec: error: ") and "unreachable" in lines[-1] and len(lines) == 2

@@ -117,7 +117,8 @@ def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | N
 
     options = SplitOptions(
         context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
-        offline_min_prob=args.offline_min_prob,
+        offline_min_prob=args.offline_min_prob, offline_deadline_s=args.offline_deadline_s,
+        notify=lambda line: print(f"[moaspec] {line}", file=sys.stderr, flush=True),
     )
     client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
     # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On

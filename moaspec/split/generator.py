@@ -61,6 +61,7 @@ class SplitOptions:
     offline_deadline_s: float = 120.0  # give up reconnecting after this long offline
     accept_offline: bool = False  # when giving up, keep the provisional tokens as final output
     adaptive: bool = False  # size the tree from measured RTT / verify / draft costs
+    notify: Callable[[str], None] | None = None  # told once when a server is found down (the CLI prints it)
 
     def __post_init__(self) -> None:
         if self.context_dtype not in wire.CONTEXT_DTYPES:
@@ -385,11 +386,15 @@ def retry_while_down(call: Callable[[], T], options: SplitOptions) -> T:
     retry_max_s; re-raises the last LinkDown once offline_deadline_s would be passed."""
     deadline = time.monotonic() + options.offline_deadline_s
     delay = options.retry_initial_s
+    told = False
     while True:
         try:
             return call()
-        except LinkDown:
+        except LinkDown as exc:
             if time.monotonic() + delay > deadline:
                 raise
+            if options.notify is not None and not told:
+                options.notify(f"{exc}; retrying for up to {options.offline_deadline_s:g} s")
+                told = True
             time.sleep(delay)
             delay = min(2 * delay, options.retry_max_s)
