@@ -2,7 +2,7 @@
 after a fixed context, relative to one node, measured in one process with the runtimes
 alternating block by block (calibration/costs.py's measure_verify: binary trees, medians).
 
-    .venv/bin/python bench/verify_curves.py --out bench/results/verify-curves.json
+    .venv/bin/python bench/verify_curves.py --out bench/results/verify-curves.json [--dtypes float32,bfloat16]
 
 Prints a markdown table (the one in the README's *Target runtimes* section).
 """
@@ -26,6 +26,10 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=256, help="verified tokens before the tree (default 256)")
     parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per runtime (default 4)")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per tree size per block (default 5)")
+    parser.add_argument(
+        "--dtypes", default="float32",
+        help="comma-separated precisions of the transformers runtime, each measured as its own row (default float32)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -34,7 +38,11 @@ def main() -> int:
     from moaspec.calibration.costs import measure_verify
     from moaspec.calibration.machine import cpu_description, runtime_description
 
-    targets = {runtime: load_target(args.target, runtime=runtime) for runtime in ("transformers", "llama.cpp")}
+    targets = {
+        "transformers" if dtype == "float32" else f"transformers {dtype}": load_target(args.target, runtime="transformers", dtype=dtype)
+        for dtype in args.dtypes.split(",")
+    }
+    targets["llama.cpp"] = load_target(args.target, runtime="llama.cpp")
     samples: dict[str, dict[int, list[float]]] = {r: {n: [] for n in NODE_COUNTS} for r in targets}
     for block in range(args.blocks):
         for runtime, target in targets.items():

@@ -112,3 +112,12 @@ def test_dtype_names() -> None:
 def test_llama_cpp_takes_no_dtype() -> None:
     with pytest.raises(MoaspecError, match="dtype applies to the transformers runtime"):
         load_target("smollm2-135m", "llama.cpp", dtype="bfloat16")
+
+
+def test_the_calibration_keeps_each_precision_apart() -> None:
+    """Costs measured in bfloat16 are not float32's: the calibration's runtime key names the
+    model's precision, not the float32 its drafters read."""
+    from moaspec.calibration.machine import runtime_description
+
+    exact, reduced = make_tiny_target("llama", dtype=torch.float32), make_tiny_target("llama", dtype=torch.bfloat16)
+    assert " float32 " in runtime_description(exact) and " bfloat16 " in runtime_description(reduced)

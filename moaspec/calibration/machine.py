@@ -48,7 +48,7 @@ def runtime_description(target) -> str:
         )
     import transformers
 
-    dtype = str(target.dtype).removeprefix("torch.")
+    dtype = str(target.weights_dtype).removeprefix("torch.")  # the model's (its drafters read float32)
     attention = str(getattr(target.config, "_attn_implementation", None) or "default")
     # a GPU's costs are not the CPU's (a CPU target keeps the key it always had)
     device = "" if target.device.type == "cpu" else f" on {torch.cuda.get_device_name(target.device)}"
