@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.chat import encode_chat_prompt
+from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import make_drafter, target_default_drafter
+from moaspec.drafters import MODEL_FREE, check_drafter_spec, make_drafter, target_default_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
@@ -70,8 +70,7 @@ class SpeculativeLM:
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of `prompt`, through the chat template unless `raw`."""
-        if not prompt or not prompt.strip():
-            raise MoaspecError("the prompt is empty")
+        check_prompt_text(prompt)
         if raw:
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return encode_chat_prompt(self.tokenizer, prompt)
@@ -95,7 +94,7 @@ class SpeculativeLM:
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
-        prompt_ids = prompt if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
+        prompt_ids = _token_ids(prompt, self.target.vocab_size) if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
         result = GenerationResult()
         # stream() checks the prompt before returning, so a refused request never reaches the
         # streamer (whose end() would print).
@@ -172,6 +171,10 @@ def load(
     from moaspec.calibration.plan import drafter_for
 
     gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
+    if drafter is not None:
+        check_drafter_spec(drafter)
+        if drafter in MODEL_FREE and tree_overrides and any(v is not None for v in tree_overrides.values()):
+            raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
     loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
     default = target_default_drafter(loaded)
     if not calibrate:
@@ -191,7 +194,8 @@ def generate(
     device: str = "cpu",
     dtype: torch.dtype | str = torch.float32,
     threads: int | None = None,
-    n_gpu_layers: int = 0,
+    n_gpu_layers: int | None = None,
+    gpu_layers: int = 0,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
     **kwargs,
@@ -202,9 +206,16 @@ def generate(
     to generate repeatedly."""
     lm = load(
         target, drafter, dtype=dtype, tree_overrides=tree_overrides, calibrate=calibrate, runtime=runtime,
-        device=device, threads=threads, n_gpu_layers=n_gpu_layers,
+        device=device, threads=threads, gpu_layers=gpu_layers, n_gpu_layers=n_gpu_layers,
     )
     return lm.generate(prompt, **kwargs)
+
+
+def _token_ids(prompt: list, vocab_size: int) -> list[int]:
+    """A prompt given as token ids, checked: integers in [0, vocab_size)."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+        raise MoaspecError(f"prompt token ids must be integers in [0, {vocab_size})")
+    return prompt
 
 
 def _gpu_layers(gpu_layers: int, n_gpu_layers: int | None) -> int:

@@ -3,6 +3,22 @@ the target's chat template with the generation prompt (plain tokenisation when t
 
 from __future__ import annotations
 
+from moaspec.errors import MoaspecError
+
+
+def check_prompt_text(text: object) -> str:
+    """`text` if it is a prompt a tokenizer can take: a non-blank string of valid Unicode (bytes
+    that are not UTF-8 reach Python's argv as lone surrogates); MoaspecError otherwise."""
+    if not isinstance(text, str):
+        raise MoaspecError(f"the prompt must be a string or a list of token ids, got {type(text).__name__}")
+    if not text.strip():
+        raise MoaspecError("the prompt is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise MoaspecError("the prompt is not valid UTF-8 text") from None
+    return text
+
 
 def encode_chat_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as a single user turn, ready for the assistant's answer."""

@@ -391,14 +391,41 @@ def _add_data_parser(commands, default_target: str) -> None:
     stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
 
+# split-only flags of `generate`: flag -> (argparse dest, its default)
+SPLIT_FLAGS = {
+    "--api-key-file": ("api_key_file", None), "--context-dtype": ("context_dtype", "f16"),
+    "--adaptive": ("adaptive", False), "--accept-offline": ("accept_offline", False),
+    "--offline-min-prob": ("offline_min_prob", 0.0), "--timeout": ("timeout", 10.0),
+    "--offline-deadline-s": ("offline_deadline_s", 120.0), "--cafile": ("cafile", None),
+}
+
+
+def _refuse_split_flags(args: argparse.Namespace) -> None:
+    """A split-only flag given without --server would be ignored: refused instead."""
+    for flag, (dest, default) in SPLIT_FLAGS.items():
+        if getattr(args, dest) != default:
+            raise MoaspecError(f"{flag} applies to generate --server (the client-server split)")
+
+
+def _check_named(args: argparse.Namespace, *flags: str) -> None:
+    """Flags naming something (a target, a drafter) must not be given empty."""
+    for flag in flags:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None and not value.strip():
+            raise MoaspecError(f"{flag} is empty")
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from moaspec.chat import check_prompt_text
     from moaspec.config import GenerationConfig, SamplingConfig
 
     # Validate everything cheap before the model loads.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
-    if not args.prompt.strip():
-        raise MoaspecError("the prompt is empty")
+    check_prompt_text(args.prompt)
+    _check_named(args, "--drafter", "--target")
+    if args.server is None:
+        _refuse_split_flags(args)
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
     from moaspec.tuned import tree_overrides

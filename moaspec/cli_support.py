@@ -21,6 +21,8 @@ EXIT_MISMATCH = 1
 def output_dir(value: str, flag: str = "--out") -> Path:
     """A directory that exists or can be created (its parent exists) and can be written: probed
     by making and removing a hidden directory in it (or in its parent), so nothing is left."""
+    if not value.strip():
+        raise MoaspecError(f"{flag} is empty (name a directory)")
     out = Path(value).expanduser()
     if out.exists() and not out.is_dir():
         raise MoaspecError(f"{flag} {out} exists and is not a directory")

@@ -6,9 +6,16 @@ point (CLI flag, library call, server request) gets the same one-line message.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moaspec.errors import MoaspecError
+
+# Bounds of a draft tree (--tree-*): far beyond what pays anywhere (the tuned trees are depth
+# <= 6, budget <= 16); a larger tree only makes the calibration and every step crawl.
+MAX_TREE_DEPTH = 32
+MAX_TREE_TOP_K = 32
+MAX_TREE_BUDGET = 256
 
 
 @dataclass(frozen=True)
@@ -23,8 +30,9 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise MoaspecError(f"temperature must be >= 0, got {self.temperature}")
+        _check_types(self, temperature=float, top_p=float, top_k=int)
+        if not 0.0 <= self.temperature < math.inf:
+            raise MoaspecError(f"temperature must be >= 0 and finite, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise MoaspecError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -35,6 +43,17 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def _check_types(config: object, **expected: type) -> None:
+    """MoaspecError naming the first field whose value is not of its type (bool is not a number;
+    an int is a float)."""
+    for name, kind in expected.items():
+        value = getattr(config, name)
+        allowed = (int, float) if kind is float else (kind,)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            shown = "a number" if kind is float else "an integer"
+            raise MoaspecError(f"{name.replace('_', '-')} must be {shown}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Limits of one generation request."""
@@ -43,6 +62,7 @@ class GenerationConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_types(self, max_new_tokens=int, seed=int)
         if self.max_new_tokens < 1:
             raise MoaspecError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if not -(2**63) <= self.seed < 2**64:  # the range torch.Generator.manual_seed accepts
@@ -69,5 +89,8 @@ class TreeConfig:
     sampled: bool = False
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.top_k < 1 or self.budget < 1:
-            raise MoaspecError("tree depth, top-k and budget must be >= 1")
+        _check_types(self, depth=int, top_k=int, budget=int)
+        if not (1 <= self.depth <= MAX_TREE_DEPTH and 1 <= self.top_k <= MAX_TREE_TOP_K and 1 <= self.budget <= MAX_TREE_BUDGET):
+            raise MoaspecError(
+                f"tree depth must be in [1, {MAX_TREE_DEPTH}], top-k in [1, {MAX_TREE_TOP_K}] and budget in [1, {MAX_TREE_BUDGET}]"
+            )

@@ -65,6 +65,8 @@ def resolve_target(spec: str) -> tuple[str, Path]:
 
     Raises MoaspecError for an unknown name or a missing / unusable path.
     """
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
     if spec in BUILTIN_TARGETS:
         return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
     path = Path(spec).expanduser()

@@ -29,7 +29,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from moaspec.atomic_files import write_file_atomically
-from moaspec.config import TreeConfig
+from moaspec.config import MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOP_K, TreeConfig
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 
@@ -103,8 +103,10 @@ def add_tree_arguments(parser, applies_to: str) -> None:
 def tree_overrides(args) -> dict:
     """The --tree-* values as `make_drafter` overrides; MoaspecError for a value < 1."""
     overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
-    if any(value is not None and value < 1 for value in overrides.values()):
-        raise MoaspecError("--tree-depth, --tree-top-k and --tree-budget must be >= 1")
+    bounds = {"depth": MAX_TREE_DEPTH, "top_k": MAX_TREE_TOP_K, "budget": MAX_TREE_BUDGET}
+    for name, value in overrides.items():
+        if value is not None and not 1 <= value <= bounds[name]:
+            raise MoaspecError(f"--tree-{name.replace('_', '-')} must be in [1, {bounds[name]}], got {value}")
     return overrides
 
 

@@ -268,7 +268,9 @@ def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
         (["--ignore-eos", "--client-server"], "--ignore-eos applies to the single-device bench"),
-        (["--tree-depth", "0"], "--tree-depth, --tree-top-k and --tree-budget must be >= 1"),
+        (["--tree-depth", "0"], "--tree-depth must be in [1, 32], got 0"),
+        (["--tree-budget", "100000"], "--tree-budget must be in [1, 256], got 100000"),
+        (["--out", ""], "--out is empty"),
     ],
 )
 def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:

@@ -27,6 +27,10 @@ def _gen(*extra: str) -> list[str]:
     return ["generate", "--prompt", "hi", *extra]
 
 
+def _gen_prompt(prompt: str) -> list[str]:
+    return ["generate", "--prompt", prompt]
+
+
 def _plain_file(tmp: Path) -> list[str]:
     notes = tmp / "notes.txt"
     notes.write_text("hello")
@@ -58,6 +62,13 @@ BAD_INPUTS: dict[str, Case] = {
     "lookup on an unknown drafter": (lambda tmp: _gen("--drafter", "nope+ngram"), "unknown drafter 'nope+ngram'"),
     "lookup on a model-free drafter": (lambda tmp: _gen("--drafter", "none+ngram"), "adds prompt lookup to a model drafter"),
     "missing --prompt": (lambda tmp: ["generate"], "--prompt"),
+    "prompt that is not UTF-8": (lambda tmp: _gen_prompt("\udcff"), "the prompt is not valid UTF-8 text"),
+    "infinite temperature": (lambda tmp: _gen("--temperature", "inf"), "temperature must be >= 0 and finite"),
+    "tree depth 1000": (lambda tmp: _gen("--drafter", "moa", "--tree-depth", "1000"), "--tree-depth must be in [1, 32]"),
+    "empty drafter": (lambda tmp: _gen("--drafter", ""), "--drafter is empty"),
+    "empty target": (lambda tmp: _gen("--target", ""), "--target is empty"),
+    "split flag without --server": (lambda tmp: _gen("--timeout", "-1"), "--timeout applies to generate --server"),
+    "adaptive without --server": (lambda tmp: _gen("--adaptive"), "--adaptive applies to generate --server"),
     "non-integer flag value": (lambda tmp: _gen("--max-new-tokens", "ten"), "invalid int value: 'ten'"),
     "non-float flag value": (lambda tmp: _gen("--temperature", "warm"), "invalid float value: 'warm'"),
     "unknown flag": (lambda tmp: _gen("--beam-width", "4"), "unrecognized arguments"),

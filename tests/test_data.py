@@ -431,7 +431,16 @@ BAD_DATA_INPUTS = {
     "stats of records of another kind": (
         lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))], "holds a record that is not training data"
     ),
+    "stats of a shard that is not UTF-8": (lambda tmp: ["data", "stats", str(_binary_shard(tmp))], "is not UTF-8 text"),
+    "empty --out": (lambda tmp: ["data", "sharegpt", "--out", ""], "--out is empty"),
+    "empty --out of distill": (lambda tmp: ["data", "distill", "--out", " "], "--out is empty"),
 }
+
+
+def _binary_shard(tmp: Path) -> Path:
+    directory = _data_dir(tmp)
+    (directory / "shard-00000.jsonl").write_bytes(b"\xff\xfe\n")
+    return directory
 
 
 def _data_dir(tmp: Path, manifest: str | None = None, record: str = '{"prompt_ids": [1], "response_ids": [2, 3]}') -> Path:

@@ -100,3 +100,17 @@ def test_a_small_data_set_is_found_done_on_rerun_and_fine_tunes_a_shipped_drafte
     assert main(train) == 0, capsys.readouterr().err
     record = json.loads((run / "checkpoint" / "config.json").read_text())
     assert record["config"]["draft_vocab_size"] == 8192 and record["training"]["init_from"]["path"]
+
+
+def test_a_selection_left_empty_is_an_error_and_leaves_no_directory(tmp_path, capsys, monkeypatch) -> None:
+    """Bug: `data sharegpt --skip-conversations` beyond every usable conversation wrote an empty
+    data set marked complete and exited 0."""
+    import moaspec.train.sharegpt
+    from moaspec.cli import main
+
+    few = [Conversation(str(i), turns("hi", f"hello {i}")) for i in range(3)]
+    monkeypatch.setattr(moaspec.train.sharegpt, "load_training_conversations", lambda log: (few, {}))
+    out = tmp_path / "tf"
+    assert main(["data", "sharegpt", "--out", str(out), "--skip-conversations", "10"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moaspec: error:")]
+    assert len(errors) == 1 and "no conversations to write" in errors[0] and not out.exists()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.config import MAX_TREE_BUDGET, SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
 
@@ -133,7 +133,7 @@ def measure_drafter(
         cycle[0] += 1
         rows = None if verified.hidden is None else verified.hidden[i : i + 1]
         drafter.accept(VerifiedUpdate(roots[i : i + 1], start + i, rows, target))
-        drafter.tree_config = TreeConfig(depth=depth, top_k=top_k, budget=depth * top_k)
+        drafter.tree_config = TreeConfig(depth=depth, top_k=top_k, budget=min(depth * top_k, MAX_TREE_BUDGET))
         begin = time.perf_counter()
         drafter.propose(int(roots[i + 1]), sampling, generator)
         return time.perf_counter() - begin

@@ -66,6 +66,8 @@ def split_lookup(spec: str) -> tuple[str, bool]:
 
 def check_drafter_spec(spec: str) -> None:
     """Fail fast (before any model loads) on a drafter that does not exist."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoaspecError(f"the drafter must be a name or a checkpoint directory, got {spec!r}")
     if Path(spec).expanduser().is_dir() or spec in MODEL_FREE or spec in SHIPPED:
         return
     base, lookup = split_lookup(spec)

@@ -14,6 +14,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype (targets/load.py takes fl
 
 def check_runtime(runtime: str | None, spec: str) -> str:
     """The runtime to use for `spec` (None = its default); MoaspecError when it cannot run it."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
     if runtime is None:
         return default_runtime(spec)
     if runtime not in RUNTIMES:

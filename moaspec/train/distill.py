@@ -210,11 +210,14 @@ def read_shards(out_dir: str | Path) -> list[dict]:
     records = []
     for path in shard_files(Path(out_dir)):
         with path.open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                try:
+            number = 0
+            try:
+                for number, line in enumerate(handle, 1):
                     records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise MoaspecError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
+            except json.JSONDecodeError as exc:
+                raise MoaspecError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
+            except UnicodeDecodeError:
+                raise MoaspecError(f"{path} is not UTF-8 text (after line {number})") from None
     return records
 
 
@@ -370,9 +373,8 @@ def run_distill(
     """The `moaspec data distill` pipeline: data, target, prompts, generation (on `device`), manifest."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
-    out_dir.mkdir(exist_ok=True)
     settings = {"target": target, **asdict(config)}
-    previous = check_resume(out_dir, settings)  # before torch loads: a wrong resume fails fast
+    previous = check_resume(out_dir, settings) if out_dir.is_dir() else None  # before torch loads: fails fast
 
     from moaspec.api import load_target
     from moaspec.train.sharegpt import load_training_conversations
@@ -383,6 +385,12 @@ def run_distill(
     loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
     tokenizer, model = loaded.tokenizer, loaded.model.to(device)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
+    if not prompts:
+        raise MoaspecError(
+            f"no prompts to distil: --skip-conversations {config.skip_conversations} passes over all "
+            f"{prompt_counts['unique_prompts'] - prompt_counts['skipped_too_long']} usable ones"
+        )
+    out_dir.mkdir(exist_ok=True)  # only now: a refused target or selection leaves no directory
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)
     eos_ids.discard(None)

@@ -161,9 +161,11 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     if not getattr(tokenizer, "chat_template", None):
         raise MoaspecError(f"target {name} has no chat template: teacher-forced conversations need one")
     conversations, data_counts = load_training_conversations(log_progress)
-    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused target leaves no directory
-    existing = read_shards(out_dir)
     records, skipped = build_records(conversations, tokenizer, config)
+    if not records:
+        raise MoaspecError(f"no conversations to write: --skip-conversations {config.skip_conversations} passes over every usable one")
+    out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused target or selection leaves no directory
+    existing = read_shards(out_dir)
     if existing and [r["id"] for r in existing] != [r["id"] for r in records[: len(existing)]]:
         raise MoaspecError(f"{out_dir} holds other records; use a new --out directory")
     writer = ShardWriter(out_dir, config.shard_size)
