@@ -327,3 +327,19 @@ def test_a_target_too_short_to_time_falls_back_to_the_configured_drafter(tmp_pat
     drafter, calibration = plan.drafter_for(target, f"{checkpoint}+ngram")
     assert calibration is None and drafter.lookup is not None and target.weight_layout == "row"
     assert "warning: no machine calibration" in capsys.readouterr().err
+
+
+def test_bench_methods_get_the_drafter_generate_would_make_on_one_layout(tiny_default) -> None:
+    """Bug: `bench --methods moa` ran the checkpoint's tree while `generate --drafter moa` ran the
+    calibration's. A bench method's drafter is now calibrated as generate's is, on the weight
+    layout the run already uses (the calibration would pick column here)."""
+    from moaspec.bench.methods import build_method, parse_methods
+
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES, column_factor=0.5)
+    target.use_layout("row")
+    spec = parse_methods(str(checkpoint))[-1]  # after the `none` it adds
+    method = build_method(spec, target)
+    _, alone = plan.calibrated_drafter(make_tiny_target("llama", max_position_embeddings=512, dtype=torch.float32), str(checkpoint))
+    assert method.engine.drafter.tree_source == "calibrated" and target.weight_layout == "row"
+    assert alone.chosen.layout == "column"

@@ -366,6 +366,15 @@ def test_resuming_with_other_settings_names_them(tmp_path) -> None:
     longer = TrainConfig(method="moa", steps=3, batch_size=1, warmup_steps=1, val_every=100, ckpt_every=1)
     with pytest.raises(ValueError, match=r"another training config \(steps 2 -> 3\).*--init-from"):
         train(make_net("moa", target), target, samples(2, 1), [], longer, tmp_path / "run", progress=False)
+    # a network of another shape (e.g. --draft-vocab changed) is named too, not a load_state_dict crash
+    reduced = make_net("moa", target, vocab=torch.arange(40))
+    with pytest.raises(ValueError, match=r"another shape \(draft_vocab_size 0 -> 40\)"):
+        train(reduced, target, samples(2, 1), [], config, tmp_path / "run", progress=False)
+    state = torch.load(tmp_path / "run" / "train_state.pt", weights_only=False)
+    del state["net_config"]  # a state saved before the network's config was: its tensors' shapes are compared
+    torch.save(state, tmp_path / "run" / "train_state.pt")
+    with pytest.raises(ValueError, match=r"another shape \(draft_vocab_ids \(0,\) -> \(40,\)"):
+        train(make_net("moa", target, vocab=torch.arange(40)), target, samples(2, 1), [], config, tmp_path / "run", progress=False)
 
 
 def test_training_data_of_another_target_or_shape_is_refused_naming_it(tmp_path) -> None:

@@ -154,14 +154,15 @@ def build_method(
         return HFGenerateMethod(spec.label, runs_on, lookup, stop_ids, lossless=runs_on is target)
     if spec.drafter == DEFAULT_METHOD:
         return EngineMethod(spec.label, target, calibrated, stop_ids)
-    from moaspec.drafters import make_drafter
+    from moaspec.calibration.plan import drafter_for
 
     # a session of its own: what one drafter asks of the target (llama.cpp: the keys/values MoA
-    # reads, captured at a cost on every decode) must not slow the other methods down
+    # reads, captured at a cost on every decode) must not slow the other methods down. The drafter
+    # as `generate --drafter NAME` makes it: the machine calibration's tree and lookup for that
+    # form, unless --tree-* (or @ref) fix the tree; every method on the target's one weight layout.
     session = target.new_session()
-    return EngineMethod(
-        spec.label, session, make_drafter(spec.drafter, session, drafter_tree(spec, tree_overrides)), stop_ids
-    )
+    drafter, _ = drafter_for(session, spec.drafter, drafter_tree(spec, tree_overrides), layout=target.weight_layout)
+    return EngineMethod(spec.label, session, drafter, stop_ids)
 
 
 def needs_hf_copy(specs: tuple[MethodSpec, ...], runtime: str) -> bool:

@@ -95,20 +95,24 @@ def calibration_enabled() -> bool:
     return not os.environ.get(DISABLE_ENV)
 
 
-def drafter_for(target, spec: str | None, tree_overrides: dict | None = None):
+def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None):
     """-> (drafter, Calibration or None): calibrated unless MOASPEC_NO_CALIBRATION is set, else
-    the named drafter (or the target's default) as configured."""
+    the named drafter (or the target's default) as configured. layout: keep the target's weights
+    in this layout (a benchmark compares drafters on one layout) instead of choosing it."""
     if calibration_enabled():
         try:
-            return calibrated_drafter(target, spec, tree_overrides)
+            return calibrated_drafter(target, spec, tree_overrides, layout=layout)
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
     return make_drafter(spec or target_default_drafter(target), target, tree_overrides), None
 
 
-def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True):
-    """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out.
+def calibrated_drafter(
+    target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True, layout: str | None = None
+):
+    """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out
+    (in `layout`, else MOASPEC_WEIGHT_LAYOUT's, else the fastest measured).
 
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
@@ -118,7 +122,7 @@ def calibrated_drafter(target, spec: str | None, tree_overrides: dict | None = N
     spec = spec or target_default_drafter(target)
     base, with_lookup = split_lookup(spec)
     model = None if base in MODEL_FREE else LazyModelDrafter(base, target, tree_overrides)
-    fixed = requested_layout()
+    fixed = layout or requested_layout()
     # on llama.cpp the layout only concerns the drafter's own (small) torch weights: row-major
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
     cpu, runtime = cpu_description(), runtime_description(target)

@@ -420,6 +420,7 @@ def train(
                 f"{state_path} was written with another training config ({changed}); rerun with the same options "
                 "to resume, continue a finished run with --init-from it and a new --out"
             )
+        _check_same_network(saved, net, state_path)
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
         state = TrainState(saved["step"], saved["history"], saved.get("train_wall_s", 0.0))
@@ -514,12 +515,34 @@ def _validate_step(record: dict, net, parts, source, val_samples, config: TrainC
     bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
 
 
+def _check_same_network(saved: dict, net, state_path: Path) -> None:
+    """ValueError naming what differs when the saved drafter is not of `net`'s shape (the network
+    settings, e.g. --draft-vocab or --memory-layers, changed since the run began)."""
+    wanted = net.config.to_dict()
+    written = saved.get("net_config")
+    if written is not None and written != wanted:
+        changes = [f"{key} {written.get(key)} -> {wanted.get(key)}" for key in sorted(wanted) if written.get(key) != wanted.get(key)]
+    else:  # states saved before net_config: compare the tensors' shapes
+        current = net.state_dict()
+        changes = [
+            f"{name} {tuple(tensor.shape)} -> {tuple(current[name].shape) if name in current else 'absent'}"
+            for name, tensor in saved["net"].items()
+            if name not in current or current[name].shape != tensor.shape
+        ]
+    if changes:
+        raise ValueError(
+            f"{state_path} holds a drafter of another shape ({', '.join(changes)}): the network settings "
+            "(--draft-vocab, --memory-layers, --tli-layers, ...) changed; rerun with the same options to resume"
+        )
+
+
 def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, generator, out_dir: Path, target, tree, provenance) -> None:
     """The resumable state (fp32) and a float16 drafter checkpoint with the full config."""
     staging = out_dir / (STATE_FILE + ".tmp")
     torch.save(
         {
             "config": asdict(config),
+            "net_config": net.config.to_dict(),  # the network's shape: a resume must build the same
             "net": net.state_dict(),
             "optimizer": optimizer.state_dict(),
             "step": state.step,
