@@ -89,6 +89,9 @@ def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, ca
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "speedup.png", "tau.png"]
     assert "| none |" in capsys.readouterr().out
+    # a rerun without plots leaves none of the old ones beside its results
+    assert main(bench_args(out, "--categories", "translation", "--methods", "none", "--no-plots")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]
 
 
 def test_checkpoint_drafter_is_lossless_and_reports_acceptance(tmp_path, tiny_bench, capsys) -> None:
@@ -271,6 +274,7 @@ def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
         (["--tree-depth", "0"], "--tree-depth must be in [1, 32], got 0"),
         (["--tree-budget", "100000"], "--tree-budget must be in [1, 256], got 100000"),
         (["--out", ""], "--out is empty"),
+        (["--client-server", "--network", ""], "--network is empty"),
     ],
 )
 def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:

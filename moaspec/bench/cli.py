@@ -168,13 +168,16 @@ def _tree_record(method) -> dict | None:
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
     """Build, validate and write results.json, results.md (and plots); -> the results dict."""
     from moaspec.bench.output import timestamp, write_results
-    from moaspec.bench.plots import render_plots
+    from moaspec.bench.plots import PLOT_FILES, render_plots
     from moaspec.bench.report import build_results, render_markdown
     from moaspec.bench.schema import validate
 
     results = build_results(data, config["methods"], config, machine_info(), command, timestamp())
     validate(results)
     write_results(out, results, render_markdown(results), render_plots(results) if plots else None)
+    if not plots:  # a previous run's plots would pass for this one's
+        for stale in PLOT_FILES:
+            (out / stale).unlink(missing_ok=True)
     return results
 
 

@@ -108,7 +108,7 @@ def parse_network(value: str | None) -> tuple[str, ...]:
     from moaspec.bench.prompts import parse_names
     from moaspec.split.netem import PROFILES
 
-    return parse_names(value or ",".join(PROFILES), "--network", tuple(PROFILES), "network profile")
+    return parse_names(",".join(PROFILES) if value is None else value, "--network", tuple(PROFILES), "network profile")
 
 
 def client_server_methods(value: str | None, target_name: str):

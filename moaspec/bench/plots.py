@@ -22,6 +22,9 @@ def check_plotting() -> None:
         raise MoaspecError("plots need matplotlib: pip install 'moaspec[bench]' (or pass --no-plots)") from exc
 
 
+PLOT_FILES = ("speedup.png", "tau.png")
+
+
 def render_plots(results: dict) -> dict[str, bytes]:
     """-> {file name: PNG bytes}."""
     import matplotlib
@@ -30,7 +33,7 @@ def render_plots(results: dict) -> dict[str, bytes]:
     import matplotlib.pyplot as plt
 
     try:
-        return {"speedup.png": _speedup(plt, results), "tau.png": _tau(plt, results)}
+        return dict(zip(PLOT_FILES, (_speedup(plt, results), _tau(plt, results))))
     finally:
         plt.close("all")
 

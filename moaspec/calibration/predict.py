@@ -72,8 +72,10 @@ class Option:
             "predicted_tokens_per_s": round(self.tokens_per_s, 3),
             "expected_tau": round(self.expected_tau, 4),
         }
+        record["tree"] = None  # null for the model-free forms
         if self.tree is not None:
             record["tree"] = {"depth": self.tree.depth, "top_k": self.tree.top_k, "budget": self.tree.budget}
+        record["lookup"] = None  # null for a form without prompt lookup
         if self.lookup is not None:
             record["lookup"] = {
                 "min_ngram": self.lookup.min_ngram,
