@@ -1,7 +1,7 @@
 """moaspec: lossless speculative decoding with Mixture of Attentions (arXiv 2410.03804).
 
 Public API (imported lazily, so `import moaspec` and the CLI's error paths stay fast):
-    load(target="smollm2-135m", drafter="ngram") -> SpeculativeLM
+    load(target="smollm2-135m", drafter=None) -> SpeculativeLM  (None: the machine calibration's choice)
     SpeculativeLM.generate(prompt, ..., streamer=None) -> GenerationOutput
     generate(prompt, target=..., drafter=..., streamer=None, ...) -> GenerationOutput (one-shot)
     Engine, SamplingConfig, GenerationConfig, DraftTree, verify_greedy, verify_stochastic, MoaspecError
