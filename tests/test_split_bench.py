@@ -76,6 +76,8 @@ def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, caps
     assert results["config"]["networks"]["lan"]["rtt_s"] == 0.001 and results["kind"] == "client_server"
     assert results["config"]["runtime"] == "transformers" and "on the transformers runtime" in captured.out
     assert captured.out == (out / "results.md").read_text() and "## lan (1 ms RTT" in captured.out
+    assert sorted(p.name for p in out.iterdir()) == ["client_server.png", "results.json", "results.md"]
+    assert (out / "client_server.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_disconnection_minimum_probability_reaches_the_clients(tmp_path, tiny_bench, capsys) -> None:  # noqa: F811

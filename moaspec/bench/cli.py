@@ -5,10 +5,11 @@
                   [--temperature T] [--max-new-tokens N] [--target NAME|PATH] [--seed S]
                   [--no-plots] [--no-progress]
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,...]
-                  [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [the flags above but --no-plots]
+                  [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [the flags above]
 
 Writes results.json, results.md, speedup.png and tau.png into DIR (all or nothing; client-server:
-results.json and results.md, see moaspec/bench/client_server.py), prints the markdown to stdout.
+results.json, results.md and client_server.png, see moaspec/bench/client_server.py), prints the
+markdown to stdout.
 Exit status: 0; 1 when a greedy run found a mismatch (results still written); 2 for bad flags or
 inputs (one line `moaspec: error: ...`).
 """
@@ -93,6 +94,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
+    if not args.no_plots:
+        check_plotting()
     if args.client_server:
         if args.ignore_eos:
             raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
@@ -100,8 +103,6 @@ def run_bench(args: argparse.Namespace) -> int:
     runtime = options["runtime"]
     specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime, options["device"]))
     check_available(specs, target_name)
-    if not args.no_plots:
-        check_plotting()
     prompts = load_prompts(categories, args.limit)
 
     # 2. load and run

@@ -38,6 +38,43 @@ def render_plots(results: dict) -> dict[str, bytes]:
         plt.close("all")
 
 
+CLIENT_SERVER_PLOT_FILES = ("client_server.png",)
+
+
+def render_client_server_plots(results: dict) -> dict[str, bytes]:
+    """`bench --client-server`'s figure: per network, each drafter's tokens/s relative to the
+    plain server stream (split and server-side) and its time to first token. -> {name: PNG bytes}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["client_server"]
+    profiles = list(dict.fromkeys(row["profile"] for row in rows))
+    cases = list(dict.fromkeys((row["method"], row["mode"]) for row in rows))
+    by_case = {(row["profile"], row["method"], row["mode"]): row for row in rows}
+    width = 0.8 / max(1, len(cases))
+    try:
+        fig, (speed, first) = plt.subplots(1, 2, figsize=(max(8.0, 2.2 * len(profiles) + 4), 4.0))
+        for c, (method, mode) in enumerate(cases):
+            positions = [i + (c - (len(cases) - 1) / 2) * width for i in range(len(profiles))]
+            found = [by_case.get((profile, method, mode)) for profile in profiles]
+            label = method if method == "none" else f"{method} ({mode})"
+            speed.bar(positions, [row["speedup"] if row else 0.0 for row in found], width, label=label)
+            first.bar(positions, [row["time_to_first_token_s"] if row else 0.0 for row in found], width, label=label)
+        for ax, ylabel in ((speed, "tokens/s relative to the plain server stream"), (first, "time to first token (s)")):
+            ax.set_xticks(range(len(profiles)), profiles)
+            ax.set_ylabel(ylabel)
+            ax.margins(y=0.25)
+        speed.set_ylim(top=max(1.0, *(row["speedup"] for row in rows)) * (1.25 + 0.07 * len(cases)))  # room for the legend
+        speed.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        speed.legend(fontsize="small", ncols=2, loc="upper left")
+        fig.suptitle(f"moaspec bench --client-server: {results['config']['target']}, {_decoding(results)}")
+        return dict(zip(CLIENT_SERVER_PLOT_FILES, (_png(plt, fig),)))
+    finally:
+        plt.close("all")
+
+
 def _speedup(plt, results: dict) -> bytes:
     categories = [c["category"] for c in results["categories"]] + ["mean"]
     methods = [row["method"] for row in results["summary"]]
