@@ -238,6 +238,7 @@ def test_hostile_messages_are_rejected_and_other_sessions_keep_working() -> None
             ("/v1/split/sessions", b"{}", "application/python-pickle", 400),  # no pickle, ever
             ("/v1/split/sessions", wire.dumps({"version": 1, "prompt_ids": [10**9], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
             ("/v1/split/sessions", wire.dumps({"version": 99, "prompt_ids": [1], "request_id": "r" * 12}, wire.JSON), wire.JSON, 400),
+            ("/v1/split/sessions", wire.dumps({"version": 1, "prompt_ids": [1] * 300, "request_id": "r" * 12}, wire.JSON), wire.JSON, 413),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1, 2], "parents": [-1, 5]}, wire.MSGPACK), wire.MSGPACK, 400),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 0, "token_ids": [1] * 9, "parents": list(range(-1, 8))}, wire.MSGPACK), wire.MSGPACK, 400),
             (f"/v1/split/sessions/{session_id}/verify", wire.dumps({"seq": 3, "token_ids": [1], "parents": [-1]}, wire.MSGPACK), wire.MSGPACK, 409),

@@ -264,6 +264,11 @@ class SplitServer:
         if version != wire.PROTOCOL_VERSION:
             raise HTTPError(400, "version", f"protocol version {version} is not supported (server: {wire.PROTOCOL_VERSION})")
         vocab, limit = self.target.vocab_size, self.limits
+        given = message.get("prompt_ids")
+        if isinstance(given, list) and len(given) >= self.target.max_positions:  # as the OpenAI routes answer it
+            raise HTTPError(
+                413, "context_length_exceeded", f"the prompt has {len(given)} tokens but the model's context holds {self.target.max_positions}"
+            )
         prompt = wire.get_ids(message, "prompt_ids", vocab, 1, self.target.max_positions - 1)
         try:
             sampling = SamplingConfig(
