@@ -9,7 +9,9 @@ size and modification time, so a retrained drafter is not served a stale choice.
 
 Precedence of the tree a model drafter uses (highest first):
 1. explicit values: `tree_overrides` of `make_drafter` / `load`, the `--tree-*` flags of
-   `moaspec generate` (each given field replaces that field only);
+   `moaspec generate` (each given field replaces that field only; the fields left out come
+   from the levels below, where the machine calibration chooses them among the trees with the
+   given fields);
 2. the tuned choice for this machine, target, checkpoint and kind of device (CPU or GPU), when
    one was saved (set MOASPEC_NO_TUNED=1 to ignore it);
 3. the machine calibration's choice (moaspec/calibration/plan.py; applied by `load()`, `moaspec

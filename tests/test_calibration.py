@@ -343,3 +343,14 @@ def test_bench_methods_get_the_drafter_generate_would_make_on_one_layout(tiny_de
     _, alone = plan.calibrated_drafter(make_tiny_target("llama", max_position_embeddings=512, dtype=torch.float32), str(checkpoint))
     assert method.engine.drafter.tree_source == "calibrated" and target.weight_layout == "row"
     assert alone.chosen.layout == "column"
+
+
+def test_tree_fields_left_open_are_the_calibrations_to_choose(tiny_default) -> None:
+    """`--tree-depth 3` alone: the depth is 3 and the top-k and budget are the calibration's best
+    for depth 3 (they came from the checkpoint, 1 and 2, whatever the costs said)."""
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES)
+    drafter, calibration = plan.calibrated_drafter(target, str(checkpoint), {"depth": 3, "top_k": None, "budget": None})
+    assert drafter.tree_config.depth == 3 and drafter.tree_source == "calibrated"
+    assert drafter.tree_config == calibration.chosen.tree
+    assert (drafter.tree_config.top_k, drafter.tree_config.budget) != (2, 2)  # not the checkpoint's

@@ -231,6 +231,11 @@ class LazyModelDrafter:
         else:
             self._drafter = None
             self.tree_config, self.tree_source = resolve_tree(tree, target.name, directory, tree_overrides, target.device)
+        # some --tree-* fields fixed, the others left to the calibration (not to a tuned choice,
+        # which outranks it: tuned.py): the candidates are the trees with those fields
+        given = {key: value for key, value in (tree_overrides or {}).items() if value is not None}
+        below = self.tree_source if tree is None else resolve_tree(tree, target.name, directory, None, target.device)[1]
+        self.fixed_fields = given if 0 < len(given) < 3 and below == "checkpoint" else {}
 
     def drafter(self):
         if self._drafter is None:
@@ -245,8 +250,13 @@ def _tree_candidates(model, costs, rates):
     """Every tree with measured costs, or only the model's own when it was fixed (tuned / explicit)."""
     from moaspec.calibration.tree_ranking import Candidate, candidates, expected_tau
 
-    if model.tree_source == "checkpoint":
-        found = [c for c in candidates(costs, rates) if c.num_nodes <= max(costs.verify_s)]  # no extrapolation
+    if model.tree_source == "checkpoint" or model.fixed_fields:
+        fixed = model.fixed_fields
+        found = [
+            c for c in candidates(costs, rates)
+            if c.num_nodes <= max(costs.verify_s)  # no extrapolation
+            and all(getattr(c.tree, field) == value for field, value in fixed.items())
+        ]
         if found:
             return found
     tree = model.tree_config
@@ -313,9 +323,10 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None):
         return NoDrafter.for_target(target)
     if chosen.drafter == "ngram" or model is None:
         return NgramDrafter(chosen.lookup, gate) if chosen.lookup is not None else make_drafter(spec, target)
+    partly_fixed = bool(model.fixed_fields)  # the calibration chose the fields --tree-* left open
     model = model.drafter()
     model.use_layout(chosen.layout)
-    if chosen.tree is not None and model.tree_source == "checkpoint":
+    if chosen.tree is not None and (model.tree_source == "checkpoint" or partly_fixed):
         model.tree_config, model.tree_source = chosen.tree, "calibrated"
     if chosen.drafter.endswith("+ngram"):
         model.enable_lookup(chosen.lookup)
