@@ -391,19 +391,19 @@ def _add_data_parser(commands, default_target: str) -> None:
     stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
 
-# split-only flags of `generate`: flag -> (argparse dest, its default)
-SPLIT_FLAGS = {
-    "--api-key-file": ("api_key_file", None), "--context-dtype": ("context_dtype", "f16"),
-    "--adaptive": ("adaptive", False), "--accept-offline": ("accept_offline", False),
-    "--offline-min-prob": ("offline_min_prob", 0.0), "--timeout": ("timeout", 10.0),
-    "--offline-deadline-s": ("offline_deadline_s", 120.0), "--cafile": ("cafile", None),
-}
+SPLIT_FLAGS = (  # `generate`'s flags that only the client-server split reads
+    "--api-key-file", "--context-dtype", "--adaptive", "--accept-offline", "--offline-min-prob", "--timeout",
+    "--offline-deadline-s", "--cafile",
+)
 
 
 def _refuse_split_flags(args: argparse.Namespace) -> None:
-    """A split-only flag given without --server would be ignored: refused instead."""
-    for flag, (dest, default) in SPLIT_FLAGS.items():
-        if getattr(args, dest) != default:
+    """A split-only flag given without --server would be ignored: refused instead (a flag counts
+    as given when its value is not the parser's default)."""
+    defaults = _build_parser().parse_args(["generate", "--prompt", "-"])
+    for flag in SPLIT_FLAGS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, dest) != getattr(defaults, dest):
             raise MoaspecError(f"{flag} applies to generate --server (the client-server split)")
 
 
