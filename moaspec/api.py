@@ -165,7 +165,8 @@ def load(
     (precedence: moaspec/tuned.py).
 
     runtime: "llama.cpp" or "transformers" (None: llama.cpp for GGUF targets, targets/load.py);
-    dtype and device (transformers: "float32", "bfloat16", ...; "cpu", "cuda", ...; see load_target), threads, gpu_layers and light_tokenizer (llama.cpp);
+    dtype and device (transformers: "float32", "bfloat16", ...; "cpu", "cuda", ...; see
+    load_target), threads, gpu_layers and light_tokenizer (llama.cpp);
     n_gpu_layers: llama.cpp's name for gpu_layers (the CLI's --n-gpu-layers), either may be given.
     """
     from moaspec.calibration.plan import drafter_for
