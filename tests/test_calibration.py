@@ -19,7 +19,7 @@ from moaspec.calibration import costs_store
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
-from moaspec.config import GenerationConfig
+from moaspec.config import GenerationConfig, TreeConfig
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.engine import Engine
@@ -253,7 +253,10 @@ def test_explicit_choices_are_kept(tiny_default, monkeypatch) -> None:
     assert calibration.chosen.drafter == "none" and calibration.chosen.layout == "column"
     drafter, calibration = plan.calibrated_drafter(target, str(checkpoint), {"depth": 3, "top_k": 1, "budget": None})
     assert calibration.chosen.drafter == str(checkpoint)
-    assert (drafter.tree_config.depth, drafter.tree_config.top_k) == (3, 1) and drafter.tree_source == "explicit"
+    # the given fields are kept, the budget left open is the calibration's
+    assert (drafter.tree_config.depth, drafter.tree_config.top_k) == (3, 1) and drafter.tree_source == "calibrated"
+    drafter, _ = plan.calibrated_drafter(target, str(checkpoint), {"depth": 3, "top_k": 1, "budget": 2})
+    assert drafter.tree_config == TreeConfig(depth=3, top_k=1, budget=2) and drafter.tree_source == "explicit"
     monkeypatch.setenv("MOASPEC_WEIGHT_LAYOUT", "row")
     _, fixed = plan.calibrated_drafter(target, "ngram")
     assert fixed.chosen.layout == "row" and fixed.chosen.drafter == "ngram" and fixed.chosen.lookup is not None
