@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moaspec.config import SamplingConfig
+from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.tree import DraftTree, depths, prune_to_depth
 
@@ -60,11 +61,14 @@ def decode_step(
     stats: SpecStats,
     verify: Callable[[DraftTree], Verdict],
     max_nodes: int | None = None,
+    vocab_size: int | None = None,
 ) -> Step:
     """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
-    to depth remaining - 1; max_nodes: keep only the first nodes (a server's limit)."""
+    to depth remaining - 1; max_nodes: keep only the first nodes (a server's limit); vocab_size:
+    the target's, which every drafted token must be in."""
     tick = time.perf_counter()
-    tree = prune_to_depth(drafter.propose(root, sampling, generator), remaining - 1)
+    tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
+    tree = prune_to_depth(tree, remaining - 1)
     if max_nodes is not None:
         tree = limit_nodes(tree, max_nodes)
     draft_s = time.perf_counter() - tick
@@ -81,6 +85,17 @@ def decode_step(
     stats.draft_s += time.perf_counter() - tick
     emitted = [*tree.token_ids[verdict.path_node_idx[1:]].tolist(), verdict.next_token]
     return Step(tree, verdict, emitted, draft_s, verify_s)
+
+
+def check_proposal(tree: DraftTree, root: int, vocab_size: int | None) -> DraftTree:
+    """A drafter's tree as the verifier needs it (MoaspecError otherwise): node 0 is the root, the
+    last emitted token (a tree from elsewhere would emit tokens the target never chose), and
+    every token is in the target's vocabulary."""
+    if int(tree.token_ids[0]) != root:
+        raise MoaspecError(f"the drafter's tree starts at token {int(tree.token_ids[0])}, not at the root {root}")
+    if vocab_size is not None and not bool(((tree.token_ids >= 0) & (tree.token_ids < vocab_size)).all()):
+        raise MoaspecError(f"the drafter proposed a token outside the target's vocabulary [0, {vocab_size})")
+    return tree
 
 
 def limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:

@@ -128,7 +128,8 @@ class Engine:
             # propose, verify in one target forward (the verifier picks the path, the target
             # commits it), tell the drafter (decode_step.py: shared with the split client)
             step = decode_step(
-                self.drafter, root, max_new - len(result.token_ids), sampling, generator, stats, verify
+                self.drafter, root, max_new - len(result.token_ids), sampling, generator, stats, verify,
+                vocab_size=self.target.vocab_size,
             )
             emitted, root = step.emitted, step.verdict.next_token
 

@@ -317,3 +317,27 @@ def test_prompt_lookup_first_then_the_model_and_restarts_with_the_drafter() -> N
     trees = [drafter.propose(3, SamplingConfig(), torch.Generator()) for drafter in (hybrid, plain)]
     assert model_runs == [3]
     assert torch.equal(trees[0].token_ids, trees[1].token_ids) and torch.equal(trees[0].parents, trees[1].parents)
+
+
+class FaultyDrafter(NoDrafter):
+    """Proposes `root + shift` as the root, or a drafted token outside the vocabulary."""
+
+    def __init__(self, shift: int = 0, token: int | None = None) -> None:
+        self.shift, self.token = shift, token
+
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        tokens = [root_id + self.shift] + ([] if self.token is None else [self.token])
+        return DraftTree(torch.tensor(tokens), torch.tensor(list(range(-1, len(tokens) - 1))))
+
+
+@pytest.mark.parametrize(
+    "drafter, message",
+    [(FaultyDrafter(shift=1), "starts at token"), (FaultyDrafter(token=10**6), "outside the target's vocabulary")],
+)
+def test_a_drafter_cannot_change_what_is_emitted(drafter: FaultyDrafter, message: str) -> None:
+    """A tree whose root is not the last emitted token would emit tokens the target never chose
+    (greedy output silently differed from plain decoding); an out-of-vocabulary token failed deep
+    in the runtime. Both are refused, naming the drafter's fault."""
+    target = make_tiny_target("llama")
+    with pytest.raises(MoaspecError, match=message):
+        Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=4), stop_ids=NO_STOP)

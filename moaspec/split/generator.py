@@ -219,7 +219,7 @@ class _Run:
         try:
             step = decode_step(
                 self.drafter, self.root, self.remaining, self.sampling, self.generator, self.result.stats, verify,
-                self.owner.max_tree_nodes,
+                self.owner.max_tree_nodes, self.owner.vocab_size,
             )
         except (LinkDown, SessionLost):
             self._go_offline()
