@@ -48,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="8192,16384,32768,0", help="vocabulary sizes, 0 = full")
     parser.add_argument("--data", nargs="+", required=True, help="training data directories (token frequencies)")
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--cache", default="/work/cache/mtbench-features", help="mtbench_top1.py's feature cache")
+    parser.add_argument("--cache", default=None, help="mtbench_top1.py's feature cache (default: its default)")
     args = parser.parse_args(argv)
+    mtbench_top1.check_drafters(parser, args.drafters)
+    missing = [d for d in args.data if not Path(d).is_dir()]
+    if missing:
+        parser.error(f"--data: no directory {', '.join(missing)}")
     from moaspec.api import load_target
     from moaspec.drafters import checkpoint_directory
     from moaspec.drafters.vocab import most_frequent_token_ids
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     samples, _ = mtbench_top1.samples_of(target, mtbench_top1.conversations(target, 128))
     layers = tuple(range(target.num_layers))
     fingerprint = target_fingerprint(target)
-    source = build_feature_cache(target, samples, Path(args.cache), fingerprint, tli_max=1, kv_layers=layers)
+    source = build_feature_cache(target, samples, mtbench_top1.feature_cache_dir(args.cache), fingerprint, tli_max=1, kv_layers=layers)
     learned = [s.learned_tokens() for s in load_samples([Path(d) for d in args.data], 100_000)]
     wanted = torch.cat([  # the target's next token at every answer position
         source.features(sample, 0, ()).teacher_argmax[loss_mask(sample.input_ids.numel(), sample.spans()).bool()]

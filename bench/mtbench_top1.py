@@ -219,18 +219,42 @@ def _lookup_summary(counts: dict) -> tuple[dict, dict]:
     return {"depth1": counts["hits"] / positions}, lookup
 
 
+def check_drafters(parser: argparse.ArgumentParser, drafters: str) -> None:
+    """Every NAME or LABEL=DIR of --drafters names a drafter (argparse's error otherwise), before
+    the features are computed (minutes)."""
+    from moaspec.drafters import check_drafter_spec
+    from moaspec.errors import MoaspecError
+
+    for item in drafters.split(","):
+        spec = item.partition("=")[2] if "=" in item else item
+        try:
+            check_drafter_spec(spec)
+        except MoaspecError as exc:
+            parser.error(str(exc))
+
+
+def feature_cache_dir(given: str | None) -> Path:
+    """--cache, else features/mtbench in moaspec's cache directory (model_store.cache_root)."""
+    from moaspec.model_store import cache_root
+
+    return Path(given) if given else cache_root() / "features" / "mtbench"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--drafters", required=True, help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per answer (default 128)")
-    parser.add_argument("--cache", default="/work/cache/mtbench-features", help="feature cache directory")
+    parser.add_argument(
+        "--cache", default=None, help="feature cache directory (default: features/mtbench in moaspec's cache, ~700 MB)"
+    )
     parser.add_argument(
         "--shuffle-memory", action="store_true",
         help="permute the target features the drafters read across positions (see the module docstring)",
     )
     args = parser.parse_args(argv)
+    check_drafters(parser, args.drafters)
     from moaspec.api import load_target
     from moaspec.nn.checkpoint import target_fingerprint
     from moaspec.train.feature_cache import build_feature_cache
@@ -240,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     samples, categories = samples_of(target, records)
     fingerprint = target_fingerprint(target)
     layers = tuple(range(target.num_layers))
-    source = build_feature_cache(target, samples, Path(args.cache), fingerprint, tli_max=1, kv_layers=layers)
+    source = build_feature_cache(target, samples, feature_cache_dir(args.cache), fingerprint, tli_max=1, kv_layers=layers)
     source.check(samples, fingerprint, 1, layers)
     if args.shuffle_memory:
         source = ShuffledInputs(source)
