@@ -259,3 +259,13 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
     other = make_tiny_target("llama", seed=1)
     with pytest.raises(MoaspecError, match="trained for target"):
         make_drafter(str(path), other)
+
+
+def test_a_training_run_directory_points_to_its_checkpoint(tmp_path) -> None:
+    """`--drafter RUN` (the run, not RUN/checkpoint) says where the drafter is."""
+    from moaspec.drafters import load_drafter
+
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
+    with pytest.raises(MoaspecError, match=r"a training run's drafter is in .*checkpoint"):
+        load_drafter(tmp_path, make_tiny_target("llama"))

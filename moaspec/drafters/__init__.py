@@ -123,7 +123,8 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
         record = json.loads((directory / "config.json").read_text())
         method = record["method"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
+        hint = f"; a training run's drafter is in {directory / 'checkpoint'}" if (directory / "checkpoint" / "config.json").is_file() else ""
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method){hint}") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
     return drafter_class(method).from_pretrained(directory, target)
