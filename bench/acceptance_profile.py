@@ -35,6 +35,7 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import SHIPPED, SHIPPED_DIR, make_drafter
 from moaspec.engine import Engine
 from moaspec.train.sharegpt import load_training_conversations
+from moaspec.bench.script_args import positive_int
 
 CONTEXT_PROMPTS = (  # written for the lookup profile; not from any benchmark set
     "Summarize this note in two sentences:\n\nThe garden club met on Tuesday evening. Members agreed to "
@@ -74,7 +75,7 @@ def sharegpt_prompts(tokenizer, count: int) -> list[list[int]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--sharegpt-prompts", type=int, default=36,
         help="ShareGPT first turns added to the lookup profile's prompts (default 36)",

@@ -27,6 +27,7 @@ from moaspec.bench.output import write_json
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
+from moaspec.bench.script_args import non_negative_int, positive_int
 
 CONTEXT = 256
 
@@ -67,12 +68,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--depth", type=int, default=TreeConfig.depth)
-    parser.add_argument("--top-k", type=int, default=TreeConfig.top_k)
-    parser.add_argument("--budget", type=int, default=TreeConfig.budget)
-    parser.add_argument("--reduced-vocab", type=int, default=8192)
-    parser.add_argument("--accepted", type=int, default=3, help="tokens verified per cycle (root + accepted drafts)")
+    parser.add_argument("--rounds", type=positive_int, default=15)
+    parser.add_argument("--depth", type=positive_int, default=TreeConfig.depth)
+    parser.add_argument("--top-k", type=positive_int, default=TreeConfig.top_k)
+    parser.add_argument("--budget", type=positive_int, default=TreeConfig.budget)
+    parser.add_argument("--reduced-vocab", type=non_negative_int, default=8192)
+    parser.add_argument("--accepted", type=positive_int, default=3, help="tokens verified per cycle (root + accepted drafts)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 2))

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
-from moaspec.bench.prompts import CATEGORIES, load_prompts, parse_categories
+from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.costs_store import measure_verify_costs
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -46,6 +46,7 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import make_drafter
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.engine import Engine
+from moaspec.bench.script_args import category_list, positive_int
 
 MAX_CHAIN = 15  # drafted tokens per cycle at most: 16 verified nodes, the largest tree measured
 
@@ -104,9 +105,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--runtime", default=None, help="llama.cpp or transformers (default: the target's)")
-    parser.add_argument("--categories", default=",".join(CATEGORIES))
+    parser.add_argument("--categories", type=category_list, default=",".join(CATEGORIES))
     parser.add_argument("--limit", type=int, default=10, help="prompts per category, drawn as the bench draws them")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 2:
@@ -120,7 +121,7 @@ def main() -> int:
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
 
     categories = {}
-    prompts = load_prompts(parse_categories(args.categories), args.limit)
+    prompts = load_prompts(args.categories, args.limit)
     for category, items in prompts.items():
         sequences, prefill_s, decode_s = [], 0.0, 0.0
         for prompt in tqdm(items, desc=category, unit="prompt", file=sys.stderr):

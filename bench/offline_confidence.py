@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from moaspec.bench.script_args import category_list, non_negative_int, positive_int
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 FINE_THRESHOLDS = tuple(i / 200 for i in range(201))  # agreeing_at's sweep
@@ -112,12 +113,12 @@ def conditional_precision(generations: list[list[dict]]) -> dict[str, list[int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--categories", default="mt_bench,humaneval")
-    parser.add_argument("--limit", type=int, default=25)
-    parser.add_argument("--skip", type=int, default=10)
+    parser.add_argument("--categories", type=category_list, default="mt_bench,humaneval")
+    parser.add_argument("--limit", type=positive_int, default=25)
+    parser.add_argument("--skip", type=non_negative_int, default=10)
     parser.add_argument("--drafters", default="ngram,moa,moa+ngram")
-    parser.add_argument("--cut-after", type=int, default=16)
-    parser.add_argument("--offline-tokens", type=int, default=24)
+    parser.add_argument("--cut-after", type=positive_int, default=16)
+    parser.add_argument("--offline-tokens", type=positive_int, default=24)
     parser.add_argument("--report-only", action="store_true", help="rewrite DIR/results.md from DIR/results.json")
     args = parser.parse_args()
     out = Path(args.out)
@@ -134,7 +135,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     target = moaspec.api.load_target("smollm2-135m", runtime="transformers")
-    items = [item for group in load_prompts(tuple(args.categories.split(",")), args.limit).values() for item in group[args.skip:]]
+    items = [item for group in load_prompts(args.categories, args.limit).values() for item in group[args.skip:]]
     results = {"command": " ".join(["bench/offline_confidence.py", *__import__("sys").argv[1:]]), "drafters": {}}
     for spec in args.drafters.split(","):
         generations = {}

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from moaspec.bench.script_args import existing_file, positive_int
 
 
 def per_generation(runs: list[dict], method: str) -> dict[tuple, tuple[int, int]]:
@@ -43,10 +44,10 @@ def paired_differences(baseline: dict, other: dict, rounds: int, seed: int = 0) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="a moaspec bench results.json")
+    parser.add_argument("results", type=existing_file, help="a moaspec bench results.json")
     parser.add_argument("baseline")
     parser.add_argument("methods", nargs="+")
-    parser.add_argument("--rounds", type=int, default=10000)
+    parser.add_argument("--rounds", type=positive_int, default=10000)
     args = parser.parse_args(argv)
     runs = json.loads(Path(args.results).read_text())["runs"]
     baseline = per_generation(runs, args.baseline)

@@ -16,6 +16,7 @@ import statistics
 import time
 
 from llamacpp_probes import CONTEXT, _context
+from moaspec.bench.script_args import positive_int, positive_ints
 
 CASES = {  # label -> (ggml key type, ggml value type, tokens per llama_decode)
     "q8_0/f16, 512": (8, 1, 512),
@@ -45,8 +46,8 @@ def prefill_ms(weights, key_type: int, value_type: int, length: int, chunk: int)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="128,256,512,1000")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lengths", type=positive_ints, default="128,256,512,1000")
+    parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args()
     import torch
 
@@ -54,7 +55,7 @@ def main() -> int:
 
     torch.set_num_threads(2)
     weights = load_target("smollm2-135m", runtime="llama.cpp", threads=2).weights
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = args.lengths
     times: dict[tuple[int, str], list[float]] = {}
     for _ in range(args.rounds):
         for length in lengths:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from moaspec.bench.script_args import positive_int
 
 NODE_COUNTS = (1, 2, 4, 8, 16)
 
@@ -23,9 +24,9 @@ NODE_COUNTS = (1, 2, 4, 8, 16)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--context", type=int, default=256, help="verified tokens before the tree (default 256)")
-    parser.add_argument("--blocks", type=int, default=4, help="alternating blocks per runtime (default 4)")
-    parser.add_argument("--repeats", type=int, default=5, help="measurements per tree size per block (default 5)")
+    parser.add_argument("--context", type=positive_int, default=256, help="verified tokens before the tree (default 256)")
+    parser.add_argument("--blocks", type=positive_int, default=4, help="alternating blocks per runtime (default 4)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="measurements per tree size per block (default 5)")
     parser.add_argument(
         "--dtypes", default="float32",
         help="comma-separated precisions of the transformers runtime, each measured as its own row (default float32)",
