@@ -33,6 +33,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     args = parser.parse_args()
     dtypes, methods = args.dtypes.split(","), args.methods.split(",")
+    from moaspec.targets.options import DTYPES
+
+    unknown = [dtype for dtype in dtypes if dtype not in DTYPES]
+    if unknown:
+        parser.error(f"unknown --dtypes {', '.join(unknown)} (known: {', '.join(DTYPES)})")
     if dtypes[0] != "float32" or methods[0] != "none":
         parser.error("--dtypes must start with float32 and --methods with none (the references)")
 

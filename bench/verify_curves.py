@@ -33,6 +33,11 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
+    from moaspec.targets.options import DTYPES
+
+    unknown = [dtype for dtype in args.dtypes.split(",") if dtype not in DTYPES]
+    if unknown:
+        parser.error(f"unknown --dtypes {', '.join(unknown)} (known: {', '.join(DTYPES)})")
 
     from moaspec.api import load_target
     from moaspec.bench.output import write_json
