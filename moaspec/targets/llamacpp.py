@@ -587,7 +587,8 @@ class LlamaCppTarget:
         if hidden_layers and tuple(hidden_layers) != (self.num_layers,):
             raise MoaspecError(
                 f"the llama.cpp runtime provides the hidden state after the final norm (layer {self.num_layers}) "
-                f"only, not layers {list(hidden_layers)}: use --runtime transformers for this drafter"
+                f"only, not layers {list(hidden_layers)}: use the transformers runtime for this drafter "
+                "(`--runtime transformers`, `runtime='transformers'`)"
             )
         self._use_embeddings(self.ctx, bool(hidden_layers))
 
