@@ -60,13 +60,18 @@ def builtin_gguf_path(name: str) -> Path:
     return path
 
 
+def check_target_spec(spec: object) -> None:
+    """MoaspecError unless `spec` is a non-blank string (a name or a path, checked by resolve_target)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
+
+
 def resolve_target(spec: str) -> tuple[str, Path]:
     """Map a target name or path to (display name, local HF directory), converting GGUF once.
 
     Raises MoaspecError for an unknown name or a missing / unusable path.
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
+    check_target_spec(spec)
     if spec in BUILTIN_TARGETS:
         return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
     path = Path(spec).expanduser()

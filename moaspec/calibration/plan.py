@@ -234,8 +234,9 @@ class LazyModelDrafter:
         # some --tree-* fields fixed, the others left to the calibration (not to a tuned choice,
         # which outranks it: tuned.py): the candidates are the trees with those fields
         given = {key: value for key, value in (tree_overrides or {}).items() if value is not None}
-        below = self.tree_source if tree is None else resolve_tree(tree, target.name, directory, None, target.device)[1]
-        self.fixed_fields = given if 0 < len(given) < 3 and below == "checkpoint" else {}
+        partial = tree is not None and 0 < len(given) < 3
+        below = resolve_tree(tree, target.name, directory, None, target.device)[1] if partial else None
+        self.fixed_fields = given if below == "checkpoint" else {}
 
     def drafter(self):
         if self._drafter is None:

@@ -21,7 +21,7 @@ from moaspec.errors import MoaspecError
 from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, resolve_target
 from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import Target
-from moaspec.targets.options import check_device, check_runtime
+from moaspec.targets.options import check_placement, check_runtime
 
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
 # sdpa 73.9 ms per decode step and 127 ms for an 8-node tree; eager 81.1 and 161 ms.
@@ -60,21 +60,9 @@ def load_target(
     """
     runtime = check_runtime(runtime, target)
     dtype = torch_dtype(dtype)
+    check_placement(runtime, device, str(dtype).removeprefix("torch."), threads, gpu_layers)
     if runtime == "llama.cpp":
-        if dtype != torch.float32:
-            raise MoaspecError(
-                "dtype applies to the transformers runtime; a GGUF target's precision on llama.cpp is its quantization type"
-            )
-        if device != "cpu":
-            raise MoaspecError("device applies to the transformers runtime; llama.cpp takes gpu_layers (n_gpu_layers)")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise MoaspecError(f"threads must be an integer >= 1, got {threads!r}")
-        if not isinstance(gpu_layers, int) or gpu_layers < 0:
-            raise MoaspecError(f"gpu_layers must be an integer >= 0, got {gpu_layers!r}")
         return _load_llama_cpp(target, threads, gpu_layers, light_tokenizer)
-    if threads is not None or gpu_layers:
-        raise MoaspecError("threads and gpu_layers apply to the llama.cpp runtime")
-    check_device(device)
     return _load_transformers(target, dtype, attn_implementation, device)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 from moaspec.errors import MoaspecError
-from moaspec.model_store import BUILTIN_TARGETS
+from moaspec.model_store import BUILTIN_TARGETS, check_target_spec
 
 RUNTIMES = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype (targets/load.py takes float64 too)
@@ -14,8 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # --dtype (targets/load.py takes fl
 
 def check_runtime(runtime: str | None, spec: str) -> str:
     """The runtime to use for `spec` (None = its default); MoaspecError when it cannot run it."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
+    check_target_spec(spec)
     if runtime is None:
         return default_runtime(spec)
     if runtime not in RUNTIMES:
@@ -67,23 +66,38 @@ def add_runtime_arguments(parser) -> None:
 def runtime_options(args, target: str) -> dict:
     """Checked load_target keyword arguments from the flags of add_runtime_arguments."""
     runtime = check_runtime(args.runtime, target)
-    if args.threads is not None and args.threads < 1:
-        raise MoaspecError("--threads must be >= 1")
-    if args.gpu_layers < 0:
-        raise MoaspecError("--n-gpu-layers must be >= 0")
-    if runtime == "llama.cpp" and args.device != "cpu":
-        raise MoaspecError("--device applies to the transformers runtime; llama.cpp takes --n-gpu-layers")
-    if runtime == "llama.cpp" and args.dtype != "float32":
-        raise MoaspecError(
-            "--dtype applies to the transformers runtime; a GGUF target's precision on llama.cpp is its quantization type"
-        )
-    if runtime == "transformers" and (args.threads is not None or args.gpu_layers):
-        raise MoaspecError("--threads and --n-gpu-layers apply to the llama.cpp runtime")
-    check_device(args.device)
+    check_placement(runtime, args.device, args.dtype, args.threads, args.gpu_layers, FLAG_NAMES)
     return {
         "runtime": runtime, "device": args.device, "threads": args.threads, "gpu_layers": args.gpu_layers,
         "dtype": args.dtype,
     }
+
+
+# how the CLI spells the settings check_placement names (load() uses the keywords themselves)
+FLAG_NAMES = {"device": "--device", "dtype": "--dtype", "threads": "--threads", "gpu_layers": "--n-gpu-layers"}
+
+
+def check_placement(
+    runtime: str, device: str, dtype: str, threads: int | None, gpu_layers: int, names: dict[str, str] | None = None
+) -> None:
+    """Where and how a target runs (dtype by name, e.g. "float32"), checked against its runtime:
+    MoaspecError naming the setting as the caller spells it (`names`: the CLI's flags; default:
+    load()'s keywords). Run by the CLI before torch loads, and by load_target for the library."""
+    name = names or {key: key for key in FLAG_NAMES}
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise MoaspecError(f"{name['threads']} must be >= 1, got {threads!r}")
+    if isinstance(gpu_layers, bool) or not isinstance(gpu_layers, int) or gpu_layers < 0:
+        raise MoaspecError(f"{name['gpu_layers']} must be >= 0, got {gpu_layers!r}")
+    if runtime == "llama.cpp" and device != "cpu":
+        raise MoaspecError(f"{name['device']} applies to the transformers runtime; llama.cpp takes {name['gpu_layers']}")
+    if runtime == "llama.cpp" and dtype != "float32":
+        raise MoaspecError(
+            f"{name['dtype']} applies to the transformers runtime; a GGUF target's precision on llama.cpp is its "
+            "quantization type"
+        )
+    if runtime == "transformers" and (threads is not None or gpu_layers):
+        raise MoaspecError(f"{name['threads']} and {name['gpu_layers']} apply to the llama.cpp runtime")
+    check_device(device)
 
 
 def check_device(device: str) -> None:

@@ -413,12 +413,9 @@ def train(
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
         written, wanted = {**defaults, **saved["config"]}, asdict(config)
         if written != wanted:
-            changed = ", ".join(
-                f"{key} {written.get(key)} -> {wanted[key]}" for key in sorted(wanted) if written.get(key) != wanted[key]
-            )
             raise ValueError(
-                f"{state_path} was written with another training config ({changed}); rerun with the same options "
-                "to resume, continue a finished run with --init-from it and a new --out"
+                f"{state_path} was written with another training config ({', '.join(_changes(written, wanted))}); "
+                "rerun with the same options to resume, continue a finished run with --init-from it and a new --out"
             )
         _check_same_network(saved, net, state_path)
         net.load_state_dict(saved["net"])
@@ -515,13 +512,18 @@ def _validate_step(record: dict, net, parts, source, val_samples, config: TrainC
     bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
 
 
+def _changes(written: dict, wanted: dict) -> list[str]:
+    """'key old -> new' for every setting of `wanted` that `written` holds otherwise."""
+    return [f"{key} {written.get(key)} -> {wanted[key]}" for key in sorted(wanted) if written.get(key) != wanted[key]]
+
+
 def _check_same_network(saved: dict, net, state_path: Path) -> None:
     """ValueError naming what differs when the saved drafter is not of `net`'s shape (the network
     settings, e.g. --draft-vocab or --memory-layers, changed since the run began)."""
     wanted = net.config.to_dict()
     written = saved.get("net_config")
     if written is not None and written != wanted:
-        changes = [f"{key} {written.get(key)} -> {wanted.get(key)}" for key in sorted(wanted) if written.get(key) != wanted.get(key)]
+        changes = _changes(written, wanted)
     else:  # states saved before net_config: compare the tensors' shapes
         current = net.state_dict()
         changes = [
