@@ -175,10 +175,7 @@ def write_report(data, config: dict, out, command: str, plots: bool = True) -> d
 
     results = build_results(data, config["methods"], config, machine_info(), command, timestamp())
     validate(results)
-    write_results(out, results, render_markdown(results), render_plots(results) if plots else None)
-    if not plots:  # a previous run's plots would pass for this one's
-        for stale in PLOT_FILES:
-            (out / stale).unlink(missing_ok=True)
+    write_results(out, results, render_markdown(results), render_plots(results) if plots else None, PLOT_FILES)
     return results
 
 

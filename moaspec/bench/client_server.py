@@ -180,10 +180,8 @@ def run_client_server_bench(
     markdown = render_markdown(results)
     from moaspec.bench.plots import CLIENT_SERVER_PLOT_FILES, render_client_server_plots
 
-    write_results(out, results, markdown, None if args.no_plots else render_client_server_plots(results))
-    if args.no_plots:  # a previous run's plot would pass for this one's
-        for stale in CLIENT_SERVER_PLOT_FILES:
-            (out / stale).unlink(missing_ok=True)
+    plots = None if args.no_plots else render_client_server_plots(results)
+    write_results(out, results, markdown, plots, CLIENT_SERVER_PLOT_FILES)
     print(markdown, end="")
     if results["mismatches"]:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
