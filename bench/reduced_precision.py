@@ -20,24 +20,24 @@ from pathlib import Path
 
 import torch
 
+from moaspec.bench.runner import first_divergence
+from moaspec.bench.script_args import category_list, dtype_list, positive_int
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; float32 first (the reference)")
+    parser.add_argument(
+        "--dtypes", type=dtype_list, default="float32,bfloat16", help="comma-separated; float32 first (the reference)"
+    )
     parser.add_argument("--methods", default="none,eagle,moa,moa+ngram", help="drafters; `none` first (the reference)")
-    parser.add_argument("--categories", default="mt_bench")
-    parser.add_argument("--limit", type=int, default=8, help="prompts per category (default 8)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--categories", type=category_list, default="mt_bench")
+    parser.add_argument("--limit", type=positive_int, default=8, help="prompts per category (default 8)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, required=True, help="results JSON")
     args = parser.parse_args()
-    dtypes, methods = args.dtypes.split(","), args.methods.split(",")
-    from moaspec.targets.options import DTYPES
-
-    unknown = [dtype for dtype in dtypes if dtype not in DTYPES]
-    if unknown:
-        parser.error(f"unknown --dtypes {', '.join(unknown)} (known: {', '.join(DTYPES)})")
+    dtypes, methods = args.dtypes, args.methods.split(",")
     if dtypes[0] != "float32" or methods[0] != "none":
         parser.error("--dtypes must start with float32 and --methods with none (the references)")
 
@@ -53,7 +53,7 @@ def main() -> int:
         for dtype, target in targets.items()
         for method in methods
     }
-    prompts = [item.turns[0] for items in load_prompts(tuple(args.categories.split(",")), args.limit).values() for item in items]
+    prompts = [item.turns[0] for items in load_prompts(args.categories, args.limit).values() for item in items]
     runs = []
     for index, prompt in enumerate(prompts):
         plain: dict[str, list[int]] = {}
@@ -67,7 +67,7 @@ def main() -> int:
                 "prompt": index, "dtype": dtype, "method": method, "new_tokens": len(tokens),
                 "tokens_per_s": out.stats.tokens_per_s, "tau": out.stats.tau,
                 "equals_plain_same_dtype": tokens == plain[dtype],
-                "prefix_agreeing_with_float32_plain": _common_prefix(tokens, reference),
+                "prefix_agreeing_with_float32_plain": first_divergence(reference, tokens),
             })
         print(f"prompt {index + 1}/{len(prompts)} done", file=sys.stderr)
     summary = []
@@ -95,15 +95,6 @@ def main() -> int:
               f"{row['generations_equal_to_plain_same_dtype']} of {row['generations']} | "
               f"{row['tokens_before_first_difference_from_float32_plain']} of {row['tokens']} |")
     return 0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
-from moaspec.bench.script_args import positive_int
+from moaspec.bench.script_args import dtype_list, positive_int
 
 NODE_COUNTS = (1, 2, 4, 8, 16)
 
@@ -28,16 +28,11 @@ def main() -> int:
     parser.add_argument("--blocks", type=positive_int, default=4, help="alternating blocks per runtime (default 4)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="measurements per tree size per block (default 5)")
     parser.add_argument(
-        "--dtypes", default="float32",
+        "--dtypes", type=dtype_list, default="float32",
         help="comma-separated precisions of the transformers runtime, each measured as its own row (default float32)",
     )
     parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = parser.parse_args()
-    from moaspec.targets.options import DTYPES
-
-    unknown = [dtype for dtype in args.dtypes.split(",") if dtype not in DTYPES]
-    if unknown:
-        parser.error(f"unknown --dtypes {', '.join(unknown)} (known: {', '.join(DTYPES)})")
 
     from moaspec.api import load_target
     from moaspec.bench.output import write_json
@@ -46,7 +41,7 @@ def main() -> int:
 
     targets = {
         "transformers" if dtype == "float32" else f"transformers {dtype}": load_target(args.target, runtime="transformers", dtype=dtype)
-        for dtype in args.dtypes.split(",")
+        for dtype in args.dtypes
     }
     targets["llama.cpp"] = load_target(args.target, runtime="llama.cpp")
     samples: dict[str, dict[int, list[float]]] = {r: {n: [] for n in NODE_COUNTS} for r in targets}

@@ -37,6 +37,17 @@ def category_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def dtype_list(text: str) -> list[str]:
+    """Target precisions by name, as `--dtype` takes them ("float32,bfloat16")."""
+    from moaspec.targets.options import DTYPES
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown precision {', '.join(unknown) or '(none)'} (known: {', '.join(DTYPES)})")
+    return names
+
+
 def existing_file(text: str) -> Path:
     path = Path(text)
     if not path.is_file():
