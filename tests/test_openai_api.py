@@ -405,6 +405,7 @@ def test_tls_with_the_openai_client(tmp_path) -> None:
 
     from openai_helpers import make_drafter as drafter_for
 
+    from moaspec.errors import MoaspecError
     from moaspec.split.server import ServerThread, SplitServer
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
@@ -425,6 +426,15 @@ def test_tls_with_the_openai_client(tmp_path) -> None:
         assert trusted.completions.create(model=MODEL, prompt="tls", max_tokens=3, temperature=0).usage.completion_tokens == 3
         with pytest.raises(openai.APIConnectionError):  # an unknown certificate is refused
             openai.OpenAI(base_url=f"https://127.0.0.1:{started.port}/v1", api_key=KEY, max_retries=0, timeout=TIMEOUT_S).models.list()
+        # the split client: trusted with --cafile; without it an error at once, not an outage to
+        # retry for --offline-deadline-s (it was one)
+        from moaspec.split.client import LinkDown, SplitClient
+
+        split_url = f"https://127.0.0.1:{started.port}"
+        assert SplitClient(split_url, KEY, cafile=str(cert)).info()["vocab_size"] == target.vocab_size
+        with pytest.raises(MoaspecError, match="does not verify.*--cafile") as refused:
+            SplitClient(split_url, KEY).info()
+        assert not isinstance(refused.value, LinkDown)
     finally:
         started.stop()
 

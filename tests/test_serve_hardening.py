@@ -19,6 +19,7 @@ from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
 
 from moaspec.split import protocol as wire
 from moaspec.split.client import ServerRefused, SplitClient
+from moaspec.serving.http_guard import LINGER_S
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 
 PROMPT = [40, 69, 76, 76, 79, 12, 0, 87, 79, 82]
@@ -140,6 +141,9 @@ def test_half_sent_requests_and_slow_bodies_time_out() -> None:
             sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").encode())
             slow = read_response(sock)
+            answered = time.monotonic()
+            assert sock.recv(1) == b""  # closed within the lingering second, not after aiohttp's 10 s of it
+            assert time.monotonic() - answered < LINGER_S + 1.0
         assert slow.startswith(b"HTTP/1.1 408 ") and b'"body_timeout"' in slow and b"connection: close" in slow.lower()
         assert wait_until(lambda: started.server.connections.num_open == 0)
         assert request(port, "GET", "/health")[0] == 200

@@ -5,6 +5,7 @@ concurrent clients."""
 from __future__ import annotations
 
 import http.client
+import json
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from moaspec.drafters.ngram import NgramDrafter
 from moaspec.errors import MoaspecError
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
-from moaspec.split.client import ServerRefused, SessionLost, SplitClient
+from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 from moaspec.split.netem import NetemProxy
 from moaspec.split.server import ServerLimits
@@ -29,7 +30,7 @@ GREEDY = SamplingConfig()
 
 @pytest.fixture
 def pair(request):
-    made = SplitPair(request.param)
+    made = SplitPair(*request.param) if isinstance(request.param, tuple) else SplitPair(request.param)
     yield made
     made.server.stop()
 
@@ -90,11 +91,11 @@ def test_server_killed_and_restarted_mid_generation(pair: SplitPair) -> None:
 
 
 def cut_for_good(
-    pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int, **options
+    pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int, events: list | None = None, **options
 ) -> tuple[SplitResult, list[int]]:
     """Generate, cutting the link for good once `cut_after` tokens are verified; the client keeps
-    up to 6 tokens drafted alone as final output (SplitOptions overridden by `options`).
-    -> (result, verified tokens before the cut)."""
+    up to 6 tokens drafted alone as final output (SplitOptions overridden by `options`; the
+    events streamed go to `events`). -> (result, verified tokens before the cut)."""
     proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
     try:
         generator = pair.generator(
@@ -102,7 +103,9 @@ def cut_for_good(
             offline_deadline_s=0.5, accept_offline=True, max_provisional=6, **options,
         )
         result, before_cut = SplitResult(), None
-        for _ in generator.stream(prompt, GREEDY, GenerationConfig(max_new_tokens=max_new_tokens), frozenset(), result):
+        for event in generator.stream(prompt, GREEDY, GenerationConfig(max_new_tokens=max_new_tokens), frozenset(), result):
+            if events is not None:
+                events.append(event)
             if len(result.token_ids) >= cut_after and before_cut is None:
                 before_cut = list(result.token_ids)
                 proxy.cut("reset")
@@ -113,9 +116,13 @@ def cut_for_good(
 
 @pytest.mark.parametrize("pair", ["moa"], indirect=True)
 def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
-    result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30)
+    """The tokens kept unverified come as one "kept" event (not "confirm", which means verified)."""
+    events: list = []
+    result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30, events=events)
     assert result.stop_reason == "offline" and result.num_provisional == 6
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
+    assert [e.token_ids for e in events if e.kind == "kept"] == [result.token_ids[len(before_cut):]]
+    assert result.num_confirmed == 0 and not any(e.kind == "confirm" for e in events)
 
 
 @pytest.mark.parametrize("pair", ["moa"], indirect=True)
@@ -279,6 +286,62 @@ def test_session_limits_and_idle_expiry() -> None:
         made.server.stop()
 
 
+def test_a_sessions_token_budget_counts_the_opens_token() -> None:
+    """Bug: a session opened for max_new_tokens N could emit N + 2 tokens (the open's token and the
+    bonus of the last tree were not counted). A root-only tree emits one token, a depth-1 tree two."""
+    made = SplitPair("ngram")
+    try:
+        client = SplitClient(made.url, KEY)
+        for max_new_tokens in (1, 3):
+            opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=max_new_tokens))  # its token: 1 emitted
+            root = opened["next_token"]
+            for seq in range(max_new_tokens - 1):
+                root = client.verify(opened["session_id"], wire.VerifyRequest(seq, [root], [-1]))["next_token"]
+            with pytest.raises(ServerRefused, match=f"budget of {max_new_tokens} new tokens"):
+                client.verify(opened["session_id"], wire.VerifyRequest(max_new_tokens - 1, [root], [-1]))
+            client.close_session(opened["session_id"])
+        opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=2))
+        with pytest.raises(ServerRefused, match="budget of 2 new tokens"):
+            client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"], 5], [-1, 0]))
+    finally:
+        made.server.stop()
+
+
+def test_an_open_is_the_same_request_however_it_is_encoded() -> None:
+    """Bug: a retried open was compared byte for byte, so the same JSON with other spacing or key
+    order was refused as a reused request_id (409). And stop_ids: null was a 400 while root_id:
+    null meant absent: both mean absent now."""
+    made = SplitPair("ngram")
+    try:
+        message = {**wire.OpenRequest(PROMPT, max_new_tokens=8).to_wire(), "stop_ids": None}
+        compact = json.dumps(message, separators=(",", ":")).encode()
+        spaced = json.dumps(dict(reversed(list(message.items()))), indent=2).encode()
+        first_status, first = _raw_post(made.server.port, "/v1/split/sessions", compact, wire.JSON)
+        second_status, second = _raw_post(made.server.port, "/v1/split/sessions", spaced, wire.JSON)
+        assert first_status == second_status == 200
+        assert json.loads(first)["session_id"] == json.loads(second)["session_id"]
+    finally:
+        made.server.stop()
+
+
+def test_draft_probabilities_must_be_distributions() -> None:
+    """A node's drafter distribution summing past 1 (probability 10 for one token, say) is refused:
+    the stochastic verifier's acceptance test reads it as a distribution."""
+    made = SplitPair("ngram")
+    try:
+        client = SplitClient(made.url, KEY)
+        opened = client.open(wire.OpenRequest(PROMPT, temperature=1.0, max_new_tokens=8))
+        root = opened["next_token"]
+        def verify(probability: float):
+            request = wire.VerifyRequest(0, [root, 5], [-1, 0], [([], torch.zeros(0)), ([5], torch.tensor([probability]))])
+            return client.verify(opened["session_id"], request)
+        with pytest.raises(ServerRefused, match="sum to more than 1"):
+            verify(10.0)
+        assert verify(1.0)["seq"] == 0
+    finally:
+        made.server.stop()
+
+
 @pytest.mark.parametrize("pair", ["moa"], indirect=True)
 def test_concurrent_clients_do_not_mix_sessions(pair: SplitPair) -> None:
     prompts = [PROMPT, [3, 1, 4, 1, 5, 9, 2, 6], [44, 45, 46, 47]]
@@ -330,9 +393,9 @@ class FlakyClient(SplitClient):
         super().__init__(*args, **kwargs)
         self.lose, self.cuts, self.opens = lose, 0, 0
 
-    def open(self, request):
+    def open(self, request, timeout_s=None):
         self.opens += 1
-        return super().open(request)
+        return super().open(request, timeout_s)
 
     def verify(self, session_id, request):
         from moaspec.split.client import LinkDown
@@ -362,3 +425,129 @@ def test_a_cut_verify_is_retried_on_the_same_session(pair: SplitPair, lose: str)
     assert client.cuts == 1 and client.opens == 1
     assert result.num_reconnects == 0 and result.num_provisional == 0
     assert result.token_ids == expected
+
+
+class ScriptedFailures(SplitClient):
+    """Fails requests as `fail(kind, count, request)` says (kind: "open", "resync" or "verify";
+    count: how many of that kind came before), by raising what it returns; refuses to send a verify
+    to no session at all (the bug these tests guard against looped on it)."""
+
+    def __init__(self, *args, fail, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fail, self.counts, self.deleted = fail, {"open": 0, "resync": 0, "verify": 0}, []
+
+    def _maybe_fail(self, kind: str, request) -> None:
+        error = self.fail(kind, self.counts[kind], request)
+        self.counts[kind] += 1
+        if error is not None:
+            raise error
+
+    def open(self, request, timeout_s=None):
+        self._maybe_fail("resync" if request.root_id is not None else "open", request)
+        return super().open(request, timeout_s)
+
+    def verify(self, session_id, request):
+        if session_id is None:
+            raise AssertionError("a verify sent to no session")
+        self._maybe_fail("verify", request)
+        return super().verify(session_id, request)
+
+    def end_session(self, session_id, timeout_s=None):
+        self.deleted.append(session_id)
+        return super().end_session(session_id, timeout_s)
+
+
+def run_scripted(pair: SplitPair, fail, max_new_tokens: int = 24, **options) -> tuple[SplitResult, ScriptedFailures, list[int]]:
+    generation = GenerationConfig(max_new_tokens=max_new_tokens)
+    expected = pair.reference(GREEDY, generation)
+    client = ScriptedFailures(pair.url, KEY, timeout_s=5.0, fail=fail)
+    options = {"retry_initial_s": 0.01, "retry_max_s": 0.02, **options}
+    result = SplitResult()
+    for _ in SplitGenerator(client, pair.client_drafter, SplitOptions(**options)).stream(PROMPT, GREEDY, generation, frozenset(), result):
+        pass
+    return result, client, expected
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_a_link_that_fails_again_right_after_reconnecting_goes_back_offline(pair: SplitPair) -> None:
+    """Bug: when the first verify after a reconnect failed, the client kept verifying its
+    provisional tokens on a session it had just dropped (`/sessions/None/verify`), hundreds of
+    thousands of times, ignoring the deadline. Now it goes back offline, reconnects and finishes
+    with the target's own tokens. Deterministic: failures injected by count, not by timing."""
+    def fail(kind, count, request):
+        # verify 3 and its immediate retry: the link is down; 5 and 6, the first verify of the
+        # provisional tokens after the reconnect and its retry: down again
+        return LinkDown("connection reset by peer") if kind == "verify" and count in (3, 4, 5, 6) else None
+
+    # 50 ms before the first reconnect attempt: the drafter writes provisional tokens meanwhile
+    result, client, expected = run_scripted(pair, fail, retry_initial_s=0.05, retry_max_s=0.1)
+    assert result.token_ids == expected and result.num_reconnects == 2 and result.num_provisional > 0
+    assert client.counts["resync"] == 2
+
+
+@pytest.mark.parametrize("pair", [("moa", None, ServerLimits(max_sessions_per_key=1))], indirect=True)
+def test_a_reconnect_closes_the_session_the_cut_left_open(pair: SplitPair) -> None:
+    """Bug: a verify that timed out left its session open on the server, holding one of the key's
+    sessions; with one session per key the reconnect was refused (429) and the generation lost.
+    Now the client closes that session first. Deterministic: verify 2 and its retry fail, the
+    session left as it was; the deadline is short, so the bug fails fast."""
+    def fail(kind, count, request):
+        return LinkDown("timed out") if kind == "verify" and count in (2, 3) else None
+
+    result, client, expected = run_scripted(pair, fail, offline_deadline_s=2.0)
+    assert result.token_ids == expected and result.num_reconnects == 1
+    assert len(client.deleted) == 1 and client.counts["resync"] == 1
+    assert pair.server.server.sessions == {}
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_a_busy_server_is_retried_while_reconnecting(pair: SplitPair) -> None:
+    """A 429 (the key's sessions or tokens in use) answering a reconnect is worth waiting out; it
+    used to end the generation with an error."""
+    def fail(kind, count, request):
+        if kind == "verify" and count in (2, 3):
+            return LinkDown("connection reset by peer")
+        if kind == "resync" and count < 2:
+            return ServerRefused("server refused the request (429): this key already has 1 open sessions", 429)
+        return None
+
+    result, client, expected = run_scripted(pair, fail)
+    assert result.token_ids == expected and client.counts["resync"] == 3
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_a_request_refused_mid_generation_keeps_the_verified_text(pair: SplitPair) -> None:
+    """A 4xx mid-generation used to raise out of the stream, losing what was verified (the CLI's
+    --json printed nothing). Now the generation stops with stop_reason "refused" and the reason."""
+    def fail(kind, count, request):
+        if kind == "verify" and count == 3:
+            return ServerRefused("server refused the request (400): the tree is malformed", 400)
+        return None
+
+    result, _, expected = run_scripted(pair, fail)
+    assert result.stop_reason == "refused" and "malformed" in result.refusal
+    assert 0 < len(result.token_ids) < len(expected) and result.token_ids == expected[: len(result.token_ids)]
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_the_offline_deadline_bounds_every_reconnect_attempt(pair: SplitPair) -> None:
+    """Bug: each reconnect attempt waited the whole request time-out, so giving up came up to one
+    time-out after the deadline (26 s instead of 13 with --timeout 10 --offline-deadline-s 3).
+    The user is told once that the link dropped. Not flaky: a 2 s time-out against a 0.4 s
+    deadline, the attempts black-holed by a proxy."""
+    notices: list[str] = []
+    proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
+    try:
+        generator = pair.generator(
+            f"http://127.0.0.1:{proxy.port}", timeout_s=2.0, retry_initial_s=0.02, retry_max_s=0.05,
+            offline_deadline_s=0.4, max_provisional=0, notify=notices.append,
+        )
+        result = SplitResult()
+        for _ in generator.stream(PROMPT, GREEDY, GenerationConfig(max_new_tokens=30), frozenset(), result):
+            if len(result.token_ids) >= 5 and not proxy.cut_mode:
+                proxy.cut("blackhole")
+    finally:
+        proxy.stop()
+    assert result.stop_reason == "disconnected"
+    assert 0.4 <= result.offline_s < 1.5  # before: 2.4 s or more
+    assert len(notices) == 1 and "drafting alone" in notices[0]

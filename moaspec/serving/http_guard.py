@@ -13,7 +13,9 @@ changes that:
 - connection cap: while more than `max_connections` are open, a new connection's request is
   answered 503 and the connection closed (so refused clients hold a descriptor only briefly);
 - malformed HTTP: 431 for an over-long request line or header, 400 otherwise, as OpenAI-shaped
-  JSON, with one log line that names the status, never the request's bytes.
+  JSON, with one log line that names the status, never the request's bytes;
+- a refusal sent before the request's body was read closes the connection within LINGER_S
+  (aiohttp lingers 10 s by default).
 Refusals made here, outside the application, are reported through `on_refusal(status)` so the
 metrics count them. `GuardedSite` serves an application through these handlers.
 """
@@ -35,6 +37,10 @@ from moaspec.serving.errors import APIError, error_response
 from moaspec.serving.limits import ServerLimits
 
 logger = logging.getLogger("moaspec.serve")
+# After a response sent before its request's body was read (408 body_timeout, 413, 400 cut off),
+# what the client still sends is read and dropped for this long before the connection closes
+# (aiohttp's lingering close: closing at once could reset the connection under the response).
+LINGER_S = 1.0
 
 
 class ConnectionGuard:
@@ -173,7 +179,9 @@ class GuardedSite:
         def connection() -> GuardedHandler:
             # aiohttp's keep-alive timer never fires first: GuardedHandler times connections itself
             never = limits.header_timeout_s + limits.keepalive_timeout_s + 3600.0
-            return GuardedHandler(manager, self.guard, loop=loop, keepalive_timeout=never, access_log=None)
+            return GuardedHandler(
+                manager, self.guard, loop=loop, keepalive_timeout=never, lingering_time=LINGER_S, access_log=None
+            )
 
         # a TLS handshake gets the header time-out too (asyncio's default is 60 s)
         handshake_s = limits.header_timeout_s if ssl_context is not None else None

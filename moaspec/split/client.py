@@ -4,7 +4,9 @@ Failures are sorted into what the generation loop (split/generator.py) must do a
 - `LinkDown`: no answer (refused, reset, timeout, 5xx) -> keep drafting alone, retry later;
 - `SessionLost`: the server answers but no longer knows the session (restart, idle expiry)
   -> resynchronise;
-- `ServerRefused`: a 4xx with the server's reason (bad key, limits) -> stop with that message.
+- `ServerRefused`: a 4xx with the server's reason (bad key, limits) -> stop with that message
+  (a 429, the server busy, is worth retrying while a generation is resynchronising);
+- a server certificate that does not verify: a MoaspecError at once (no outage to wait out).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class SessionLost(MoaspecError):
 
 class ServerRefused(MoaspecError):
     """The server refused the request (4xx); the message is the server's reason."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -61,15 +67,23 @@ class SplitClient:
     def info(self) -> dict:
         return self.request("GET", "/v1/split/info")
 
-    def open(self, request: wire.OpenRequest) -> dict:
-        return self.request("POST", "/v1/split/sessions", request.to_wire())
+    def open(self, request: wire.OpenRequest, timeout_s: float | None = None) -> dict:
+        return self.request("POST", "/v1/split/sessions", request.to_wire(), timeout_s)
 
     def verify(self, session_id: str, request: wire.VerifyRequest) -> dict:
         return self.request("POST", f"/v1/split/sessions/{session_id}/verify", request.to_wire())
 
+    def end_session(self, session_id: str, timeout_s: float | None = None) -> None:
+        """DELETE the session; LinkDown when the server cannot be reached (a session it no
+        longer has, or refuses to close, is as good as closed)."""
+        try:
+            self.request("DELETE", f"/v1/split/sessions/{session_id}", timeout_s=timeout_s)
+        except (SessionLost, ServerRefused):
+            pass
+
     def close_session(self, session_id: str) -> None:
         try:
-            self.request("DELETE", f"/v1/split/sessions/{session_id}")
+            self.end_session(session_id)
         except MoaspecError:
             pass  # best effort: the server expires idle sessions anyway
 
@@ -85,6 +99,12 @@ class SplitClient:
             conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read()
+        except ssl.SSLCertVerificationError as exc:
+            self.drop_connection()
+            raise MoaspecError(
+                f"the certificate of {self.host}:{self.port} does not verify ({exc.verify_message}); "
+                "pass the CA that signed it with --cafile"
+            ) from None
         except (OSError, http.client.HTTPException, socket.timeout) as exc:
             self.drop_connection()
             raise LinkDown(f"server {self.host}:{self.port} unreachable: {type(exc).__name__}: {exc}") from exc
@@ -100,7 +120,7 @@ class SplitClient:
         if response.status == 404 and "/sessions/" in path:
             raise SessionLost(_reason(data, content_type))
         if response.status >= 400:
-            raise ServerRefused(f"server refused the request ({response.status}): {_reason(data, content_type)}")
+            raise ServerRefused(f"server refused the request ({response.status}): {_reason(data, content_type)}", response.status)
         return wire.loads(data, content_type)
 
     def drop_connection(self) -> None:

@@ -142,7 +142,7 @@ def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | N
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
     try:
         for event in generator.stream(prompt_ids, sampling, generation, target.stop_ids, result):
-            if streamer is not None and event.kind in ("verified", "confirm") and event.token_ids:
+            if streamer is not None and event.kind in ("verified", "confirm", "kept") and event.token_ids:
                 streamer.put(torch.tensor(event.token_ids))
     finally:
         if streamer is not None:
@@ -162,6 +162,11 @@ def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | N
             f"{split['server_calls']} server calls, {split['bytes_per_token']} bytes/token",
             file=sys.stderr,
         )
+    kept = f"{len(result.token_ids)} verified tokens kept"
+    if result.stop_reason == "refused":
+        raise MoaspecError(f"{result.refusal}; {kept}")
     if result.stop_reason == "disconnected":
-        raise MoaspecError(f"the server stayed unreachable; {len(result.token_ids)} verified tokens kept (--accept-offline keeps drafts)")
+        if args.accept_offline:
+            raise MoaspecError(f"the server stayed unreachable and nothing had been drafted alone; {kept}")
+        raise MoaspecError(f"the server stayed unreachable; {kept} (--accept-offline keeps drafts)")
     return 0

@@ -9,18 +9,25 @@ A verify whose connection is cut (not timed out) is first retried once on a new 
 the same `seq`: the server kept the session as it was, or replays the reply it could not deliver,
 so a brief cut costs one round trip, not a re-prefill.
 
-Offline (the server is unreachable or times out), the drafter continues alone (`draft_alone`)
+Offline (the server is unreachable or times out; `notify` is told once per cut), the drafter
+continues alone (`draft_alone`)
 and its tokens are *provisional*; with `offline_min_prob` P it stops (and waits for the server)
 before a token that would bring its probability that every provisional token is the target's (the
-product of what `draft_alone` reports) below P. The client retries with exponential back-off; on reconnect it
-resynchronises a fresh server session from its verified text (re-prefill, no context sent back:
+product of what `draft_alone` reports) below P. The client retries with exponential back-off (a
+server that answers 429, busy, is retried too), no attempt outlasting `offline_deadline_s`; on
+reconnect it first closes the session the cut left open (so that it holds no slot of the key's),
+then resynchronises a fresh server session from its verified text (re-prefill, no context sent back:
 the client kept it), re-derives the drafter's state from the stored verified context, then sends
 the provisional tokens as chains for verification. The agreeing prefix is confirmed; the rest is
 retracted and replaced by the target's token. Verified tokens are never changed. Verifying fixed
 provisional tokens as point-mass drafts keeps sampling lossless (verify.py).
 
+A request the server refuses mid-generation (a 4xx other than 429) ends the generation with
+stop_reason "refused" and the server's reason in `SplitResult.refusal`; the verified text is kept.
+
 Events streamed to the caller: ("verified", ids), ("provisional", ids), ("confirm", ids: the
-first provisional tokens, now verified), ("retract", ids: provisional tokens withdrawn).
+first provisional tokens, now verified), ("retract", ids: provisional tokens withdrawn), ("kept",
+ids: provisional tokens kept unverified as final output, `accept_offline` at the deadline).
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ from moaspec.serving.identity import drafter_fingerprint
 from moaspec.session import draft_generator
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
-from moaspec.split.client import LinkDown, SessionLost, SplitClient
+from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClient
 from moaspec.tree import DraftTree
 
 T = TypeVar("T")
+BUSY = 429  # a server refusing for now (its session or token budget): retried while resynchronising
 # A verify that failed within this fraction of the client's time-out was cut, not timed out: retry it once.
 FAST_FAILURE = 0.5
 
@@ -61,7 +69,7 @@ class SplitOptions:
     offline_deadline_s: float = 120.0  # give up reconnecting after this long offline
     accept_offline: bool = False  # when giving up, keep the provisional tokens as final output
     adaptive: bool = False  # size the tree from measured RTT / verify / draft costs
-    notify: Callable[[str], None] | None = None  # told once when a server is found down (the CLI prints it)
+    notify: Callable[[str], None] | None = None  # told when a server is found down, once per cut (the CLI prints it)
 
     def __post_init__(self) -> None:
         if self.context_dtype not in wire.CONTEXT_DTYPES:
@@ -74,14 +82,15 @@ class SplitOptions:
 
 @dataclass(frozen=True)
 class SplitEvent:
-    kind: str  # "verified" | "provisional" | "confirm" | "retract"
+    kind: str  # "verified" | "provisional" | "confirm" | "retract" | "kept"
     token_ids: list[int]
 
 
 @dataclass
 class SplitResult(GenerationResult):
     """GenerationResult + what the link did. token_ids: verified tokens (plus the provisional
-    ones when the user accepted offline output, stop_reason "offline")."""
+    ones when the user accepted offline output, stop_reason "offline"). refusal: the server's
+    reason when it refused a request mid-generation (stop_reason "refused")."""
 
     provisional_ids: list[int] = field(default_factory=list)  # unresolved at the end
     num_provisional: int = 0  # drafted alone, in total
@@ -90,6 +99,7 @@ class SplitResult(GenerationResult):
     num_reconnects: int = 0
     offline_s: float = 0.0
     first_token_s: float = 0.0
+    refusal: str | None = None
 
     def split_dict(self, client: SplitClient) -> dict:
         new = max(1, len(self.token_ids))
@@ -155,6 +165,7 @@ class _Run:
         self.generator = draft_generator(generation.seed)
         self.contexts: list[tuple[torch.Tensor, int, Context]] = []  # everything verified, to replay
         self.session_id: str | None = None
+        self.stale_session: str | None = None  # the session a cut left open on the server, closed on reconnect
         self.seq = 0
         self.provisional: list[int] = []
         self.provisional_prob = 1.0  # the drafter's probability that every provisional token is right
@@ -178,10 +189,13 @@ class _Run:
             yield from self._open()
             self.result.first_token_s = time.perf_counter() - started
             while not self.done:
-                if self.session_id is not None:
-                    yield from self._online_step()
-                else:
-                    yield from self._offline()
+                try:
+                    if self.session_id is not None:
+                        yield from self._online_step()
+                    else:
+                        yield from self._offline()
+                except ServerRefused as exc:
+                    self._refused(exc)
                 stats.wall_s = time.perf_counter() - started
         finally:
             stats.wall_s = time.perf_counter() - started
@@ -221,8 +235,8 @@ class _Run:
                 self.drafter, self.root, self.remaining, self.sampling, self.generator, self.result.stats, verify,
                 self.owner.max_tree_nodes, self.owner.vocab_size,
             )
-        except (LinkDown, SessionLost):
-            self._go_offline()
+        except (LinkDown, SessionLost) as exc:
+            self._go_offline(exc)
             return
         if self.owner.adaptive is not None:
             self.owner.adaptive.observe(step.verify_s, replies[0].server_s, step.draft_s, step.tree, step.num_accepted)
@@ -264,28 +278,36 @@ class _Run:
         yield SplitEvent("verified", self.result.token_ids[num_before:])
 
     # -- offline ----------------------------------------------------------------------------------
-    def _go_offline(self) -> None:
+    def _go_offline(self, cause: Exception) -> None:
         self.client.drop_connection()
+        if self.session_id is not None and not isinstance(cause, SessionLost):
+            self.stale_session = self.session_id  # it may still hold a slot: closed before reopening
         self.session_id = None
         self.offline_since = time.monotonic()
         self.next_retry = self.offline_since + self.options.retry_initial_s
         self.retry_delay = self.options.retry_initial_s
         self.drafting_alone = True
         context_ids = self.prompt + self.result.token_ids[:-1]  # one request id per episode: idempotent retries
-        self.resync_request = self._open_request(context_ids, self.root, len(context_ids))
+        # the resumed session emits at most `remaining` tokens after the root it is given
+        self.resync_request = self._open_request(context_ids, self.root, len(context_ids), self.remaining + 1)
+        if self.options.notify is not None:
+            self.options.notify(f"{cause}; drafting alone, retrying for up to {self.options.offline_deadline_s:g} s")
 
     def _offline(self) -> Iterator[SplitEvent]:
-        now = time.monotonic()
-        if now >= self.next_retry:
-            try:
-                yield from self._resync()
-                return
-            except LinkDown:
-                self.retry_delay = min(2 * self.retry_delay, self.options.retry_max_s)
-                self.next_retry = time.monotonic() + self.retry_delay
-        if time.monotonic() - self.offline_since > self.options.offline_deadline_s:
+        left_s = self.offline_since + self.options.offline_deadline_s - time.monotonic()
+        if left_s <= 0:
             yield from self._give_up()
             return
+        if time.monotonic() >= self.next_retry:
+            try:
+                yield from self._resync(min(self.client.timeout_s, left_s))
+                return
+            except (LinkDown, ServerRefused) as exc:
+                if isinstance(exc, ServerRefused) and exc.status != BUSY:
+                    raise
+                self.client.drop_connection()
+                self.retry_delay = min(2 * self.retry_delay, self.options.retry_max_s)
+                self.next_retry = time.monotonic() + self.retry_delay
         token = self._draft_alone()
         if token is None:
             time.sleep(max(0.0, min(self.next_retry - time.monotonic(), 0.05)))
@@ -315,9 +337,13 @@ class _Run:
         self.provisional_prob *= draft.probability
         return draft.token_id
 
-    def _resync(self) -> Iterator[SplitEvent]:
-        """Reconnect: a fresh session on the verified text, then verify the provisional tokens."""
-        reply = self.client.open(self.resync_request)
+    def _resync(self, timeout_s: float) -> Iterator[SplitEvent]:
+        """Reconnect: close the session the cut left, open a fresh one on the verified text, then
+        verify the provisional tokens. Requests wait at most timeout_s (what the deadline leaves)."""
+        if self.stale_session is not None:
+            self.client.end_session(self.stale_session, timeout_s)
+            self.stale_session = None
+        reply = self.client.open(self.resync_request, timeout_s)
         self.session_id, self.seq, self.server_closed = str(reply["session_id"]), 0, False
         self.result.num_reconnects += 1
         self.result.offline_s += time.monotonic() - self.offline_since
@@ -325,7 +351,7 @@ class _Run:
         stored, self.contexts = self.contexts, []
         ids = torch.cat([ids for ids, _, _ in stored])
         self._accept(ids, 0, {name: torch.cat([c[name] for _, _, c in stored]) for name in stored[0][2]})
-        while self.provisional and not self.done:
+        while self.provisional and not self.done and self.session_id is not None:  # a new cut: offline again
             yield from self._verify_provisional()
 
     def _verify_provisional(self) -> Iterator[SplitEvent]:
@@ -334,8 +360,8 @@ class _Run:
         tree = DraftTree.chain([self.root, *chunk])
         try:
             verification, round_trip_s = self._verify(tree)
-        except (LinkDown, SessionLost):
-            self._go_offline()
+        except (LinkDown, SessionLost) as exc:
+            self._go_offline(exc)
             return
         self.result.stats.verify_s += round_trip_s
         num_agreed = len(verification.path_node_idx) - 1
@@ -364,7 +390,7 @@ class _Run:
         self.done = True
         self.result.offline_s += time.monotonic() - self.offline_since
         if self.options.accept_offline and self.provisional:
-            yield SplitEvent("confirm", self.provisional)
+            yield SplitEvent("kept", self.provisional)
             Engine._emit(self.provisional, self.result, self.stop_ids, self.max_new)
             self.provisional = []
             self.result.stop_reason = "offline"
@@ -372,11 +398,21 @@ class _Run:
         self.result.provisional_ids = self.provisional
         self.result.stop_reason = "disconnected"
 
-    def _open_request(self, prompt_ids: list[int], root_id: int | None, context_from: int) -> wire.OpenRequest:
+    def _refused(self, exc: ServerRefused) -> None:
+        """The server refused a request mid-generation: stop, keeping what was verified."""
+        self.done = True
+        self.result.stop_reason, self.result.refusal = "refused", str(exc)
+        self.result.provisional_ids, self.provisional = self.provisional, []
+        if self.session_id is None:
+            self.result.offline_s += time.monotonic() - self.offline_since
+
+    def _open_request(
+        self, prompt_ids: list[int], root_id: int | None, context_from: int, max_new: int | None = None
+    ) -> wire.OpenRequest:
         s = self.sampling
         stop_ids = sorted(self.stop_ids) if len(self.stop_ids) <= wire.MAX_STOP_IDS else None  # else closed by DELETE
         return wire.OpenRequest(
-            prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new,
+            prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new if max_new is None else max_new,
             root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype, stop_ids=stop_ids,
         )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import secrets
 import time
@@ -49,6 +50,7 @@ from moaspec.tree import DraftTree, depths
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
+DRAFT_PROB_SLACK = 1e-6  # rounding allowed above 1 in a node's drafter distribution
 logger = logging.getLogger("moaspec.serve")
 # target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
 # context of 8,192 positions holds ~145 MB of cache
@@ -239,7 +241,7 @@ class SplitServer:
         request_id = message.get("request_id")
         if not isinstance(request_id, str) or not 8 <= len(request_id) <= 64:
             raise ProtocolError("'request_id' must be a string of 8..64 characters")
-        ident, digest = (request[KEY_INDEX], request_id), hashlib.sha256(body).digest()
+        ident, digest = (request[KEY_INDEX], request_id), _message_digest(message)
         if ident in self.opening:
             earlier, earlier_digest = self.opening[ident]
             if earlier_digest != digest:
@@ -285,7 +287,8 @@ class SplitServer:
             root_id = wire.get_int(message, "root_id", 0, vocab - 1)
         context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
-        stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if "stop_ids" in message else frozenset()
+        has_stop_ids = message.get("stop_ids") is not None  # absent or null alike, as root_id
+        stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if has_stop_ids else frozenset()
         reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
             done = await self._prefill(reservation.key_index, prompt, sampling, seed, root_id, context_from, context_dtype)
@@ -344,7 +347,8 @@ class SplitServer:
         if int(tree.token_ids[0]) != session.root_id:
             raise HTTPError(409, "wrong_root", "the tree's root is not the last token this session emitted")
         depth = int(depths(tree.parents).max())
-        if session.num_verified + depth + 1 > session.max_new_tokens + 1:
+        # emitted so far: num_verified + 1 (the open's token counts); this tree adds up to depth + 1
+        if session.num_verified + depth + 2 > session.max_new_tokens:
             raise HTTPError(400, "too_many_tokens", f"the session's budget of {session.max_new_tokens} new tokens is spent")
         if session.target_session.target.num_cached + depth + 1 > self.target.max_positions:
             raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
@@ -448,6 +452,8 @@ class SplitServer:
         dense = torch.zeros(num_nodes, self.target.vocab_size, dtype=torch.float64)
         rows = torch.repeat_interleave(torch.arange(num_nodes), torch.tensor(lengths, dtype=torch.long))
         dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values
+        if bool((dense.sum(dim=1) > 1.0 + DRAFT_PROB_SLACK).any()):
+            raise ProtocolError("each node's 'draft_probs' must be a distribution: they sum to more than 1")
         return dense
 
     async def _read(self, request: web.Request) -> dict:
@@ -503,3 +509,10 @@ class ServerThread(LoopThread):
         self._ready.set()
         await self._stop_event.wait()
         await site.stop()
+
+
+def _message_digest(message: dict) -> bytes:
+    """A digest of a request's content, not of its bytes: a retry that encodes the same message
+    differently (JSON spacing, key order, msgpack) is the same request."""
+    canonical = json.dumps(message, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(canonical.encode()).digest()
