@@ -180,6 +180,8 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "gpt", "--data", "d", "--out", "run"], "invalid choice"),
         (["--data", "d", "--out", "run"], "required: --method"),
         (["--method", "moa", "--data", "d", "--out", "run", "--staircase-fraction", "2"], "--staircase-fraction must be within"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--min-lr", "1"], "--min-lr must be in (0, --lr = 0.0005]"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
     ],
 )
 def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
@@ -236,3 +238,17 @@ def test_default_drafter_is_moa_with_lookup_where_shipped() -> None:
 
     assert default_drafter("smollm2-135m") == "moa+ngram"
     assert default_drafter("some-other-target") == "ngram"
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_ctrl_c_and_sigterm_exit_as_shells_report_them(terminated: bool, monkeypatch, capsys) -> None:
+    """Ctrl-C exits 130 and SIGTERM 143 (128 + the signal), each saying which it was; both unwind
+    as KeyboardInterrupt, so long jobs save their progress either way."""
+    import moaspec.cli as cli
+
+    def stopped(args):
+        raise cli.Terminated if terminated else KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", stopped)
+    assert cli.main(["generate", "--prompt", "hi"]) == (143 if terminated else 130)
+    assert capsys.readouterr().err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"

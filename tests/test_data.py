@@ -539,8 +539,9 @@ def test_real_target_distills_two_prompts(tmp_path: Path, monkeypatch) -> None:
     assert manifest["complete"] and manifest["totals"]["num_records"] == 2
     assert manifest["command"].startswith("moaspec data distill --out")
     assert manifest["counts"]["records_recovered"] == 17671
-    assert main(argv) == 0  # resume: nothing left to do
+    assert main(argv) == 0  # resume: nothing left to do, and no time added to the manifest's
     assert len(ds.read_shards(out)) == 2
+    assert json.loads((out / ds.MANIFEST).read_text())["wall_s_total"] == manifest["wall_s_total"]
 
 
 def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> None:

@@ -3,6 +3,7 @@ anchors and masks follow the reference conventions."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.run import build_net
 from moaspec.train.features import OnlineFeatures, TrainSample
-from moaspec.train.trainer import last_anchors, loss_mask, staircase_probability, train
+from moaspec.train.trainer import last_anchors, learning_rate, loss_mask, staircase_probability, train
 
 
 def test_anchor_and_mask_conventions() -> None:
@@ -32,6 +33,15 @@ def test_multi_span_anchors_and_masks() -> None:
     sample = TrainSample(torch.arange(12), 2, loss_spans=spans)
     assert sample.learned_tokens() == [2, 3, 4, 5, 8, 9, 10, 11]
     assert TrainSample(torch.arange(5), 3).spans() == ((3, 5),)
+
+
+def test_learning_rate_warms_up_then_decays_to_the_final_rate_at_the_last_step() -> None:
+    config = TrainConfig(steps=8, warmup_steps=2, lr=1e-3, min_lr=1e-4)
+    rates = [learning_rate(config, step) for step in range(config.steps)]
+    assert rates[:3] == [5e-4, 1e-3, 1e-3] and rates[-1] == pytest.approx(1e-4)
+    assert all(a > b for a, b in zip(rates[2:], rates[3:]))
+    with pytest.raises(ValueError, match="final learning rate"):
+        TrainConfig(lr=1e-4, min_lr=1e-3)
 
 
 def test_staircase_curriculum_anneals_by_steps() -> None:
@@ -183,6 +193,20 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     assert record["training"]["init_from"]["command"] == "moaspec train --init-from ..."
     assert record["training"]["init_from"]["init_from"] == lineage  # the chain back to the first run
 
+    # the weights are as readable as the config beside them (safetensors' save_file made them 0600)
+    assert (checkpoint / "model.safetensors").stat().st_mode == (checkpoint / "config.json").stat().st_mode
+
+    # a run resumed with other settings is refused naming them, before any features are prepared
+    import moaspec.train.run
+
+    def prepared(*args, **kwargs):
+        raise AssertionError("features prepared before the resume check")
+
+    monkeypatch.setattr(moaspec.train.run, "open_feature_cache", prepared)
+    narrowed = dataclasses.replace(config, memory_layers=2)
+    with pytest.raises(ValueError, match=r"another training config \(memory_layers 0 -> 2\)"):
+        run_training(dataclasses.replace(spec, feature_cache=tmp_path / "features"), narrowed, TreeConfig())
+
     # a run resumes only with the validation records it started with
     assert run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3)) == checkpoint
     stale = json.loads((checkpoint / "config.json").read_text())
@@ -225,7 +249,7 @@ def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path)
         torch.testing.assert_close(value, saved[name].to(value.dtype), rtol=0, atol=0, msg=name)
     with pytest.raises(MoaspecError, match="does not fit"):
         load_initial_weights(build_net("moa", target, 0, torch.arange(0, 97, 2)), checkpoint, target, TrainConfig())
-    with pytest.raises(MoaspecError, match="is a moa drafter, not eagle"):
+    with pytest.raises(MoaspecError, match="holds a drafter of method 'moa', not 'eagle'"):
         load_initial_weights(build_net("eagle", target, 0, None), checkpoint, target, TrainConfig(method="eagle"))
 
 
@@ -688,7 +712,8 @@ def test_moaspec_train_keeps_freed_memory_for_the_next_step(tmp_path, monkeypatc
     order = []
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: order.append("allocator") or True)
     monkeypatch.setattr(run, "run_training", lambda spec, config, tree: order.append("train") or tmp_path)
-    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: None)
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 3}')
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: (name, tmp_path))
     data = tmp_path / "data"
     data.mkdir()
     (data / "shard-00000.jsonl").write_text("{}\n")

@@ -213,7 +213,7 @@ def add_tune_parser(commands, default_target: str) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, split_lookup
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, run_directory_hint, split_lookup
     from moaspec.model_store import resolve_target
     from moaspec.targets.options import check_device
 
@@ -240,8 +240,9 @@ def run_tune(args: argparse.Namespace) -> int:
         base, lookup = split_lookup(spec)
         if lookup:
             raise MoaspecError(f"tune measures model drafters alone: pass '{base}', not '{spec}'")
-        if not (checkpoint_directory(spec, target_name) / "config.json").is_file():
-            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
+        directory = checkpoint_directory(spec, target_name)
+        if not (directory / "config.json").is_file():
+            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json){run_directory_hint(directory)}")
 
     # 2. measure and choose
     import moaspec.api

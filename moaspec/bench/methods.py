@@ -33,6 +33,7 @@ from moaspec.drafters import (
     check_drafter_spec,
     checkpoint_directory,
     default_drafter,
+    run_directory_hint,
 )
 from moaspec.errors import MoaspecError
 from moaspec.bench.method_run import Method, MethodRun
@@ -127,7 +128,9 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
                 f"method '{spec.label}': {exc} (e.g. {spec.label}=runs/{spec.drafter}/checkpoint)"
             ) from exc
         if not (directory / "config.json").is_file():
-            raise MoaspecError(f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)")
+            raise MoaspecError(
+                f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint){run_directory_hint(directory)}"
+            )
 
 
 def build_method(

@@ -191,7 +191,8 @@ def render_markdown(results: dict) -> str:
     for category in results["categories"]:
         count, generations = category["num_prompts"], category["num_generations"]
         lines += [
-            f"## {category['category']} ({count} prompt{'s' * (count != 1)}, {generations} generations per method)",
+            f"## {category['category']} ({count} prompt{'s' * (count != 1)}, "
+            f"{generations} generation{'s' * (generations != 1)} per method)",
             "",
         ]
         lines += _category_table(category["rows"])

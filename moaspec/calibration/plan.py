@@ -217,14 +217,18 @@ class LazyModelDrafter:
         import json
 
         from moaspec.config import TreeConfig
+        from moaspec.nn.checkpoint import check_made_for
         from moaspec.tuned import resolve_tree
 
         self.base, self.target, self.tree_overrides = base, target, tree_overrides
         directory = checkpoint_directory(base, target.name)
         try:
-            tree = TreeConfig(**json.loads((directory / "config.json").read_text()).get("tree", {}))
-        except (OSError, ValueError, TypeError):
+            record = json.loads((directory / "config.json").read_text())
+            tree = TreeConfig(**record.get("tree", {}))
+        except (OSError, ValueError, TypeError, AttributeError):
             tree = None
+        if tree is not None:  # a drafter of another target is refused now, not after the measurements
+            check_made_for(record, directory, target)
         if tree is None:  # unreadable: make_drafter says why
             self._drafter = make_drafter(base, target, tree_overrides)
             self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source

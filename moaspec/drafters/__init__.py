@@ -117,13 +117,20 @@ def checkpoint_directory(spec: str, target_name: str) -> Path:
     return Path(spec).expanduser()
 
 
+def run_directory_hint(directory: Path) -> str:
+    """'; a training run's drafter is in RUN/checkpoint' when `directory` is a `moaspec train` run
+    directory (a user's usual slip for its checkpoint), else ''."""
+    checkpoint = Path(directory) / "checkpoint"
+    return f"; a training run's drafter is in {checkpoint}" if (checkpoint / "config.json").is_file() else ""
+
+
 def load_drafter(directory: Path, target: Target) -> Drafter:
     """Load a drafter checkpoint directory, dispatching on its recorded method."""
     try:
         record = json.loads((directory / "config.json").read_text())
         method = record["method"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        hint = f"; a training run's drafter is in {directory / 'checkpoint'}" if (directory / "checkpoint" / "config.json").is_file() else ""
+        hint = run_directory_hint(directory)
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method){hint}") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from moaspec.atomic_files import new_hidden_directory
 from moaspec.errors import MoaspecError
@@ -70,7 +70,7 @@ def save_checkpoint(
     }
     staging = new_hidden_directory(directory.parent, directory.name)
     try:
-        save_file(tensors, str(staging / WEIGHTS_FILE))
+        (staging / WEIGHTS_FILE).write_bytes(save(tensors))  # the umask's permissions (save_file's are 0600)
         (staging / CONFIG_FILE).write_text(json.dumps(record, indent=2) + "\n")
         if directory.exists():
             shutil.rmtree(directory)
@@ -88,15 +88,25 @@ def read_checkpoint(directory: str | Path, target: Target) -> tuple[dict[str, An
         raise MoaspecError(f"{directory} is not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
         record = json.loads(config_path.read_text())
-        method, recorded = record["method"], record["target"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except ValueError as exc:
         raise MoaspecError(f"{config_path} is not a valid drafter config: {exc}") from exc
+    missing = [key for key in ("method", "target") if key not in record] if isinstance(record, dict) else ["an object"]
+    if missing:
+        raise MoaspecError(f"{config_path} is not a valid drafter config: no {', '.join(missing)}")
     if record.get("format_version", 0) > FORMAT_VERSION:
         raise MoaspecError(f"{directory} was written by a newer moaspec (format {record['format_version']})")
+    check_made_for(record, directory, target)
+    return record, load_file(str(weights_path))
+
+
+def check_made_for(record: dict[str, Any], directory: str | Path, target: Target) -> None:
+    """MoaspecError unless the checkpoint whose config.json is `record` was trained for `target`."""
+    recorded = record.get("target")
+    if not isinstance(recorded, dict):
+        raise MoaspecError(f"{Path(directory) / CONFIG_FILE} is not a valid drafter config: no target recorded")
     fingerprint = target_fingerprint(target)
     if recorded.get("fingerprint") != fingerprint:
         raise MoaspecError(
-            f"drafter {directory} ({method}) was trained for target '{recorded.get('name')}' "
+            f"drafter {directory} ({record.get('method')}) was trained for target '{recorded.get('name')}' "
             f"(fingerprint {recorded.get('fingerprint')}), not for '{target.name}' ({fingerprint})"
         )
-    return record, load_file(str(weights_path))

@@ -45,6 +45,10 @@ class TrainConfig:
             raise ValueError("ce_weight and feature_weight must be >= 0, not both 0")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
+        if not 0 < self.min_lr <= self.lr:
+            raise ValueError(f"the final learning rate must be in (0, lr = {self.lr:g}], got {self.min_lr:g}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warm-up steps must be >= 0, got {self.warmup_steps}")
         moa_only = self.memory_layers or self.memory_hidden or not self.layer_attention or not self.cross_attention
         if self.method != "moa" and moa_only:
             raise ValueError("memory_layers, memory_hidden, layer_attention and cross_attention apply to the moa method only")

@@ -375,6 +375,9 @@ def run_distill(
     out_dir = Path(out_dir)
     settings = {"target": target, **asdict(config)}
     previous = check_resume(out_dir, settings) if out_dir.is_dir() else None  # before torch loads: fails fast
+    if previous and previous.get("complete") and previous.get("totals"):
+        log_progress(f"{out_dir} is complete already: nothing to distil")
+        return previous  # no model loaded, nothing counted in the manifest's time
 
     from moaspec.api import load_target
     from moaspec.train.sharegpt import load_training_conversations
@@ -388,7 +391,8 @@ def run_distill(
     if not prompts:
         raise MoaspecError(
             f"no prompts to distil: --skip-conversations {config.skip_conversations} passes over all "
-            f"{prompt_counts['unique_prompts'] - prompt_counts['skipped_too_long']} usable ones"
+            f"{prompt_counts['unique_prompts'] - prompt_counts['skipped_too_long']} distinct prompts within "
+            f"--max-prompt-tokens {config.max_prompt_tokens}"
         )
     out_dir.mkdir(exist_ok=True)  # only now: a refused target or selection leaves no directory
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

@@ -29,7 +29,7 @@ from moaspec.train.distill import read_manifest
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import TrainSample
-from moaspec.train.trainer import STATE_FILE, kv_layers_read, train
+from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, train
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
 
     record, weights = read_checkpoint(directory, target)
     if record["method"] != config.method:
-        raise MoaspecError(f"--init-from {directory} is a {record['method']} drafter, not {config.method}")
+        raise MoaspecError(f"--init-from {directory} holds a drafter of method '{record['method']}', not '{config.method}'")
     try:
         recorded_config = net.config_class(**record.get("config", {}))
     except (TypeError, ValueError) as exc:
@@ -232,6 +232,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     from moaspec.api import load_target
 
     started = time.perf_counter()
+    check_resumable(spec.out_dir, config)
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)

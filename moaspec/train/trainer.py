@@ -49,10 +49,10 @@ class TrainState:
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr at the last step."""
+    """Linear warm-up to lr, then cosine decay to min_lr at the last step (steps - 1)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - 1 - config.warmup_steps))
     return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -410,13 +410,7 @@ def train(
     state_path = out_dir / STATE_FILE
     if state_path.is_file():
         saved = torch.load(state_path, weights_only=False, map_location="cpu")
-        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
-        written, wanted = {**defaults, **saved["config"]}, asdict(config)
-        if written != wanted:
-            raise ValueError(
-                f"{state_path} was written with another training config ({', '.join(_changes(written, wanted))}); "
-                "rerun with the same options to resume, continue a finished run with --init-from it and a new --out"
-            )
+        _check_same_config(saved, config, state_path)
         _check_same_network(saved, net, state_path)
         net.load_state_dict(saved["net"])
         optimizer.load_state_dict(saved["optimizer"])
@@ -509,7 +503,26 @@ def _validate_step(record: dict, net, parts, source, val_samples, config: TrainC
     if device.type == "cpu":
         figures["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
     record.update(figures)
-    bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+    bar.write(json.dumps({k: float(f"{v:.4g}") if k == "lr" else round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
+
+
+def check_resumable(out_dir: Path, config: TrainConfig) -> None:
+    """ValueError naming the changed settings when `out_dir` holds a run begun with another
+    config (checked before the features are prepared: a feature cache of other layers would
+    otherwise be the first complaint)."""
+    state_path = out_dir / STATE_FILE
+    if state_path.is_file():
+        _check_same_config(torch.load(state_path, weights_only=False, map_location="cpu"), config, state_path)
+
+
+def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
+    written, wanted = {**defaults, **saved["config"]}, asdict(config)
+    if written != wanted:
+        raise ValueError(
+            f"{state_path} was written with another training config ({', '.join(_changes(written, wanted))}); "
+            "rerun with the same options to resume, continue a finished run with --init-from it and a new --out"
+        )
 
 
 def _changes(written: dict, wanted: dict) -> list[str]:
