@@ -103,6 +103,25 @@ def leaf_paths(parents: torch.Tensor) -> list[list[int]]:
     return [path_to(parents, i) for i in range(parents.numel()) if not kids[i]]
 
 
+def leaf_groups(parents: torch.Tensor) -> list[list[int]]:
+    """For every node, the numbers of the leaves below it (itself, if a leaf): leaves are numbered
+    0.. in node order. The llama.cpp runtime makes them sequence ids (a node attends to the cells
+    of its first sequence), so a chain (one leaf) is sequence 0 alone.
+
+    parents: [N] (parents[0] = -1, parents[i] < i). -> N lists, each sorted, the root's [0, 1, ...].
+    """
+    kids = children(parents)
+    count = len(kids)
+    groups: list[list[int]] = [[] for _ in range(count)]
+    leaves = [node for node in range(count) if not kids[node]]
+    for number, leaf in enumerate(leaves):
+        node = leaf
+        while node >= 0:
+            groups[node].append(number)
+            node = int(parents[node])
+    return groups
+
+
 def tree_attention_bias(parents: torch.Tensor, num_cached: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive attention mask for verifying a tree after `num_cached` verified tokens.
 

@@ -50,6 +50,10 @@ embeddings output); per-layer keys/values through the eval callback (llamacpp_fe
 the layers a drafter asks for (`keep_layer_kv`). Other intermediate hidden states and the torch
 layers Target Layer Inference runs are not available on this runtime: drafters that need them
 are refused with a clear error.
+
+Beside this module: llamacpp_model.py (the bindings and the GGUF's weights), llamacpp_exactness.py
+(the per-machine check that trees stay exact), llamacpp_cells.py (moving a prompt's cells),
+llamacpp_features.py (the eval callback's keys/values, and the rows kept of verified positions).
 """
 
 from __future__ import annotations
@@ -57,7 +61,6 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -68,8 +71,10 @@ from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
-from moaspec.targets.llamacpp_features import CapturedKV
-from moaspec.tree import DraftTree, children, depths
+from moaspec.targets.llamacpp_exactness import tree_logits_equal_steps
+from moaspec.targets.llamacpp_features import CapturedKV, DeferredSignals, VerifiedRows
+from moaspec.targets.llamacpp_model import LlamaCppModel
+from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0 keys + f16 values: ~17 KB per cell for SmolLM2-135M)
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
@@ -82,85 +87,6 @@ PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reu
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
 VALUE_CACHE_TYPE = 1  # ggml_type of the value cache: f16 (differs from the keys': see the module docstring)
 COMPACT_CHUNK = 32  # tokens per decode when re-decoding the context (per-row kernels up to 40 measured)
-
-
-def _llama():
-    """The llama-cpp-python bindings, imported on first use (a clear error when missing)."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise MoaspecError(
-            "the llama.cpp runtime needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
-            "(or --runtime transformers)"
-        ) from exc
-    return llama_cpp
-
-
-_LOG_CALLBACK = None  # keeps the ctypes callback alive
-
-
-def _quiet_logs(llama_cpp) -> None:
-    """Silence llama.cpp's stderr chatter (errors included: ours are raised with context)."""
-    global _LOG_CALLBACK
-    if _LOG_CALLBACK is None:
-        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
-        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-
-
-class VerifiedRows:
-    """Per-token tensors of the verified positions 0..valid-1 (captured keys/values, hidden
-    states), in a buffer that doubles when full."""
-
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
-        self.valid = 0
-
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
-        if start > self.valid:
-            return
-        end = start + rows.shape[0]
-        if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
-            capacity = 0 if self.buffer is None else self.buffer.shape[0]
-            grown = torch.empty(max(end, 2 * capacity, 256), *rows.shape[1:])
-            if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
-                grown[:start] = self.buffer[:start]
-            self.buffer = grown
-        self.buffer[start:end] = rows
-        self.valid = end
-
-    def read(self, start: int, end: int) -> torch.Tensor:
-        return self.buffer[start:end]
-
-    def truncate(self, length: int) -> None:
-        self.valid = min(self.valid, length)
-
-
-class LlamaCppModel:
-    """Weights of one GGUF file loaded by llama.cpp, shared by every context made from them."""
-
-    def __init__(self, gguf: Path, n_gpu_layers: int = 0) -> None:
-        lib = _llama()
-        _quiet_logs(lib)
-        lib.llama_backend_init()
-        params = lib.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        self.lib = lib
-        self.path = gguf
-        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
-        if not self.model:
-            raise MoaspecError(f"llama.cpp cannot load {gguf}")
-        self.vocab = lib.llama_model_get_vocab(self.model)
-        self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
-        self.num_layers = lib.llama_model_n_layer(self.model)
-        self.hidden_size = lib.llama_model_n_embd(self.model)
-        self.context_train = lib.llama_model_n_ctx_train(self.model)
-        self.trees_exact: bool | None = None  # measured on first need (trees_exact_here)
-
-    def __del__(self) -> None:
-        if getattr(self, "model", None):
-            self.lib.llama_model_free(self.model)
-            self.model = None
 
 
 class LlamaCppTarget:
@@ -516,7 +442,7 @@ class LlamaCppTarget:
         node_depths = depths(tree.parents)
         if self.num_cached + int(node_depths.max()) + 1 > self.max_positions:
             raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
-        seq_sets = _leaf_sequences(tree.parents)
+        seq_sets = leaf_groups(tree.parents)
         num_seqs = len(seq_sets[0])  # the root carries every leaf's sequence
         if num_seqs > MAX_LEAVES:
             raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES}")
@@ -670,7 +596,16 @@ class LlamaCppTarget:
         self._moved = count
 
     def _decode(self, ctx=None) -> None:
-        status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
+        if self.capture is None:
+            status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
+        else:  # Python runs during this decode: signals wait for its end (DeferredSignals)
+            with DeferredSignals() as held:
+                status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
+            try:
+                held.deliver()
+            except BaseException:
+                self.reset()  # the caller is interrupted before it takes this decode's outputs
+                raise
         if self.capture is not None and self.capture.failure is not None:
             self.reset()  # this decode's captured keys/values are incomplete
             self.capture.raise_failure()
@@ -684,44 +619,6 @@ class LlamaCppTarget:
         return torch.from_numpy(np.ctypeslib.as_array(source, shape=(rows, width)).copy())
 
 
-EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
-EXACTNESS_STEPS = 8
-
-
-@torch.inference_mode()
-def trees_exact_here(target: LlamaCppTarget) -> bool:
-    """Measure whether this machine's llama.cpp kernels keep tree verification exact: decode
-    EXACTNESS_STEPS tokens one at a time after EXACTNESS_CONTEXT tokens, then verify them as the
-    path of a branching tree (wrong siblings before it: parked cells) and one more token after the
-    commit, and compare every logit bit for bit. Kernels chosen by batch size (an AMX or ARM
-    matrix path, say) would fail it; the runtime then refuses trees rather than change outputs."""
-    probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
-    probe.weights.trees_exact = True  # the probe itself verifies trees
-    try:
-        context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
-        tokens, logits = [], []
-        token = int(probe.set_context(context).logits[0].argmax())
-        for _ in range(EXACTNESS_STEPS + 1):
-            tokens.append(token)
-            out = probe.verify(DraftTree(torch.tensor([token]), torch.tensor([-1])))
-            probe.commit([0])
-            logits.append(out.logits[0])
-            token = int(out.logits[0].argmax())
-        probe.set_context(context)
-        ids, parents = [tokens[0]], [-1]
-        for depth in range(1, EXACTNESS_STEPS):  # a wrong sibling first, then the true token
-            ids += [(tokens[depth] + 1) % target.vocab_size, tokens[depth]]
-            parents += [len(ids) - 3 if depth > 1 else 0] * 2
-        out = probe.verify(DraftTree(torch.tensor(ids), torch.tensor(parents)))
-        path = [0] + [2 * depth for depth in range(1, EXACTNESS_STEPS)]
-        exact = all(torch.equal(out.logits[node], logits[k]) for k, node in enumerate(path))
-        probe.commit(path)
-        after = probe.verify(DraftTree(torch.tensor([tokens[EXACTNESS_STEPS]]), torch.tensor([-1])))
-        return exact and torch.equal(after.logits[0], logits[EXACTNESS_STEPS])
-    finally:
-        probe.weights.trees_exact = None
-
-
 def _shared_start(held: list[int], ids: list[int]) -> int:
     """How many leading tokens of `held` the prompt `ids` repeats, its last token left out (it
     is decoded again for its logits)."""
@@ -733,19 +630,13 @@ def _shared_start(held: list[int], ids: list[int]) -> int:
     return count
 
 
-def _leaf_sequences(parents: torch.Tensor) -> list[list[int]]:
-    """Sequence ids of every node: one id per leaf, a node carrying those of the leaves below it.
-
-    parents: [N] (parents[0] = -1, parents[i] < i). -> N lists, each sorted, the root's [0, 1, ...].
-    Leaves are numbered in node order, so a chain (one leaf) is sequence 0 alone.
-    """
-    kids = children(parents)
-    count = len(kids)
-    seqs: list[list[int]] = [[] for _ in range(count)]
-    leaves = [node for node in range(count) if not kids[node]]
-    for seq, leaf in enumerate(leaves):
-        node = leaf
-        while node >= 0:
-            seqs[node].append(seq)
-            node = int(parents[node])
-    return seqs
+def trees_exact_here(target: LlamaCppTarget) -> bool:
+    """Measure, in a small context of its own on `target`'s weights, whether this machine's
+    llama.cpp kernels keep tree verification exact (llamacpp_exactness.py); where they do not,
+    the runtime refuses trees rather than change outputs."""
+    probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
+    probe.weights.trees_exact = True  # the probe itself verifies trees
+    try:
+        return tree_logits_equal_steps(probe)
+    finally:
+        probe.weights.trees_exact = None

@@ -18,16 +18,59 @@ decode from Python, and each captured tensor splits the graph; one-token decodin
 tokens took 8.1 ms without it, 9.4 ms capturing 4 layers and 10.1 ms capturing all 30
 (bench/llamacpp_probes.py). Contexts are therefore created
 with the callback only for drafters that need keys/values (LlamaCppTarget.keep_layer_kv).
+
+What a decode captured for verified positions (keys/values, final hidden states) is kept in
+`VerifiedRows`, so a drafter reads it without decoding again.
 """
 
 from __future__ import annotations
 
 import ctypes
+import signal
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+class DeferredSignals:
+    """Ctrl-C and SIGTERM held while a decode runs the eval callback, delivered after it.
+
+    Python runs a signal's handler at the next function entry of the main thread, which during a
+    decode is the callback's own: the KeyboardInterrupt is raised there before any `try` of it can
+    catch it, ctypes swallows it and answers llama.cpp False, and the graph stops part-way (wrong
+    logits, no error). So, on the main thread (where handlers run), the two signals only mark
+    themselves for the decode's duration; `deliver` then calls the handler that was in place
+    (KeyboardInterrupt, or the CLI's SIGTERM unwinding)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> DeferredSignals:
+        if threading.current_thread() is threading.main_thread():
+            for number in self.SIGNALS:
+                self._previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+    def deliver(self) -> None:
+        """Run the handler of the first signal received (after __exit__), as if it came now."""
+        if not self.received:
+            return
+        number = self.received[0]
+        handler = self._previous.get(number)
+        if callable(handler):
+            handler(number, None)
+        elif handler == signal.SIG_DFL:
+            signal.raise_signal(number)
 
 
 class GgmlTensor(ctypes.Structure):
@@ -119,3 +162,32 @@ class CapturedKV:
             values = torch.from_numpy(self.current[("V", i)][:size].reshape(shape))
             per_layer.append(torch.stack([keys, values], dim=2).flatten(1))  # [count, n_kv * 2 * head_dim]
         return torch.stack(per_layer, dim=1)
+
+
+class VerifiedRows:
+    """Per-token tensors of the verified positions 0..valid-1 (captured keys/values, hidden
+    states), in a buffer that doubles when full."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.valid = 0
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
+        if start > self.valid:
+            return
+        end = start + rows.shape[0]
+        if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
+            capacity = 0 if self.buffer is None else self.buffer.shape[0]
+            grown = torch.empty(max(end, 2 * capacity, 256), *rows.shape[1:])
+            if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
+                grown[:start] = self.buffer[:start]
+            self.buffer = grown
+        self.buffer[start:end] = rows
+        self.valid = end
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        return self.buffer[start:end]
+
+    def truncate(self, length: int) -> None:
+        self.valid = min(self.valid, length)

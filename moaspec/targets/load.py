@@ -108,7 +108,8 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
 
 
 def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_tokenizer: bool) -> Target:
-    from moaspec.targets.llamacpp import LlamaCppModel, LlamaCppTarget
+    from moaspec.targets.llamacpp import LlamaCppTarget
+    from moaspec.targets.llamacpp_model import LlamaCppModel
 
     gguf = gguf_file(spec)
     if gguf is None:

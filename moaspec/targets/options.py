@@ -85,9 +85,9 @@ def check_placement(
     load()'s keywords). Run by the CLI before torch loads, and by load_target for the library."""
     name = names or {key: key for key in FLAG_NAMES}
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise MoaspecError(f"{name['threads']} must be >= 1, got {threads!r}")
+        raise MoaspecError(f"{name['threads']} must be >= 1 (an integer), got {threads!r}")
     if isinstance(gpu_layers, bool) or not isinstance(gpu_layers, int) or gpu_layers < 0:
-        raise MoaspecError(f"{name['gpu_layers']} must be >= 0, got {gpu_layers!r}")
+        raise MoaspecError(f"{name['gpu_layers']} must be >= 0 (an integer), got {gpu_layers!r}")
     if runtime == "llama.cpp" and device != "cpu":
         raise MoaspecError(f"{name['device']} applies to the transformers runtime; llama.cpp takes {name['gpu_layers']}")
     if runtime == "llama.cpp" and dtype != "float32":

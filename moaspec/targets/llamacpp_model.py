@@ -1,0 +1,59 @@
+"""llama.cpp itself: llama-cpp-python's bindings, imported on first use, and the weights of one
+GGUF file, loaded once and shared by every context (`LlamaCppTarget`, llamacpp.py) made from them."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from moaspec.errors import MoaspecError
+
+
+def load_bindings():
+    """The llama-cpp-python bindings, imported on first use (a clear error when missing)."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise MoaspecError(
+            "the llama.cpp runtime needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "
+            "(or --runtime transformers)"
+        ) from exc
+    return llama_cpp
+
+
+_LOG_CALLBACK = None  # keeps the ctypes callback alive
+
+
+def _quiet_logs(llama_cpp) -> None:
+    """Silence llama.cpp's stderr chatter (errors included: ours are raised with context)."""
+    global _LOG_CALLBACK
+    if _LOG_CALLBACK is None:
+        _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
+        llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+class LlamaCppModel:
+    """Weights of one GGUF file loaded by llama.cpp, shared by every context made from them."""
+
+    def __init__(self, gguf: Path, n_gpu_layers: int = 0) -> None:
+        lib = load_bindings()
+        _quiet_logs(lib)
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self.lib = lib
+        self.path = gguf
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
+        if not self.model:
+            raise MoaspecError(f"llama.cpp cannot load {gguf}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.vocab_size = lib.llama_vocab_n_tokens(self.vocab)
+        self.num_layers = lib.llama_model_n_layer(self.model)
+        self.hidden_size = lib.llama_model_n_embd(self.model)
+        self.context_train = lib.llama_model_n_ctx_train(self.model)
+        self.trees_exact: bool | None = None  # measured on first need (trees_exact_here)
+
+    def __del__(self) -> None:
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
