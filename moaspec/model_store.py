@@ -76,6 +76,9 @@ def resolve_target(spec: str) -> tuple[str, Path]:
         return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        builtin = _builtin_named_by_path(path)
+        if builtin is not None:  # the built-in's own file: its name, so its shipped drafters apply
+            return resolve_target(builtin)
         return path.name, ensure_converted(path.resolve(), label=path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -85,6 +88,17 @@ def resolve_target(spec: str) -> tuple[str, Path]:
         raise MoaspecError(f"target {spec} is neither a model directory nor a .gguf file")
     known = ", ".join(sorted(BUILTIN_TARGETS))
     raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
+
+
+def _builtin_named_by_path(path: Path) -> str | None:
+    """The built-in target whose GGUF `path` is (the same file), if any."""
+    for name in BUILTIN_TARGETS:
+        try:
+            if builtin_gguf_path(name).resolve() == path.resolve():
+                return name
+        except MoaspecError:  # its package is not installed: not this file
+            continue
+    return None
 
 
 def _gguf_key(gguf: Path) -> str:

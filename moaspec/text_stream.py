@@ -20,7 +20,8 @@ CJK_RANGES = (
 
 class TextPrinter:
     """A streamer (`put(ids)`, `end()`) printing decoded text to `out`; skip_prompt drops the
-    first `put` (the prompt, as the engine's callers send it)."""
+    first `put` (the prompt, as the engine's callers send it). As transformers' TextStreamer,
+    `end()` ends the text with a newline, unless no token came (an interrupt before the first)."""
 
     def __init__(self, tokenizer, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs) -> None:
         self.tokenizer = tokenizer
@@ -30,6 +31,7 @@ class TextPrinter:
         self.token_cache: list[int] = []
         self.print_len = 0
         self.next_tokens_are_prompt = True
+        self.any_tokens = False  # since the prompt
 
     def put(self, value) -> None:
         ids = value.tolist() if hasattr(value, "tolist") else list(value)
@@ -39,6 +41,7 @@ class TextPrinter:
             self.next_tokens_are_prompt = False
             return
         self.token_cache.extend(ids)
+        self.any_tokens = self.any_tokens or bool(ids)
         text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
         if text.endswith("\n"):
             printable = text[self.print_len :]
@@ -57,7 +60,9 @@ class TextPrinter:
             printable = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)[self.print_len :]
         self.token_cache, self.print_len = [], 0
         self.next_tokens_are_prompt = True
-        self._print(printable, end="\n")
+        if self.any_tokens:
+            self._print(printable, end="\n")
+        self.any_tokens = False
 
     def _print(self, text: str, end: str = "") -> None:
         print(text, flush=True, end=end, file=self.out if self.out is not None else sys.stdout)

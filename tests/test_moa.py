@@ -389,3 +389,24 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
         make_drafter(str(path), other)
     with pytest.raises(MoaspecError, match="not a drafter checkpoint"):
         make_drafter(str(tmp_path), target)
+
+    # damaged checkpoints are one-line errors, not tracebacks (SafetensorError, TypeError, AttributeError)
+    import json
+    import shutil
+
+    damaged = shutil.copytree(path, tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes(b"\x07" * 1000)
+    with pytest.raises(MoaspecError, match="not readable safetensors"):
+        make_drafter(str(damaged), target)
+    shutil.copy(path / "model.safetensors", damaged / "model.safetensors")
+    record = json.loads((damaged / "config.json").read_text())
+    for tree in ("abc", {"depth": 0, "top_k": 1, "budget": 1}):
+        (damaged / "config.json").write_text(json.dumps({**record, "tree": tree}))
+        with pytest.raises(MoaspecError, match="config.json: its default tree is not valid"):
+            make_drafter(str(damaged), target)
+    (damaged / "config.json").write_text("[1, 2]")
+    from moaspec.calibration.plan import LazyModelDrafter
+
+    for load in (make_drafter, lambda spec, target: LazyModelDrafter(spec, target, None)):  # the calibration's way too
+        with pytest.raises(MoaspecError, match="not a drafter checkpoint"):
+            load(str(damaged), target)

@@ -211,6 +211,8 @@ def test_resolve_builtin_uses_the_packaged_gguf(
     name, model_dir = resolve_target(model_store.DEFAULT_TARGET)
     assert name == model_store.DEFAULT_TARGET
     assert model_dir.parent == cache / "targets" and (model_dir / "config.json").is_file()
+    # its file named by path is the built-in too (its shipped drafters apply; they were refused)
+    assert resolve_target(str(gguf)) == (model_store.DEFAULT_TARGET, model_dir)
 
 
 def _unknown_name(tmp: Path) -> str:

@@ -79,3 +79,12 @@ def test_printer_streams_what_transformers_streamed(tokenizers) -> None:
             streamer.put(torch.tensor(chunk))
         streamer.end()
     assert out.getvalue() == "".join(printed)
+
+
+def test_printer_prints_nothing_when_no_token_came(tokenizers) -> None:
+    """An interrupt before the first token left a lone newline on stdout."""
+    out = io.StringIO()
+    printer = TextPrinter(tokenizers[0], skip_prompt=True, out=out)
+    printer.put(torch.tensor([[1, 2, 3]]))  # the prompt
+    printer.end()
+    assert out.getvalue() == ""

@@ -37,6 +37,7 @@ from moaspec.drafters.base import AloneDraft, Context, ContextEncoder, VerifiedU
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
 from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED, NgramConfig, NgramDrafter
 from moaspec.drafters.vocab import target_token_ids
+from moaspec.errors import MoaspecError
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
@@ -71,7 +72,11 @@ class TreeDrafter:
     def from_pretrained(cls, directory: str | Path, target: Target) -> TreeDrafter:
         """Load a checkpoint directory (refused for another target); its tree config is the default."""
         net, record = cls.net_class.from_pretrained(directory, target)
-        return cls(net, target, TreeConfig(**record.get("tree", {})))
+        try:
+            tree = TreeConfig(**record.get("tree", {}))
+        except (TypeError, ValueError) as exc:
+            raise MoaspecError(f"{Path(directory) / 'config.json'}: its default tree is not valid ({exc})") from None
+        return cls(net, target, tree)
 
     def reset(self) -> None:
         raise NotImplementedError

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from moaspec.atomic_files import new_hidden_directory
@@ -96,7 +97,10 @@ def read_checkpoint(directory: str | Path, target: Target) -> tuple[dict[str, An
     if record.get("format_version", 0) > FORMAT_VERSION:
         raise MoaspecError(f"{directory} was written by a newer moaspec (format {record['format_version']})")
     check_made_for(record, directory, target)
-    return record, load_file(str(weights_path))
+    try:
+        return record, load_file(str(weights_path))
+    except SafetensorError as exc:
+        raise MoaspecError(f"{weights_path} is not readable safetensors ({exc}); the checkpoint is damaged") from None
 
 
 def check_made_for(record: dict[str, Any], directory: str | Path, target: Target) -> None:
