@@ -15,8 +15,10 @@ they are decided.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -67,11 +69,14 @@ class Engine:
         generation: GenerationConfig = GenerationConfig(),
         stop_ids: frozenset[int] | None = None,
         result: GenerationResult | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[list[int]]:
         """Yield the new tokens of each step; fill `result` (token ids, stats) as it goes.
 
         prompt_ids: [T] token ids, T >= 1. stop_ids: default = the target's end-of-sequence ids.
         The prompt is checked here, eagerly, so a bad request fails before anything is streamed.
+        cancel: setting it stops the prompt's prefill part-way (PrefillCancelled raised from the
+        first step; Target.cancellable); between steps the caller simply stops iterating.
         """
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
         if prompt.numel() == 0:
@@ -83,7 +88,7 @@ class Engine:
             )
         result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
-        return self._run(prompt, sampling, generation, stop_ids, result)
+        return self._run(prompt, sampling, generation, stop_ids, result, cancel)
 
     def _run(
         self,
@@ -92,6 +97,7 @@ class Engine:
         generation: GenerationConfig,
         stop_ids: frozenset[int],
         result: GenerationResult,
+        cancel: threading.Event | None,
     ) -> Iterator[list[int]]:
         stats = result.stats
         room = self.target.max_positions - prompt.numel()
@@ -102,7 +108,8 @@ class Engine:
 
         # 0. prefill: the prompt becomes verified context; its last logits give the first token.
         tick = time.perf_counter()
-        root, update = session.prefill(prompt)
+        with self.target.cancellable(cancel) if cancel is not None else nullcontext():
+            root, update = session.prefill(prompt)
         stats.record_prefill(time.perf_counter() - tick)
         tick = time.perf_counter()
         self.drafter.reset()

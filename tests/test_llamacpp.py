@@ -694,6 +694,25 @@ def test_ctrl_c_arriving_during_a_capturing_decode_is_raised_after_it(llama_targ
     assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
 
 
+@pytest.mark.parametrize("length", [100, PROMPT_CONTEXT_MIN_TOKENS + 100])
+def test_a_cancelled_prefill_stops_and_leaves_an_empty_context(llama_target, category_prompts, length: int) -> None:
+    """Target.cancellable on llama.cpp: a set event stops a prefill at its next decode chunk (on
+    either prefill path) with the context reset, and the next prefill is exact. A server uses it
+    when a client leaves during a long prompt."""
+    import threading
+
+    from moaspec.targets.base import PrefillCancelled
+
+    prompt = (category_prompts["qa"] * 8)[:length]
+    _, logits = plain_decode(llama_target, prompt, 1)
+    cancel = threading.Event()
+    cancel.set()
+    with llama_target.cancellable(cancel), pytest.raises(PrefillCancelled):
+        llama_target.set_context(torch.tensor(prompt))
+    assert llama_target.num_cached == 0
+    assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits[-1], logits[0])  # no longer cancellable
+
+
 def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_target, category_prompts) -> None:
     """A short conversation growing past PROMPT_CONTEXT_MIN_TOKENS, then a short prompt sharing a
     long one's start: each takes the path a fresh context takes (nothing computed on the other

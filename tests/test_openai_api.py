@@ -345,6 +345,44 @@ def test_non_streaming_disconnect_cancels_too() -> None:
         started.stop()
 
 
+def test_a_client_leaving_during_a_long_prefill_stops_it() -> None:
+    """Bug (documented as a limit until now): the prompt's prefill was one worker step, so a
+    client that left during a long one held the model until it ended. Now the connection is
+    checked while a step runs and the prefill stops at the next decoder layer. Deterministic:
+    each decoder layer of a prefill sleeps 2 s (4 s for the tiny target's two), the client leaves
+    after 0.5 s, so the slot must be free before the second layer runs; the next request gets the
+    same answer as before (the half-written cache was reset)."""
+    started = start_server("ngram")
+    body = {"model": MODEL, "prompt": "a long prompt " * 4, "max_tokens": 5, "temperature": 0}
+    expected = httpx.post(url(started, "/v1/completions"), json=body, headers=HEADERS, timeout=TIMEOUT_S).json()
+    layers = started.server.openai_target.decoder_layers
+    assert len(layers) == 2
+    slept = []
+
+    def slow_prefill(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] > 1:  # a prefill, not a one-token step
+            slept.append(module)
+            time.sleep(2.0)
+
+    handles = [layer.register_forward_pre_hook(slow_prefill, with_kwargs=True) for layer in layers]
+    try:
+        began = time.monotonic()
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url(started, "/v1/completions"), json=body, headers=HEADERS, timeout=0.5)
+        assert wait_until(lambda: health(started)["queue"]["active"] == 0, timeout_s=10.0)
+        assert time.monotonic() - began < 3.5 and len(slept) == 1  # before: both layers, 4 s and more
+        assert _metric(started, 'moaspec_generations_total{endpoint="completions",finish_reason="cancelled"}') == 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    try:
+        again = httpx.post(url(started, "/v1/completions"), json=body, headers=HEADERS, timeout=TIMEOUT_S).json()
+        assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+    finally:
+        started.stop()
+
+
 def test_full_queue_gets_429_and_waiters_are_served_in_turn() -> None:
     started = start_server("ngram", delay_s=0.1, max_waiting=1)
     try:

@@ -153,3 +153,25 @@ def test_the_cache_goes_by_the_name_this_transformers_takes() -> None:
         warnings.simplefilter("error", FutureWarning)  # the installed release's deprecations included
         target.prefill(torch.tensor([1, 2, 3]))
         target.verify(DraftTree(torch.tensor([4, 5]), torch.tensor([-1, 0])))
+
+
+def test_a_cancelled_prefill_stops_between_layers_and_resets(tiny_llama: HFTarget) -> None:
+    """Target.cancellable on transformers: the event set while layer 0 runs stops the forward
+    before layer 1 (PrefillCancelled), the half-written cache is reset, and the next prefill gives
+    the logits of an uncancelled one."""
+    import threading
+
+    from moaspec.targets.base import PrefillCancelled
+
+    expected = tiny_llama.set_context(PREFIX).logits
+    cancel = threading.Event()
+    ran = []
+    hook = tiny_llama.decoder_layers[0].register_forward_pre_hook(lambda module, args: ran.append(0) or cancel.set())
+    try:
+        with tiny_llama.cancellable(cancel), pytest.raises(PrefillCancelled):
+            tiny_llama.set_context(PREFIX)
+    finally:
+        hook.remove()
+    assert ran == [0] and tiny_llama.num_cached == 0 and tiny_llama.cache.get_seq_length() == 0
+    assert torch.equal(tiny_llama.set_context(PREFIX).logits, expected)
+    assert all(not layer._forward_pre_hooks for layer in tiny_llama.decoder_layers)  # the hooks are gone

@@ -13,8 +13,9 @@ Invariants:
 - one generation holds the model at a time (the engine has batch size 1); others wait in a
   bounded queue (`OpenAILimits.max_waiting`, then 429). Each engine step (one draft tree +
   one target forward) is a separate job on the worker thread, so split sessions interleave with
-  generations, and the client connection is checked between steps: a client that disconnects
-  stops its generation within one step and frees its slot.
+  generations, and the client connection is checked between steps and every CLIENT_POLL_S
+  during one: a client that disconnects stops its generation within one step, or its prompt's
+  prefill part-way (Target.cancellable), and frees its slot.
 - greedy output equals in-process `Engine` / `moaspec generate` output for the same target and
   drafter; sampling draws from the target's distribution with the request's seed.
 - every refusal is OpenAI's error JSON {"error": {"message", "type", "param", "code"}}.
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -41,9 +44,10 @@ from moaspec.serving.errors import APIError, error_body, error_response
 from moaspec.serving.http_body import read_body
 from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.serving.limits import OpenAILimits, ServerLimits
-from moaspec.targets.base import Target
+from moaspec.targets.base import PrefillCancelled, Target
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
+CLIENT_POLL_S = 0.1  # while a step runs (a long prefill), how often the client's connection is checked
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 logger = logging.getLogger("moaspec.serve")
 
@@ -217,7 +221,7 @@ class OpenAIRoutes:
         while generation.finish_reason is None:
             if _client_gone(request):
                 raise ClientGone
-            await generation.next_delta()
+            await generation.next_delta(lambda: _client_gone(request))
             if generation.result.token_ids and generation.first_token_s is None:
                 generation.first_token_s = time.perf_counter() - started
                 self.metrics.ttft.observe(generation.first_token_s)
@@ -241,7 +245,7 @@ class OpenAIRoutes:
             while generation.finish_reason is None:
                 if _client_gone(request):
                     raise ClientGone
-                delta = await generation.next_delta()
+                delta = await generation.next_delta(lambda: _client_gone(request))
                 if delta:
                     if generation.first_token_s is None:
                         generation.first_token_s = time.perf_counter() - started
@@ -283,14 +287,25 @@ class _Generation:
     def __init__(self, engine: Engine, worker: ThreadPoolExecutor, tokenizer, job: GenerationJob) -> None:
         self.result = GenerationResult()
         self.worker = worker
-        self._steps = engine.stream(list(job.prompt_ids), job.sampling, job.generation, result=self.result)
+        self.cancel = threading.Event()  # set when the client leaves during a step: stops a long prefill
+        self._steps = engine.stream(list(job.prompt_ids), job.sampling, job.generation, result=self.result, cancel=self.cancel)
         self.text = TextStream(tokenizer, job.stop)
         self.finish_reason: str | None = None  # "stop" | "length" once over
         self.first_token_s: float | None = None
 
-    async def next_delta(self) -> str:
-        """Run one engine step on the worker; the newly releasable text."""
-        new_ids = await asyncio.get_running_loop().run_in_executor(self.worker, next, self._steps, None)
+    async def next_delta(self, client_gone: Callable[[], bool]) -> str:
+        """Run one engine step on the worker; the newly releasable text. While it runs the client's
+        connection is checked every CLIENT_POLL_S: one that left stops the prompt's prefill
+        (ClientGone)."""
+        step = asyncio.get_running_loop().run_in_executor(self.worker, next, self._steps, None)
+        while not step.done():
+            await asyncio.wait([step], timeout=CLIENT_POLL_S)
+            if not step.done() and client_gone():
+                self.cancel.set()
+        try:
+            new_ids = step.result()
+        except PrefillCancelled:
+            raise ClientGone from None
         if new_ids is None:  # the engine finished: stop token, max_tokens or the context
             self.finish_reason = "stop" if self.result.stop_reason == "stop_token" else "length"
             return self.text.update(self.result.token_ids, final=True)

@@ -8,6 +8,9 @@ A runtime holds one sequence's verified context (batch size 1) and answers five 
 - `commit(path)` keeps the accepted path's pending entries (root first) and drops the rest;
 - `rollback(length)` forgets verified tokens at positions >= length;
 - `reset()` forgets everything.
+A prefill inside `cancellable(event)` stops soon after `event` is set (between llama.cpp's decode
+chunks, between transformers' decoder layers), raising `PrefillCancelled` with the context reset:
+a server frees the model when a client leaves during a long prompt.
 Invariant: `num_cached` verified tokens sit at positions 0..num_cached-1; a tree's root sits at
 position num_cached, a node at depth d at num_cached + d.
 
@@ -26,7 +29,9 @@ Runtimes: `hf.HFTarget` (transformers, CPU or CUDA, training and features) and
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,6 +41,10 @@ from moaspec.nn.target_parts import TargetParts
 
 if TYPE_CHECKING:
     from moaspec.tree import DraftTree
+
+
+class PrefillCancelled(Exception):
+    """A prefill inside `Target.cancellable` was stopped; the target's context is empty."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,10 @@ class Target(Protocol):
         ...
 
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def cancellable(self, cancel: threading.Event) -> AbstractContextManager[None]:
+        """Within it, set_context / prefill stop soon after `cancel` is set (PrefillCancelled)."""
+        ...
 
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
 

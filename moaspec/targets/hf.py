@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -30,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from moaspec.errors import MoaspecError
 from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
-from moaspec.targets.base import TargetOutput
+from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.tree import DraftTree, depths, tree_attention_bias
 
 
@@ -197,6 +199,25 @@ class HFTarget:
         round differently from one-token steps, so a kept prefix would not be the same)."""
         self.reset()
         return self.prefill(input_ids, hidden_layers)
+
+    @contextmanager
+    def cancellable(self, cancel: threading.Event) -> Iterator[None]:
+        """Within it, a forward checks `cancel` before each decoder layer (PrefillCancelled, the
+        context reset: the layers before the stop wrote to the cache)."""
+
+        def check(module, args) -> None:
+            if cancel.is_set():
+                raise PrefillCancelled
+
+        handles = [layer.register_forward_pre_hook(check) for layer in self.decoder_layers]
+        try:
+            yield
+        except PrefillCancelled:
+            self.reset()
+            raise
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:

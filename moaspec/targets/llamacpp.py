@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -69,7 +71,7 @@ import torch
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
-from moaspec.targets.base import TargetOutput
+from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
 from moaspec.targets.llamacpp_exactness import tree_logits_equal_steps
 from moaspec.targets.llamacpp_features import CapturedKV, DeferredSignals, VerifiedRows
@@ -125,6 +127,7 @@ class LlamaCppTarget:
         self._embeddings_on: dict = {}  # llama context -> whether it outputs embeddings
         self.batch = self.lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
         self.compactions = 0  # times the context was re-decoded to reclaim parked cells
+        self._cancel: threading.Event | None = None  # set within `cancellable`
         self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
 
@@ -388,6 +391,16 @@ class LlamaCppTarget:
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
         return TargetOutput(out.logits, hidden)
 
+    @contextmanager
+    def cancellable(self, cancel: threading.Event) -> Iterator[None]:
+        """Within it, a prefill checks `cancel` before each decode chunk (PrefillCancelled, the
+        context reset)."""
+        self._cancel = cancel
+        try:
+            yield
+        finally:
+            self._cancel = None
+
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, 1, D].
@@ -414,6 +427,9 @@ class LlamaCppTarget:
         verified rows, the tokens to `held`. -> logits [1, V] after the last, hidden [T, 1, D]."""
         hidden_chunks, logits = [], None
         for start in range(0, len(ids), size):
+            if self._cancel is not None and self._cancel.is_set():
+                self.reset()
+                raise PrefillCancelled
             chunk, position = ids[start : start + size], first + start
             last = start + len(chunk) == len(ids)
             outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
