@@ -71,10 +71,11 @@ import torch
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
+from moaspec.signals import DeferredSignals
 from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
 from moaspec.targets.llamacpp_exactness import tree_logits_equal_steps
-from moaspec.targets.llamacpp_features import CapturedKV, DeferredSignals, VerifiedRows
+from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
 
@@ -614,7 +615,7 @@ class LlamaCppTarget:
     def _decode(self, ctx=None) -> None:
         if self.capture is None:
             status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
-        else:  # Python runs during this decode: signals wait for its end (DeferredSignals)
+        else:  # Python runs in this decode's eval callback: a signal there would stop the graph part-way (moaspec/signals.py)
             with DeferredSignals() as held:
                 status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
             try:

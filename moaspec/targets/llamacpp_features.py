@@ -26,51 +26,11 @@ What a decode captured for verified positions (keys/values, final hidden states)
 from __future__ import annotations
 
 import ctypes
-import signal
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
-
-
-class DeferredSignals:
-    """Ctrl-C and SIGTERM held while a decode runs the eval callback, delivered after it.
-
-    Python runs a signal's handler at the next function entry of the main thread, which during a
-    decode is the callback's own: the KeyboardInterrupt is raised there before any `try` of it can
-    catch it, ctypes swallows it and answers llama.cpp False, and the graph stops part-way (wrong
-    logits, no error). So, on the main thread (where handlers run), the two signals only mark
-    themselves for the decode's duration; `deliver` then calls the handler that was in place
-    (KeyboardInterrupt, or the CLI's SIGTERM unwinding)."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> DeferredSignals:
-        if threading.current_thread() is threading.main_thread():
-            for number in self.SIGNALS:
-                self._previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        for number, handler in self._previous.items():
-            signal.signal(number, handler)
-
-    def deliver(self) -> None:
-        """Run the handler of the first signal received (after __exit__), as if it came now."""
-        if not self.received:
-            return
-        number = self.received[0]
-        handler = self._previous.get(number)
-        if callable(handler):
-            handler(number, None)
-        elif handler == signal.SIG_DFL:
-            signal.raise_signal(number)
 
 
 class GgmlTensor(ctypes.Structure):

@@ -7,12 +7,14 @@ import ctypes
 from pathlib import Path
 
 from moaspec.errors import MoaspecError
+from moaspec.signals import signals_held
 
 
 def load_bindings():
     """The llama-cpp-python bindings, imported on first use (a clear error when missing)."""
     try:
-        import llama_cpp
+        with signals_held():  # an interrupt half-way would leave it half-imported
+            import llama_cpp
     except ImportError as exc:
         raise MoaspecError(
             "the llama.cpp runtime needs llama-cpp-python: pip install llama-cpp-python==0.3.36 "

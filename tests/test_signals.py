@@ -1,0 +1,47 @@
+"""moaspec/signals.py: Ctrl-C and SIGTERM held over a block, delivered after it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from moaspec.signals import signals_held
+
+
+def test_ctrl_c_inside_the_block_is_raised_after_it() -> None:
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            signal.raise_signal(signal.SIGINT)
+            reached_the_end = True  # not interrupted here
+    assert reached_the_end and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_reaches_the_handler_in_place_after_the_block() -> None:
+    calls: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: calls.append(number))
+    try:
+        with signals_held():
+            signal.raise_signal(signal.SIGTERM)
+            assert calls == []
+        assert calls == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_block_without_signals_and_other_threads_are_left_alone() -> None:
+    with signals_held():
+        pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    seen: list[object] = []
+
+    def in_a_thread() -> None:  # handlers can only be set on the main thread: nothing is changed
+        with signals_held():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    worker = threading.Thread(target=in_a_thread)
+    worker.start()
+    worker.join(timeout=10)
+    assert seen == [signal.default_int_handler]
