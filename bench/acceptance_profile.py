@@ -35,7 +35,7 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import SHIPPED, SHIPPED_DIR, make_drafter
 from moaspec.engine import Engine
 from moaspec.train.sharegpt import load_training_conversations
-from moaspec.bench.script_args import positive_int
+from moaspec.bench.script_args import help_description, positive_int, run_script
 
 CONTEXT_PROMPTS = (  # written for the lookup profile; not from any benchmark set
     "Summarize this note in two sentences:\n\nThe garden club met on Tuesday evening. Members agreed to "
@@ -73,7 +73,7 @@ def sharegpt_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
@@ -90,6 +90,8 @@ def main() -> int:
     unknown = sorted(set(chosen) - set(SHIPPED))
     if unknown:
         parser.error(f"not shipped drafters: {', '.join(unknown)}")
+    if args.lookup_only and args.drafters is not None:
+        parser.error("--lookup-only writes the lookup profile alone: leave out --drafters")
     if args.sharegpt_prompts < 0:
         parser.error("--sharegpt-prompts must be >= 0")
     command = " ".join(["bench/acceptance_profile.py", *sys.argv[1:]])
@@ -135,4 +137,4 @@ def _write(path: Path, record: dict) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -18,7 +18,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -27,7 +26,7 @@ from moaspec.bench.output import write_json
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
-from moaspec.bench.script_args import non_negative_int, positive_int
+from moaspec.bench.script_args import non_negative_int, output_file, positive_int, run_script
 
 CONTEXT = 256
 
@@ -74,7 +73,7 @@ def main() -> None:
     parser.add_argument("--budget", type=positive_int, default=TreeConfig.budget)
     parser.add_argument("--reduced-vocab", type=non_negative_int, default=8192)
     parser.add_argument("--accepted", type=positive_int, default=3, help="tokens verified per cycle (root + accepted drafts)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 2))
     tree = TreeConfig(depth=args.depth, top_k=args.top_k, budget=args.budget)
@@ -127,4 +126,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mtbench_top1  # noqa: E402
 
+from moaspec.bench.script_args import help_description, non_negative_ints, output_directory, run_script
+
 
 def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
     """Median ms of state [rows, D] @ head.T."""
@@ -42,10 +44,10 @@ def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory")
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser.add_argument("--out", type=output_directory, required=True, help="output directory")
     parser.add_argument("--drafters", default="eagle,moa", help="comma-separated NAME or LABEL=DIR")
-    parser.add_argument("--sizes", default="8192,16384,32768,0", help="vocabulary sizes, 0 = full")
+    parser.add_argument("--sizes", type=non_negative_ints, default="8192,16384,32768,0", help="vocabulary sizes, 0 = full")
     parser.add_argument("--data", nargs="+", required=True, help="training data directories (token frequencies)")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--cache", default=None, help="mtbench_top1.py's feature cache (default: its default)")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         for sample in samples
     ])
     full = target.parts(0).lm_head_weight
-    sizes = [int(size) for size in args.sizes.split(",")]
+    sizes = args.sizes
     rows = []
     for item in args.drafters.split(","):
         label, _, spec = item.partition("=") if "=" in item else (item, "", item)
@@ -131,4 +133,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from moaspec.bench.output import write_json
+from moaspec.bench.script_args import help_description, output_file, run_script
+
 DEPTHS = (1, 2, 3)
 
 
@@ -71,22 +74,22 @@ def plot(curves: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output path without extension (.png and .json are written)")
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser.add_argument("--out", type=output_file, required=True, help="output path without extension (.png and .json are written)")
     parser.add_argument("--merge", action="store_true", help="keep the other runs already in <out>.json")
     parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`")
     args = parser.parse_args(argv)
     curves = [run_curve(Path(run)) for run in args.runs]
-    out = Path(args.out)
-    if args.merge and out.with_suffix(".json").is_file():
+    json_path, png_path = Path(f"{args.out}.json"), Path(f"{args.out}.png")  # --out a.v2: a.v2.json, not a.json
+    if args.merge and json_path.is_file():
         names = {curve["name"] for curve in curves}
-        kept = [curve for curve in json.loads(out.with_suffix(".json").read_text()) if curve["name"] not in names]
+        kept = [curve for curve in json.loads(json_path.read_text()) if curve["name"] not in names]
         curves = kept + curves
-    out.with_suffix(".json").write_text(json.dumps(curves, indent=1) + "\n")
-    plot(curves, out.with_suffix(".png"))
-    print(f"learning_curves: {out.with_suffix('.png')}", file=sys.stderr)
+    write_json(json_path, curves)
+    plot(curves, png_path)
+    print(f"learning_curves: {png_path}", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -29,12 +29,14 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from moaspec.bench.output import write_json
+from moaspec.bench.script_args import help_description, output_file, positive_int, run_script
 from moaspec.targets.llamacpp import MAX_BATCH
 
+PROBE_CELLS = 4096  # each probe context's cells: its longest decode
 # ggml types: 0 f32, 1 f16, 8 q8_0. Only a quantized key cache keeps the per-query kernel (exact
 # with trees); an f32 side is cast to f16, so every other pair takes the tiled and split-KV kernels.
 KV_TYPES = {"q8_0/q8_0": (8, 8), "f16/f16": (1, 1), "f32/f16": (0, 1), "f16/f32": (1, 0), "f32/f32": (0, 0)}
@@ -91,7 +93,7 @@ def _context(weights, type_k: int, type_v: int, sequences: int = 1, callback=Non
     """A flash-attention llama_context of 4,096 cells with these key/value cache types."""
     lib = weights.lib
     params = lib.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 4096, MAX_BATCH, MAX_BATCH, sequences
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = PROBE_CELLS, MAX_BATCH, MAX_BATCH, sequences
     params.n_threads = params.n_threads_batch = torch.get_num_threads()
     params.flash_attn_type, params.type_k, params.type_v, params.no_perf, params.kv_unified = 1, type_k, type_v, True, True
     if callback is not None:
@@ -159,12 +161,12 @@ def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tu
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=3, help="bench prompts per category for item 1 (default 3)")
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds for items 2-3 (default 4)")
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser.add_argument("--prompts", type=positive_int, default=3, help="bench prompts per category for item 1 (default 3)")
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
+    parser.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds for items 2-3 (default 4)")
     parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default all)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     wanted = set(args.items.split(","))
     if not wanted <= {"1", "2", "3", "4", "5"}:
@@ -247,9 +249,9 @@ def main() -> int:
 
     print(json.dumps(result, indent=1))
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

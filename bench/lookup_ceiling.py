@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -46,7 +45,8 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import make_drafter
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.engine import Engine
-from moaspec.bench.script_args import category_list, positive_int
+from moaspec.errors import MoaspecError
+from moaspec.bench.script_args import category_list, help_description, output_file, positive_int, run_script
 
 MAX_CHAIN = 15  # drafted tokens per cycle at most: 16 verified nodes, the largest tree measured
 
@@ -102,13 +102,13 @@ def describe(config, gated: bool) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--runtime", default=None, help="llama.cpp or transformers (default: the target's)")
     parser.add_argument("--categories", type=category_list, default=",".join(CATEGORIES))
     parser.add_argument("--limit", type=int, default=10, help="prompts per category, drawn as the bench draws them")
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
-    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     if args.limit < 1 or args.max_new_tokens < 2:
         parser.error("--limit must be >= 1 and --max-new-tokens >= 2")
@@ -133,6 +133,10 @@ def main() -> int:
             sequences.append(LookupSequence(prompt_ids, result.token_ids))
             prefill_s += result.stats.prefill_s
             decode_s += result.stats.wall_s - result.stats.prefill_s
+        if not sequences:
+            raise MoaspecError(
+                f"no {category} prompt fits the context ({target.max_positions}) with --max-new-tokens {args.max_new_tokens}"
+            )
         plain_s = prefill_s + sum(max(0, len(s.generated_ids) - 1) for s in sequences) * costs.verify(1)
         lookups = []
         for config in lookup_configs():
@@ -179,4 +183,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from moaspec.bench.script_args import help_description, output_directory, positive_int, run_script
+from moaspec.errors import MoaspecError
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_DEPTH = 6  # validate's anchor grid: MoA draft depths 1..5
 
@@ -77,7 +80,14 @@ def conversations(target, max_new_tokens: int) -> list[dict]:
 
     path = ROOT / "bench" / "results" / f"mtbench-greedy-{target.name}.jsonl"
     if path.is_file():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        stored = {record.get("max_new_tokens") for record in records}
+        if stored != {max_new_tokens}:
+            raise MoaspecError(
+                f"{path} holds answers of up to {', '.join(map(str, sorted(stored, key=str)))} tokens, not "
+                f"{max_new_tokens}: pass that --max-new-tokens, or move the file to make new ones"
+            )
+        return records
     prompts = load_mt_bench()
     answers = greedy_answers(target, prompts, max_new_tokens)
     records = [
@@ -223,7 +233,6 @@ def check_drafters(parser: argparse.ArgumentParser, drafters: str) -> None:
     """Every NAME or LABEL=DIR of --drafters names a drafter (argparse's error otherwise), before
     the features are computed (minutes)."""
     from moaspec.drafters import check_drafter_spec
-    from moaspec.errors import MoaspecError
 
     for item in drafters.split(","):
         spec = item.partition("=")[2] if "=" in item else item
@@ -241,11 +250,11 @@ def feature_cache_dir(given: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory")
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser.add_argument("--out", type=output_directory, required=True, help="output directory")
     parser.add_argument("--drafters", required=True, help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens per answer (default 128)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="greedy tokens per answer (default 128)")
     parser.add_argument(
         "--cache", default=None, help="feature cache directory (default: features/mtbench in moaspec's cache, ~700 MB)"
     )
@@ -298,4 +307,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from moaspec.bench.script_args import category_list, non_negative_int, positive_int
+from moaspec.bench.script_args import category_list, non_negative_int, output_directory, positive_int, run_script
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 FINE_THRESHOLDS = tuple(i / 200 for i in range(201))  # agreeing_at's sweep
@@ -112,7 +112,7 @@ def conditional_precision(generations: list[list[dict]]) -> dict[str, list[int]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", type=output_directory, required=True)
     parser.add_argument("--categories", type=category_list, default="mt_bench,humaneval")
     parser.add_argument("--limit", type=positive_int, default=25)
     parser.add_argument("--skip", type=non_negative_int, default=10)
@@ -122,6 +122,10 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="rewrite DIR/results.md from DIR/results.json")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.report_only and not (out / "results.json").is_file():
+        parser.error(f"--report-only rewrites {out / 'results.md'} from {out / 'results.json'}, which is missing")
+    if not args.report_only and args.skip >= args.limit:
+        parser.error(f"--skip {args.skip} leaves none of the --limit {args.limit} prompts of each category")
     if args.report_only:
         results = json.loads((out / "results.json").read_text())
         (out / "results.md").write_text("\n".join(report(results)) + "\n")
@@ -190,4 +194,4 @@ def report(results: dict) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -34,6 +34,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moaspec.bench.prompts import load_prompts  # noqa: E402
+from moaspec.bench.script_args import output_file, run_script
 
 PROMPT_CATEGORIES = ("mt_bench", "translation", "summarization", "math")
 
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 2), help="torch threads in-process (default 2)")
-    parser.add_argument("--out", default=None, help="also write the JSON result here")
+    parser.add_argument("--out", type=output_file, default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
     client_counts = [int(n) for n in args.clients.split(",")]
     if args.requests < 1 or args.max_tokens < 1 or min(client_counts) < 1:
@@ -226,4 +227,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
-from moaspec.bench.script_args import existing_file, positive_int
+from moaspec.bench.script_args import existing_file, positive_int, run_script
 
 
 def per_generation(runs: list[dict], method: str) -> dict[tuple, tuple[int, int]]:
@@ -63,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -15,8 +15,8 @@ import argparse
 import statistics
 import time
 
-from llamacpp_probes import CONTEXT, _context
-from moaspec.bench.script_args import positive_int, positive_ints
+from llamacpp_probes import CONTEXT, PROBE_CELLS, _context
+from moaspec.bench.script_args import positive_int, positive_ints, run_script
 
 CASES = {  # label -> (ggml key type, ggml value type, tokens per llama_decode)
     "q8_0/f16, 512": (8, 1, 512),
@@ -49,6 +49,8 @@ def main() -> int:
     parser.add_argument("--lengths", type=positive_ints, default="128,256,512,1000")
     parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args()
+    if max(args.lengths) > PROBE_CELLS:
+        parser.error(f"--lengths: at most {PROBE_CELLS} tokens (the probe context's cells)")
     import torch
 
     from moaspec.api import load_target
@@ -70,4 +72,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

@@ -16,16 +16,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 from moaspec.bench.runner import first_divergence
-from moaspec.bench.script_args import category_list, dtype_list, positive_int
+from moaspec.bench.script_args import category_list, dtype_list, help_description, output_file, positive_int, run_script
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument(
         "--dtypes", type=dtype_list, default="float32,bfloat16", help="comma-separated; float32 first (the reference)"
@@ -35,7 +34,7 @@ def main() -> int:
     parser.add_argument("--limit", type=positive_int, default=8, help="prompts per category (default 8)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", type=Path, required=True, help="results JSON")
+    parser.add_argument("--out", type=output_file, required=True, help="results JSON")
     args = parser.parse_args()
     dtypes, methods = args.dtypes, args.methods.split(",")
     if dtypes[0] != "float32" or methods[0] != "none":
@@ -98,4 +97,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from moaspec.bench.script_args import help_description, output_file, run_script
+
 PROMPT = "Name three colours."
 CASES = {  # label -> extra arguments of `moaspec generate`
     "default": [],
@@ -46,11 +48,11 @@ def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, f
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the cases (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per run (default 8)")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     if args.rounds < 1 or args.max_new_tokens < 1:
         parser.error("--rounds and --max-new-tokens must be >= 1")
@@ -100,4 +102,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_script(main)

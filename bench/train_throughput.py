@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from moaspec.bench.machine import machine_info
 from moaspec.bench.output import write_json
+from moaspec.bench.script_args import help_description, output_file, run_script
 from moaspec.cli import main as moaspec_main
 
 OWN_FLAGS = ("--out", "--steps", "--micro-batch", "--val-every")
@@ -39,11 +39,11 @@ def tokens_per_s(train_args: list[str], micro_batch: int, steps: int, out_dir: P
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], usage="%(prog)s [options] -- TRAIN_FLAGS")
+    parser = argparse.ArgumentParser(description=help_description(__doc__), usage="%(prog)s [options] -- TRAIN_FLAGS")
     parser.add_argument("--micro-batches", default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
     parser.add_argument("--steps", type=int, default=5, help="steps per run, the first not counted (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the sizes (default 2)")
-    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args, train_args = parser.parse_known_args(argv)
     train_args = [arg for arg in train_args if arg != "--"]
     try:
@@ -82,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -13,16 +13,15 @@ import argparse
 import platform
 import statistics
 import sys
-from pathlib import Path
 
 import torch
-from moaspec.bench.script_args import dtype_list, positive_int
+from moaspec.bench.script_args import dtype_list, help_description, output_file, positive_int, run_script
 
 NODE_COUNTS = (1, 2, 4, 8, 16)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--context", type=positive_int, default=256, help="verified tokens before the tree (default 256)")
     parser.add_argument("--blocks", type=positive_int, default=4, help="alternating blocks per runtime (default 4)")
@@ -31,7 +30,7 @@ def main() -> int:
         "--dtypes", type=dtype_list, default="float32",
         help="comma-separated precisions of the transformers runtime, each measured as its own row (default float32)",
     )
-    parser.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args = parser.parse_args()
 
     from moaspec.api import load_target
@@ -74,4 +73,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

@@ -288,6 +288,17 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, interrupt)
 
 
+def check_arguments(argv: list[str]) -> int:
+    """Parse a command line without running it: 0, or 2 after the one-line error (the scripts
+    check the flags they pass through before their long first steps)."""
+    try:
+        _build_parser().parse_args(argv)
+    except MoaspecError as exc:
+        print(f"moaspec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one moaspec command line (argv: the arguments after `moaspec`) -> exit status."""
     return _main(argv)[0]

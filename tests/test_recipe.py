@@ -54,3 +54,28 @@ def test_recipe_needs_an_output_directory() -> None:
     assert proc.returncode != 0
     assert "usage: scripts/recipe OUT_DIR" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--bogus-flag"], {}, "unrecognized arguments: --bogus-flag"),
+        (["--steps", "x"], {}, "argument --steps: invalid int value"),
+        ([], {"TUNE_ARGS": "--no-such-tune-flag"}, "unrecognized arguments: --no-such-tune-flag"),
+    ],
+)
+def test_recipe_checks_the_flags_it_passes_on_before_distilling(tmp_path: Path, argv, env, message) -> None:
+    """Bug: a bad train or tune flag failed only after the distillation (half an hour by default)."""
+    out = tmp_path / "recipe"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "recipe"), str(out), *argv], capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, **env),
+    )
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()  # nothing distilled, nothing written
+
+
+@pytest.mark.parametrize("script", ["recipe", "campaign", "gpu_campaign"])
+def test_scripts_print_what_they_do_for_help(script: str) -> None:
+    proc = subprocess.run([str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and f"scripts/{script}" in proc.stdout and len(proc.stdout.splitlines()) > 5

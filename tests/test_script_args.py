@@ -7,8 +7,10 @@ import argparse
 import pytest
 
 from moaspec.bench.script_args import (
-    category_list, dtype_list, existing_file, non_negative_int, positive_int, positive_ints,
+    category_list, dtype_list, existing_file, help_description, non_negative_int, non_negative_ints, output_directory,
+    output_file, positive_int, positive_ints, run_script,
 )
+from moaspec.errors import MoaspecError
 
 
 def test_values_are_checked_with_a_usage_message(tmp_path, capsys) -> None:
@@ -27,3 +29,36 @@ def test_values_are_checked_with_a_usage_message(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parser.parse_args(["--rounds", "0"])
     assert exit_info.value.code == 2 and "argument --rounds: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_outputs_are_checked_before_the_run(tmp_path) -> None:
+    """Bug: --out was first used at the end of a run (its work lost to a traceback: a directory
+    named as the JSON file, a folder that could not be made)."""
+    assert output_file(str(tmp_path / "new" / "r.json")) == tmp_path / "new" / "r.json"  # its folder can be made
+    assert output_directory(str(tmp_path / "out")) == tmp_path / "out"
+    assert non_negative_ints("8192, 0") == [8192, 0]
+    for parse, text, says in [
+        (output_file, str(tmp_path), "is a directory"),
+        (output_file, str(tmp_path / "a" / "b" / "r.json"), "does not exist"),
+        (output_directory, str(tmp_path / "a" / "b"), "does not exist"),
+        (non_negative_ints, "8192,-1", "must be >= 0"),
+    ]:
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            parse(text)
+
+
+def test_library_errors_end_a_script_in_one_line(capsys, monkeypatch) -> None:
+    """Bug: a MoaspecError found once loading began (a bad target, method or drafter) was a traceback."""
+    monkeypatch.setattr("sys.argv", ["verify_curves.py"])
+
+    def failing() -> int:
+        raise MoaspecError("unknown target 'bogus'")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(failing)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == "verify_curves.py: error: unknown target 'bogus'\n"
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(lambda: 0)
+    assert exit_info.value.code == 0
+    doc = "First line of a sentence\nthat goes on.\n\nDetails."
+    assert help_description(doc) == "First line of a sentence that goes on."

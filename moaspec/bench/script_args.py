@@ -4,7 +4,10 @@ usage error (exit status 2) before anything loads, not a traceback after minutes
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from moaspec.errors import MoaspecError
 
@@ -22,6 +25,14 @@ def non_negative_int(text: str) -> int:
 def positive_ints(text: str) -> list[int]:
     """A comma-separated list of integers >= 1 ("128,256")."""
     values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("an empty list")
+    return values
+
+
+def non_negative_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 0 ("8192,16384,0")."""
+    values = [non_negative_int(part.strip()) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
     return values
@@ -55,6 +66,30 @@ def existing_file(text: str) -> Path:
     return path
 
 
+def output_file(text: str) -> Path:
+    """--out FILE: not a directory, in a folder that exists or can be made (checked before the
+    run, so its work is not lost to an unwritable path at the end)."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write")
+    _writable_folder(str(path.parent) if str(path.parent) else ".")
+    return path
+
+
+def output_directory(text: str) -> Path:
+    """--out DIR: a directory that exists or can be made, and can be written."""
+    return _writable_folder(text)
+
+
+def _writable_folder(text: str) -> Path:
+    from moaspec.cli_support import output_dir
+
+    try:
+        return output_dir(text)
+    except MoaspecError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--out ", "")) from None
+
+
 def _at_least(text: str, low: int) -> int:
     try:
         value = int(text)
@@ -63,3 +98,25 @@ def _at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def help_description(doc: str | None) -> str:
+    """A script's --help description: its docstring's first paragraph as one line (its first line
+    alone stopped mid-sentence)."""
+    return " ".join((doc or "").split("\n\n")[0].split())
+
+
+def run_script(main: Callable[[], int | None]) -> NoReturn:
+    """A bench script's entry: main()'s status, or for a library error (a bad target, method or
+    drafter found once loading began) one line `SCRIPT: error: ...` and status 2, for Ctrl-C 130,
+    instead of a traceback."""
+    name = Path(sys.argv[0]).name
+    try:
+        status = main()
+    except MoaspecError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    raise SystemExit(status or 0)
