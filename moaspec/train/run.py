@@ -64,7 +64,8 @@ def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSampl
             raise MoaspecError(f"{data_dir} holds a record that is not training data ({type(exc).__name__}: {exc})") from exc
         if len(samples) == found:
             raise MoaspecError(
-                f"{data_dir} has no usable records (run `moaspec data distill` or `moaspec data sharegpt` first)"
+                f"{data_dir} has no usable records: none has 2 or more learned tokens within --max-seq-len "
+                f"{max_seq_len} (or it is empty: run `moaspec data distill` or `moaspec data sharegpt` first)"
             )
     return samples
 
