@@ -227,10 +227,9 @@ def _generate(args: argparse.Namespace) -> int:
     named = args.drafter or default_drafter(target_name)
     if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
-    from moaspec.signals import signals_held
+    from moaspec.signals import load_library_held
 
-    with signals_held():  # torch's first import: an interrupt half-way was swallowed or left it half-imported
-        import moaspec.api  # noqa: F401
+    load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 

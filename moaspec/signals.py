@@ -56,3 +56,11 @@ def signals_held() -> Iterator[None]:
     with DeferredSignals() as held:
         yield
     held.deliver()
+
+
+def load_library_held() -> None:
+    """Import torch (~1.4 s, what moaspec's library side loads first) with Ctrl-C and SIGTERM
+    held, so that an interrupt lands before or after it, never half-way; the commands call it
+    once their cheap checks have passed."""
+    with signals_held():
+        import torch  # noqa: F401

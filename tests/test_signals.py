@@ -45,3 +45,12 @@ def test_a_block_without_signals_and_other_threads_are_left_alone() -> None:
     worker.start()
     worker.join(timeout=10)
     assert seen == [signal.default_int_handler]
+
+
+def test_the_library_is_loaded_with_signals_held() -> None:
+    import sys
+
+    from moaspec.signals import load_library_held
+
+    load_library_held()
+    assert "torch" in sys.modules and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -24,6 +24,7 @@ from moaspec.bench.machine import machine_info
 from moaspec.bench.prompts import CATEGORIES
 from moaspec.cli_support import EXIT_MISMATCH, command_line, output_dir
 from moaspec.errors import MoaspecError
+from moaspec.signals import load_library_held
 
 
 def add_bench_parser(commands, default_target: str) -> None:
@@ -106,6 +107,7 @@ def run_bench(args: argparse.Namespace) -> int:
     prompts = load_prompts(categories, args.limit)
 
     # 2. load and run
+    load_library_held()
     import moaspec.api
     from moaspec.bench.methods import build_method, needs_hf_copy
     from moaspec.bench.runner import run_benchmark
@@ -245,6 +247,7 @@ def run_tune(args: argparse.Namespace) -> int:
             raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json){run_directory_hint(directory)}")
 
     # 2. measure and choose
+    load_library_held()
     import moaspec.api
     from moaspec.bench.output import timestamp
     from moaspec.bench.tune import tune_drafter

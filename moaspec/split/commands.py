@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from moaspec.errors import MoaspecError
+from moaspec.signals import load_library_held
 
 API_KEY_ENV = "MOASPEC_API_KEY"
 
@@ -51,6 +52,7 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
 def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> int:
     import asyncio
 
+    load_library_held()
     server, described = build_server(args, keys)
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {described} on {scheme}://{args.host}:{args.port}", file=sys.stderr)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from moaspec.cli_support import command_line, output_dir
 from moaspec.errors import MoaspecError
+from moaspec.signals import load_library_held
 
 
 def add_train_parser(commands, default_target: str) -> None:
@@ -170,6 +171,7 @@ def run_train(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     _check_layer_counts(args, resolve_target(args.target)[1])
+    load_library_held()
     from moaspec.train.run import RunSpec, run_training
 
     spec = RunSpec(
