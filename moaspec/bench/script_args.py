@@ -24,15 +24,16 @@ def non_negative_int(text: str) -> int:
 
 def positive_ints(text: str) -> list[int]:
     """A comma-separated list of integers >= 1 ("128,256")."""
-    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("an empty list")
-    return values
+    return _int_list(text, positive_int)
 
 
 def non_negative_ints(text: str) -> list[int]:
     """A comma-separated list of integers >= 0 ("8192,16384,0")."""
-    values = [non_negative_int(part.strip()) for part in text.split(",") if part.strip()]
+    return _int_list(text, non_negative_int)
+
+
+def _int_list(text: str, parse: Callable[[str], int]) -> list[int]:
+    values = [parse(part.strip()) for part in text.split(",") if part.strip()]
     if not values:
         raise argparse.ArgumentTypeError("an empty list")
     return values
@@ -72,7 +73,7 @@ def output_file(text: str) -> Path:
     path = Path(text).expanduser()
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; name the file to write")
-    _writable_folder(str(path.parent) if str(path.parent) else ".")
+    _writable_folder(str(path.parent))  # "." for a bare file name
     return path
 
 

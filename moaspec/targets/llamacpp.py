@@ -62,7 +62,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -71,7 +71,7 @@ import torch
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
-from moaspec.signals import DeferredSignals
+from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
 from moaspec.targets.llamacpp_exactness import tree_logits_equal_steps
@@ -613,16 +613,14 @@ class LlamaCppTarget:
         self._moved = count
 
     def _decode(self, ctx=None) -> None:
-        if self.capture is None:
-            status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
-        else:  # Python runs in this decode's eval callback: a signal there would stop the graph part-way (moaspec/signals.py)
-            with DeferredSignals() as held:
+        # Python runs in a capturing decode's eval callback: a signal there would stop the graph
+        # part-way, so it is held until the decode ends (moaspec/signals.py)
+        try:
+            with signals_held() if self.capture is not None else nullcontext():
                 status = self.lib.llama_decode(self.ctx if ctx is None else ctx, self.batch)
-            try:
-                held.deliver()
-            except BaseException:
-                self.reset()  # the caller is interrupted before it takes this decode's outputs
-                raise
+        except BaseException:
+            self.reset()  # the caller is interrupted before it takes this decode's outputs
+            raise
         if self.capture is not None and self.capture.failure is not None:
             self.reset()  # this decode's captured keys/values are incomplete
             self.capture.raise_failure()

@@ -512,7 +512,9 @@ def check_resumable(out_dir: Path, config: TrainConfig) -> None:
     otherwise be the first complaint)."""
     state_path = out_dir / STATE_FILE
     if state_path.is_file():
-        _check_same_config(torch.load(state_path, weights_only=False, map_location="cpu"), config, state_path)
+        # mmap: only the config is read here, not the weights and optimizer state train() loads
+        saved = torch.load(state_path, weights_only=False, map_location="cpu", mmap=True)
+        _check_same_config(saved, config, state_path)
 
 
 def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
