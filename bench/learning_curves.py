@@ -1,11 +1,13 @@
 """Learning curves of drafter training runs: validation top-1 per draft depth and τ over steps.
 
-    .venv/bin/python bench/learning_curves.py --out docs/learning_curves [--merge] RUN_DIR [RUN_DIR ...]
+    .venv/bin/python bench/learning_curves.py --out docs/learning_curves [--merge] [LABEL=]RUN_DIR [...]
 
 Reads each run's `train_state.pt` history (the validation records written every --val-every
 steps) and writes `<out>.png` (one panel per quantity, one line per run) and `<out>.json` (the
 points, small enough to commit). `--merge` keeps the runs already in `<out>.json` (those of
-earlier machines, whose run directories are gone) and adds or replaces the given ones. Draft depth follows inference: for MoA, draft depth d is the
+earlier machines, whose run directories are gone) and adds or replaces the given ones, by name: a
+run is named by its folder, or by LABEL in `LABEL=RUN_DIR` (two runs of one name are refused, as
+`--merge` would replace one by the other). Draft depth follows inference: for MoA, draft depth d is the
 trainer's `acc_depth{d+1}` (its `acc_depth1` is the anchor's own position, the target's bonus
 token at inference); for EAGLE, `acc_depth1` is draft depth 1 (teacher-forced features).
 Top-1 is against the target's argmax over the full vocabulary (runs from before 2026-11-24
@@ -27,8 +29,9 @@ from moaspec.bench.script_args import help_description, output_file, run_script
 DEPTHS = (1, 2, 3)
 
 
-def run_curve(run_dir: Path) -> dict:
-    """{"name", "method", "steps", "depth{d}": [...], "val_tau": [...]} of one run."""
+def run_curve(run_dir: Path, name: str | None = None) -> dict:
+    """{"name", "method", "steps", "depth{d}": [...], "val_tau": [...]} of one run, named `name` or
+    after its folder."""
     state_path = run_dir / "train_state.pt"
     if not state_path.is_file():
         raise SystemExit(f"learning_curves: {run_dir} has no train_state.pt")
@@ -36,12 +39,29 @@ def run_curve(run_dir: Path) -> dict:
     method = state["config"]["method"]
     offset = 1 if method == "moa" else 0
     points = [record for record in state["history"] if "val_loss" in record]
-    curve = {"name": run_dir.name, "method": method, "steps": [record["step"] for record in points]}
+    curve = {"name": name or run_dir.name, "method": method, "steps": [record["step"] for record in points]}
     for depth in DEPTHS:
         curve[f"depth{depth}"] = [record.get(f"acc_depth{depth + offset}") for record in points]
     curve["val_tau"] = [record.get("val_tau") for record in points]
     curve["val_loss"] = [record["val_loss"] for record in points]
     return curve
+
+
+def named_runs(runs: list[str]) -> list[tuple[str, Path]]:
+    """`[LABEL=]RUN_DIR` arguments as (name, directory), names unique."""
+    named = []
+    for run in runs:
+        label, equals, directory = run.partition("=")
+        if not equals:
+            label, directory = Path(run).name, run
+        if not label or not directory:
+            raise SystemExit(f"learning_curves: {run!r} is not RUN_DIR or LABEL=RUN_DIR")
+        named.append((label, Path(directory)))
+    names = [label for label, _ in named]
+    repeated = sorted({label for label in names if names.count(label) > 1})
+    if repeated:
+        raise SystemExit(f"learning_curves: two runs named {repeated[0]!r}; name them apart with LABEL=RUN_DIR")
+    return named
 
 
 def plot(curves: list[dict], path: Path) -> None:
@@ -77,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--out", type=output_file, required=True, help="output path without extension (.png and .json are written)")
     parser.add_argument("--merge", action="store_true", help="keep the other runs already in <out>.json")
-    parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`")
+    parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`, each RUN_DIR or LABEL=RUN_DIR")
     args = parser.parse_args(argv)
-    curves = [run_curve(Path(run)) for run in args.runs]
+    curves = [run_curve(directory, label) for label, directory in named_runs(args.runs)]
     json_path, png_path = Path(f"{args.out}.json"), Path(f"{args.out}.png")  # --out a.v2: a.v2.json, not a.json
     if args.merge and json_path.is_file():
         names = {curve["name"] for curve in curves}

@@ -556,9 +556,11 @@ def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> No
 def test_moaspec_data_distill_keeps_freed_memory_too(tmp_path, monkeypatch) -> None:
     """`moaspec data distill` raises the same thresholds before it generates."""
     import moaspec.train.allocator as allocator
+    import moaspec.train.cli as train_cli
     import moaspec.train.distill as distill
 
     order = []
+    monkeypatch.setattr(train_cli, "load_library_held", lambda: order.append("torch held"))
     monkeypatch.setattr(allocator, "keep_freed_memory", lambda: order.append("allocator") or True)
 
     def fake_distill(*args, **kwargs) -> dict:
@@ -570,4 +572,23 @@ def test_moaspec_data_distill_keeps_freed_memory_too(tmp_path, monkeypatch) -> N
     from moaspec.cli import main
 
     assert main(["data", "distill", "--out", str(tmp_path / "d"), "--num-conversations", "2"]) == 0
-    assert order == ["allocator", "distill"]
+    assert order == ["torch held", "allocator", "distill"]  # torch's import held from Ctrl-C (signals.py)
+
+
+def test_moaspec_data_sharegpt_imports_torch_with_signals_held(tmp_path, monkeypatch) -> None:
+    import moaspec.train.cli as train_cli
+    import moaspec.train.teacher_forced as teacher_forced
+
+    order = []
+    monkeypatch.setattr(train_cli, "load_library_held", lambda: order.append("torch held"))
+
+    def fake_teacher_forced(*args, **kwargs) -> dict:
+        order.append("teacher-forced")
+        return {"totals": {"num_records": 0, "tokens": 0, "assistant_tokens": 0}}
+
+    monkeypatch.setattr(teacher_forced, "run_teacher_forced", fake_teacher_forced)
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: None)
+    from moaspec.cli import main
+
+    assert main(["data", "sharegpt", "--out", str(tmp_path / "d"), "--num-conversations", "2"]) == 0
+    assert order == ["torch held", "teacher-forced"]

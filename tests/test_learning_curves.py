@@ -32,3 +32,22 @@ def test_moa_draft_depth_is_the_trainers_next_depth_and_merge_keeps_other_runs(t
     assert [curve["name"] for curve in merged] == ["old-run", "moa-a"] and "stale" not in merged[1]
     assert script.main(["--out", str(out), str(tmp_path / "runs" / "eagle-a")]) == 0
     assert [curve["name"] for curve in json.loads(out.with_suffix(".json").read_text())] == ["eagle-a"]
+
+
+def test_runs_are_named_by_label_and_one_name_twice_is_refused(tmp_path, monkeypatch) -> None:
+    """Two machines' runs often share a folder name (runs/moa): --merge would keep only one."""
+    import pytest
+
+    script = load_bench_script("learning_curves")
+    monkeypatch.setattr(script, "plot", lambda curves, path: path.write_bytes(b"png"))
+    first = fake_run(tmp_path / "a" / "moa", "moa", 0.4)
+    second = fake_run(tmp_path / "b" / "moa", "moa", 0.5)
+    out = tmp_path / "curves"
+    with pytest.raises(SystemExit, match="two runs named 'moa'.*LABEL=RUN_DIR"):
+        script.main(["--out", str(out), str(first), str(second)])
+    assert not out.with_suffix(".json").exists()
+    assert script.main(["--out", str(out), str(first), f"moa-b={second}"]) == 0
+    curves = json.loads(out.with_suffix(".json").read_text())
+    assert [curve["name"] for curve in curves] == ["moa", "moa-b"] and curves[1]["depth1"] == [0.75]
+    with pytest.raises(SystemExit, match="is not RUN_DIR or LABEL=RUN_DIR"):
+        script.main(["--out", str(out), f"={second}"])

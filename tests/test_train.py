@@ -171,7 +171,8 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     assert record["training"]["command"] == "moaspec train ..." and record["training"]["num_train_sequences"] == 4
     drafter = make_drafter(str(checkpoint), target)
     assert set(drafter.draft_vocab_ids.tolist()) <= set(range(50))  # only tokens seen in responses
-    assert (tmp_path / "run" / "runs.jsonl").is_file()
+    logged = json.loads((tmp_path / "run" / "runs.jsonl").read_text())
+    assert logged["command"] == "moaspec train ..." and (logged["steps_done"], logged["ended"]) == (3, "complete")
     assert record["training"]["val_indices"] == [0, 3]  # spaced through the data, not the first two
 
     continued = RunSpec(
@@ -214,6 +215,24 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     (checkpoint / "config.json").write_text(json.dumps(stale))
     with pytest.raises(MoaspecError, match="other validation records"):
         run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+
+    # an interrupted run is logged too, with the step it saved
+    import moaspec.train.trainer
+
+    real_batch_loss, calls = moaspec.train.trainer.batch_loss, []
+
+    def cut_in_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # two sequences a step, one at a time
+            raise KeyboardInterrupt
+        return real_batch_loss(*args, **kwargs)
+
+    monkeypatch.setattr(moaspec.train.trainer, "batch_loss", cut_in_step_2)
+    cut = dataclasses.replace(spec, out_dir=tmp_path / "cut")
+    with pytest.raises(KeyboardInterrupt):
+        run_training(cut, config, TreeConfig())
+    logged = json.loads((tmp_path / "cut" / "runs.jsonl").read_text())
+    assert (logged["steps_done"], logged["ended"]) == (1, "interrupted")
 
 
 def test_validation_records_are_spaced_through_the_data() -> None:
@@ -381,6 +400,40 @@ def test_an_interrupt_mid_step_or_mid_validation_resumes_exactly(tmp_path, monke
     assert [r["loss"] for r in state.history] == [r["loss"] for r in reference.history]
     assert [r["step"] for r in state.history if "val_loss" in r] == [3, 6]
     assert state.history[-1]["val_loss"] == reference.history[-1]["val_loss"]
+
+
+def test_an_interrupt_during_the_optimizer_update_lands_after_it(tmp_path, monkeypatch) -> None:
+    """Ctrl-C arriving while AdamW updates the weights is delivered once the step counts as done:
+    the saved state is never half a step, and the resumed run equals an uninterrupted one."""
+    import signal
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data = samples(4, 1)
+    config = TrainConfig(method="moa", steps=4, batch_size=2, warmup_steps=1, val_every=100, ckpt_every=2)
+    torch.manual_seed(0)
+    straight = make_net("moa", target)
+    train(straight, target, data, [], config, tmp_path / "straight", progress=False)
+
+    real_step, updates = torch.optim.AdamW.step, []
+
+    def step_then_ctrl_c(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        updates.append(1)
+        if len(updates) == 3:  # step 3's update done, its bookkeeping not yet
+            signal.raise_signal(signal.SIGINT)
+        return result
+
+    out = tmp_path / "cut"
+    torch.manual_seed(0)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        train(make_net("moa", target), target, data, [], config, out, progress=False)
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 3
+    resumed = make_net("moa", target)
+    train(resumed, target, data, [], config, out, progress=False)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
 def test_resuming_with_other_settings_names_them(tmp_path) -> None:

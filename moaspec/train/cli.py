@@ -302,6 +302,7 @@ def _data_distill(args: argparse.Namespace) -> int:
     from moaspec.targets.options import check_device
 
     check_device(args.device)
+    load_library_held()
     from moaspec.train.allocator import keep_freed_memory
 
     keep_freed_memory()  # batched generation frees and reallocates large tensors every step (allocator.py)
@@ -331,6 +332,7 @@ def _data_sharegpt(args: argparse.Namespace) -> int:
     from moaspec.model_store import resolve_target
 
     resolve_target(args.target)
+    load_library_held()
     manifest = run_teacher_forced(args.target, out, config, command_line(args))
     totals = manifest["totals"]
     print(

@@ -273,19 +273,37 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     if spec.feature_cache is not None:
         source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers, kv_layers_read(net, config))
         provenance["feature_cache"] = {"path": str(spec.feature_cache), "build_wall_s": source.index.get("build_wall_s")}
-    state = train(
-        net, target, train_samples, val_samples, config, spec.out_dir,
-        tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,
-        micro_batch=spec.micro_batch,
-    )
-    wall = time.perf_counter() - started
+    try:
+        state = train(
+            net, target, train_samples, val_samples, config, spec.out_dir,
+            tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,
+            micro_batch=spec.micro_batch,
+        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: train() saved the last completed step
+        log_run(spec, _saved_step(spec.out_dir), time.perf_counter() - started, "interrupted")
+        raise
+    ended = "complete" if state.step >= config.steps else "time limit"
+    log_run(spec, state.step, time.perf_counter() - started, ended)
     if state.step < config.steps:
         print(
             f"[moaspec] the time limit stopped training at step {state.step} of {config.steps}; "
             "the same command continues this run",
             file=sys.stderr,
         )
-    record_path = spec.out_dir / "runs.jsonl"
-    with record_path.open("a") as log:
-        log.write(json.dumps({"command": spec.command, "steps_done": state.step, "wall_s": round(wall, 1)}) + "\n")
     return spec.out_dir / "checkpoint"
+
+
+def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) -> None:
+    """One line per invocation in `<out>/runs.jsonl`: the command, the steps done when it ended,
+    its wall time (loading included) and how it ended (complete, time limit, interrupted)."""
+    record = {"command": spec.command, "steps_done": steps_done, "wall_s": round(wall_s, 1), "ended": ended}
+    with (spec.out_dir / "runs.jsonl").open("a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def _saved_step(out_dir: Path) -> int | None:
+    """The step of the resumable state on disk (None when there is none yet)."""
+    try:
+        return int(torch.load(out_dir / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)["step"])
+    except (OSError, RuntimeError, KeyError):
+        return None

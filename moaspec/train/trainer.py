@@ -32,6 +32,7 @@ import torch
 
 from moaspec.config import TreeConfig
 from moaspec.nn.target_parts import TargetParts
+from moaspec.signals import signals_held
 from moaspec.targets.hf import HFTarget
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
@@ -460,8 +461,9 @@ def train(
                 totals["top1"] += float(parts_loss.top1) * share
             num_tokens = sum(draw.sample.input_ids.numel() for draw in draws)
             grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
-            optimizer.step()
-            state.step += 1
+            with signals_held():  # an update cut half-way would be saved as the step before it
+                optimizer.step()
+                state.step += 1
             state.train_wall_s = wall_before + time.perf_counter() - run_started
             record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
             record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
