@@ -683,6 +683,8 @@ def test_ctrl_c_arriving_during_a_capturing_decode_is_raised_after_it(llama_targ
     _, logits = plain_decode(llama_target, prompt, 1)
     capturing = llama_target.new_session()
     capturing.keep_layer_kv(list(range(capturing.num_layers)))
+    capturing.set_context(torch.tensor(prompt[:10]))  # the context made now: the signal lands in the decode
+    capturing.reset()
     timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     try:
@@ -692,6 +694,37 @@ def test_ctrl_c_arriving_during_a_capturing_decode_is_raised_after_it(llama_targ
         timer.cancel()
     assert capturing.num_cached == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
+
+
+def test_ctrl_c_while_llama_cpp_logs_is_raised_after_the_call(llama_target, category_prompts) -> None:
+    """Bug: llama.cpp logs ~1,300 lines through moaspec's Python log callback while it makes a
+    context (and while it loads weights); Ctrl-C landing in one was raised inside the callback and
+    swallowed by ctypes: the keypress was lost. Now those calls hold signals, deliver them after,
+    and keep no context made half-way to an interrupt."""
+    import ctypes
+    import signal
+
+    import moaspec.targets.llamacpp_model as llamacpp_model
+
+    lib = llamacpp_model.load_bindings()
+    lines = []
+
+    def ctrl_c_on_the_first_line(level, text, data) -> None:
+        lines.append(text)
+        if len(lines) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    callback = lib.llama_log_callback(ctrl_c_on_the_first_line)
+    lib.llama_log_set(callback, ctypes.c_void_p(0))
+    session = llama_target.new_session()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            session.set_context(torch.tensor(category_prompts["qa"][:20]))  # makes the context: logs
+    finally:
+        lib.llama_log_set(llamacpp_model._LOG_CALLBACK, ctypes.c_void_p(0))
+    assert len(lines) > 100 and session._ctx is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    _, logits = plain_decode(llama_target, category_prompts["qa"][:20], 1)
+    assert torch.equal(session.set_context(torch.tensor(category_prompts["qa"][:20])).logits[-1], logits[0])
 
 
 @pytest.mark.parametrize("length", [100, PROMPT_CONTEXT_MIN_TOKENS + 100])

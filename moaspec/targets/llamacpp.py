@@ -158,7 +158,7 @@ class LlamaCppTarget:
         self._free_prompt_context()
         if self._ctx is not None:
             self._embeddings_on.pop(self._ctx, None)
-            self.lib.llama_free(self._ctx)
+            self._free_llama_context(self._ctx)
             self._ctx = self._memory = None
 
     def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int):
@@ -176,7 +176,13 @@ class LlamaCppTarget:
         params.no_perf = True
         if self.capture is not None:
             params.cb_eval = self.capture.callback
-        ctx = lib.llama_init_from_model(self.weights.model, params)
+        ctx = None
+        try:
+            with signals_held():  # llama.cpp logs ~1,300 lines through a Python callback: see _quiet_logs
+                ctx = lib.llama_init_from_model(self.weights.model, params)
+        except BaseException:  # Ctrl-C or SIGTERM delivered after the call: the context is not kept
+            self._free_llama_context(ctx)
+            raise
         if not ctx:
             raise MoaspecError(f"llama.cpp cannot create a context of {cells} cells for {self.name}")
         return ctx
@@ -197,8 +203,14 @@ class LlamaCppTarget:
     def _free_prompt_context(self) -> None:
         if getattr(self, "_prompt_ctx", None):
             self._embeddings_on.pop(self._prompt_ctx, None)
-            self.lib.llama_free(self._prompt_ctx)
+            self._free_llama_context(self._prompt_ctx)
         self._prompt_ctx, self._prompt_capacity, self._prompt_tokens = None, 0, []
+
+    def _free_llama_context(self, ctx) -> None:
+        """llama_free (which logs too: signals held) of a context, if there is one."""
+        if ctx:
+            with signals_held():
+                self.lib.llama_free(ctx)
 
     def __del__(self) -> None:
         if getattr(self, "lib", None) is None:

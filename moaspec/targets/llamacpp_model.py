@@ -27,7 +27,11 @@ _LOG_CALLBACK = None  # keeps the ctypes callback alive
 
 
 def _quiet_logs(llama_cpp) -> None:
-    """Silence llama.cpp's stderr chatter (errors included: ours are raised with context)."""
+    """Silence llama.cpp's stderr chatter (errors included: ours are raised with context).
+
+    The silencing callback is Python, called for every line llama.cpp logs (~1,100 while loading
+    the weights, ~1,300 while making a context): Ctrl-C landing in one is raised there and
+    swallowed by ctypes, so the calls that log run with signals held (signals.py)."""
     global _LOG_CALLBACK
     if _LOG_CALLBACK is None:
         _LOG_CALLBACK = llama_cpp.llama_log_callback(lambda level, text, data: None)
@@ -45,7 +49,8 @@ class LlamaCppModel:
         params.n_gpu_layers = n_gpu_layers
         self.lib = lib
         self.path = gguf
-        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
+        with signals_held():
+            self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
             raise MoaspecError(f"llama.cpp cannot load {gguf}")
         self.vocab = lib.llama_model_get_vocab(self.model)
