@@ -104,10 +104,10 @@ def test_bad_input_in_process(name: str, tmp_path: Path, capsys: pytest.CaptureF
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_as_a_process(name: str, tmp_path: Path) -> None:
-    """The real entry point: exit status 2, one stderr line, no traceback, empty stdout."""
+    """The real entry point (`python -m moaspec`): exit status 2, one stderr line, no traceback, empty stdout."""
     build, expected = BAD_INPUTS[name]
     proc = subprocess.run(
-        [sys.executable, "-m", "moaspec.cli", *build(tmp_path)],
+        [sys.executable, "-m", "moaspec", *build(tmp_path)],
         capture_output=True,
         text=True,
         env=_subprocess_env(tmp_path),
@@ -207,6 +207,28 @@ def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
     assert main(["train", *flags, "--init-from", "moa+ngram"]) == 2
     assert "--init-from takes a checkpoint: 'moa'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_train_init_from_takes_the_checkpoints_architecture_unless_named(tmp_path, monkeypatch) -> None:
+    """README: `--init-from moa` fine-tunes the shipped drafter. It was refused (memory_layers 4 vs
+    0) unless the user guessed --memory-layers 4: MoA's shape flags not given are the checkpoint's."""
+    import moaspec.train.allocator
+    import moaspec.train.run
+    from moaspec.cli import main
+
+    configs = []
+    monkeypatch.setattr(moaspec.train.allocator, "keep_freed_memory", lambda: True)
+    monkeypatch.setattr(moaspec.train.run, "run_training", lambda spec, config, tree: configs.append(config) or tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shard-00000.jsonl").write_text("")
+    flags = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run")]
+    assert main(["train", "--method", "moa", *flags, "--init-from", "moa"]) == 0
+    assert main(["train", "--method", "moa", *flags, "--init-from", "moa-tli1"]) == 0
+    assert main(["train", "--method", "moa", *flags, "--init-from", "moa", "--memory-layers", "0", "--no-cross-attention"]) == 0
+    assert main(["train", "--method", "moa", *flags]) == 0
+    assert main(["train", "--method", "eagle", *flags, "--init-from", "moa"]) == 0  # another method's: the defaults
+    shapes = [(c.memory_layers, c.tli_layers, c.cross_attention) for c in configs]
+    assert shapes == [(4, 0, True), (4, 1, True), (0, 0, False), (0, 0, True), (0, 0, True)]
 
 
 @pytest.mark.parametrize(

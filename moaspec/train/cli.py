@@ -34,20 +34,24 @@ def add_train_parser(commands, default_target: str) -> None:
     )
     train.add_argument("--out", required=True, help="run directory (rerun the same command to resume)")
     train.add_argument("--target", default=default_target, help=f"target the drafter serves (default {default_target})")
-    train.add_argument("--tli-layers", type=int, default=0, help="MoA Target Layer Inference depth k (default 0)")
+    train.add_argument(
+        "--tli-layers", type=int, default=None,
+        help="MoA Target Layer Inference depth k (default: --init-from's, else 0)",
+    )
     train.add_argument(
         "--tli-raw-feature-loss", action="store_true",
         help="compare the pre-TLI state with the raw residual stream, as the reference code does "
         "(default: both divided by the stream's per-token RMS)",
     )
     train.add_argument(
-        "--memory-layers", type=int, default=defaults.memory_layers,
+        "--memory-layers", type=int, default=None,
         help="MoA memory reads the last N target layers' keys/values, 0 = all of them as in the paper "
-        f"(default {defaults.memory_layers})",
+        f"(default: --init-from's, else {defaults.memory_layers})",
     )
     train.add_argument(
-        "--memory-hidden", action="store_true",
-        help="MoA memory also reads the target's last hidden state (what EAGLE-2 reads; anchors then carry no loss)",
+        "--memory-hidden", action="store_true", default=None,
+        help="MoA memory also reads the target's last hidden state (what EAGLE-2 reads; anchors then carry no loss) "
+        "(default: --init-from's, else off)",
     )
     train.add_argument(
         "--ce-weight", type=float, default=defaults.ce_weight,
@@ -58,12 +62,14 @@ def add_train_parser(commands, default_target: str) -> None:
         help=f"weight of the SmoothL1 term on the target's hidden state (default {defaults.feature_weight}, the paper's)",
     )
     train.add_argument(
-        "--no-layer-attention", action="store_true",
-        help="MoA memory without the Layer Self-Attention: the layers' raw keys/values pooled (an ablation)",
+        "--no-layer-attention", action="store_true", default=None,
+        help="MoA memory without the Layer Self-Attention: the layers' raw keys/values pooled (an ablation; "
+        "default: --init-from's, else with it)",
     )
     train.add_argument(
-        "--no-cross-attention", action="store_true",
-        help="MoA without the Cross-Attention's term: the drafter reads no target activations (an ablation)",
+        "--no-cross-attention", action="store_true", default=None,
+        help="MoA without the Cross-Attention's term: the drafter reads no target activations (an ablation; "
+        "default: --init-from's, else with it)",
     )
     train.add_argument(
         "--anchor-every", type=int, nargs=2, metavar=("MIN", "MAX"), default=[defaults.anchor_min, defaults.anchor_max],
@@ -110,7 +116,8 @@ def add_train_parser(commands, default_target: str) -> None:
     train.add_argument(
         "--init-from", default=None,
         help="start from the weights of a drafter checkpoint, an earlier run directory or a shipped name, "
-        "with a fresh optimizer and schedule (continued training, fine-tuning)",
+        "with a fresh optimizer and schedule (continued training, fine-tuning); MoA's architecture flags "
+        "not given are the checkpoint's",
     )
     train.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
     train.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
@@ -123,6 +130,8 @@ def run_train(args: argparse.Namespace) -> int:
     from moaspec.train.config import TrainConfig
     from moaspec.train.distill import shard_files
 
+    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
+    _inherit_architecture(args, init_from)
     for name in ("steps", "batch_size", "micro_batch", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
@@ -167,7 +176,6 @@ def run_train(args: argparse.Namespace) -> int:
     from moaspec.targets.options import check_device
 
     check_device(args.device)
-    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
     from moaspec.model_store import resolve_target
 
     _check_layer_counts(args, resolve_target(args.target)[1])
@@ -193,6 +201,38 @@ def run_train(args: argparse.Namespace) -> int:
         raise MoaspecError(str(exc)) from exc
     print(f"[moaspec] drafter checkpoint: {checkpoint}", file=sys.stderr)
     return 0
+
+
+def _inherit_architecture(args: argparse.Namespace, init_from: Path | None) -> None:
+    """Fill MoA's architecture flags not given: those of --init-from's checkpoint when it is one of
+    this --method (fine-tuning the shipped `moa` needs no --memory-layers 4), else the defaults."""
+    import json
+
+    from moaspec.train.config import TrainConfig
+
+    defaults = TrainConfig()
+    fallback = {
+        "tli_layers": defaults.tli_layers, "memory_layers": defaults.memory_layers, "memory_hidden": defaults.memory_hidden,
+        "no_layer_attention": not defaults.layer_attention, "no_cross_attention": not defaults.cross_attention,
+    }
+    recorded: dict = {}
+    try:  # a damaged config.json is named when the weights load (read_checkpoint)
+        record = json.loads((init_from / "config.json").read_text()) if init_from is not None else None
+    except (OSError, ValueError):
+        record = None
+    if isinstance(record, dict):
+        net = record.get("config") if record.get("method") == args.method else None
+        if isinstance(net, dict):
+            recorded = {
+                "tli_layers": net.get("tli_layers"), "memory_layers": net.get("memory_layers"),
+                "memory_hidden": net.get("memory_hidden"),
+                "no_layer_attention": None if "layer_attention" not in net else not net["layer_attention"],
+                "no_cross_attention": None if "cross_attention" not in net else not net["cross_attention"],
+            }
+    for name, default in fallback.items():
+        if getattr(args, name) is None:
+            value = recorded.get(name)
+            setattr(args, name, default if value is None else value)
 
 
 def _check_layer_counts(args: argparse.Namespace, model_dir: Path) -> None:
