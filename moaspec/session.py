@@ -10,6 +10,7 @@ emitted token (the root of the next tree) is not in it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,15 @@ from moaspec.verify import Accepted, verify_greedy, verify_stochastic
 
 # The drafter's stream is seeded at a fixed odd offset from the verifier's (both stay in 64 bits).
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+
+
+def resumed_seed(seed: int, verified_length: int) -> int:
+    """The verifier's seed for a session resumed over `verified_length` verified tokens (a split
+    client reconnecting): a stream of its own, not `seed`'s again, whose first draws already
+    decided the tokens before the cut (reusing them would tie the text after a cut to the text
+    before it). The same for every retry of that resumption."""
+    digest = hashlib.sha256(f"moaspec-resume:{seed % 2**64}:{verified_length}".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def draft_generator(seed: int) -> torch.Generator:

@@ -10,6 +10,7 @@ libraries (torch, llama-cpp-python), which an interrupt half-way leaves half-imp
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ class DeferredSignals:
     """Ctrl-C and SIGTERM held for a `with` block, delivered after it (`deliver`).
 
     On the main thread (where Python runs signal handlers) the two signals only mark themselves
-    for the block's duration; `deliver` then calls the handler that was in place (KeyboardInterrupt,
+    for the block's duration (not while the interpreter shuts down, when handlers are gone); `deliver` then calls the handler that was in place (KeyboardInterrupt,
     or the CLI's SIGTERM unwinding) as if the signal came then. Elsewhere it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -29,8 +30,10 @@ class DeferredSignals:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> DeferredSignals:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread() and not sys.is_finalizing():
             for number in self.SIGNALS:
+                if signal.getsignal(number) is None:  # not installed from Python: it could not be put back
+                    continue
                 self._previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
         return self
 

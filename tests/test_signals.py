@@ -54,3 +54,21 @@ def test_the_library_is_loaded_with_signals_held() -> None:
 
     load_library_held()
     assert "torch" in sys.modules and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_block_run_while_the_interpreter_exits_is_quiet() -> None:
+    """Bug: a llama.cpp target freed at exit (its __del__ holds signals around llama_free) printed
+    a TypeError traceback: the handlers were already gone and could not be put back."""
+    import subprocess
+    import sys
+
+    code = (
+        "from moaspec.signals import signals_held\n"
+        "class FreedAtExit:\n"
+        "    def __del__(self):\n"
+        "        with signals_held():\n"
+        "            pass\n"
+        "kept = FreedAtExit()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == ""

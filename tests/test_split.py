@@ -103,10 +103,12 @@ def test_exact_context_reproduces_in_process_drafts(pair: SplitPair) -> None:
 def test_seeded_sampling_split_equals_in_process(pair: SplitPair) -> None:
     """Drafter and verifier draw from separate seeded streams, so the split run reproduces the
     in-process run token for token; the sampled MoA tree sends its exact sparse draft rows."""
-    sampling, generation = SamplingConfig(temperature=0.9, top_p=0.95), GenerationConfig(max_new_tokens=24, seed=7)
-    expected = pair.reference(sampling, generation)
-    result = pair.generator(context_dtype="f32").generate(PROMPT, sampling, generation)
-    assert result.token_ids == expected
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+    for seed in (7, -3):  # a negative seed was a 400 (the wire takes 0..2^64-1): sent modulo 2^64, as torch takes it
+        generation = GenerationConfig(max_new_tokens=24, seed=seed)
+        expected = pair.reference(sampling, generation)
+        result = pair.generator(context_dtype="f32").generate(PROMPT, sampling, generation)
+        assert result.token_ids == expected
 
 
 @pytest.mark.parametrize("pair", ["ngram"], indirect=True)

@@ -324,6 +324,28 @@ def test_an_open_is_the_same_request_however_it_is_encoded() -> None:
         made.server.stop()
 
 
+def test_a_resumed_session_draws_from_a_stream_of_its_own() -> None:
+    """Bug: a session resumed after a cut seeded its verifier with the request's seed again, so at
+    temperature > 0 the verifications after a reconnect replayed the draws that had decided the
+    generation's first tokens (the text after a cut tied to the text before it). Now it draws
+    from a stream of its own, the same for every retry of that resumption."""
+    made = SplitPair("ngram")
+    try:
+        client = SplitClient(made.url, KEY, timeout_s=10.0)
+        sampled = {"temperature": 1.0, "seed": 7, "max_new_tokens": 8}
+        first = client.open(wire.OpenRequest(PROMPT, **sampled))
+        context = PROMPT + [first["next_token"]]
+        resumed = [
+            client.open(wire.OpenRequest(context, root_id=5, context_from=len(context), **sampled)) for _ in range(2)
+        ]
+        sessions = made.server.server.sessions
+        states = [sessions[opened["session_id"]].target_session.generator.get_state() for opened in resumed]
+        assert not torch.equal(states[0], torch.Generator().manual_seed(7).get_state())
+        assert torch.equal(states[0], states[1])
+    finally:
+        made.server.stop()
+
+
 def test_draft_probabilities_must_be_distributions() -> None:
     """A node's drafter distribution summing past 1 (probability 10 for one token, say) is refused:
     the stochastic verifier's acceptance test reads it as a distribution."""

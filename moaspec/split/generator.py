@@ -412,7 +412,8 @@ class _Run:
         s = self.sampling
         stop_ids = sorted(self.stop_ids) if len(self.stop_ids) <= wire.MAX_STOP_IDS else None  # else closed by DELETE
         return wire.OpenRequest(
-            prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed, self.max_new if max_new is None else max_new,
+            prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed % 2**64,  # the wire takes 0..2^64-1
+            self.max_new if max_new is None else max_new,
             root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype, stop_ids=stop_ids,
         )
 

@@ -41,7 +41,7 @@ from moaspec.serving.http_guard import ConnectionGuard, GuardedSite, guard_middl
 from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.serving.limits import ServerLimits
 from moaspec.serving.strict_json import ProtocolError
-from moaspec.session import TargetSession
+from moaspec.session import TargetSession, resumed_seed
 from moaspec.split import protocol as wire
 from moaspec.split.budget import Reservation, SessionBudget
 from moaspec.split.loop_thread import LoopThread
@@ -311,7 +311,8 @@ class SplitServer:
         left idle (keeping what the prompt shares with it), another key's emptied, or a new one."""
         kept = self.idle.take(key_index)
         session_target, must_reset = kept if kept is not None else (self.target.new_session(), False)
-        target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, seed)
+        verifier_seed = seed if root_id is None else resumed_seed(seed, len(prompt))
+        target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, verifier_seed)
         prompt_ids = torch.tensor(prompt)
 
         def prefill() -> tuple[int, dict]:
