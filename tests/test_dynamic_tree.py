@@ -117,3 +117,29 @@ def test_sampled_tree_shape_and_probabilities() -> None:
     assert probs[2][tree.token_ids[1]] == 0  # drawn without replacement
     for node in range(1, 7):
         assert probs[node][tree.token_ids[node]] > 0
+
+
+def test_sampled_tree_nodes_are_drawn_from_their_recorded_laws(monkeypatch) -> None:
+    """Every node is drawn from exactly the row `draft_probs` records for it, at a temperature
+    other than 1 too (a chain drawn at temperature 1 while its row says T would pass the shape
+    test above and break losslessness)."""
+    from moaspec.drafters.dynamic_tree import build_sampled_tree
+
+    model = FixedLogProbs(5)
+    vocab_map = torch.tensor([1, 3, 4, 6, 7, 8, 9])
+    laws: list[torch.Tensor] = []
+    real_multinomial = torch.multinomial
+
+    def recording(probs: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        laws.extend(probs.reshape(-1, probs.shape[-1]) / probs.reshape(-1, probs.shape[-1]).sum(-1, keepdim=True))
+        return real_multinomial(probs, *args, **kwargs)
+
+    def expand(token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        return model.expand(torch.searchsorted(vocab_map, token_ids), parent, depth)
+
+    monkeypatch.setattr(torch, "multinomial", recording)
+    tree = build_sampled_tree(0, model.start, expand, TreeConfig(depth=3, top_k=2), 10, 0.5, torch.Generator().manual_seed(0), vocab_map)
+    assert len(laws) == tree.num_nodes - 1  # one draw per node, in node order
+    for node, law in enumerate(laws, start=1):
+        torch.testing.assert_close(tree.draft_probs[node][vocab_map], law, rtol=0, atol=1e-12)
+    torch.testing.assert_close(laws[0], torch.softmax(model.table(()).double() / 0.5, -1), rtol=0, atol=1e-12)

@@ -93,6 +93,34 @@ def test_greedy_output_identical_to_target_alone(family: str, depth: int, num_co
         assert stats.target_forwards >= 40 / (accepted + 1)
 
 
+def test_the_drafter_reads_the_hidden_states_of_the_accepted_path() -> None:
+    """With wrong siblings before each right node the accepted path is not nodes 0..k: the hidden
+    states a drafter is handed must be those of the path's nodes, equal to a plain forward over
+    the verified tokens (EAGLE-2 and MoA's hidden-state memory read them)."""
+    target = make_tiny_target("llama")
+    expected = greedy_reference(target, 20)
+
+    class Recording(ScriptedDrafter):
+        hidden_layers = (1, 2)
+
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.updates: list[VerifiedUpdate] = []
+
+        def accept(self, update: VerifiedUpdate) -> None:
+            super().accept(update)
+            self.updates.append(update)
+
+    drafter = Recording(expected, target.vocab_size, depth=3, num_correct=3, siblings=2)
+    Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=20), stop_ids=NO_STOP)
+    verified = torch.cat([update.token_ids for update in drafter.updates])
+    handed = torch.cat([update.hidden for update in drafter.updates])
+    assert verified.tolist() == PROMPT + expected[: len(verified) - len(PROMPT)]
+    plain = target.set_context(verified, drafter.hidden_layers).hidden
+    # forwards over other lengths differ by up to ~5e-7 here, even in float64; another node's state by O(1)
+    torch.testing.assert_close(handed, plain, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_greedy_with_ngram_and_none(family: str) -> None:
     target = make_tiny_target(family)
@@ -224,40 +252,68 @@ def random_model_drafter(method: str, target: HFTarget):
     return EagleDrafter(net, target, tree)
 
 
+FILTERED = SamplingConfig(temperature=0.6, top_k=4)  # both act on the target's and the drafter's laws
+
+
 @pytest.mark.statistical
-@pytest.mark.parametrize("drafter_kind", ["sampled-tree", "moa", "eagle", "moa-sampled", "moa-sampled+lookup"])
-def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str) -> None:
-    """Tokens 2 and 3 are the first ones a verification emits (token 1 comes from the prefill);
-    their joint law must be the target's, with a sampled-tree drafter (draft_probs), with the
-    MoA (TLI 1) and EAGLE drafters (deterministic trees), and with prompt lookup beside a sampled
-    tree (lookup tries where the context repeats, sampled trees elsewhere). A broken residual
-    fails this test (checked by hand: monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint
-    p-value of 1e-8 with the sampled-tree drafter)."""
+@pytest.mark.parametrize(
+    "drafter_kind, sampling",
+    [
+        ("sampled-tree", SamplingConfig(temperature=1.0)), ("moa", SamplingConfig(temperature=1.0)),
+        ("eagle", SamplingConfig(temperature=1.0)), ("moa-sampled", SamplingConfig(temperature=1.0)),
+        ("moa-sampled+lookup", SamplingConfig(temperature=1.0)),
+        ("sampled-tree", FILTERED), ("moa-sampled", FILTERED), ("eagle", SamplingConfig(temperature=1.3, top_p=0.8)),
+    ],
+)
+def test_sampled_joint_of_first_verified_tokens_matches_target(drafter_kind: str, sampling: SamplingConfig) -> None:
+    """Token 1 comes from the prefill, tokens 2 and 3 are the first ones a verification emits;
+    their laws must be the target's, with a sampled-tree drafter (draft_probs), with the MoA
+    (TLI 1) and EAGLE drafters (deterministic trees), and with prompt lookup beside a sampled tree
+    (lookup tries where the context repeats, sampled trees elsewhere), at temperature 1 and with
+    another temperature, top-k or top-p. A broken residual fails this test (checked by hand:
+    monkeypatching `moaspec.verify._residual` to return p unchanged gave a joint p-value of 1e-8
+    with the sampled-tree drafter); so did the temperature applied twice to the verified logits,
+    or not at all to the prefill's token, both unseen at temperature 1 alone."""
     vocab = 5
     target = make_tiny_target("llama", vocab_size=vocab)
     with torch.no_grad():
         target.model.lm_head.weight.mul_(0.3)  # soften: a spread-out but uneven distribution
-    sampling = SamplingConfig(temperature=1.0)
     prompt = [1, 4, 2]
     exact = exact_joint(target, prompt, sampling, 3)
     assert abs(float(exact.sum()) - 1.0) < 1e-12
     later = exact.sum(0)  # [V, V]: law of (token 2, token 3)
 
     drafter = far_sampled_drafter(target, later) if drafter_kind == "sampled-tree" else random_model_drafter(drafter_kind, target)
-    counts = torch.zeros(vocab, vocab)
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda *args: trees.append(propose(*args)) or trees[-1]
+    counts, first_counts = torch.zeros(vocab, vocab), torch.zeros(vocab)
     engine = Engine(target, drafter)
     num_samples = 1200
     for seed in range(num_samples):
         tokens = engine.generate(prompt, sampling, GenerationConfig(max_new_tokens=3, seed=seed), NO_STOP).token_ids
         counts[tokens[1], tokens[2]] += 1
-    expected = later.flatten() * num_samples
-    keep = expected > 5  # chi-square needs enough expected mass per cell
-    observed, predicted = counts.flatten()[keep], expected[keep]
-    if not keep.all():
-        observed = torch.cat([observed, counts.flatten()[~keep].sum().view(1)])
-        predicted = torch.cat([predicted, expected[~keep].sum().view(1)])
+        first_counts[tokens[0]] += 1
+    if drafter_kind.startswith("moa-sampled"):  # sampling drew sampled trees, with their laws
+        assert any(tree.draft_probs is not None for tree in trees)
+    assert_drawn_from(counts.flatten(), later.flatten())  # tokens 2 and 3
+    assert_drawn_from(counts.sum(1), later.sum(1))  # token 2
+    assert_drawn_from(first_counts, exact.sum((1, 2)))  # token 1
+
+
+def assert_drawn_from(counts: torch.Tensor, law: torch.Tensor) -> None:
+    """Chi-square of `counts` [n] against the law [n] (p > 1e-4); cells the law gives no mass
+    (top-k, top-p) must stay empty, and cells expecting under 5 draws are pooled."""
+    expected = law * counts.sum()
+    impossible = expected == 0
+    assert counts[impossible].sum() == 0
+    keep = expected > 5
+    pooled = ~keep & ~impossible
+    observed, predicted = counts[keep], expected[keep]
+    if pooled.any():
+        observed = torch.cat([observed, counts[pooled].sum().view(1)])
+        predicted = torch.cat([predicted, expected[pooled].sum().view(1)])
     assert chisquare(observed.numpy(), predicted.numpy()).pvalue > 1e-4
-    assert chisquare(counts.sum(1).numpy(), (later.sum(1) * num_samples).numpy()).pvalue > 1e-4
 
 
 def record_model_proposals(drafter) -> list[int]:

@@ -111,6 +111,55 @@ def test_seeded_sampling_split_equals_in_process(pair: SplitPair) -> None:
         assert result.token_ids == expected
 
 
+@pytest.mark.parametrize("pair", [("moa", TreeConfig(depth=3, top_k=2, budget=5, sampled=True))], indirect=True)
+def test_the_server_verifies_sampled_trees_with_the_clients_laws(pair: SplitPair, monkeypatch) -> None:
+    """A sampled tree reaches the verifier with the rows its drafter drew from, exactly (a server
+    verifying them as point masses would be lossy, and the seeded test above cannot see it: the
+    in-process run it compares with shares the verifier)."""
+    from moaspec.split.server import SplitServer
+
+    sent, verified = [], []
+    read_tree = SplitServer._tree
+    monkeypatch.setattr(SplitServer, "_tree", lambda self, message: verified.append(read_tree(self, message)) or verified[-1])
+    propose = pair.client_drafter.propose
+    monkeypatch.setattr(pair.client_drafter, "propose", lambda *args: sent.append(propose(*args)) or sent[-1])
+    generation = GenerationConfig(max_new_tokens=16, seed=3)
+    pair.generator(context_dtype="f32").generate(PROMPT, SamplingConfig(temperature=0.9), generation)
+    assert len(verified) == len(sent) > 0
+    for drafted, checked in zip(sent, verified):
+        nodes = checked.num_nodes  # the last tree may be cut to the tokens still allowed
+        assert torch.equal(checked.token_ids, drafted.token_ids[:nodes]) and checked.draft_probs is not None
+        assert torch.equal(checked.draft_probs, drafted.draft_probs[:nodes].double())
+
+
+@pytest.mark.parametrize("pair", ["ngram"], indirect=True)
+def test_the_client_drafter_is_handed_the_accepted_path(pair: SplitPair, monkeypatch) -> None:
+    """Trees with a wrong sibling before each right node: the accepted path is not nodes 0..k, and
+    the client's drafter must be handed the path's tokens (its context is the verified text)."""
+    from moaspec.tree import DraftTree
+
+    generation = GenerationConfig(max_new_tokens=20)
+    expected = pair.reference(SamplingConfig(), generation)
+    drafter, vocab, handed = pair.client_drafter, pair.client_target.vocab_size, []
+    accept_context = drafter.accept_context
+    monkeypatch.setattr(drafter, "accept_context", lambda ids, start, context: handed.append(ids.clone()) or accept_context(ids, start, context))
+
+    def propose(root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+        emitted = sum(len(ids) for ids in handed) - len(PROMPT) + 1  # the root included
+        token_ids, parents, node = [root_id], [-1], 0
+        for right in expected[emitted : emitted + 2]:
+            token_ids += [(right + 1) % vocab, right]
+            parents += [node, node]
+            node = len(token_ids) - 1
+        return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
+
+    monkeypatch.setattr(drafter, "propose", propose)
+    result = pair.generator().generate(PROMPT, SamplingConfig(), generation)
+    assert result.token_ids == expected and result.stats.target_forwards < len(expected)  # drafts were accepted
+    verified = torch.cat(handed).tolist()
+    assert verified == PROMPT + expected[: len(verified) - len(PROMPT)]
+
+
 @pytest.mark.parametrize("pair", ["ngram"], indirect=True)
 def test_events_stream_the_verified_tokens(pair: SplitPair) -> None:
     generation = GenerationConfig(max_new_tokens=12)
