@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,11 @@ torch.set_num_threads(1)
 # tests that load real models would each pay it in a fresh cache, and timings must not decide
 # test results. tests/test_calibration.py turns it on where it is the subject.
 os.environ.setdefault("MOASPEC_NO_CALIBRATION", "1")
+
+# The Ctrl-C tests need Python's own SIGINT handler, which a shell without job control withholds
+# from a background job (`scripts/test &` starts with SIGINT ignored): put it back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _tiny_config(config_cls, **overrides):
