@@ -507,6 +507,32 @@ def test_a_link_that_fails_again_right_after_reconnecting_goes_back_offline(pair
     assert client.counts["resync"] == 2
 
 
+@pytest.mark.parametrize("pair", [("ngram", None, ServerLimits(max_tree_nodes=3))], indirect=True)
+def test_provisional_tokens_confirmed_by_the_targets_own_token_are_not_verified_again(pair: SplitPair, monkeypatch) -> None:
+    """Provisional tokens are verified a few at a time (here two: trees of 3 nodes); when the
+    target's own next token is the next provisional one, that one is confirmed too and leaves the
+    list. Kept in it, it was drafted under itself and retracted with everything after it (the text
+    stayed right; the events and counts did not). Offline tokens all right here: none retracted."""
+    from moaspec.drafters.base import AloneDraft
+
+    drafter = pair.client_drafter
+    expected = pair.reference(GREEDY, GenerationConfig(max_new_tokens=24))
+
+    def draft_alone(root_id, sampling, generator):  # the target's own next token, as a perfect drafter would
+        at = len(drafter.history) - len(PROMPT)  # the root's index in the answer
+        drafter.accept_context(torch.tensor([root_id]), len(drafter.history), {})
+        return AloneDraft(expected[at + 1], 0.99, "lookup") if at + 1 < len(expected) else None
+
+    monkeypatch.setattr(drafter, "draft_alone", draft_alone)
+
+    def fail(kind, count, request):
+        return LinkDown("connection reset by peer") if kind == "verify" and count in (1, 2) else None
+
+    result, client, expected = run_scripted(pair, fail, retry_initial_s=0.05, retry_max_s=0.1, max_provisional=7)
+    assert result.token_ids == expected and result.num_reconnects == 1 and result.num_provisional >= 3
+    assert result.num_retracted == 0 and result.num_confirmed == result.num_provisional
+
+
 @pytest.mark.parametrize("pair", [("moa", None, ServerLimits(max_sessions_per_key=1))], indirect=True)
 def test_a_reconnect_closes_the_session_the_cut_left_open(pair: SplitPair) -> None:
     """Bug: a verify that timed out left its session open on the server, holding one of the key's
