@@ -117,7 +117,7 @@ def test_the_drafter_reads_the_hidden_states_of_the_accepted_path() -> None:
     handed = torch.cat([update.hidden for update in drafter.updates])
     assert verified.tolist() == PROMPT + expected[: len(verified) - len(PROMPT)]
     plain = target.set_context(verified, drafter.hidden_layers).hidden
-    # forwards over other lengths differ by up to ~5e-7 here, even in float64; another node's state by O(1)
+    # eager attention takes its softmax in float32: ~5e-7 apart here; another node's state is O(1) apart
     torch.testing.assert_close(handed, plain, rtol=1e-4, atol=1e-5)
 
 
