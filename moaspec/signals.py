@@ -20,8 +20,10 @@ class DeferredSignals:
     """Ctrl-C and SIGTERM held for a `with` block, delivered after it (`deliver`).
 
     On the main thread (where Python runs signal handlers) the two signals only mark themselves
-    for the block's duration (not while the interpreter shuts down, when handlers are gone); `deliver` then calls the handler that was in place (KeyboardInterrupt,
-    or the CLI's SIGTERM unwinding) as if the signal came then. Elsewhere it does nothing."""
+    for the block's duration; `deliver` then calls the handler that was in place (KeyboardInterrupt,
+    or the CLI's SIGTERM unwinding) as if the signal came then. Elsewhere, while the interpreter
+    shuts down (its handlers are gone) and for a handler not set from Python (it could not be put
+    back) it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
