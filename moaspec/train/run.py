@@ -29,7 +29,7 @@ from moaspec.train.distill import read_manifest
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.features import TrainSample
-from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, train
+from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, saved_state, train
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,8 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
             micro_batch=spec.micro_batch,
         )
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: train() saved the last completed step
-        log_run(spec, _saved_step(spec.out_dir), time.perf_counter() - started, "interrupted")
+        saved = saved_state(spec.out_dir)
+        log_run(spec, None if saved is None else int(saved["step"]), time.perf_counter() - started, "interrupted")
         raise
     ended = "complete" if state.step >= config.steps else "time limit"
     log_run(spec, state.step, time.perf_counter() - started, ended)
@@ -300,10 +301,3 @@ def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) ->
     with (spec.out_dir / "runs.jsonl").open("a") as log:
         log.write(json.dumps(record) + "\n")
 
-
-def _saved_step(out_dir: Path) -> int | None:
-    """The step of the resumable state on disk (None when there is none yet)."""
-    try:
-        return int(torch.load(out_dir / STATE_FILE, map_location="cpu", mmap=True, weights_only=False)["step"])
-    except (OSError, RuntimeError, KeyError):
-        return None

@@ -512,11 +512,18 @@ def check_resumable(out_dir: Path, config: TrainConfig) -> None:
     """ValueError naming the changed settings when `out_dir` holds a run begun with another
     config (checked before the features are prepared: a feature cache of other layers would
     otherwise be the first complaint)."""
+    saved = saved_state(out_dir)
+    if saved is not None:
+        _check_same_config(saved, config, out_dir / STATE_FILE)
+
+
+def saved_state(out_dir: Path) -> dict | None:
+    """The resumable state in `out_dir` memory-mapped, for its config and step without reading
+    its weights and optimizer state (train() loads those); None when there is none yet."""
     state_path = out_dir / STATE_FILE
-    if state_path.is_file():
-        # mmap: only the config is read here, not the weights and optimizer state train() loads
-        saved = torch.load(state_path, weights_only=False, map_location="cpu", mmap=True)
-        _check_same_config(saved, config, state_path)
+    if not state_path.is_file():
+        return None
+    return torch.load(state_path, weights_only=False, map_location="cpu", mmap=True)
 
 
 def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
