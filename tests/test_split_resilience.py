@@ -286,6 +286,41 @@ def test_session_limits_and_idle_expiry() -> None:
         made.server.stop()
 
 
+def test_a_late_duplicate_of_an_open_whose_session_ended_opens_nothing() -> None:
+    """Bug: an open's id was forgotten when its session ended, so a duplicate of that open arriving
+    late (a retried request held up in the network) opened an orphan session holding a slot and a
+    cache until the idle time-out. Ended by DELETE or by the verify that finishes it alike; an
+    open whose session expired unused may still be its client's retry and opens again."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=1))
+    try:
+        client = SplitClient(made.url, KEY)
+        deleted = wire.OpenRequest(PROMPT)
+        client.close_session(client.open(deleted)["session_id"])
+        finished = wire.OpenRequest(PROMPT, max_new_tokens=2)
+        opened = client.open(finished)
+        reply = client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"]], [-1], remaining=1))
+        assert reply["closed"]
+        for late in (deleted, finished):
+            with pytest.raises(ServerRefused, match="opened a session that was closed") as refused:
+                client.open(late)
+            assert refused.value.status == 409
+        assert not made.server.server.sessions
+        client.open(wire.OpenRequest(PROMPT))  # the one slot is free
+    finally:
+        made.server.stop()
+    made = SplitPair("ngram", limits=ServerLimits(idle_timeout_s=0.3))
+    try:
+        client = SplitClient(made.url, KEY)
+        retried = wire.OpenRequest(PROMPT)
+        first = client.open(retried)["session_id"]
+        deadline = time.monotonic() + 5.0
+        while made.server.server.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.open(retried)["session_id"] != first
+    finally:
+        made.server.stop()
+
+
 def test_a_sessions_token_budget_counts_the_opens_token() -> None:
     """Bug: a session opened for max_new_tokens N could emit N + 2 tokens (the open's token and the
     bonus of the last tree were not counted). A root-only tree emits one token, a depth-1 tree two."""

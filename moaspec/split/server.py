@@ -55,6 +55,7 @@ logger = logging.getLogger("moaspec.serve")
 # target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
 # context of 8,192 positions holds ~145 MB of cache
 IDLE_TARGETS = 2
+ENDED_OPENS = 4096  # opens remembered after their client closed the session (for the idle time-out)
 
 
 class HTTPError(APIError):
@@ -177,6 +178,9 @@ class SplitServer:
         self.openai: OpenAIRoutes | None = None  # set by build_app
         # open replies by (key, request_id), with the digest of the open request's body
         self.opening: dict[tuple[int, str], tuple[asyncio.Future, bytes]] = {}
+        # (key, request_id) of opens whose session its client ended -> when, oldest first (at most
+        # ENDED_OPENS, for the idle time-out): a late duplicate is refused instead of opening an orphan
+        self.ended_opens: dict[tuple[int, str], float] = {}
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moaspec-target")
 
     # -- the application ------------------------------------------------------------------------
@@ -247,6 +251,8 @@ class SplitServer:
             if earlier_digest != digest:
                 raise HTTPError(409, "request_id_reused", "this request_id was used by another open request")
             return _reply(request, await asyncio.shield(earlier))
+        if ident in self.ended_opens:
+            raise HTTPError(409, "request_id_reused", "this request_id opened a session that was closed; open with a new one")
         self.opening[ident] = (asyncio.get_running_loop().create_future(), digest)
         try:
             reply = await self._open_session(request, message, ident)
@@ -389,15 +395,26 @@ class SplitServer:
             del self.finished[session_id]
         else:
             self._session(request)
-            self._drop(session_id)
+            self._end(session_id)
         return _reply(request, {"closed": True})
 
     def _finish(self, session_id: str, session: _Session, seq: int, reply: dict) -> None:
         """Close a session its last verify finished, keeping that reply for a retry."""
-        self._drop(session_id)
+        self._end(session_id)
         self.finished[session_id] = _Finished(session.key_index, seq, reply, time.monotonic())
         while len(self.finished) > self.limits.max_sessions:
             del self.finished[next(iter(self.finished))]
+
+    def _end(self, session_id: str) -> None:
+        """End a session its client is done with (DELETE, or the verify that finished it): the
+        client had the open's reply, so a duplicate of that open arriving later is refused. (A
+        session the reaper expires is not remembered: its client may still be retrying the open.)"""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            self.ended_opens[session.open_ident] = time.monotonic()
+            while len(self.ended_opens) > ENDED_OPENS:
+                del self.ended_opens[next(iter(self.ended_opens))]
+        self._drop(session_id)
 
     def _drop(self, session_id: str, reusable: bool = True) -> None:
         """End a session; its target is kept for the next ones (IdleTargets) unless `reusable` is
@@ -476,6 +493,8 @@ class SplitServer:
                 self._drop(session_id)
             for session_id in [k for k, f in self.finished.items() if f.closed_at < deadline]:
                 del self.finished[session_id]
+            for ident in [k for k, ended in self.ended_opens.items() if ended < deadline]:
+                del self.ended_opens[ident]
             self.idle.expire(deadline)
 
     async def _stop(self, app: web.Application) -> None:
@@ -484,6 +503,7 @@ class SplitServer:
         self.idle.clear()
         self.finished.clear()
         self.opening.clear()
+        self.ended_opens.clear()
         self.budget.clear()
 
 
