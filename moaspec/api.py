@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,7 @@ class SpeculativeLM:
         self.drafter_name = drafter_name
         self.calibration = calibration
         self.engine = Engine(target, drafter)
+        self._generating = threading.RLock()  # generate() calls from several threads run one after another
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of `prompt`, through the chat template unless `raw`."""
@@ -91,23 +93,25 @@ class SpeculativeLM:
 
         streamer: any transformers streamer (`TextStreamer`, `TextIteratorStreamer`): it gets
         `put(prompt_ids)` first, then the new tokens as they are verified, then `end()`.
+        Calls from several threads run one after another (one target context, one drafter state).
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
         prompt_ids = _token_ids(prompt, self.target.vocab_size) if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
         result = GenerationResult()
-        # stream() checks the prompt before returning, so a refused request never reaches the
-        # streamer (whose end() would print).
-        steps = self.engine.stream(prompt_ids, sampling, generation, result=result)
-        if streamer is not None:
-            streamer.put(torch.tensor([prompt_ids]))
-        try:
-            for new_ids in steps:
-                if streamer is not None and new_ids:
-                    streamer.put(torch.tensor(new_ids))
-        finally:
+        with self._generating:
+            # stream() checks the prompt before returning, so a refused request never reaches the
+            # streamer (whose end() would print).
+            steps = self.engine.stream(prompt_ids, sampling, generation, result=result)
             if streamer is not None:
-                streamer.end()
+                streamer.put(torch.tensor([prompt_ids]))
+            try:
+                for new_ids in steps:
+                    if streamer is not None and new_ids:
+                        streamer.put(torch.tensor(new_ids))
+            finally:
+                if streamer is not None:
+                    streamer.end()
         text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
         calibration = self.calibration.to_dict() if self.calibration is not None else None
         return GenerationOutput(text, result.token_ids, result.stats, result.stop_reason, calibration)

@@ -11,6 +11,9 @@ split client); its target side is a `TargetSession` (session.py), which the spli
 (moaspec/split) also runs, one per client; the drafter and the verifier draw from separate seeded
 streams so the two halves can live on different machines. No I/O here: tokens are yielded as
 they are decided.
+
+One engine holds one target context and one drafter state, so it runs one generation at a time
+(exclusive.py: a newer generation supersedes an unfinished one, whose next step raises).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.decode_step import Verdict, decode_step
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
+from moaspec.exclusive import OneAtATime
 from moaspec.metrics import SpecStats
 from moaspec.session import TargetSession, draft_generator
 from moaspec.targets.base import Target
@@ -43,11 +47,13 @@ class GenerationResult:
 
 
 class Engine:
-    """Speculative generation with one target and one drafter (batch size 1)."""
+    """Speculative generation with one target and one drafter (batch size 1), one generation at
+    a time (module docstring)."""
 
     def __init__(self, target: Target, drafter: Drafter) -> None:
         self.target = target
         self.drafter = drafter
+        self._one_at_a_time = OneAtATime("engine")
 
     def generate(
         self,
@@ -88,7 +94,7 @@ class Engine:
             )
         result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
-        return self._run(prompt, sampling, generation, stop_ids, result, cancel)
+        return self._one_at_a_time.run(self._run(prompt, sampling, generation, stop_ids, result, cancel))
 
     def _run(
         self,

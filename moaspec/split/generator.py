@@ -44,6 +44,7 @@ from moaspec.decode_step import Verdict, decode_step
 from moaspec.drafters.base import Context, SplitDrafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
+from moaspec.exclusive import OneAtATime
 from moaspec.serving.identity import drafter_fingerprint
 from moaspec.session import draft_generator
 from moaspec.split import protocol as wire
@@ -136,6 +137,7 @@ class SplitGenerator:
         self.vocab_size = int(info["vocab_size"])
         self.max_tree_nodes = int(info["limits"]["max_tree_nodes"])
         self.adaptive = AdaptiveTree(drafter.tree_config, self.max_tree_nodes) if options.adaptive and hasattr(drafter, "tree_config") else None
+        self._one_at_a_time = OneAtATime("split generator")  # one drafter state, one connection
 
     def generate(self, prompt_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                  generation: GenerationConfig = GenerationConfig(), stop_ids: frozenset[int] = frozenset()) -> SplitResult:
@@ -151,7 +153,7 @@ class SplitGenerator:
         if not prompt_ids:
             raise MoaspecError("the prompt is empty")
         run = _Run(self, list(prompt_ids), sampling, generation, stop_ids, result if result is not None else SplitResult())
-        return run.events()
+        return self._one_at_a_time.run(run.events())
 
 
 class _Run:
