@@ -40,6 +40,7 @@ import os
 import sys
 
 from moaspec.errors import MoaspecError
+from moaspec.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 1  # stdout closed by its reader, as Python itself exits on EPIPE
@@ -267,14 +268,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be (every handler of KeyboardInterrupt saves progress)."""
-
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
-EXIT_TERMINATED = 143  # 128 + SIGTERM
-
-
 def _stop_on_sigterm() -> None:
     """`kill` (SIGTERM) unwinds like Ctrl-C, so long jobs (distill, train) save their progress."""
     import signal
@@ -333,7 +326,9 @@ def _main(argv: list[str] | None) -> tuple[int, str | None]:
         return EXIT_BROKEN_PIPE, command
 
 
-FAST_EXIT_COMMANDS = ("generate",)  # nothing left to write once the command returns: no files, no threads
+# nothing left to write once the command returns: no files; serve's model thread may still be in
+# the step of a request its shutdown cut, which the interpreter's exit would wait for
+FAST_EXIT_COMMANDS = ("generate", "serve")
 
 
 def entry() -> None:

@@ -5,6 +5,9 @@ raised at the callback's entry is swallowed by ctypes, which answers llama.cpp F
 graph part-way: wrong logits, no error; targets/llamacpp.py), and the first import of the heavy
 libraries (torch, llama-cpp-python), which an interrupt half-way leaves half-imported or swallows
 (the command then went on, or failed with an ImportError traceback).
+
+Also here: `Terminated` (SIGTERM raised where Ctrl-C would be) and the exit statuses the CLI
+gives both.
 """
 
 from __future__ import annotations
@@ -14,6 +17,14 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be (every handler of KeyboardInterrupt saves progress)."""
 
 
 class DeferredSignals:

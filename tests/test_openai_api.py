@@ -20,7 +20,7 @@ import pytest
 from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
 
 from moaspec.api import SpeculativeLM
-from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
+from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull, ShuttingDown
 from moaspec.openai_api.streaming import TextStream
 from moaspec.split.server import ServerLimits
 
@@ -507,6 +507,27 @@ def test_admission_queue_order_limit_and_departures() -> None:
         return order
 
     assert asyncio.run(scenario()) == ["b left", "c"]
+
+
+def test_a_closed_admission_queue_turns_waiters_away_and_keeps_the_running_slot() -> None:
+    import asyncio
+
+    async def scenario() -> None:
+        queue = AdmissionQueue(max_waiting=4, poll_s=0.01)
+        await queue.acquire(lambda: False)  # the generation running
+        waiters = [asyncio.create_task(queue.acquire(lambda: False)) for _ in range(2)]
+        await asyncio.sleep(0.03)
+        queue.close()
+        for waiter in waiters:
+            with pytest.raises(ShuttingDown):
+                await asyncio.wait_for(waiter, 1.0)
+        with pytest.raises(ShuttingDown):
+            await queue.acquire(lambda: False)
+        assert queue.active == 1 and queue.waiting == 0
+        queue.release()
+        assert queue.active == 0
+
+    asyncio.run(scenario())
 
 
 def test_split_sessions_and_openai_generations_interleave_safely() -> None:

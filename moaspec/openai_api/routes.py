@@ -37,7 +37,7 @@ from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.openai_api import schemas, validation
 from moaspec.openai_api.metrics import CONTENT_TYPE, ServerMetrics
-from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull
+from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull, ShuttingDown
 from moaspec.openai_api.streaming import DONE, TextStream, sse
 from moaspec.openai_api.validation import ChatRequest, CompletionRequest, GenerationJob
 from moaspec.serving.errors import APIError, error_body, error_response
@@ -97,6 +97,12 @@ class OpenAIRoutes:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_shutdown.append(self._shut_down)
+
+    async def _shut_down(self, app: web.Application) -> None:
+        """The server is stopping (Ctrl-C, SIGTERM): waiting generations get 503 now, new ones
+        too; running ones may finish within the shutdown time-out."""
+        self.queue.close()
 
     # -- middleware ---------------------------------------------------------------------------------
     @web.middleware
@@ -116,7 +122,9 @@ class OpenAIRoutes:
             route = resource.canonical if resource is not None else "other"  # bounded label values
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
-            if 400 <= status < 500:
+            if status == CLIENT_CLOSED:
+                logger.info("client left %s %s", request.method, route)
+            elif 400 <= status < 500:
                 logger.info("refused %s %s: %d %s", request.method, route, status, code or "")
 
     # -- small routes -----------------------------------------------------------------------------
@@ -194,6 +202,8 @@ class OpenAIRoutes:
             await self.queue.acquire(lambda: _client_gone(request))
         except QueueFull as exc:
             raise APIError(429, f"the server is busy: {exc}", None, "queue_full") from None
+        except ShuttingDown:
+            raise APIError(503, "the server is shutting down", None, "shutting_down") from None
         except ClientGone:
             self.metrics.generations.labels(endpoint, "cancelled").inc()
             return web.Response(status=CLIENT_CLOSED)
@@ -299,7 +309,11 @@ class _Generation:
         (ClientGone)."""
         step = asyncio.get_running_loop().run_in_executor(self.worker, next, self._steps, None)
         while not step.done():
-            await asyncio.wait([step], timeout=CLIENT_POLL_S)
+            try:
+                await asyncio.wait([step], timeout=CLIENT_POLL_S)
+            except asyncio.CancelledError:  # the request was cut (the server's shutdown time-out)
+                self.cancel.set()
+                raise
             if not step.done() and client_gone():
                 self.cancel.set()
         try:

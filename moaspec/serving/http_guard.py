@@ -172,7 +172,8 @@ class GuardedSite:
 
     async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
         """Listen; -> the port (useful with port 0)."""
-        self._runner = web.AppRunner(self.app, access_log=None)
+        # after Ctrl-C / SIGTERM, handlers still running get the shutdown time-out, then are cancelled
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.guard.limits.shutdown_timeout_s)
         await self._runner.setup()
         manager, loop, limits = self._runner.server, asyncio.get_running_loop(), self.guard.limits
 
@@ -194,17 +195,34 @@ class GuardedSite:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def run_until_signalled(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> None:
-        """Serve until SIGINT or SIGTERM (the CLI)."""
+    async def run_until_signalled(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Serve until SIGINT or SIGTERM (the CLI) -> that signal. After it, nothing new is
+        accepted and requests in flight get the shutdown time-out to finish (the application's
+        on_shutdown hooks turn waiting ones away); a second signal stops waiting for them."""
         await self.start(host, port, ssl_context)
-        stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+        received: list[int] = []
+        stop = asyncio.Event()
+        stopping: list[asyncio.Task] = []
+
+        def on_signal(sig: int) -> None:
+            received.append(sig)
+            stop.set()
+            if len(received) > 1 and stopping:
+                stopping[0].cancel()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         try:
             await stop.wait()
         finally:
-            await self.stop()
+            stopping.append(asyncio.ensure_future(self.stop()))
+            try:
+                await stopping[0]
+            except asyncio.CancelledError:
+                if len(received) < 2:  # cancelled from outside, not by a second signal
+                    raise
+        return received[0]
 
 
 def _raw_response(error: APIError) -> bytes:

@@ -27,6 +27,7 @@ class ServerLimits:
     header_timeout_s: float = 10.0  # request line + headers, from the connection or the request's first byte
     body_timeout_s: float = 30.0  # the whole body, from the handler asking for it (1 MiB at 1 Mbit/s: ~8 s)
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
+    shutdown_timeout_s: float = 10.0  # after Ctrl-C / SIGTERM, requests in flight may finish for this long
 
 
 @dataclass(frozen=True)

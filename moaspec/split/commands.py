@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import ssl
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from moaspec.errors import MoaspecError
-from moaspec.signals import load_library_held
+from moaspec.signals import Terminated, load_library_held
 
 API_KEY_ENV = "MOASPEC_API_KEY"
 
@@ -49,7 +51,9 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
     return context
 
 
-def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> int:
+def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext | None) -> NoReturn:
+    """Serve until Ctrl-C or SIGTERM, then end as the CLI does for them (130 / 143): after the
+    first, requests in flight get --shutdown-timeout-s to finish; a second stops waiting."""
     import asyncio
 
     load_library_held()
@@ -57,8 +61,9 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     scheme = "https" if ssl_context else "http"
     print(f"[moaspec] serving {described} on {scheme}://{args.host}:{args.port}", file=sys.stderr)
     _log_to_stderr()
-    asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
-    return 0
+    signum = asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
+    # the CLI's exit for them (status 143 / 130 and its line), without waiting for the model thread
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 def _log_to_stderr() -> None:
