@@ -221,6 +221,8 @@ def test_cached_token_budgets_per_key_and_per_server() -> None:
         first.close_session(opened[0]["session_id"])
         second.open(wire.OpenRequest(PROMPT, max_new_tokens=40))
         assert started.server.budget.num_tokens == 150
+        with pytest.raises(ServerRefused, match=r"\(413\).*ask for fewer tokens"):  # could never fit: not a 429 to retry
+            first.open(wire.OpenRequest(PROMPT, max_new_tokens=95))
     finally:
         started.stop()
 

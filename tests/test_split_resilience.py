@@ -23,7 +23,7 @@ from moaspec.split.adaptive import AdaptiveTree
 from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 from moaspec.split.netem import NetemProxy
-from moaspec.split.server import ServerLimits
+from moaspec.split.server import STALE_SESSION_S, ServerLimits
 
 GREEDY = SamplingConfig()
 
@@ -317,6 +317,45 @@ def test_a_late_duplicate_of_an_open_whose_session_ended_opens_nothing() -> None
         while made.server.server.sessions and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.open(retried)["session_id"] != first
+    finally:
+        made.server.stop()
+
+
+def test_a_key_at_its_session_limit_gets_room_from_its_own_stale_sessions() -> None:
+    """Bug: a client killed mid-generation kept its session slot until the idle time-out (300 s),
+    and the key's next client got an immediate 429. Now a key at its limit ends its own sessions
+    idle STALE_SESSION_S or more; a fresh one still refuses, and the first open waits it out."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=1))
+    try:
+        client = SplitClient(made.url, KEY)
+        dead = client.open(wire.OpenRequest(PROMPT))
+        with pytest.raises(ServerRefused, match="1 open sessions") as refused:
+            client.open(wire.OpenRequest(PROMPT))  # the other session was used just now
+        assert refused.value.status == 429
+        made.server.server.sessions[dead["session_id"]].last_used -= STALE_SESSION_S + 1
+        client.open(wire.OpenRequest(PROMPT))
+        with pytest.raises(SessionLost):
+            client.verify(dead["session_id"], wire.VerifyRequest(0, [dead["next_token"]], [-1]))
+    finally:
+        made.server.stop()
+
+
+def test_the_first_open_waits_out_a_busy_server() -> None:
+    """A generation whose key is at its session limit retries the open (429) within the offline
+    deadline, saying so once, instead of failing at once."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=1))
+    try:
+        holder = SplitClient(made.url, KEY)
+        held = holder.open(wire.OpenRequest(PROMPT))
+        told: list[str] = []
+        generator = made.generator(notify=told.append, offline_deadline_s=20.0)
+        greedy, generation = SamplingConfig(), GenerationConfig(max_new_tokens=6)
+        releaser = threading.Timer(0.5, holder.close_session, args=(held["session_id"],))
+        releaser.start()
+        result = generator.generate(PROMPT, greedy, generation)
+        releaser.join()
+        assert result.token_ids == made.reference(greedy, generation)
+        assert len(told) == 1 and "(429)" in told[0] and "retrying" in told[0], told
     finally:
         made.server.stop()
 

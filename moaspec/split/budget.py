@@ -4,7 +4,8 @@ their KV caches may reach.
 A session reserves prompt + max_new_tokens cached tokens (the most its cache can grow to) when it
 opens, before its prefill runs, so concurrent opens cannot overshoot; the reservation is released
 when the session closes, expires, fails, or its open fails. A key over its own share gets 429 (it
-can close sessions); the server over its total gets 503 (another key holds the room). Used only
+can close sessions); the server over its total gets 503 (another key holds the room); a session
+that could never fit, 413. Used only
 from the server's event loop: no locks.
 """
 
@@ -40,6 +41,11 @@ class SessionBudget:
     def reserve(self, key_index: int, num_tokens: int) -> Reservation:
         """Take room for one session of up to `num_tokens` cached tokens, or refuse (APIError)."""
         limit = self.limits
+        if num_tokens > min(limit.max_cached_tokens_per_key, limit.max_cached_tokens):  # would never fit: no retry helps
+            raise APIError(
+                413, f"a session of {num_tokens} cached tokens (prompt + max_new_tokens) is more than this server lets one "
+                f"key cache ({min(limit.max_cached_tokens_per_key, limit.max_cached_tokens)}); ask for fewer tokens", None, "token_budget",
+            )
         if self.sessions_per_key[key_index] >= limit.max_sessions_per_key:
             raise APIError(429, f"this key already has {limit.max_sessions_per_key} open sessions", None, "too_many_sessions")
         if self.tokens_per_key[key_index] + num_tokens > limit.max_cached_tokens_per_key:

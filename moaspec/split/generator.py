@@ -53,7 +53,7 @@ from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClie
 from moaspec.tree import DraftTree
 
 T = TypeVar("T")
-BUSY = 429  # a server refusing for now (its session or token budget): retried while resynchronising
+BUSY = 429  # a server refusing for now (its session or token budget): retried on opening and resynchronising
 # A verify that failed within this fraction of the client's time-out was cut, not timed out: retry it once.
 FAST_FAILURE = 0.5
 
@@ -208,8 +208,8 @@ class _Run:
     def _open(self) -> Iterator[SplitEvent]:
         request = self._open_request(self.prompt, None, 0)
         tick = time.perf_counter()
-        # nothing to draft from before the first token: wait for the server
-        reply = retry_while_down(lambda: self.client.open(request), self.options)
+        # nothing to draft from before the first token: wait for the server, and out a busy one
+        reply = retry_while_down(lambda: self.client.open(request), self.options, retry_busy=True)
         self.result.stats.record_prefill(time.perf_counter() - tick)
         verification = wire.parse_verification(reply, self.owner.vocab_size, 0, len(self.prompt))
         self.session_id, self.seq = str(reply["session_id"]), 0
@@ -420,16 +420,19 @@ class _Run:
         )
 
 
-def retry_while_down(call: Callable[[], T], options: SplitOptions) -> T:
-    """call() until it does not raise LinkDown, with exponential back-off from retry_initial_s to
-    retry_max_s; re-raises the last LinkDown once offline_deadline_s would be passed."""
+def retry_while_down(call: Callable[[], T], options: SplitOptions, retry_busy: bool = False) -> T:
+    """call() until it does not raise LinkDown (nor, with retry_busy, a 429 refusal: the server
+    busy), with exponential back-off from retry_initial_s to retry_max_s; re-raises the last
+    failure once offline_deadline_s would be passed."""
     deadline = time.monotonic() + options.offline_deadline_s
     delay = options.retry_initial_s
     told = False
     while True:
         try:
             return call()
-        except LinkDown as exc:
+        except (LinkDown, ServerRefused) as exc:
+            if isinstance(exc, ServerRefused) and not (retry_busy and exc.status == BUSY):
+                raise
             if time.monotonic() + delay > deadline:
                 raise
             if options.notify is not None and not told:

@@ -55,6 +55,9 @@ logger = logging.getLogger("moaspec.serve")
 # target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
 # context of 8,192 positions holds ~145 MB of cache
 IDLE_TARGETS = 2
+# a key at its session limit gets room by ending its own sessions idle this long (a client that
+# died, or one offline, which resynchronises on reconnect) instead of a 429 until the idle time-out
+STALE_SESSION_S = 10.0
 ENDED_OPENS = 4096  # opens remembered after their client closed the session (for the idle time-out)
 
 
@@ -295,7 +298,7 @@ class SplitServer:
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
         has_stop_ids = message.get("stop_ids") is not None  # absent or null alike, as root_id
         stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if has_stop_ids else frozenset()
-        reservation = self.budget.reserve(request[KEY_INDEX], len(prompt) + max_new)
+        reservation = self._reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
             done = await self._prefill(reservation.key_index, prompt, sampling, seed, root_id, context_from, context_dtype)
         except BaseException:
@@ -404,6 +407,23 @@ class SplitServer:
         self.finished[session_id] = _Finished(session.key_index, seq, reply, time.monotonic())
         while len(self.finished) > self.limits.max_sessions:
             del self.finished[next(iter(self.finished))]
+
+    def _reserve(self, key_index: int, num_tokens: int) -> Reservation:
+        """The budget's reservation for a new session of this key; when the key's own share
+        refuses it (429), the key's sessions idle STALE_SESSION_S or more (and not mid-request)
+        are ended, least recently used first, until it fits."""
+        while True:
+            try:
+                return self.budget.reserve(key_index, num_tokens)
+            except APIError as exc:
+                stale_before = time.monotonic() - STALE_SESSION_S
+                stale = [
+                    (session.last_used, session_id) for session_id, session in self.sessions.items()
+                    if session.key_index == key_index and session.last_used < stale_before and not session.lock.locked()
+                ]
+                if exc.status != 429 or not stale:
+                    raise
+                self._drop(min(stale)[1])
 
     def _end(self, session_id: str) -> None:
         """End a session its client is done with (DELETE, or the verify that finished it): the
