@@ -90,7 +90,7 @@ class Engine:
         if prompt.numel() >= self.target.max_positions:
             raise MoaspecError(
                 f"the prompt has {prompt.numel()} tokens but the target's context holds "
-                f"{self.target.max_positions}"
+                f"{self.target.max_positions}, the answer's first token included: at most {self.target.max_positions - 1}"
             )
         result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids

@@ -158,7 +158,7 @@ def test_context_limit_stops_generation_cleanly() -> None:
     result = Engine(target, NgramDrafter()).generate(PROMPT, generation=GenerationConfig(max_new_tokens=50), stop_ids=NO_STOP)
     assert len(result.token_ids) == 12 - len(PROMPT)
     assert result.stop_reason == "context"
-    with pytest.raises(MoaspecError):
+    with pytest.raises(MoaspecError, match="holds 12, the answer's first token included: at most 11"):
         Engine(target, NoDrafter()).generate(list(range(12)))
     with pytest.raises(MoaspecError):
         Engine(target, NoDrafter()).generate([])

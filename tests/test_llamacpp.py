@@ -152,6 +152,34 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, categ
     assert (target.compactions > 0) == (cells < 8192)
 
 
+def test_a_wide_tree_at_the_context_end_has_a_cell_for_every_node(llama_target, category_prompts) -> None:
+    """Bug: the verified context had exactly `cells` cells, so near its end a tree that fits by
+    depth (what the engine prunes it to) but has more nodes than free cells failed in llama_decode
+    and reset the context: a generation reaching the context's end with a wide tree died there."""
+    require_exact_trees(llama_target)
+    cells = 512  # llama.cpp rounds a context up to a multiple of 256 cells
+    target = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2,
+        parts_loader=llama_target._parts_loader, parts=llama_target._parts,  # as new_session() passes them
+    )
+    text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
+    prompt = text[: cells - 4]
+    tokens, logits = plain_decode(target, prompt, 3)
+    target.reset()
+    target.prefill(torch.tensor(prompt))
+    tree = DraftTree(torch.tensor([tokens[0], tokens[1], *range(100, 107)]), torch.tensor([-1] + [0] * 8))  # 9 nodes, 4 cells free
+    out = target.verify(tree)
+    assert torch.equal(out.logits[0], logits[1]) and torch.equal(out.logits[1], logits[2])
+    target.commit([0, 1])
+    assert target.num_cached == len(prompt) + 2
+    drafter = make_drafter("moa", target, {"depth": 6, "top_k": 4, "budget": 16})  # the reference tree: 17 nodes
+    for room in (3, 9):
+        prompt = text[: cells - room]
+        plain = Engine(target, make_drafter("none", target)).generate(prompt, generation=GenerationConfig(max_new_tokens=64))
+        drafted = Engine(target, drafter).generate(prompt, generation=GenerationConfig(max_new_tokens=64))
+        assert drafted.token_ids == plain.token_ids and drafted.stop_reason == plain.stop_reason == "context"
+
+
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = category_prompts["qa"][:120]

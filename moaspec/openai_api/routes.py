@@ -190,7 +190,8 @@ class OpenAIRoutes:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "messages" if chat else "prompt", "invalid_value")
         if len(prompt_ids) >= context:
-            raise APIError(413, f"the prompt has {len(prompt_ids)} tokens but the model's context holds {context}",
+            raise APIError(413, f"the prompt has {len(prompt_ids)} tokens but the model's context holds {context}, "
+                           f"the answer's first token included: at most {context - 1}",
                            "messages" if chat else "prompt", "context_length_exceeded")
         return validation.parse_job(body, prompt_ids, self.max_new_tokens, context - len(prompt_ids))
 

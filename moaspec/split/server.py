@@ -278,7 +278,8 @@ class SplitServer:
         given = message.get("prompt_ids")
         if isinstance(given, list) and len(given) >= self.target.max_positions:  # as the OpenAI routes answer it
             raise HTTPError(
-                413, "context_length_exceeded", f"the prompt has {len(given)} tokens but the model's context holds {self.target.max_positions}"
+                413, "context_length_exceeded", f"the prompt has {len(given)} tokens but the model's context holds "
+                f"{self.target.max_positions}, the answer's first token included: at most {self.target.max_positions - 1}",
             )
         prompt = wire.get_ids(message, "prompt_ids", vocab, 1, self.target.max_positions - 1)
         try:

@@ -80,7 +80,10 @@ from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0 keys + f16 values: ~17 KB per cell for SmolLM2-135M)
-MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
+MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size; the most nodes a tree may have)
+# cells the verified context has beyond `cells` (its positions): a tree verified at the context's
+# end needs a cell per node, not per position (~9 MB on SmolLM2-135M)
+TREE_HEADROOM = MAX_BATCH
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
 PARKED = MAX_LEAVES + 1  # the sequence of parked cells (see the module docstring)
 KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0
@@ -147,7 +150,7 @@ class LlamaCppTarget:
         """The verified context, made on first need (with the eval callback when keys/values
         are captured)."""
         if self._ctx is None:
-            self._ctx = self._new_llama_context(self.cells, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
+            self._ctx = self._new_llama_context(self.cells + TREE_HEADROOM, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
             self._memory = self.lib.llama_get_memory(self._ctx)
             self._embeddings_on[self._ctx] = False
         return self._ctx
@@ -561,7 +564,8 @@ class LlamaCppTarget:
             self._pending, self._pending_rows = None, (None, None)
 
     def _make_room(self, count: int) -> None:
-        """Reclaim parked cells when `count` more would not fit after the used ones."""
+        """Reclaim parked cells when `count` more would not fit after the used ones within
+        `cells` (after that they fit: at most `cells` positions plus TREE_HEADROOM nodes)."""
         if self.num_cached + self._parked + count <= self.cells or not self._parked:
             return
         tokens = self._tokens
