@@ -32,6 +32,9 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   which reproduces the same keys and values.
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 
+The verified context has TREE_HEADROOM cells beyond its `cells` positions: a tree at the context's
+end fits by depth (the engine prunes it so) but needs a cell per node.
+
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) are prefilled in a second context, the prompt
 context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
@@ -80,10 +83,11 @@ from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0 keys + f16 values: ~17 KB per cell for SmolLM2-135M)
-MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size; the most nodes a tree may have)
+MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
+MAX_TREE_NODES = 128  # nodes per verified tree (a node costs 0.3-0.9 of a step on a 2-core CPU)
 # cells the verified context has beyond `cells` (its positions): a tree verified at the context's
-# end needs a cell per node, not per position (~9 MB on SmolLM2-135M)
-TREE_HEADROOM = MAX_BATCH
+# end needs a cell per node, not per position (~2 MB on SmolLM2-135M)
+TREE_HEADROOM = MAX_TREE_NODES
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
 PARKED = MAX_LEAVES + 1  # the sequence of parked cells (see the module docstring)
 KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0
@@ -469,8 +473,8 @@ class LlamaCppTarget:
         self._check_hidden(hidden_layers)
         self._drop_pending()
         count = tree.num_nodes
-        if count > MAX_BATCH:
-            raise MoaspecError(f"a tree of {count} nodes exceeds the llama.cpp batch ({MAX_BATCH})")
+        if count > MAX_TREE_NODES:
+            raise MoaspecError(f"a tree of {count} nodes exceeds the llama.cpp runtime's {MAX_TREE_NODES}")
         node_depths = depths(tree.parents)
         if self.num_cached + int(node_depths.max()) + 1 > self.max_positions:
             raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
