@@ -62,15 +62,16 @@ def decode_step(
     verify: Callable[[DraftTree], Verdict],
     max_nodes: int | None = None,
     vocab_size: int | None = None,
+    max_leaves: int | None = None,
 ) -> Step:
     """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
-    to depth remaining - 1; max_nodes: keep only the first nodes (a server's limit); vocab_size:
+    to depth remaining - 1; max_nodes / max_leaves: keep only the first nodes, within those limits (a server's or the runtime's); vocab_size:
     the target's, which every drafted token must be in."""
     tick = time.perf_counter()
     tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
     tree = prune_to_depth(tree, remaining - 1)
-    if max_nodes is not None:
-        tree = limit_nodes(tree, max_nodes)
+    if max_nodes is not None or max_leaves is not None:
+        tree = limit_nodes(tree, max_nodes, max_leaves)
     draft_s = time.perf_counter() - tick
     stats.draft_s += draft_s
 
@@ -98,8 +99,19 @@ def check_proposal(tree: DraftTree, root: int, vocab_size: int | None) -> DraftT
     return tree
 
 
-def limit_nodes(tree: DraftTree, max_nodes: int) -> DraftTree:
-    """The first max_nodes nodes (parents precede children, so a prefix is a tree)."""
+def limit_nodes(tree: DraftTree, max_nodes: int | None, max_leaves: int | None = None) -> DraftTree:
+    """The longest prefix of at most max_nodes nodes and max_leaves leaves (parents precede
+    children, so a prefix is a tree; its leaves never decrease as it grows: a node adds one unless
+    its parent was a leaf)."""
+    max_nodes = tree.num_nodes if max_nodes is None else min(max_nodes, tree.num_nodes)
+    if max_leaves is not None:
+        has_child, leaves = [False] * max_nodes, 1
+        for node, parent in enumerate(tree.parents[1:max_nodes].tolist(), start=1):
+            leaves += 1 if has_child[parent] else 0
+            has_child[parent] = True
+            if leaves > max_leaves:
+                max_nodes = node
+                break
     if tree.num_nodes <= max_nodes:
         return tree
     probs = None if tree.draft_probs is None else tree.draft_probs[:max_nodes]

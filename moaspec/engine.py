@@ -142,7 +142,8 @@ class Engine:
             # commits it), tell the drafter (decode_step.py: shared with the split client)
             step = decode_step(
                 self.drafter, root, max_new - len(result.token_ids), sampling, generator, stats, verify,
-                vocab_size=self.target.vocab_size,
+                max_nodes=getattr(self.target, "max_tree_nodes", None), vocab_size=self.target.vocab_size,
+                max_leaves=getattr(self.target, "max_tree_leaves", None),
             )
             emitted, root = step.emitted, step.verdict.next_token
 

@@ -16,11 +16,13 @@ import torch
 from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.decode_step import limit_nodes
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import (
     MAX_LEAVES,
+    MAX_TREE_NODES,
     PROMPT_CHUNK,
     PROMPT_CONTEXT_MIN_TOKENS,
     LlamaCppTarget,
@@ -821,3 +823,22 @@ def test_an_interrupted_long_prefill_leaves_an_empty_context(llama_target, categ
     assert llama_target.num_cached == 0
     fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
     assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
+
+
+def test_trees_beyond_the_runtimes_node_limit_are_cut_to_it_and_stay_lossless(llama_target, category_prompts) -> None:
+    """A tree larger than llama.cpp verifies (MAX_TREE_NODES, the context's headroom; MAX_LEAVES
+    leaves) is cut to its longest prefix within both by the engine (a prefix of a tree is a tree)
+    instead of failing, and a split server is refused a larger --max-tree-nodes at start."""
+    require_exact_trees(llama_target)
+    prompt = category_prompts["mt_bench"]
+    drafter = make_drafter("moa", llama_target, {"depth": 6, "top_k": 8, "budget": 200})
+    plain = Engine(llama_target, make_drafter("none", llama_target)).generate(prompt, generation=GenerationConfig(max_new_tokens=12))
+    wide = Engine(llama_target, drafter).generate(prompt, generation=GenerationConfig(max_new_tokens=12))
+    assert wide.token_ids == plain.token_ids
+    assert 0 < wide.stats.to_dict()["mean_drafted_nodes"] <= MAX_TREE_NODES - 1
+    tree = DraftTree(torch.tensor([5] * 80), torch.tensor([-1] + [0] * 79))  # 79 leaves: cut at 62
+    assert limit_nodes(tree, llama_target.max_tree_nodes, llama_target.max_tree_leaves).num_nodes == 1 + MAX_LEAVES
+    from moaspec.split.server import ServerLimits, SplitServer
+
+    with pytest.raises(MoaspecError, match="--max-tree-nodes 200 is more than the llama.cpp runtime verifies"):
+        SplitServer(llama_target, drafter, ["key"], ServerLimits(max_tree_nodes=200))

@@ -17,7 +17,8 @@ from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
-from moaspec.split.client import SplitClient
+from moaspec.split import protocol as wire
+from moaspec.split.client import ServerRefused, SplitClient
 from moaspec.split.generator import SplitGenerator, SplitOptions
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 
@@ -83,6 +84,29 @@ def test_greedy_split_equals_in_process(pair: SplitPair, context_dtype: str) -> 
     result = pair.generator(context_dtype=context_dtype).generate(PROMPT, SamplingConfig(), generation)
     assert result.token_ids == expected
     assert result.stop_reason == "length" and result.stats.target_forwards == result.stats.num_verifications + 1
+
+
+def test_a_server_runtime_with_a_leaf_limit_gets_trees_within_it() -> None:
+    """A server whose runtime verifies at most max_tree_leaves leaves per tree (llama.cpp: 62)
+    says so in its info; the client keeps the longest prefix of its tree within it (output
+    unchanged), and a tree with more is a 400, not a model failure."""
+    tree = TreeConfig(depth=2, top_k=4, budget=12)
+    made = SplitPair("moa", tree)
+    made.server.stop()
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    target.max_tree_leaves = 3
+    made.server = ServerThread(SplitServer(target, make_drafter("moa", target, tree), [KEY], made.limits)).start()
+    try:
+        generation = GenerationConfig(max_new_tokens=16)
+        result = made.generator().generate(PROMPT, SamplingConfig(), generation)
+        assert result.token_ids == made.reference(SamplingConfig(), generation)
+        assert 0 < result.stats.to_dict()["mean_drafted_nodes"] <= 6  # within 3 leaves of depth <= 2
+        client = SplitClient(made.url, KEY)
+        opened = client.open(wire.OpenRequest(PROMPT))
+        with pytest.raises(ServerRefused, match="at most 3 leaves"):
+            client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"], 1, 2, 3, 4], [-1, 0, 0, 0, 0]))
+    finally:
+        made.server.stop()
 
 
 @pytest.mark.parametrize("pair", ["moa", "moa-tli1", "eagle"], indirect=True)

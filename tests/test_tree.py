@@ -10,6 +10,7 @@ from moaspec.tree import (
     ancestor_mask,
     children,
     depths,
+    leaf_groups,
     leaf_paths,
     path_to,
     prune_to_depth,
@@ -118,3 +119,25 @@ def test_trie_merges_continuations() -> None:
     assert tree.draft_probs is None
     assert trie(9, [], max_nodes=8).num_nodes == 1
     assert trie(9, [[1, 2, 3]], max_nodes=2).token_ids.tolist() == [9, 1]
+
+
+def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() -> None:
+    import random
+
+    from moaspec.decode_step import limit_nodes
+
+    generator = random.Random(3)
+    for _ in range(200):
+        size = generator.randrange(1, 40)
+        parents = torch.tensor([-1] + [generator.randrange(i) for i in range(1, size)])
+        tree = DraftTree(torch.arange(size), parents)
+        max_nodes = generator.choice([None, generator.randrange(1, 45)])
+        max_leaves = generator.choice([None, generator.randrange(1, 20)])
+
+        def fits(n: int) -> bool:
+            leaves = len(leaf_groups(parents[:n])[0])
+            return (max_nodes is None or n <= max_nodes) and (max_leaves is None or leaves <= max_leaves)
+
+        expected = max(n for n in range(1, size + 1) if fits(n))
+        cut = limit_nodes(tree, max_nodes, max_leaves)
+        assert cut.num_nodes == expected and torch.equal(cut.parents, parents[:expected])

@@ -46,7 +46,7 @@ from moaspec.split import protocol as wire
 from moaspec.split.budget import Reservation, SessionBudget
 from moaspec.split.loop_thread import LoopThread
 from moaspec.targets.base import Target
-from moaspec.tree import DraftTree, depths
+from moaspec.tree import DraftTree, depths, leaf_groups
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
@@ -162,6 +162,11 @@ class SplitServer:
         if self.encoder is None:
             raise MoaspecError(f"drafter {drafter_form(drafter)} cannot be split (it has no context encoder)")
         self.api_keys = [key.encode() for key in api_keys]
+        runtime_limit = getattr(target, "max_tree_nodes", None)
+        if runtime_limit is not None and limits.max_tree_nodes > runtime_limit:
+            raise MoaspecError(
+                f"--max-tree-nodes {limits.max_tree_nodes} is more than the {target.runtime} runtime verifies in one tree ({runtime_limit})"
+            )
         self.limits = limits
         self.info = {
             "version": wire.PROTOCOL_VERSION,
@@ -169,6 +174,7 @@ class SplitServer:
             "runtime": target.runtime,
             "vocab_size": target.vocab_size,
             "max_positions": target.max_positions,
+            "max_tree_leaves": getattr(target, "max_tree_leaves", None),
             "drafter": drafter_form(drafter),
             "drafter_fingerprint": drafter_fingerprint(drafter),
             "limits": asdict(limits),
@@ -470,9 +476,13 @@ class SplitServer:
             raise ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
         draft_probs = self._draft_probs(message, len(token_ids)) if "draft_probs" in message else None
         try:
-            return DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
+            tree = DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from exc
+        max_leaves = self.info["max_tree_leaves"]
+        if max_leaves is not None and len(leaf_groups(tree.parents)[0]) > max_leaves:
+            raise ProtocolError(f"a tree may have at most {max_leaves} leaves on this server ('max_tree_leaves')")
+        return tree
 
     def _draft_probs(self, message: dict, num_nodes: int) -> torch.Tensor:
         """Sparse per-node drafter distributions -> dense [N, V] float64 rows."""

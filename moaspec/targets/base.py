@@ -63,6 +63,8 @@ class Target(Protocol):
     # set_context keeps what a new prompt shares with the context held (a chat's next turn):
     # a server reuses such a target for its next session instead of making a new one
     keeps_shared_start: bool
+    max_tree_nodes: int | None  # the most nodes `verify` takes in one tree (None: no limit of its own)
+    max_tree_leaves: int | None  # ... and leaves
     tokenizer: Any  # a transformers fast tokenizer, or None
     config: Any  # the transformers config of the architecture (shapes, rope, model_type)
     num_cached: int

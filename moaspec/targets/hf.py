@@ -56,6 +56,7 @@ class HFTarget:
 
     runtime = "transformers"
     keeps_shared_start = False  # transformers' batched kernels round differently from one-token steps
+    max_tree_nodes = max_tree_leaves = None
 
     def __init__(
         self,

@@ -104,6 +104,7 @@ class LlamaCppTarget:
 
     runtime = "llama.cpp"
     keeps_shared_start = True  # set_context keeps a shared start, bit for bit (module docstring)
+    max_tree_nodes, max_tree_leaves = MAX_TREE_NODES, MAX_LEAVES
 
     def __init__(
         self,
