@@ -842,3 +842,17 @@ def test_trees_beyond_the_runtimes_node_limit_are_cut_to_it_and_stay_lossless(ll
 
     with pytest.raises(MoaspecError, match="--max-tree-nodes 200 is more than the llama.cpp runtime verifies"):
         SplitServer(llama_target, drafter, ["key"], ServerLimits(max_tree_nodes=200))
+
+
+def test_a_session_sized_to_its_tokens_decodes_as_the_whole_context_does(llama_target, category_prompts) -> None:
+    """A split server sizes each session's llama.cpp context to its reservation (a full one held
+    ~160 MB whatever the session reserved): the output of a small context equals the full one's."""
+    require_exact_trees(llama_target)
+    plain = Engine(llama_target, make_drafter("none", llama_target))
+    for name in ("mt_bench", "qa"):  # a short prompt, and a long one (through the prompt context)
+        prompt = category_prompts[name][:600]
+        small = llama_target.new_session(len(prompt) + 24)
+        assert small.max_positions < llama_target.max_positions
+        expected = plain.generate(prompt, generation=GenerationConfig(max_new_tokens=24))
+        got = Engine(small, make_drafter("moa+ngram", small)).generate(prompt, generation=GenerationConfig(max_new_tokens=24))
+        assert got.token_ids == expected.token_ids, name

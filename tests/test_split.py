@@ -327,8 +327,8 @@ def test_a_closed_sessions_last_verify_is_replayed_and_nothing_else(pair: SplitP
 class _KeptTarget:
     """Just what IdleTargets reads of a target."""
 
-    def __init__(self, keeps_shared_start: bool = True) -> None:
-        self.keeps_shared_start = keeps_shared_start
+    def __init__(self, keeps_shared_start: bool = True, max_positions: int = 512) -> None:
+        self.keeps_shared_start, self.max_positions = keeps_shared_start, max_positions
 
 
 def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptied() -> None:
@@ -340,12 +340,17 @@ def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptie
     idle.put(1, second)
     idle.put(1, third)  # beyond the capacity: the oldest (key 0's) is dropped
     idle.put(0, _KeptTarget(keeps_shared_start=False))  # nothing to reuse in it: not kept
-    assert idle.take(1) == (third, False)  # the key's most recent one, as it is
-    assert idle.take(0) == (second, True)  # another key's: emptied before use
-    assert idle.take(0) is None
+    assert idle.take(1, 512) == (third, False)  # the key's most recent one, as it is
+    assert idle.take(0, 100) == (second, True)  # another key's: emptied before use
+    assert idle.take(0, 100) is None
     idle.put(2, first)
     idle.expire(released_before=time.monotonic() + 1)
-    assert idle.take(2) is None
+    assert idle.take(2, 100) is None
+    small, large = _KeptTarget(max_positions=256), _KeptTarget(max_positions=1024)
+    idle.put(0, large)
+    idle.put(0, small)
+    assert idle.take(0, 600) == (large, False)  # its own most recent one is too small for the session
+    assert idle.take(1, 600) is None and idle.take(1, 200) == (small, True)
 
 
 def test_drafters_are_named_as_users_name_them() -> None:

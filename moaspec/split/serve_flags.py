@@ -25,7 +25,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-cached-tokens-per-key": (
         "max_cached_tokens_per_key", int, "tokens one key's split sessions may cache (prompt + max_new_tokens each); more get 429",
     ),
-    "--max-cached-tokens": ("max_cached_tokens", int, "tokens all split sessions may cache; more get 503 (~140 KB each on SmolLM2-135M + MoA)"),
+    "--max-cached-tokens": ("max_cached_tokens", int, "tokens all split sessions may cache; more get 503 (~140 KB each on SmolLM2-135M + MoA, transformers runtime)"),
     "--shutdown-timeout-s": (
         "shutdown_timeout_s", float,
         "seconds requests in flight may take to finish after Ctrl-C or SIGTERM (waiting ones get 503 at once, "

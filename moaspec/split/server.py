@@ -73,7 +73,8 @@ class IdleTargets:
 
     Only targets that keep what a new prompt shares with their context (`keeps_shared_start`,
     llama.cpp) are kept: a llama.cpp context costs ~100 ms to create, and one holding a key's
-    previous turn lets the next turn's prefill skip what the two share. A key gets back its own
+    previous turn lets the next turn's prefill skip what the two share. Of those large enough for
+    the new session (a session's context is sized to its reservation), a key gets back its own
     most recent one as it is; otherwise the oldest one, emptied first (`reset` on the worker), so
     no cache content ever crosses keys. At most `capacity` are kept; the reaper drops stale ones.
     """
@@ -87,14 +88,15 @@ class IdleTargets:
             self.entries.insert(0, (key_index, target, time.monotonic()))
             del self.entries[self.capacity :]
 
-    def take(self, key_index: int) -> tuple[Target, bool] | None:
-        """-> (target, whether it must be reset before use), or None when none is kept."""
-        for index, (key, target, _) in enumerate(self.entries):
-            if key == key_index:
-                del self.entries[index]
-                return target, False
-        if self.entries:
-            return self.entries.pop()[1], True
+    def take(self, key_index: int, positions: int) -> tuple[Target, bool] | None:
+        """A kept target holding `positions` or more -> (it, whether it must be reset before use),
+        or None when none is kept."""
+        fitting = [index for index, (_, target, _) in enumerate(self.entries) if target.max_positions >= positions]
+        for index in fitting:
+            if self.entries[index][0] == key_index:
+                return self.entries.pop(index)[1], False
+        if fitting:
+            return self.entries.pop(fitting[-1])[1], True
         return None
 
     def expire(self, released_before: float) -> None:
@@ -307,7 +309,7 @@ class SplitServer:
         stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if has_stop_ids else frozenset()
         reservation = self._reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
-            done = await self._prefill(reservation.key_index, prompt, sampling, seed, root_id, context_from, context_dtype)
+            done = await self._prefill(reservation, prompt, sampling, seed, root_id, context_from, context_dtype)
         except BaseException:
             self.budget.release(reservation)
             raise
@@ -320,13 +322,15 @@ class SplitServer:
                 "server_s": done.server_s}
 
     async def _prefill(
-        self, key_index: int, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None,
+        self, reservation: Reservation, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None,
         context_from: int, context_dtype: str,
     ) -> _Prefilled:
         """A new session's target state: prefill (or resume) on the worker, in a target this key
-        left idle (keeping what the prompt shares with it), another key's emptied, or a new one."""
-        kept = self.idle.take(key_index)
-        session_target, must_reset = kept if kept is not None else (self.target.new_session(), False)
+        left idle (keeping what the prompt shares with it), another key's emptied, or a new one
+        sized to the session's reservation (prompt + max_new_tokens)."""
+        positions = reservation.num_tokens
+        kept = self.idle.take(reservation.key_index, positions)
+        session_target, must_reset = kept if kept is not None else (self.target.new_session(positions), False)
         verifier_seed = seed if root_id is None else resumed_seed(seed, len(prompt))
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, verifier_seed)
         prompt_ids = torch.tensor(prompt)

@@ -95,8 +95,10 @@ class Target(Protocol):
 
     def use_layout(self, layout: str) -> None: ...
 
-    def new_session(self) -> Target:
-        """A target sharing these weights with an empty context of its own (one per client)."""
+    def new_session(self, positions: int | None = None) -> Target:
+        """A target sharing these weights with an empty context of its own (one per client);
+        positions: the most tokens it will hold (a runtime that allocates its cache up front
+        sizes it so; its max_positions may then be that), None for the whole context."""
         ...
 
     def reset(self) -> None: ...

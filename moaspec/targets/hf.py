@@ -186,8 +186,9 @@ class HFTarget:
         )
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def new_session(self) -> HFTarget:
-        """A target sharing these weights with an empty cache of its own."""
+    def new_session(self, positions: int | None = None) -> HFTarget:
+        """A target sharing these weights with an empty cache of its own (it grows as it fills:
+        `positions` changes nothing here)."""
         return HFTarget(self.model, self.tokenizer, self.name, self._parts_loader, self._parts)
 
     def reset(self) -> None:
