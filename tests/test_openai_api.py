@@ -6,6 +6,7 @@ Every network call has a timeout and every polling loop a deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -22,7 +23,8 @@ from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
 from moaspec.api import SpeculativeLM
 from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull, ShuttingDown
 from moaspec.openai_api.streaming import TextStream
-from moaspec.split.server import ServerLimits
+from moaspec.serving.limits import OpenAILimits
+from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 
 MODEL = "tiny-llama"
 TIMEOUT_S = 30.0
@@ -577,3 +579,114 @@ def test_neutral_options_pass_and_top_k_reaches_the_engine(ngram_server) -> None
     assert len(sampled) > 1
     too_long = _post(ngram_server, "/v1/completions", body={**base, "prompt": "x" * 400, "max_tokens": 200}).json()["error"]
     assert too_long["code"] == "context_length_exceeded" and "room for" in too_long["message"]
+
+
+# -- boundaries and paths the mutation audit of session 23 found untested --------------------------
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_an_end_of_sequence_token_finishes_with_stop() -> None:
+    """OpenAI's finish_reason: "stop" when the model emits its end-of-sequence token, "length"
+    only at max_tokens."""
+    expected = reference("ngram").generate("Once upon a time", max_new_tokens=30, temperature=0.0, raw=True).text
+    target = tiny_chat_target()
+    eos = ord(expected[4]) - 32  # the character tokenizer: one id per printable character
+    target.model.generation_config.eos_token_id = eos
+    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY], ServerLimits(), OpenAILimits())).start()
+    try:
+        reply = client(started).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0)
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens <= 5
+    finally:
+        started.stop()
+
+
+def test_a_prompt_that_fills_the_context_is_413(ngram_server) -> None:
+    """A prompt of max_positions tokens leaves no room for the answer's first token: 413
+    context_length_exceeded on the prompt, as OpenAI answers; one token fewer is served."""
+    context = tiny_chat_target().max_positions
+    full = httpx.post(url(ngram_server, "/v1/completions"), headers=AUTH, timeout=TIMEOUT_S,
+                      json={"model": MODEL, "prompt": [40] * context, "max_tokens": 1})
+    assert full.status_code == 413, full.text
+    assert full.json()["error"]["code"] == "context_length_exceeded" and full.json()["error"]["param"] == "prompt"
+    fits = httpx.post(url(ngram_server, "/v1/completions"), headers=AUTH, timeout=TIMEOUT_S,
+                      json={"model": MODEL, "prompt": [40] * (context - 1), "max_tokens": 1, "temperature": 0})
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 1
+
+
+def test_max_tokens_just_past_the_context_left_is_refused(ngram_server) -> None:
+    """validation.py: a max_tokens beyond the context left after the prompt is a 400
+    context_length_exceeded, by one token as well; exactly the room left is served."""
+    context = tiny_chat_target().max_positions
+    body = {"model": MODEL, "prompt": [40] * (context - 5), "temperature": 0}
+    over = httpx.post(url(ngram_server, "/v1/completions"), headers=AUTH, timeout=TIMEOUT_S, json={**body, "max_tokens": 6})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded", over.text
+    exact = httpx.post(url(ngram_server, "/v1/completions"), headers=AUTH, timeout=TIMEOUT_S, json={**body, "max_tokens": 5})
+    assert exact.status_code == 200 and exact.json()["usage"]["completion_tokens"] == 5
+
+
+def test_a_waiter_that_leaves_frees_its_place_in_line_at_once() -> None:
+    """queue.py: a waiter whose client left is out of the line: it no longer counts as waiting
+    (/health) nor against max_waiting, before any release."""
+    async def scenario() -> None:
+        queue, gone = AdmissionQueue(max_waiting=1, poll_s=0.01), {"left": False}
+        await queue.acquire(lambda: False)
+        leaving = asyncio.create_task(queue.acquire(lambda: gone["left"]))
+        await asyncio.sleep(0.03)
+        assert queue.waiting == 1
+        gone["left"] = True
+        with pytest.raises(ClientGone):
+            await asyncio.wait_for(leaving, 1.0)
+        assert queue.waiting == 0
+        staying = asyncio.create_task(queue.acquire(lambda: False))  # room in line again: no QueueFull
+        await asyncio.sleep(0.03)
+        assert queue.waiting == 1 and not staying.done()
+        queue.release()
+        await asyncio.wait_for(staying, 1.0)
+        queue.release()
+        assert queue.active == 0 and queue.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_slot_handed_to_a_waiter_cancelled_at_that_moment_is_passed_on() -> None:
+    """queue.py: the slot reached the waiter just as it left (its request cut): it is released,
+    not leaked (else the server would admit nobody again)."""
+    async def scenario() -> None:
+        queue = AdmissionQueue(max_waiting=2, poll_s=0.01)
+        await queue.acquire(lambda: False)
+        waiter = asyncio.create_task(queue.acquire(lambda: False))
+        await asyncio.sleep(0.03)
+        queue.release()  # hands the slot to the waiter...
+        waiter.cancel()  # ...whose request is cut before it wakes up
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            pass
+        else:  # it took the slot after all
+            queue.release()
+        assert queue.active == 0 and queue.waiting == 0
+        await asyncio.wait_for(queue.acquire(lambda: False), 1.0)
+
+    asyncio.run(scenario())
+
+
+def test_text_stream_holds_back_an_unfinished_character() -> None:
+    """streaming.py: a character whose bytes are split over tokens decodes as U+FFFD until its
+    last byte arrives: that is held back, never streamed, and the deltas add up to the text."""
+    class Bytes:  # token id = one byte of UTF-8
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("ab\u00e9c".encode())  # é is two bytes
+    stream = TextStream(Bytes())
+    deltas = [stream.update(ids[:n]) for n in (2, 3, 4)]
+    assert deltas == ["ab", "", "\u00e9"]
+    assert stream.update(ids, final=True) == "c" and stream.released == "ab\u00e9c"
+
+
+def test_completions_default_to_16_tokens(ngram_server) -> None:
+    """OpenAI's default for /v1/completions: max_tokens 16 (chat: up to the context)."""
+    reply = client(ngram_server).completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+    assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"

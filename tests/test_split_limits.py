@@ -1,0 +1,170 @@
+"""Split server refusals, limits and clean-up at their boundaries (docs/protocol.md): the paths
+the mutation audit of session 23 found untested (an older seq verified again, a wrong root, a
+tree overflowing the context, another key's session, a failed prefill's reservation, stale
+sessions by recency, kept replies expiring, the server-wide session cap)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import make_tiny_target
+from test_split import KEY, PROMPT, SplitPair, make_drafter
+
+from moaspec.split import protocol as wire
+from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClient
+from moaspec.split.server import STALE_SESSION_S, ServerLimits, ServerThread, SplitServer
+
+
+@pytest.fixture
+def pair():
+    made = SplitPair("ngram")
+    yield made
+    made.server.stop()
+
+
+def test_a_stale_seq_is_out_of_order(pair: SplitPair) -> None:
+    """docs/protocol.md: a repeated seq (the last one) is replayed, any other gap is a 409, an
+    older seq included: it must not be verified again."""
+    client = SplitClient(pair.url, KEY)
+    opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=16))
+    session_id, root = opened["session_id"], opened["next_token"]
+    for seq in range(2):
+        root = client.verify(session_id, wire.VerifyRequest(seq, [root], [-1]))["next_token"]
+    with pytest.raises(ServerRefused, match=r"\(409\).*expected request seq 2, got 0"):
+        client.verify(session_id, wire.VerifyRequest(0, [root], [-1]))
+    assert pair.server.server.sessions[session_id].next_seq == 2
+
+
+def test_a_tree_whose_root_is_not_the_last_token_is_refused(pair: SplitPair) -> None:
+    """docs/protocol.md: node 0 must equal the session's last next_token, else 409 wrong_root."""
+    client = SplitClient(pair.url, KEY)
+    opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=16))
+    wrong = (opened["next_token"] + 1) % pair.server.server.target.vocab_size
+    with pytest.raises(ServerRefused, match=r"\(409\).*root is not the last token"):
+        client.verify(opened["session_id"], wire.VerifyRequest(0, [wrong], [-1]))
+    assert client.verify(opened["session_id"], wire.VerifyRequest(0, [opened["next_token"]], [-1]))["seq"] == 0
+
+
+def test_a_tree_that_would_overflow_the_context_is_refused(pair: SplitPair) -> None:
+    """The target's context holds max_positions: a prompt of max_positions - 1 tokens leaves room
+    for a root-only tree, not for a depth-1 one (400 context_full, not a model failure)."""
+    client = SplitClient(pair.url, KEY)
+    room = pair.server.server.target.max_positions
+    opened = client.open(wire.OpenRequest([5] * (room - 1), max_new_tokens=16))
+    session_id, root = opened["session_id"], opened["next_token"]
+    with pytest.raises(ServerRefused, match=r"\(400\).*does not fit in the target's context"):
+        client.verify(session_id, wire.VerifyRequest(0, [root, 5], [-1, 0]))
+    assert client.verify(session_id, wire.VerifyRequest(0, [root], [-1]))["path_node_idx"] == [0]
+
+
+def test_a_prompt_that_fills_the_context_is_413_context_length_exceeded(pair: SplitPair) -> None:
+    """As the OpenAI routes answer it: a prompt of max_positions tokens (no room for the answer's
+    first token) is a 413 context_length_exceeded, not a generic 400."""
+    client = SplitClient(pair.url, KEY)
+    room = pair.server.server.target.max_positions
+    with pytest.raises(ServerRefused, match=r"\(413\).*at most") as refused:
+        client.open(wire.OpenRequest([5] * room, max_new_tokens=4))
+    assert refused.value.status == 413
+    client.open(wire.OpenRequest([5] * (room - 1), max_new_tokens=4))
+
+
+def test_a_session_is_only_visible_to_the_key_that_opened_it() -> None:
+    """docs/protocol.md: another key's verify or DELETE of a session (open or closed by its last
+    verify, whose reply is kept) is a 404, exactly as a missing session, and changes nothing."""
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"])).start()
+    try:
+        url = f"http://127.0.0.1:{started.port}"
+        owner, other = SplitClient(url, KEY), SplitClient(url, "other-key")
+        opened = owner.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        session_id, root = opened["session_id"], opened["next_token"]
+        with pytest.raises(SessionLost, match="no such session"):
+            other.verify(session_id, wire.VerifyRequest(0, [root], [-1]))
+        with pytest.raises(SessionLost, match="no such session"):
+            other.request("DELETE", f"/v1/split/sessions/{session_id}")
+        last = owner.verify(session_id, wire.VerifyRequest(0, [root], [-1], remaining=1))
+        assert last["closed"] is True
+        with pytest.raises(SessionLost, match="no such session"):  # the kept last reply is the owner's only
+            other.verify(session_id, wire.VerifyRequest(0, [root], [-1], remaining=1))
+        with pytest.raises(SessionLost, match="no such session"):
+            other.request("DELETE", f"/v1/split/sessions/{session_id}")
+        assert owner.verify(session_id, wire.VerifyRequest(0, [root], [-1], remaining=1)) == last
+    finally:
+        started.stop()
+
+
+def test_an_open_whose_prefill_fails_gives_its_reservation_back(monkeypatch) -> None:
+    """budget.py: the reservation is released when the session's open fails, so a model failure
+    on a prefill (500) does not hold one of the key's sessions and its tokens."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=1))
+    try:
+        server = made.server.server
+        encode = server.encoder.encode
+
+        def fail_once(update):
+            monkeypatch.setattr(server.encoder, "encode", encode)
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(server.encoder, "encode", fail_once)
+        client = SplitClient(made.url, KEY)
+        with pytest.raises(LinkDown, match="500"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        assert server.budget.num_sessions == 0 and server.budget.num_tokens == 0
+        client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))  # the key's one slot is free
+    finally:
+        made.server.stop()
+
+
+def test_stale_sessions_make_room_least_recently_used_first() -> None:
+    """docs/protocol.md: a key at its session limit gets room from its own sessions idle 10 s or
+    more, least recently used first: one is ended, the other, used later, keeps working."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=2))
+    try:
+        client = SplitClient(made.url, KEY)
+        older, newer = (client.open(wire.OpenRequest(PROMPT, max_new_tokens=8)) for _ in range(2))
+        sessions = made.server.server.sessions
+        sessions[older["session_id"]].last_used -= STALE_SESSION_S + 20
+        sessions[newer["session_id"]].last_used -= STALE_SESSION_S + 10
+        client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        with pytest.raises(SessionLost):
+            client.verify(older["session_id"], wire.VerifyRequest(0, [older["next_token"]], [-1]))
+        assert client.verify(newer["session_id"], wire.VerifyRequest(0, [newer["next_token"]], [-1]))["seq"] == 0
+    finally:
+        made.server.stop()
+
+
+def test_a_closed_sessions_last_reply_is_kept_until_the_idle_time_out() -> None:
+    """docs/protocol.md: the last reply of a session its verify closed is kept until the idle
+    time-out, then a retry of it is a 404 like any unknown session."""
+    made = SplitPair("ngram", limits=ServerLimits(idle_timeout_s=0.3))
+    try:
+        client = SplitClient(made.url, KEY)
+        opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        last = wire.VerifyRequest(0, [opened["next_token"]], [-1], remaining=1)
+        assert client.verify(opened["session_id"], last)["closed"] is True
+        deadline = time.monotonic() + 5.0
+        while made.server.server.finished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(SessionLost):
+            client.verify(opened["session_id"], last)
+    finally:
+        made.server.stop()
+
+
+def test_the_servers_session_slots_are_capped_with_503() -> None:
+    """docs/protocol.md: --max-sessions bounds the server's sessions (all keys): one more is a 503
+    busy (another key holds the room), and a closed session gives its slot back."""
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    limits = ServerLimits(max_sessions=2, max_sessions_per_key=2)
+    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"], limits)).start()
+    try:
+        url = f"http://127.0.0.1:{started.port}"
+        first, second = SplitClient(url, KEY), SplitClient(url, "other-key")
+        held = [first.open(wire.OpenRequest(PROMPT, max_new_tokens=8)) for _ in range(2)]
+        with pytest.raises(LinkDown, match=r"503.*no free session slot"):
+            second.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        first.close_session(held[0]["session_id"])
+        second.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+    finally:
+        started.stop()
