@@ -16,6 +16,14 @@ from moaspec.split.client import LinkDown, ServerRefused, SessionLost, SplitClie
 from moaspec.split.server import STALE_SESSION_S, ServerLimits, ServerThread, SplitServer
 
 
+def two_key_server(limits: ServerLimits) -> tuple[ServerThread, tuple[SplitClient, SplitClient]]:
+    """A split server (n-gram) accepting two API keys, and a client for each."""
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"], limits)).start()
+    url = f"http://127.0.0.1:{started.port}"
+    return started, (SplitClient(url, KEY), SplitClient(url, "other-key"))
+
+
 @pytest.fixture
 def pair():
     made = SplitPair("ngram")
@@ -72,11 +80,8 @@ def test_a_prompt_that_fills_the_context_is_413_context_length_exceeded(pair: Sp
 def test_a_session_is_only_visible_to_the_key_that_opened_it() -> None:
     """docs/protocol.md: another key's verify or DELETE of a session (open or closed by its last
     verify, whose reply is kept) is a 404, exactly as a missing session, and changes nothing."""
-    target = make_tiny_target("llama", num_hidden_layers=3)
-    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"])).start()
+    started, (owner, other) = two_key_server(ServerLimits())
     try:
-        url = f"http://127.0.0.1:{started.port}"
-        owner, other = SplitClient(url, KEY), SplitClient(url, "other-key")
         opened = owner.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
         session_id, root = opened["session_id"], opened["next_token"]
         with pytest.raises(SessionLost, match="no such session"):
@@ -155,12 +160,8 @@ def test_a_closed_sessions_last_reply_is_kept_until_the_idle_time_out() -> None:
 def test_the_servers_session_slots_are_capped_with_503() -> None:
     """docs/protocol.md: --max-sessions bounds the server's sessions (all keys): one more is a 503
     busy (another key holds the room), and a closed session gives its slot back."""
-    target = make_tiny_target("llama", num_hidden_layers=3)
-    limits = ServerLimits(max_sessions=2, max_sessions_per_key=2)
-    started = ServerThread(SplitServer(target, make_drafter("ngram", target), [KEY, "other-key"], limits)).start()
+    started, (first, second) = two_key_server(ServerLimits(max_sessions=2, max_sessions_per_key=2))
     try:
-        url = f"http://127.0.0.1:{started.port}"
-        first, second = SplitClient(url, KEY), SplitClient(url, "other-key")
         held = [first.open(wire.OpenRequest(PROMPT, max_new_tokens=8)) for _ in range(2)]
         with pytest.raises(LinkDown, match=r"503.*no free session slot"):
             second.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
