@@ -319,7 +319,8 @@ def test_a_split_server_reuses_a_finished_sessions_context_exactly(llama_target)
     """A llama.cpp context costs ~100 ms to create: the split server keeps finished sessions'
     targets (IdleTargets) and gives a key back its own, holding its previous turn (the next
     turn's prefill keeps what they share), or another key's emptied. Every output still equals
-    local plain decoding, and three split sessions made one context."""
+    local plain decoding, and three split sessions made one context (sized to the first session's
+    reservation, rounded up: room for the next turns)."""
     from moaspec.chat import encode_chat_messages
     from moaspec.drafters.ngram import NgramDrafter
     from moaspec.split.client import SplitClient
@@ -329,7 +330,7 @@ def test_a_split_server_reuses_a_finished_sessions_context_exactly(llama_target)
     served = llama_target.new_session()
     made = []
     real_new_session = served.new_session
-    served.new_session = lambda: made.append(1) or real_new_session()
+    served.new_session = lambda *size: made.append(1) or real_new_session(*size)
     keys = ["key-of-alice-000", "key-of-bob-00000"]
     server = ServerThread(SplitServer(served, make_drafter("ngram", served), keys, ServerLimits())).start()
     made.clear()  # the OpenAI routes' own session

@@ -84,7 +84,7 @@ from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0 keys + f16 values: ~17 KB per cell for SmolLM2-135M)
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
-CELL_PAD = 256  # llama.cpp rounds a context's cells up to a multiple of this
+SESSION_CELLS_MIN = 1024  # the smallest context new_session(positions) makes
 MAX_TREE_NODES = 128  # nodes per verified tree (a node costs 0.3-0.9 of a step on a 2-core CPU)
 # cells the verified context has beyond `cells` (its positions): a tree verified at the context's
 # end needs a cell per node, not per position (~2 MB on SmolLM2-135M)
@@ -333,10 +333,11 @@ class LlamaCppTarget:
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self, positions: int | None = None) -> LlamaCppTarget:
         """A context of its own on the same weights (capturing the same keys/values): of this
-        one's size, or of `positions` rounded up to CELL_PAD (its cache is allocated up front:
-        ~17 KB a cell on SmolLM2-135M, so a split session of a few hundred tokens need not hold
-        the 8,192 positions' ~150 MB)."""
-        cells = self.cells if positions is None else min(self.cells, max(CELL_PAD, -(-positions // CELL_PAD) * CELL_PAD))
+        one's size, or of `positions` rounded up to a power of two, SESSION_CELLS_MIN at least (its
+        cache is allocated up front: ~17 KB a cell on SmolLM2-135M, so a split session of a few
+        hundred tokens need not hold the 8,192 positions' ~150 MB; the rounding leaves a chat's
+        next turns room in it, which a server reuses: IdleTargets)."""
+        cells = self.cells if positions is None else min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
         other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
