@@ -65,8 +65,8 @@ def decode_step(
     max_leaves: int | None = None,
 ) -> Step:
     """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
-    to depth remaining - 1; max_nodes / max_leaves: keep only the first nodes, within those limits (a server's or the runtime's); vocab_size:
-    the target's, which every drafted token must be in."""
+    to depth remaining - 1; max_nodes / max_leaves: keep only the first nodes, within those limits
+    (a server's or the runtime's); vocab_size: the target's, which every drafted token must be in."""
     tick = time.perf_counter()
     tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
     tree = prune_to_depth(tree, remaining - 1)

@@ -29,7 +29,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--shutdown-timeout-s": (
         "shutdown_timeout_s", float,
         "seconds requests in flight may take to finish after Ctrl-C or SIGTERM (waiting ones get 503 at once, "
-        "the rest are cut then; a second signal exits at once)",
+        "the rest are cut then; a second signal stops waiting)",
     ),
 }
 

@@ -371,7 +371,7 @@ class SplitServer:
         # emitted so far: num_verified + 1 (the open's token counts); this tree adds up to depth + 1
         if session.num_verified + depth + 2 > session.max_new_tokens:
             raise HTTPError(400, "too_many_tokens", f"the session's budget of {session.max_new_tokens} new tokens is spent")
-        if session.target_session.target.num_cached + depth + 1 > self.target.max_positions:
+        if session.target_session.target.num_cached + depth + 1 > session.target_session.target.max_positions:
             raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
         remaining = wire.get_int(message, "remaining", 1, 1 << 40) if "remaining" in message else None
 
