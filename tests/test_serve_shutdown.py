@@ -76,6 +76,17 @@ def start(tmp_path: Path, shutdown_timeout_s: float) -> tuple[subprocess.Popen, 
     pytest.fail(f"the server did not start: {process.stderr.read()}")
 
 
+def wait_for_queue(url: str, active: int, waiting: int) -> None:
+    """Until /health shows that many generations running and waiting (the requests have arrived)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        queue = httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).json()["queue"]
+        if (queue["active"], queue["waiting"]) == (active, waiting):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the queue never showed {active} running and {waiting} waiting")
+
+
 def request_in_background(url: str, outcomes: list, max_tokens: int, stream: bool) -> threading.Thread:
     model = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).json()["data"][0]["id"]
 
@@ -98,9 +109,9 @@ def test_sigterm_turns_waiting_requests_away_cuts_the_running_one_after_the_time
         running: list = []
         waiting: list = []
         threads = [request_in_background(url, running, 400, stream=True)]  # ~20 s of 0.05 s steps
-        time.sleep(0.5)
+        wait_for_queue(url, active=1, waiting=0)
         threads += [request_in_background(url, waiting, 8, stream=False) for _ in range(2)]
-        time.sleep(0.5)
+        wait_for_queue(url, active=1, waiting=2)
         signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         status = process.wait(timeout=15)
@@ -122,7 +133,7 @@ def test_a_second_ctrl_c_exits_at_once_with_130(tmp_path) -> None:
     try:
         running: list = []
         request_in_background(url, running, 400, stream=True)
-        time.sleep(0.5)
+        wait_for_queue(url, active=1, waiting=0)
         process.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert process.poll() is None  # the first one waits for the running request
