@@ -203,22 +203,22 @@ class GuardedSite:
         loop = asyncio.get_running_loop()
         received: list[int] = []
         stop = asyncio.Event()
-        stopping: list[asyncio.Task] = []
+        stopping: asyncio.Task | None = None  # the shutdown, once begun
 
         def on_signal(sig: int) -> None:
             received.append(sig)
             stop.set()
-            if len(received) > 1 and stopping:
-                stopping[0].cancel()
+            if len(received) > 1 and stopping is not None:
+                stopping.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
         try:
             await stop.wait()
         finally:
-            stopping.append(asyncio.ensure_future(self.stop()))
+            stopping = asyncio.ensure_future(self.stop())
             try:
-                await stopping[0]
+                await stopping
             except asyncio.CancelledError:
                 if len(received) < 2:  # cancelled from outside, not by a second signal
                     raise
