@@ -5,6 +5,7 @@ sessions by recency, kept replies expiring, the server-wide session cap)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -169,3 +170,45 @@ def test_the_servers_session_slots_are_capped_with_503() -> None:
         second.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
     finally:
         started.stop()
+
+
+def test_the_shutdown_time_out_stops_an_open_mid_prefill() -> None:
+    """Bug: a split open cut by the server's shutdown time-out left its prefill running on the
+    model thread to its end (a long prompt: tens of seconds on 2 cores, and the process waits
+    for that thread before it exits). Now the cut stops it at the next decoder layer
+    (`Target.cancellable`), as the OpenAI routes' prefill. Deterministic: each of the tiny
+    target's three layers sleeps 1 s in a prefill, the server stops 0.2 s after the first began,
+    so only the first may run."""
+    pair = SplitPair("ngram", limits=ServerLimits(shutdown_timeout_s=0.2))
+    slept: list[int] = []
+
+    def slow_prefill(module, args) -> None:
+        if args[0].shape[1] > 1:  # a prefill, not a one-token step
+            slept.append(1)
+            time.sleep(1.0)
+
+    layers = pair.server.server.target.decoder_layers
+    handles = [layer.register_forward_pre_hook(slow_prefill) for layer in layers]
+    outcome: list = []
+
+    def open_session() -> None:
+        try:
+            outcome.append(SplitClient(pair.url, KEY, timeout_s=30).open(wire.OpenRequest(PROMPT, max_new_tokens=4)))
+        except (LinkDown, ServerRefused) as exc:
+            outcome.append(exc)
+
+    opener = threading.Thread(target=open_session, daemon=True)
+    try:
+        opener.start()
+        deadline = time.monotonic() + 10
+        while not slept and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slept, "the open never reached the prefill"
+        pair.server.stop()
+        pair.server.server.worker.submit(lambda: None).result(timeout=10)  # the model thread is free
+        opener.join(timeout=10)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(slept) == 1, f"{len(slept)} of {len(layers)} layers ran after the shutdown"
+    assert outcome and not isinstance(outcome[0], dict), outcome  # no session was handed out

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -334,19 +335,27 @@ class SplitServer:
         verifier_seed = seed if root_id is None else resumed_seed(seed, len(prompt))
         target_session = TargetSession(session_target, self.encoder.hidden_layers, sampling, verifier_seed)
         prompt_ids = torch.tensor(prompt)
+        # set when the server's shutdown time-out cuts this open: its prefill stops at the next chunk
+        # (a client that left does not stop it: its retry of the same open waits for this one)
+        cancel = threading.Event()
 
         def prefill() -> tuple[int, dict]:
-            if must_reset:
-                session_target.reset()
-            if root_id is None:
-                first, update = target_session.prefill(prompt_ids)
-            else:
-                first, update = root_id, target_session.resume(prompt_ids)
+            with session_target.cancellable(cancel):
+                if must_reset:
+                    session_target.reset()
+                if root_id is None:
+                    first, update = target_session.prefill(prompt_ids)
+                else:
+                    first, update = root_id, target_session.resume(prompt_ids)
             context = {k: v[context_from:] for k, v in self.encoder.encode(update).items()}
             return first, wire.encode_context(context, context_dtype)
 
         started = time.perf_counter()
-        first, context = await self._compute(prefill)
+        try:
+            first, context = await self._compute(prefill)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
         return _Prefilled(first, target_session, context, time.perf_counter() - started)
 
     async def _verify(self, request: web.Request) -> web.StreamResponse:
