@@ -329,6 +329,10 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot() -> None:
         assert wait_until(lambda: health(started)["queue"]["active"] == 0, timeout_s=5.0)
         assert _metric(started, 'moaspec_generations_total{endpoint="chat",finish_reason="cancelled"}') == 1
         assert _metric(started, "moaspec_generated_tokens_total") < 200
+        # the stream's 200 headers were sent, yet its client left: counted as 499 (it was counted 200)
+        left = 'moaspec_http_requests_total{route="/v1/chat/completions",status="499"}'
+        assert wait_until(lambda: _metric(started, left) == 1, timeout_s=5.0)
+        assert _metric(started, 'moaspec_http_requests_total{route="/v1/chat/completions",status="200"}') == 0
         reply = client(started).completions.create(model=MODEL, prompt="after", max_tokens=3, temperature=0)
         assert reply.usage.completion_tokens == 3
     finally:

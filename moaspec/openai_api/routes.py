@@ -47,6 +47,8 @@ from moaspec.serving.limits import OpenAILimits, ServerLimits
 from moaspec.targets.base import PrefillCancelled, Target
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
+# set on a request whose stream was cut by its client leaving: counted as CLIENT_CLOSED, not 200
+STREAM_LEFT = web.RequestKey("stream_left", bool)
 CLIENT_POLL_S = 0.1  # while a step runs (a long prefill), how often the client's connection is checked
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 logger = logging.getLogger("moaspec.serve")
@@ -113,6 +115,8 @@ class OpenAIRoutes:
         try:
             response = await handler(request)
             status, code = response.status, getattr(response, "code", None)
+            if request.get(STREAM_LEFT):
+                status = CLIENT_CLOSED
             return response
         except web.HTTPException as exc:
             status = exc.status
@@ -263,6 +267,7 @@ class OpenAIRoutes:
                         self.metrics.ttft.observe(generation.first_token_s)
                     await response.write(sse(chunk(delta)))
         except (ClientGone, ConnectionError):
+            request[STREAM_LEFT] = True
             return response  # headers already sent: end quietly; counted as a cancelled generation
         except Exception:  # noqa: BLE001  headers are sent: report in-band, as OpenAI does, then end the stream
             logger.exception("generation failed mid-stream")
