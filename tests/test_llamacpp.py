@@ -857,3 +857,12 @@ def test_a_session_sized_to_its_tokens_decodes_as_the_whole_context_does(llama_t
         expected = plain.generate(prompt, generation=GenerationConfig(max_new_tokens=24))
         got = Engine(small, make_drafter("moa+ngram", small)).generate(prompt, generation=GenerationConfig(max_new_tokens=24))
         assert got.token_ids == expected.token_ids, name
+
+
+def test_a_sessions_context_is_its_reservation_rounded_up_to_a_power_of_two(llama_target) -> None:
+    """docs/protocol.md: a split session's context is its reservation rounded up to a power of
+    two (a chat's next turns fit in it: IdleTargets reuses it), 1,024 cells at least and the
+    target's own at most. Contexts are made on first use: nothing is allocated here."""
+    positions = (10, 1024, 1025, 1500, 4096, llama_target.cells + 1)
+    assert [llama_target.new_session(n).cells for n in positions] == [1024, 1024, 2048, 2048, 4096, llama_target.cells]
+    assert llama_target.new_session().cells == llama_target.cells

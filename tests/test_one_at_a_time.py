@@ -110,7 +110,35 @@ def test_a_split_stream_superseded_by_another_raises() -> None:
         next(first)
         result = generator.generate(SPLIT_PROMPT, greedy, generation)
         assert result.token_ids == expected
-        with pytest.raises(GenerationSuperseded, match="split generator"):
+        with pytest.raises(GenerationSuperseded, match="split generator") as superseded:
             next(first)
+        # its session was closed when it raised, not left for whenever the exception (whose
+        # traceback holds the generation's frame) is dropped
+        assert made.server.server.sessions == {} and superseded.value
     finally:
         made.server.stop()
+
+
+def test_a_generation_started_inside_another_ones_step_supersedes_it_at_once() -> None:
+    """The lock is re-entrant: a generation started on the same thread from inside another's step
+    (a drafter or callback calling the engine) takes the engine over, and the outer one raises
+    right after that step instead of emitting tokens computed from the other's context."""
+    target = make_tiny_target("llama")
+    engine = Engine(target, NgramDrafter())
+    expected = [engine.generate(prompt, generation=LENGTH, stop_ids=NO_STOP).token_ids for prompt in PROMPTS[:2]]
+    propose, nested = engine.drafter.propose, []
+
+    def propose_after_another_generation(*args, **kwargs):
+        if not nested:  # once: the nested generation's own steps call this too
+            nested.append(None)
+            nested[0] = engine.generate(PROMPTS[1], generation=LENGTH, stop_ids=NO_STOP).token_ids
+        return propose(*args, **kwargs)
+
+    engine.drafter.propose = propose_after_another_generation
+    got: list[int] = []
+    with pytest.raises(GenerationSuperseded, match="during this one's step"):
+        for chunk in engine.stream(PROMPTS[0], generation=LENGTH, stop_ids=NO_STOP):
+            got += chunk
+    assert nested == [expected[1]] and got == expected[0][: len(got)]
+    engine.drafter.propose = propose
+    assert engine.generate(PROMPTS[0], generation=LENGTH, stop_ids=NO_STOP).token_ids == expected[0]

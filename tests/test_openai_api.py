@@ -127,6 +127,10 @@ def test_multi_turn_chat_goes_through_the_template(ngram_server) -> None:
     reply = client(ngram_server).chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
     templated = "system: Be brief.\nuser: Hi\nassistant: Hello\nuser: More please\nassistant:"
     assert reply.usage.prompt_tokens == len(templated)  # one token per character
+    developer = [{"role": "developer", "content": "Be brief."}, *messages[1:]]  # OpenAI's newer name for system
+    again = client(ngram_server).chat.completions.create(model=MODEL, messages=developer, max_tokens=5, temperature=0)
+    assert again.usage.prompt_tokens == len(templated)
+    assert again.choices[0].message.content == reply.choices[0].message.content
 
 
 # -- streaming and stop sequences ------------------------------------------------------------------
@@ -221,6 +225,8 @@ def _post(server, path: str, content: bytes | None = None, body: dict | None = N
         ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "temperature": 2.01}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
         ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
@@ -527,8 +533,8 @@ def test_a_closed_admission_queue_turns_waiters_away_and_keeps_the_running_slot(
         for waiter in waiters:
             with pytest.raises(ShuttingDown):
                 await asyncio.wait_for(waiter, 1.0)
-        with pytest.raises(ShuttingDown):
-            await queue.acquire(lambda: False)
+        with pytest.raises(ShuttingDown):  # at once, not a wait for the running generation's slot
+            await asyncio.wait_for(queue.acquire(lambda: False), 1.0)
         assert queue.active == 1 and queue.waiting == 0
         queue.release()
         assert queue.active == 0

@@ -137,6 +137,7 @@ def test_half_sent_requests_and_slow_bodies_time_out() -> None:
             assert read_response(sock).startswith(b"HTTP/1.1 200 ")
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             assert read_response(sock).startswith(b"HTTP/1.1 408 ") and sock.recv(1) == b""
+        assert metric(port, 'moaspec_http_requests_total{route="other",status="408"}') == 21  # each counted
         with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
             sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
                           "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"").encode())
@@ -447,3 +448,31 @@ def test_the_bearer_scheme_is_case_insensitive_and_full_queues_say_when_to_retry
     assert error_response(APIError(429, "full", None, "queue_full")).headers["Retry-After"] == "1"
     assert "Retry-After" not in error_response(APIError(400, "bad")).headers
     assert isinstance(error_response(APIError(503, "busy")), web.Response)
+
+
+def test_a_tls_handshake_that_never_comes_times_out(tmp_path) -> None:
+    """A TLS connection whose client never sends its handshake is closed at the header time-out
+    (asyncio's default is 60 s: a descriptor held each meanwhile). Not flaky: a 0.3 s time-out
+    against the 5 s socket deadline."""
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    target = tiny_chat_target()
+    server = SplitServer(target, make_drafter("ngram", target), [KEY], ServerLimits(header_timeout_s=0.3))
+    started = ServerThread(server, ssl_context=context).start()
+    try:
+        with socket.create_connection(("127.0.0.1", started.port), timeout=SOCKET_TIMEOUT_S) as sock:
+            try:
+                assert sock.recv(1) == b""  # closed by the server
+            except ConnectionResetError:
+                pass
+    finally:
+        started.stop()

@@ -72,3 +72,21 @@ def test_a_block_run_while_the_interpreter_exits_is_quiet() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+def test_sigterm_with_the_default_handler_is_delivered_after_the_block() -> None:
+    """SIGTERM left at its default action (a library caller that installed no handler) is held
+    over the block, then ends the process as it would have: the rest of the block runs, nothing after."""
+    import subprocess
+    import sys
+
+    code = (
+        "import signal\n"
+        "from moaspec.signals import signals_held\n"
+        "with signals_held():\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "    print('block done', flush=True)\n"
+        "print('after the block', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGTERM and proc.stdout == "block done\n", (proc.returncode, proc.stderr)

@@ -109,6 +109,16 @@ def test_a_server_runtime_with_a_leaf_limit_gets_trees_within_it() -> None:
         made.server.stop()
 
 
+def test_max_tree_nodes_may_be_up_to_what_the_runtime_verifies() -> None:
+    """--max-tree-nodes up to the runtime's own limit (llama.cpp: 128) is served; one more is
+    refused at start."""
+    target = make_tiny_target("llama", num_hidden_layers=3)
+    target.max_tree_nodes = 8
+    SplitServer(target, NgramDrafter(), [KEY], ServerLimits(max_tree_nodes=8))
+    with pytest.raises(MoaspecError, match="--max-tree-nodes 9 is more than"):
+        SplitServer(target, NgramDrafter(), [KEY], ServerLimits(max_tree_nodes=9))
+
+
 @pytest.mark.parametrize("pair", ["moa", "moa-tli1", "eagle"], indirect=True)
 def test_exact_context_reproduces_in_process_drafts(pair: SplitPair) -> None:
     """With f32 context on a float64 tiny model the drafter sees what it sees in-process up to
@@ -351,6 +361,10 @@ def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptie
     idle.put(0, small)
     assert idle.take(0, 600) == (large, False)  # its own most recent one is too small for the session
     assert idle.take(1, 600) is None and idle.take(1, 200) == (small, True)
+    older, newer = _KeptTarget(), _KeptTarget()
+    idle.put(0, older)
+    idle.put(1, newer)
+    assert idle.take(2, 100) == (older, True)  # another key's: the oldest, the newer kept for its own key
 
 
 def test_drafters_are_named_as_users_name_them() -> None:
@@ -364,3 +378,14 @@ def test_drafters_are_named_as_users_name_them() -> None:
     assert drafter_form(drafter) == "moa"
     drafter.enable_lookup()
     assert drafter_form(drafter) == "moa+ngram"
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_an_abandoned_split_stream_closes_its_session(pair: SplitPair) -> None:
+    """A stream closed before its generation ends (a reader that stops) DELETEs its session at
+    once instead of leaving a slot and a cache held until the idle time-out."""
+    stream = pair.generator().stream(PROMPT, SamplingConfig(), GenerationConfig(max_new_tokens=24))
+    next(stream)
+    assert len(pair.server.server.sessions) == 1
+    stream.close()
+    assert pair.server.server.sessions == {} and pair.server.server.budget.num_sessions == 0

@@ -1,7 +1,10 @@
 """Split server refusals, limits and clean-up at their boundaries (docs/protocol.md): the paths
 the mutation audit of session 23 found untested (an older seq verified again, a wrong root, a
 tree overflowing the context, another key's session, a failed prefill's reservation, stale
-sessions by recency, kept replies expiring, the server-wide session cap)."""
+sessions by recency, kept replies expiring, the server-wide session cap), and those of the next
+audit (context_from, --max-new-tokens, the cap on kept replies, a failed verify's session, a
+session over the server's whole budget, stale sessions on a full server, ended opens), and an
+open's prefill cut by the shutdown time-out."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 from conftest import make_tiny_target
 from test_split import KEY, PROMPT, SplitPair, make_drafter
 
@@ -212,3 +216,146 @@ def test_the_shutdown_time_out_stops_an_open_mid_prefill() -> None:
             handle.remove()
     assert len(slept) == 1, f"{len(slept)} of {len(layers)} layers ran after the shutdown"
     assert outcome and not isinstance(outcome[0], dict), outcome  # no session was handed out
+
+
+def test_an_open_returns_the_context_from_context_from_on() -> None:
+    """docs/protocol.md: an open's reply holds context for prompt positions >= context_from only
+    (a resuming client has the rest): T - context_from rows, the tail of the whole prompt's."""
+    made = SplitPair("moa")  # a drafter whose context is per-token hidden states
+    try:
+        client = SplitClient(made.url, KEY)
+        replies = {
+            start: client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, context_from=start))
+            for start in (0, 4, len(PROMPT))
+        }
+        whole = wire.decode_context(replies[0]["context"], len(PROMPT))
+        assert whole
+        for start, reply in replies.items():
+            assert reply["start_pos"] == start
+            part = wire.decode_context(reply["context"], len(PROMPT) - start)
+            assert part.keys() == whole.keys()
+            assert all(torch.equal(part[name], whole[name][start:]) for name in whole)
+    finally:
+        made.server.stop()
+
+
+def test_max_new_tokens_beyond_the_servers_limit_is_refused() -> None:
+    """--max-new-tokens bounds an open's max_new_tokens (400), whatever room the token budget has."""
+    made = SplitPair("ngram", limits=ServerLimits(max_new_tokens=8))
+    try:
+        client = SplitClient(made.url, KEY)
+        with pytest.raises(ServerRefused, match=r"\(400\).*'max_new_tokens' must be an integer in \[1, 8\]"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=9))
+        client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+    finally:
+        made.server.stop()
+
+
+def test_kept_last_replies_are_capped_at_max_sessions() -> None:
+    """The last replies of sessions their verify closed are kept for retries, at most
+    --max-sessions of them (the oldest dropped first): closed sessions cannot grow the memory."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions=2))
+    try:
+        client = SplitClient(made.url, KEY)
+        finished = []
+        for _ in range(3):
+            opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+            last = wire.VerifyRequest(0, [opened["next_token"]], [-1], remaining=1)
+            finished.append((opened["session_id"], last, client.verify(opened["session_id"], last)))
+        assert list(made.server.server.finished) == [session_id for session_id, _, _ in finished[1:]]
+        with pytest.raises(SessionLost):
+            client.verify(finished[0][0], finished[0][1])
+        assert client.verify(finished[2][0], finished[2][1]) == finished[2][2]
+    finally:
+        made.server.stop()
+
+
+def test_a_verify_whose_model_work_fails_drops_its_session(monkeypatch) -> None:
+    """docs/protocol.md: a failed model call is a 500 and its session is dropped (its cache may be
+    half-updated): the retry is a 404, not a verify on that cache, and its slot is free again."""
+    made = SplitPair("ngram", limits=ServerLimits(max_sessions_per_key=1))
+    try:
+        server = made.server.server
+        client = SplitClient(made.url, KEY)
+        opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        encode = server.encoder.encode
+
+        def fail_once(update):
+            monkeypatch.setattr(server.encoder, "encode", encode)
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(server.encoder, "encode", fail_once)
+        verify = wire.VerifyRequest(0, [opened["next_token"]], [-1])
+        with pytest.raises(LinkDown, match="500"):
+            client.verify(opened["session_id"], verify)
+        assert server.sessions == {} and server.budget.num_sessions == 0 and server.budget.num_tokens == 0
+        with pytest.raises(SessionLost):
+            client.verify(opened["session_id"], verify)
+        client.open(wire.OpenRequest(PROMPT, max_new_tokens=8))  # the key's one slot is free
+    finally:
+        made.server.stop()
+
+
+def test_a_session_larger_than_the_servers_whole_budget_is_413() -> None:
+    """budget.py: a session that could never fit is a 413 (no retry helps), also when the server's
+    total (60 here) is below the key's share: not a 503 the client would retry; at the total it fits."""
+    made = SplitPair("ngram", limits=ServerLimits(max_cached_tokens_per_key=100, max_cached_tokens=60))
+    try:
+        client = SplitClient(made.url, KEY)
+        with pytest.raises(ServerRefused, match=r"\(413\).*ask for fewer tokens"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=60 - len(PROMPT) + 1))
+        client.open(wire.OpenRequest(PROMPT, max_new_tokens=60 - len(PROMPT)))
+        assert made.server.server.budget.num_tokens == 60
+    finally:
+        made.server.stop()
+
+
+def test_a_full_server_ends_none_of_a_keys_stale_sessions() -> None:
+    """docs/protocol.md: a key at its own limit (429) gets room from its own stale sessions; a key
+    refused because the server is full (503: other keys hold the room) ends none of them."""
+    started, (first, second) = two_key_server(ServerLimits(max_sessions=2, max_sessions_per_key=2))
+    try:
+        stale = first.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        second.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        started.server.sessions[stale["session_id"]].last_used -= STALE_SESSION_S + 10
+        with pytest.raises(LinkDown, match=r"503.*no free session slot"):
+            first.open(wire.OpenRequest(PROMPT, max_new_tokens=8))
+        assert first.verify(stale["session_id"], wire.VerifyRequest(0, [stale["next_token"]], [-1]))["seq"] == 0
+    finally:
+        started.stop()
+
+
+def test_ended_opens_are_remembered_until_the_idle_time_out() -> None:
+    """docs/protocol.md: a late duplicate of an open whose session was closed is refused for as
+    long as the idle time-out, then the open is forgotten (it opens a session again)."""
+    made = SplitPair("ngram", limits=ServerLimits(idle_timeout_s=0.3))
+    try:
+        client = SplitClient(made.url, KEY)
+        request = wire.OpenRequest(PROMPT, max_new_tokens=8)
+        client.close_session(client.open(request)["session_id"])
+        with pytest.raises(ServerRefused, match="opened a session that was closed"):
+            client.open(request)
+        deadline = time.monotonic() + 5.0
+        while made.server.server.ended_opens and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.open(request)["session_id"] in made.server.server.sessions
+    finally:
+        made.server.stop()
+
+
+def test_at_most_ENDED_OPENS_ended_opens_are_remembered(monkeypatch) -> None:
+    """The ended opens remembered for late duplicates are capped (ENDED_OPENS, 2 here), the oldest
+    forgotten first: its duplicate opens again, a newer one's is still refused."""
+    monkeypatch.setattr("moaspec.split.server.ENDED_OPENS", 2)
+    made = SplitPair("ngram")
+    try:
+        client = SplitClient(made.url, KEY)
+        requests = [wire.OpenRequest(PROMPT, max_new_tokens=8) for _ in range(3)]
+        for request in requests:
+            client.close_session(client.open(request)["session_id"])
+        assert len(made.server.server.ended_opens) == 2
+        with pytest.raises(ServerRefused, match="opened a session that was closed"):
+            client.open(requests[1])
+        assert client.open(requests[0])["session_id"] in made.server.server.sessions
+    finally:
+        made.server.stop()

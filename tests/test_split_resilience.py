@@ -91,11 +91,13 @@ def test_server_killed_and_restarted_mid_generation(pair: SplitPair) -> None:
 
 
 def cut_for_good(
-    pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int, events: list | None = None, **options
+    pair: SplitPair, prompt: list[int], cut_after: int, max_new_tokens: int, events: list | None = None,
+    stop_ids: frozenset[int] = frozenset(), **options,
 ) -> tuple[SplitResult, list[int]]:
     """Generate, cutting the link for good once `cut_after` tokens are verified; the client keeps
     up to 6 tokens drafted alone as final output (SplitOptions overridden by `options`; the
-    events streamed go to `events`). -> (result, verified tokens before the cut)."""
+    events streamed go to `events`; `stop_ids` end the generation). -> (result, verified tokens
+    before the cut)."""
     proxy = NetemProxy("127.0.0.1", pair.server.port, "lan").start()
     try:
         generator = pair.generator(
@@ -103,7 +105,8 @@ def cut_for_good(
             offline_deadline_s=0.5, accept_offline=True, max_provisional=6, **options,
         )
         result, before_cut = SplitResult(), None
-        for event in generator.stream(prompt, GREEDY, GenerationConfig(max_new_tokens=max_new_tokens), frozenset(), result):
+        generation = GenerationConfig(max_new_tokens=max_new_tokens)
+        for event in generator.stream(prompt, GREEDY, generation, stop_ids, result):
             if events is not None:
                 events.append(event)
             if len(result.token_ids) >= cut_after and before_cut is None:
@@ -673,3 +676,52 @@ def test_the_offline_deadline_bounds_every_reconnect_attempt(pair: SplitPair) ->
     assert result.stop_reason == "disconnected"
     assert 0.4 <= result.offline_s < 1.5  # before: 2.4 s or more
     assert len(notices) == 1 and "drafting alone" in notices[0]
+
+
+@pytest.mark.parametrize("pair", ["moa"], indirect=True)
+def test_offline_drafting_stops_at_a_stop_token(pair: SplitPair) -> None:
+    """Drafting alone ends with a stop token: nothing is drafted after it (the generation would
+    end there), and with accept_offline the kept text ends with it."""
+    expected = pair.reference(GREEDY, GenerationConfig(max_new_tokens=30))
+    stop = next(token for token in range(pair.client_target.vocab_size) if token not in expected)
+    drafter = pair.client_drafter
+    inner, drafted = drafter.draft_alone, []
+
+    def scripted(root_id, sampling, generator):
+        draft = inner(root_id, sampling, generator)
+        # the second token drafted alone is a stop token
+        draft = draft._replace(token_id=stop if drafted else draft.token_id, probability=1.0)
+        drafted.append(draft.token_id)
+        return draft
+
+    drafter.draft_alone = scripted
+    result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30, stop_ids=frozenset({stop}))
+    assert drafted == [drafted[0], stop] and result.num_provisional == 2
+    assert result.stop_reason == "offline" and result.token_ids == [*before_cut, *drafted]
+
+
+def test_a_session_the_server_refuses_to_close_counts_as_closed() -> None:
+    """SplitClient.end_session: a DELETE the server refuses (4xx: here a key it does not know) is
+    as good as closed, as a session it no longer has; only an unreachable server raises."""
+    made = SplitPair("ngram")
+    try:
+        SplitClient(made.url, "wrong").end_session("no-such-session")
+        SplitClient(made.url, KEY).end_session("no-such-session")
+    finally:
+        made.server.stop()
+    with pytest.raises(LinkDown):
+        SplitClient(made.url, KEY, timeout_s=1.0).end_session("no-such-session")
+
+
+def test_a_requests_own_time_out_does_not_stay_on_the_connection() -> None:
+    """A request given its own time-out (a reconnect within the offline deadline) sets it on the
+    kept-alive socket for that request only: the next request has the client's time-out again."""
+    made = SplitPair("ngram")
+    try:
+        client = SplitClient(made.url, KEY, timeout_s=10.0)
+        client.request("GET", "/v1/split/info", timeout_s=0.5)
+        assert client._conn.sock.gettimeout() == 0.5
+        client.info()  # the same connection (keep-alive)
+        assert client._conn.sock.gettimeout() == 10.0
+    finally:
+        made.server.stop()

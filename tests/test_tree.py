@@ -130,7 +130,8 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
     for _ in range(200):
         size = generator.randrange(1, 40)
         parents = torch.tensor([-1] + [generator.randrange(i) for i in range(1, size)])
-        tree = DraftTree(torch.arange(size), parents)
+        probs = torch.arange(size * 4, dtype=torch.float64).view(size, 4)  # a row per node, told apart
+        tree = DraftTree(torch.arange(size), parents, probs)
         max_nodes = generator.choice([None, generator.randrange(1, 45)])
         max_leaves = generator.choice([None, generator.randrange(1, 20)])
 
@@ -141,3 +142,4 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
         expected = max(n for n in range(1, size + 1) if fits(n))
         cut = limit_nodes(tree, max_nodes, max_leaves)
         assert cut.num_nodes == expected and torch.equal(cut.parents, parents[:expected])
+        assert torch.equal(cut.draft_probs, probs[:expected])  # the drafter's rows go with their nodes
