@@ -63,15 +63,17 @@ def decode_step(
     max_nodes: int | None = None,
     vocab_size: int | None = None,
     max_leaves: int | None = None,
+    max_prob_entries: int | None = None,
 ) -> Step:
     """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
-    to depth remaining - 1; max_nodes / max_leaves: keep only the first nodes, within those limits
-    (a server's or the runtime's); vocab_size: the target's, which every drafted token must be in."""
+    to depth remaining - 1; max_nodes / max_leaves / max_prob_entries: keep only the first nodes,
+    within those limits (a server's or the runtime's; limit_nodes); vocab_size: the target's,
+    which every drafted token must be in."""
     tick = time.perf_counter()
     tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
     tree = prune_to_depth(tree, remaining - 1)
-    if max_nodes is not None or max_leaves is not None:
-        tree = limit_nodes(tree, max_nodes, max_leaves)
+    if max_nodes is not None or max_leaves is not None or max_prob_entries is not None:
+        tree = limit_nodes(tree, max_nodes, max_leaves, max_prob_entries)
     draft_s = time.perf_counter() - tick
     stats.draft_s += draft_s
 
@@ -99,11 +101,18 @@ def check_proposal(tree: DraftTree, root: int, vocab_size: int | None) -> DraftT
     return tree
 
 
-def limit_nodes(tree: DraftTree, max_nodes: int | None, max_leaves: int | None = None) -> DraftTree:
-    """The longest prefix of at most max_nodes nodes and max_leaves leaves (parents precede
-    children, so a prefix is a tree; its leaves never decrease as it grows: a node adds one unless
-    its parent was a leaf)."""
+def limit_nodes(
+    tree: DraftTree, max_nodes: int | None, max_leaves: int | None = None, max_prob_entries: int | None = None
+) -> DraftTree:
+    """The longest prefix of at most max_nodes nodes, max_leaves leaves and, for a sampled tree,
+    max_prob_entries non-zero drafter probabilities in its rows (what a split server accepts;
+    parents precede children, so a prefix is a tree; its leaves never decrease as it grows: a node
+    adds one unless its parent was a leaf). A prefix of a sampled tree keeps each node's first
+    draws, so its verification stays exact."""
     max_nodes = tree.num_nodes if max_nodes is None else min(max_nodes, tree.num_nodes)
+    if max_prob_entries is not None and tree.draft_probs is not None:
+        entries = torch.cumsum((tree.draft_probs[:max_nodes] != 0).sum(dim=1), dim=0)  # [N]
+        max_nodes = max(1, int((entries <= max_prob_entries).sum()))
     if max_leaves is not None:
         has_child, leaves = [False] * max_nodes, 1
         for node, parent in enumerate(tree.parents[1:max_nodes].tolist(), start=1):

@@ -389,3 +389,24 @@ def test_an_abandoned_split_stream_closes_its_session(pair: SplitPair) -> None:
     assert len(pair.server.server.sessions) == 1
     stream.close()
     assert pair.server.server.sessions == {} and pair.server.server.budget.num_sessions == 0
+
+
+def test_sampled_trees_are_cut_to_the_servers_drafter_probability_limit(monkeypatch) -> None:
+    """Bug (session 24 audit): a sampled tree's sparse drafter rows beyond the server's
+    max_draft_prob_entries (65,536: 8 rows of the shipped 8,192-token draft vocabulary) got a 400
+    and the generation stopped, `refused`, after its first token. The client now keeps the
+    longest prefix of the tree within the limit (a prefix keeps each node's first draws)."""
+    vocab = make_tiny_target("llama", num_hidden_layers=3).vocab_size
+    limit = 2 * vocab + 1  # about two full rows
+    made = SplitPair("moa", TreeConfig(depth=3, top_k=2, budget=5, sampled=True), ServerLimits(max_draft_prob_entries=limit))
+    verified = []
+    read_tree = SplitServer._tree
+    monkeypatch.setattr(SplitServer, "_tree", lambda self, message: verified.append(read_tree(self, message)) or verified[-1])
+    try:
+        generation = GenerationConfig(max_new_tokens=16, seed=3)
+        result = made.generator(context_dtype="f32").generate(PROMPT, SamplingConfig(temperature=0.9), generation)
+    finally:
+        made.server.stop()
+    assert result.stop_reason == "length" and len(result.token_ids) == 16, (result.stop_reason, result.refusal)
+    entries = [int((tree.draft_probs != 0).sum()) for tree in verified]
+    assert max(entries) <= limit and max(tree.num_nodes for tree in verified) > 1, entries

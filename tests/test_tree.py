@@ -131,15 +131,23 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
         size = generator.randrange(1, 40)
         parents = torch.tensor([-1] + [generator.randrange(i) for i in range(1, size)])
         probs = torch.arange(size * 4, dtype=torch.float64).view(size, 4)  # a row per node, told apart
+        probs[0] = 0  # the root's row is empty, the others hold 1-4 non-zero entries
+        probs[1:] *= torch.rand(size - 1, 4, generator=torch.Generator().manual_seed(size)) < 0.7
+        probs[1:, 0] += 1
         tree = DraftTree(torch.arange(size), parents, probs)
         max_nodes = generator.choice([None, generator.randrange(1, 45)])
         max_leaves = generator.choice([None, generator.randrange(1, 20)])
+        max_entries = generator.choice([None, generator.randrange(0, 60)])
 
         def fits(n: int) -> bool:
             leaves = len(leaf_groups(parents[:n])[0])
-            return (max_nodes is None or n <= max_nodes) and (max_leaves is None or leaves <= max_leaves)
+            entries = int((probs[:n] != 0).sum())
+            return (
+                (max_nodes is None or n <= max_nodes) and (max_leaves is None or leaves <= max_leaves)
+                and (max_entries is None or entries <= max_entries or n == 1)
+            )
 
         expected = max(n for n in range(1, size + 1) if fits(n))
-        cut = limit_nodes(tree, max_nodes, max_leaves)
+        cut = limit_nodes(tree, max_nodes, max_leaves, max_entries)
         assert cut.num_nodes == expected and torch.equal(cut.parents, parents[:expected])
         assert torch.equal(cut.draft_probs, probs[:expected])  # the drafter's rows go with their nodes

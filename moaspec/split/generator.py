@@ -138,6 +138,9 @@ class SplitGenerator:
         self.max_tree_nodes = int(info["limits"]["max_tree_nodes"])
         leaves = info.get("max_tree_leaves")  # the server runtime's limit (None: none)
         self.max_tree_leaves = None if leaves is None else int(leaves)
+        # a sampled tree's drafter rows, sent sparse, are bounded too (older servers: no limit sent)
+        entries = info["limits"].get("max_draft_prob_entries")
+        self.max_prob_entries = None if entries is None else int(entries)
         self.adaptive = AdaptiveTree(drafter.tree_config, self.max_tree_nodes) if options.adaptive and hasattr(drafter, "tree_config") else None
         self._one_at_a_time = OneAtATime("split generator")  # one drafter state, one connection
 
@@ -237,7 +240,7 @@ class _Run:
         try:
             step = decode_step(
                 self.drafter, self.root, self.remaining, self.sampling, self.generator, self.result.stats, verify,
-                self.owner.max_tree_nodes, self.owner.vocab_size, self.owner.max_tree_leaves,
+                self.owner.max_tree_nodes, self.owner.vocab_size, self.owner.max_tree_leaves, self.owner.max_prob_entries,
             )
         except (LinkDown, SessionLost) as exc:
             self._go_offline(exc)
