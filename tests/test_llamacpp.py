@@ -97,10 +97,11 @@ def plain_decode(target, prompt: list[int], count: int) -> tuple[list[int], list
     return tokens, logits
 
 
-def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: int) -> DraftTree:
+def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: int, decoys: int = 0) -> DraftTree:
     """A random tree around the true continuation: at each depth the true token among 1-3
-    siblings (in random order, wrong ones with random subtrees), stopping at a random depth."""
-    ids, parents, node = [root], [-1], 0
+    siblings (in random order, wrong ones with random subtrees), stopping at a random depth;
+    `decoys` wrong children of the root come first in batch order (their cells are parked)."""
+    ids, parents, node = [root, *(generator.randrange(vocab) for _ in range(decoys))], [-1] + [0] * decoys, 0
     for true_id in truth:
         siblings = [(true_id, True)] + [(generator.randrange(vocab), False) for _ in range(generator.randrange(3))]
         generator.shuffle(siblings)
@@ -119,13 +120,15 @@ def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: in
     return DraftTree(torch.tensor(ids), torch.tensor(parents))
 
 
-@pytest.mark.parametrize(("cells", "names", "length"), [
-    (8192, ("mt_bench", "humaneval"), 200),
-    (264, ("mt_bench", "humaneval"), 200),
-    (8192, ("qa",), 400),  # a long prompt: prefilled in the prompt context, moved in
-    (460, ("qa",), 400),  # ... and moved in again when the context is re-decoded
+@pytest.mark.parametrize(("cells", "names", "length", "decoys"), [
+    (8192, ("mt_bench", "humaneval"), 200, 0),
+    (264, ("mt_bench", "humaneval"), 200, 24),  # many parked cells: the context is re-decoded
+    (8192, ("qa",), 400, 0),  # a long prompt: prefilled in the prompt context, moved in
+    (460, ("qa",), 400, 40),  # ... and moved in again when the context is re-decoded
 ])
-def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, category_prompts, cells: int, names, length: int) -> None:
+def test_tree_logits_are_bit_identical_to_one_token_decoding(
+    llama_target, category_prompts, cells: int, names, length: int, decoys: int
+) -> None:
     """Random trees holding the true continuation, committed step by step (rejected nodes parked;
     with few cells the context is re-decoded to reclaim them): every accepted node's logits equal
     plain decoding's exactly, so the greedy path is the same."""
@@ -142,7 +145,7 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(llama_target, categ
         target.prefill(torch.tensor(prompt))
         done = 0
         while done < 44:
-            tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size)
+            tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size, decoys)
             out = target.verify(tree)
             accepted = verify_greedy(tree, out.logits)
             for k, node in enumerate(accepted.path_node_idx):
@@ -180,6 +183,31 @@ def test_a_wide_tree_at_the_context_end_has_a_cell_for_every_node(llama_target, 
         plain = Engine(target, make_drafter("none", target)).generate(prompt, generation=GenerationConfig(max_new_tokens=64))
         drafted = Engine(target, drafter).generate(prompt, generation=GenerationConfig(max_new_tokens=64))
         assert drafted.token_ids == plain.token_ids and drafted.stop_reason == plain.stop_reason == "context"
+
+
+def test_a_tree_at_the_context_end_uses_the_headroom_before_re_decoding_the_context(llama_target, category_prompts) -> None:
+    """Bug: parked cells were reclaimed (the whole context re-decoded) as soon as the used cells
+    and a tree passed `cells`, though the context has TREE_HEADROOM cells more: near the
+    context's end every verify after a rejection re-decoded the whole context."""
+    require_exact_trees(llama_target)
+    cells = 384  # + TREE_HEADROOM = 512 cells, what llama.cpp allocates
+    target = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2,
+    )
+    text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
+    prompt = text[: cells - 14]
+    tokens, logits = plain_decode(target, prompt, 12)
+    target.reset()
+    target.prefill(torch.tensor(prompt))
+    for done in range(0, 8, 2):  # a wrong sibling before the true one: one cell parked per step
+        tree = DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0]))
+        out = target.verify(tree)
+        assert torch.equal(out.logits[2], logits[done + 2])
+        target.commit([0, 2])
+    tree = DraftTree(torch.tensor([tokens[8], tokens[9], *range(100, 118)]), torch.tensor([-1] + [0] * 19))
+    out = target.verify(tree)  # 20 nodes: past `cells` with the 4 parked cells, within the headroom
+    assert torch.equal(out.logits[1], logits[10])
+    assert target.compactions == 0
 
 
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:

@@ -575,9 +575,10 @@ class LlamaCppTarget:
             self._pending, self._pending_rows = None, (None, None)
 
     def _make_room(self, count: int) -> None:
-        """Reclaim parked cells when `count` more would not fit after the used ones within
-        `cells` (after that they fit: at most `cells` positions plus TREE_HEADROOM nodes)."""
-        if self.num_cached + self._parked + count <= self.cells or not self._parked:
+        """Reclaim parked cells when `count` more would not fit after the used ones in the
+        verified context's cells (`cells` + TREE_HEADROOM, as llama.cpp rounds them up); after that
+        they fit: at most `cells` positions plus TREE_HEADROOM nodes."""
+        if self.num_cached + self._parked + count <= self.lib.llama_n_ctx(self.ctx) or not self._parked:
             return
         tokens = self._tokens
         self.lib.llama_memory_clear(self.memory, True)
