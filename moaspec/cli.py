@@ -235,7 +235,7 @@ def _generate(args: argparse.Namespace) -> int:
         from moaspec.split.commands import generate_remote
 
         args.drafter = named
-        return generate_remote(args, api_key, overrides)
+        return generate_remote(args, api_key, overrides, options)
 
     from moaspec.api import load
 

@@ -286,6 +286,25 @@ def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monke
     assert err.startswith("moaspec: error: ") and message in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("module, extra, message", [
+    ("jsonschema", ["--no-plots"], "validates its results with jsonschema"),
+    ("matplotlib", [], "plots need matplotlib"),
+])
+def test_a_missing_bench_extra_fails_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, module, extra, message) -> None:
+    """Bug: without jsonschema (the `bench` extra) the whole benchmark ran, then failed to write
+    results.json, losing every measurement; --no-plots did not help."""
+    import sys
+
+    import moaspec.api
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *a, **k: pytest.fail("loaded the target"))
+    assert main(bench_args(tmp_path / "res", *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moaspec: error: ") and message in err and "moaspec[bench]" in err and err.count("\n") == 1
+    assert not (tmp_path / "res").exists()
+
+
 def test_parse_methods_adds_the_baseline_and_labels_directories(tmp_path) -> None:
     assert parse_methods("ngram,hf") == (
         MethodSpec("none", "none"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moaspec.cli import main
+from moaspec.errors import MoaspecError
 
 
 @pytest.mark.parametrize(
@@ -52,3 +53,29 @@ def test_a_server_that_is_down_is_announced_and_given_up_on_at_the_deadline(caps
     assert time.monotonic() - started < 60
     assert lines[0].startswith("[moaspec] ") and "retrying for up to 0.5 s" in lines[0]
     assert lines[-1].startswith("moaspec: error: ") and "unreachable" in lines[-1] and len(lines) == 2
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"runtime": "llama.cpp", "threads": None, "device": "cpu"}),
+    (["--runtime", "transformers", "--dtype", "bfloat16"], {"runtime": "transformers", "dtype": "bfloat16"}),
+    (["--threads", "1"], {"runtime": "llama.cpp", "threads": 1}),
+])
+def test_the_split_client_loads_its_target_with_the_runtime_flags(flags, expected, monkeypatch) -> None:
+    """Bug: `generate --server` checked --runtime/--device/--dtype/--threads and then loaded the
+    client's target (its drafter's tokenizer and borrowed parts) on the default runtime anyway."""
+    import moaspec.api
+    from moaspec.targets.options import llama_cpp_available
+
+    if not llama_cpp_available():
+        pytest.skip("the default runtime of a GGUF target is llama.cpp only when llama-cpp-python is installed")
+    seen = {}
+
+    def recorded(target, **kwargs):
+        seen.update(kwargs)
+        raise MoaspecError("recorded")  # stop before anything loads or connects
+
+    monkeypatch.setenv("MOASPEC_API_KEY", "k" * 16)
+    monkeypatch.setattr(moaspec.api, "load_target", recorded)
+    assert main(["generate", "--prompt", "hi", "--drafter", "ngram", "--server", "http://127.0.0.1:9", *flags]) == 2
+    assert seen["light_tokenizer"] is True
+    assert {key: seen[key] for key in expected} == expected

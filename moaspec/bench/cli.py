@@ -77,6 +77,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
     from moaspec.bench.report import render_markdown
+    from moaspec.bench.schema import check_validation
     from moaspec.config import GenerationConfig, SamplingConfig
     from moaspec.model_store import resolve_target
 
@@ -95,6 +96,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
+    check_validation()
     if not args.no_plots:
         check_plotting()
     if args.client_server:

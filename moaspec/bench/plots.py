@@ -22,9 +22,6 @@ def check_plotting() -> None:
         raise MoaspecError("plots need matplotlib: pip install 'moaspec[bench]' (or pass --no-plots)") from exc
 
 
-PLOT_FILES = ("speedup.png", "tau.png")
-
-
 def render_plots(results: dict) -> dict[str, bytes]:
     """-> {file name: PNG bytes}."""
     import matplotlib

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moaspec.errors import MoaspecError
+
 NUMBER = (int, float)
 NULLABLE_NUMBER = (int, float, type(None))
 
@@ -90,6 +92,14 @@ RESULTS_SCHEMA = {
         }
     ],
 }
+
+
+def check_validation() -> None:
+    """Fail before a long run when jsonschema, which validates results.json, is missing."""
+    try:
+        import jsonschema  # noqa: F401
+    except ImportError as exc:
+        raise MoaspecError("moaspec bench validates its results with jsonschema: pip install 'moaspec[bench]'") from exc
 
 
 def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> None:

@@ -110,10 +110,13 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
 
 
-def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | None = None) -> int:
+def generate_remote(
+    args: argparse.Namespace, key: str, tree_overrides: dict | None = None, target_options: dict | None = None
+) -> int:
     """`moaspec generate --server URL`: the same output and --json fields as local generation,
     plus a "split" object (server calls, bytes, provisional tokens, ...). tree_overrides: the
-    --tree-* flags, for the client's drafter (it drafts the trees the server verifies)."""
+    --tree-* flags, for the client's drafter (it drafts the trees the server verifies);
+    target_options: load_target's runtime keywords (runtime_options of the --runtime flags)."""
     import torch
 
     from moaspec.api import SpeculativeLM, load_target
@@ -129,9 +132,10 @@ def generate_remote(args: argparse.Namespace, key: str, tree_overrides: dict | N
     )
     client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
     # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
-    # the target's default runtime: for a GGUF target llama.cpp, whose parts come from the
-    # converted copy without the float32 model, and no llama.cpp context is ever made (README)
-    target = load_target(args.target, light_tokenizer=True)
+    # the runtime the flags choose (target_options: runtime_options), by default the target's: for
+    # a GGUF target llama.cpp, whose parts come from the converted copy without the float32
+    # model, and no llama.cpp context is ever made (README)
+    target = load_target(args.target, light_tokenizer=True, **(target_options or {}))
     drafter = make_drafter(args.drafter, target, tree_overrides)
     if not hasattr(drafter, "accept_context"):
         raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
