@@ -3,9 +3,9 @@
     moaspec generate --prompt TEXT [--target NAME|PATH] [--drafter NAME|PATH] [--max-new-tokens N]
                      [--temperature T] [--top-p P] [--top-k K] [--seed S] [--json] [--raw]
                      [--tree-depth D] [--tree-top-k K] [--tree-budget N]
-                     [--server URL --api-key-file F [--context-dtype f16|i8|f32] [--adaptive]
+                     [--server URL [--api-key-file F] [--context-dtype f16|i8|f32] [--adaptive]
                       [--accept-offline] [--offline-min-prob P] [--timeout S] [--offline-deadline-s S] [--cafile F]]
-    moaspec serve [--host H] [--port P] --api-key-file F [--target ...] [--drafter ...]
+    moaspec serve [--host H] [--port P] [--api-key-file F] [--target ...] [--drafter ...]
                   [--ssl-certfile F --ssl-keyfile F] [--max-tree-nodes N] [--max-new-tokens N] ...
 
     moaspec data distill --out DIR [--target NAME|PATH] [--num-conversations N] [--batch-size B]
@@ -128,7 +128,7 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     serve.add_argument("--max-tree-nodes", type=int, default=limits.max_tree_nodes, help=f"largest draft tree (default {limits.max_tree_nodes})")
-    serve.add_argument("--max-new-tokens", type=int, default=limits.max_new_tokens, help=f"per session (default {limits.max_new_tokens})")
+    serve.add_argument("--max-new-tokens", type=int, default=limits.max_new_tokens, help=f"per split session and per OpenAI request (default {limits.max_new_tokens})")
     from moaspec.openai_api.cli import add_openai_arguments
 
     add_openai_arguments(serve)
@@ -143,6 +143,9 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from moaspec.extras import SERVE_MODULES, require_modules
+
+    require_modules("serve", SERVE_MODULES, "moaspec serve")
     from moaspec.split.commands import check_tls, read_api_keys, serve
 
     if not 0 <= args.port <= 65535:
@@ -214,7 +217,10 @@ def _generate(args: argparse.Namespace) -> int:
     overrides = tree_overrides(args)
     api_key = None
     if args.server is not None:  # before resolve_target, which may convert the target first (~30 s)
+        from moaspec.extras import SPLIT_CLIENT_MODULES, require_modules
         from moaspec.split.commands import read_api_keys
+
+        require_modules("serve", SPLIT_CLIENT_MODULES, "a split client (generate --server)")
 
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")

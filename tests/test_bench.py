@@ -287,8 +287,8 @@ def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monke
 
 
 @pytest.mark.parametrize("module, extra, message", [
-    ("jsonschema", ["--no-plots"], "validates its results with jsonschema"),
-    ("matplotlib", [], "plots need matplotlib"),
+    ("jsonschema", ["--no-plots"], "validating results.json needs jsonschema"),
+    ("matplotlib", [], "plotting needs matplotlib"),
 ])
 def test_a_missing_bench_extra_fails_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, module, extra, message) -> None:
     """Bug: without jsonschema (the `bench` extra) the whole benchmark ran, then failed to write

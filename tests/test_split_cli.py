@@ -79,3 +79,19 @@ def test_the_split_client_loads_its_target_with_the_runtime_flags(flags, expecte
     assert main(["generate", "--prompt", "hi", "--drafter", "ngram", "--server", "http://127.0.0.1:9", *flags]) == 2
     assert seen["light_tokenizer"] is True
     assert {key: seen[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize("argv, module", [
+    (["serve"], "aiohttp"),
+    (["serve"], "prometheus_client"),
+    (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9"], "msgpack"),
+])
+def test_a_missing_serve_extra_is_named_in_one_line(argv, module, capsys, monkeypatch) -> None:
+    """Bug: without the `serve` extra, `moaspec serve` ended in an ImportError traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    monkeypatch.setenv("MOASPEC_API_KEY", "k" * 16)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moaspec: error: ") and module in err and "pip install 'moaspec[serve]'" in err and "\n" not in err

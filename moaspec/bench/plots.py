@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import io
 
-from moaspec.errors import MoaspecError
+from moaspec.extras import require_modules
 
 PLOT_FILES = ("speedup.png", "tau.png")
 
 
 def check_plotting() -> None:
     """Fail before a long run when matplotlib is missing."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as exc:
-        raise MoaspecError("plots need matplotlib: pip install 'moaspec[bench]' (or pass --no-plots)") from exc
+    require_modules("bench", ("matplotlib",), "plotting", " (or pass --no-plots)")
 
 
 def render_plots(results: dict) -> dict[str, bytes]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moaspec.errors import MoaspecError
+from moaspec.extras import require_modules
 
 NUMBER = (int, float)
 NULLABLE_NUMBER = (int, float, type(None))
@@ -96,10 +96,7 @@ RESULTS_SCHEMA = {
 
 def check_validation() -> None:
     """Fail before a long run when jsonschema, which validates results.json, is missing."""
-    try:
-        import jsonschema  # noqa: F401
-    except ImportError as exc:
-        raise MoaspecError("moaspec bench validates its results with jsonschema: pip install 'moaspec[bench]'") from exc
+    require_modules("bench", ("jsonschema",), "validating results.json")
 
 
 def validate(value: Any, spec: Any = RESULTS_SCHEMA, where: str = "results") -> None:

@@ -4,7 +4,7 @@ One registry per server (never the process-wide default, so two servers in one p
 the tests, do not mix). Label values are bounded by the caller: routes are the registered ones or
 "other" (no route matched, or refused before routing: malformed HTTP, header time-out), statuses
 are HTTP codes, endpoints and finish reasons fixed sets. The `_created` series prometheus_client
-adds are left out, so the exposition holds exactly the names documented in the README.
+adds are left out, so the exposition holds exactly the names docs/protocol.md lists (*Metrics*).
 """
 
 from __future__ import annotations
