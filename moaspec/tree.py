@@ -122,16 +122,24 @@ def leaf_groups(parents: torch.Tensor) -> list[list[int]]:
     return groups
 
 
-def tree_attention_bias(parents: torch.Tensor, num_cached: int, dtype: torch.dtype) -> torch.Tensor:
+def tree_attention_bias(
+    parents: torch.Tensor, num_cached: int, dtype: torch.dtype, window: int | None = None
+) -> torch.Tensor:
     """Additive attention mask for verifying a tree after `num_cached` verified tokens.
 
     Returns [1, 1, N, num_cached + N]: 0 where a node may attend (the whole verified context,
     its ancestors, itself), the dtype's minimum elsewhere. Additive float masks, because a bool
-    mask is silently misread by transformers' eager attention.
+    mask is silently misread by transformers' eager attention. With a sliding `window`, a node at
+    position q sees only keys at positions > q - window (transformers' sliding_window_overlay);
+    the verified context holds positions 0.., a node sits at num_cached + its depth.
     """
     n = parents.numel()
     visible = torch.ones(n, num_cached + n, dtype=torch.bool)
     visible[:, num_cached:] = ancestor_mask(parents)
+    if window is not None:
+        node_positions = num_cached + depths(parents)
+        key_positions = torch.cat([torch.arange(num_cached), node_positions])
+        visible &= key_positions[None, :] > node_positions[:, None] - window
     bias = torch.zeros(n, num_cached + n, dtype=dtype)
     bias.masked_fill_(~visible, torch.finfo(dtype).min)
     return bias[None, None]

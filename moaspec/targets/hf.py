@@ -8,6 +8,8 @@ State: one KV cache holding exactly `num_cached` verified tokens (positions 0..n
   keys were rotated at `num_cached + depth`, which is exactly their final position, so no
   re-rotation is needed) and drops the rest.
 - `rollback(length)` forgets verified tokens beyond `length`.
+Every layer's cache is a full one, sliding-window layers' too: their window is applied by the
+masks (hf_attention.py), so the compaction above and `layer_kv` index all layers by position.
 
 Drafters read activations through `hidden_states` in the outputs (layer index as in transformers'
 `output_hidden_states`: 0 = embeddings, l = output of layer l, num_layers = after the final norm),
@@ -33,7 +35,8 @@ from moaspec.errors import MoaspecError
 from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.targets.base import PrefillCancelled, TargetOutput
-from moaspec.tree import DraftTree, depths, tree_attention_bias
+from moaspec.targets.hf_attention import AttentionLayout
+from moaspec.tree import DraftTree, depths
 
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -70,7 +73,8 @@ class HFTarget:
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
-        self.cache = DynamicCache(config=self.config)
+        self.attention = AttentionLayout.of(self.config, name)  # sliding windows: hf_attention.py
+        self.cache = DynamicCache()  # full layers, also for sliding-window ones (hf_attention.py)
         self.num_cached = 0
         self.cache_argument = cache_keyword(model)  # how model.forward takes a KV cache
         # reduced precision: tli_layers -> float32 copies of the borrowed modules (shared by sessions)
@@ -193,7 +197,7 @@ class HFTarget:
 
     def reset(self) -> None:
         """Forget everything: an empty verified context."""
-        self.cache = DynamicCache(config=self.config)
+        self.cache = DynamicCache()
         self.num_cached = 0
 
     def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
@@ -244,7 +248,7 @@ class HFTarget:
         positions = self.num_cached + node_depths
         is_chain = bool((node_depths == torch.arange(tree.num_nodes)).all())
         # A chain is plain causal attention: let transformers build its own mask.
-        bias = None if is_chain else tree_attention_bias(tree.parents, self.num_cached, self.weights_dtype)
+        bias = None if is_chain else self.attention.tree_mask(tree.parents, self.num_cached, self.weights_dtype)
         return self._forward(tree.token_ids, positions, bias, hidden_layers, logits_to_keep=0)
 
     def commit(self, path_node_idx: list[int]) -> None:
@@ -295,7 +299,7 @@ class HFTarget:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attention_bias: torch.Tensor | None,
+        attention_bias: torch.Tensor | dict[str, torch.Tensor] | None,
         hidden_layers: tuple[int, ...],
         logits_to_keep: int,
     ) -> TargetOutput:
@@ -303,7 +307,7 @@ class HFTarget:
         out = self.model(
             input_ids=input_ids[None].to(device),
             position_ids=positions[None].to(device),
-            attention_mask=None if attention_bias is None else attention_bias.to(device),
+            attention_mask=_to_device(attention_bias, device),
             **{self.cache_argument: self.cache},
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
@@ -313,3 +317,10 @@ class HFTarget:
         if hidden_layers:
             hidden = torch.stack([out.hidden_states[i][0] for i in hidden_layers], dim=1).to(self.dtype)
         return TargetOutput(out.logits[0].to(self.dtype), hidden)
+
+
+def _to_device(mask: torch.Tensor | dict[str, torch.Tensor] | None, device) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    """A mask (or a mask per layer kind) on `device` (a no-op on the CPU)."""
+    if isinstance(mask, dict):
+        return {kind: bias.to(device) for kind, bias in mask.items()}
+    return None if mask is None else mask.to(device)

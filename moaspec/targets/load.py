@@ -80,7 +80,6 @@ def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, device: str) -> Target:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     from moaspec.nn.fast_linear import requested_layout
@@ -90,9 +89,7 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     name, model_dir = resolve_target(spec)
     try:
         tokenizer = load_tokenizer(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
+        model = load_causal_lm(model_dir, dtype, attn_implementation)
     except (OSError, ValueError, KeyError) as exc:
         raise MoaspecError(f"cannot load target {spec}: {str(exc).splitlines()[0]}") from exc
     if device != "cpu":
@@ -105,6 +102,22 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     if layout is not None:
         loaded.use_layout(layout)
     return loaded
+
+
+def load_causal_lm(model_dir, dtype: torch.dtype, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION):
+    """transformers' causal LM from `model_dir` (offline). The default attention (sdpa) falls back
+    to eager for the models that have no sdpa path (Gemma 2: its logits are soft-capped)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if attn_implementation == DEFAULT_ATTN_IMPLEMENTATION:
+        config_class = type(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[config_class] if config_class in MODEL_FOR_CAUSAL_LM_MAPPING else None
+        if model_class is not None and not getattr(model_class, "_supports_sdpa", True):
+            attn_implementation = "eager"
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )
 
 
 def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_tokenizer: bool) -> Target:

@@ -148,7 +148,7 @@ def batch_target_features(
         ids[row, : lengths[row]] = sequence
     device = target.device
     with torch.inference_mode():
-        cache = DynamicCache(config=target.config)
+        cache = DynamicCache()  # full layers, as HFTarget keeps (targets/hf_attention.py)
         out = target.model(
             input_ids=ids.to(device), position_ids=torch.arange(length)[None].expand(len(sequences), -1).to(device),
             **{target.cache_argument: cache}, use_cache=True, output_hidden_states=True, logits_to_keep=1,

@@ -1,0 +1,57 @@
+"""Which attention each decoder layer of a transformers target uses, and the tree masks they take.
+
+Targets with sliding-window layers (Mistral with `sliding_window`, Gemma 2 / 3, Qwen2 with
+`use_sliding_window`, ...) keep every layer's keys/values in a full cache (a sliding cache drops
+the oldest entries, which the commit's compaction and `layer_kv` index by position) and apply the
+window through the mask: transformers builds it for a prefill or a chain, and a tree gets
+`tree_attention_bias` with the window for the sliding layers. Models mixing both kinds take a mask
+per layer type (a dict), as transformers' own mask creation gives them. Other layer kinds
+(chunked, linear or compressed attention, shared caches) are refused: trees could not be verified
+exactly on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moaspec.errors import MoaspecError
+from moaspec.tree import tree_attention_bias
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The decoder layers' attention kinds (FULL or SLIDING) and the sliding layers' window."""
+
+    kinds: tuple[str, ...]
+    window: int | None  # None when no layer slides
+
+    @classmethod
+    def of(cls, config, name: str) -> AttentionLayout:
+        """From a transformers config; MoaspecError for layers whose trees cannot be verified."""
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        kinds, settings = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        unsupported = sorted(set(kinds) - {FULL, SLIDING})
+        if unsupported:
+            raise MoaspecError(
+                f"target {name} has {', '.join(unsupported)} layers: the transformers runtime verifies trees on "
+                "full and sliding-window attention only"
+            )
+        windows = {int(setting["sliding_window"]) for kind, setting in zip(kinds, settings) if kind == SLIDING}
+        if len(windows) > 1:
+            raise MoaspecError(f"target {name} has sliding windows of several sizes ({sorted(windows)}): not supported")
+        return cls(tuple(kinds), windows.pop() if windows else None)
+
+    def tree_mask(self, parents: torch.Tensor, num_cached: int, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The additive mask [1, 1, N, num_cached + N] verifying a tree after `num_cached` tokens
+        takes in every layer, or per layer kind ({FULL: ..., SLIDING: ...}) where they differ."""
+        if self.window is None:
+            return tree_attention_bias(parents, num_cached, dtype)
+        sliding = tree_attention_bias(parents, num_cached, dtype, self.window)
+        if SLIDING in self.kinds and FULL not in self.kinds:
+            return sliding
+        return {FULL: tree_attention_bias(parents, num_cached, dtype), SLIDING: sliding}
