@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import make_random_drafter_net, make_tiny_target
+from conftest import _tiny_config, make_random_drafter_net, make_tiny_target
 
 from moaspec.config import GenerationConfig, TreeConfig
 from moaspec.drafters import make_drafter
@@ -410,3 +410,31 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
     for load in (make_drafter, lambda spec, target: LazyModelDrafter(spec, target, None)):  # the calibration's way too
         with pytest.raises(MoaspecError, match="not a drafter checkpoint"):
             load(str(damaged), target)
+
+
+@pytest.mark.parametrize("family, config_class, settings", [
+    ("qwen3", "Qwen3Config", {"head_dim": 16}),  # q/k norms
+    ("granite", "GraniteConfig", {}),  # attention and residual multipliers (a 7e-4 difference with random weights)
+    ("gemma2", "Gemma2Config", {"head_dim": 16}),  # extra norms, scaled embeddings and queries
+    ("phi3", "Phi3Config", {}),  # fused q/k/v projection
+])
+def test_target_layer_inference_refuses_layers_it_does_not_compute(
+    family: str, config_class: str, settings: dict, tmp_path
+) -> None:
+    """Bug: TLI runs the target's last layers by hand, as Llama layers; on another layer kind it
+    drafted (and trained) through a function the target does not compute, silently."""
+    import transformers
+
+    from moaspec.train.config import TrainConfig
+    from moaspec.train.trainer import train
+
+    config = _tiny_config(getattr(transformers, config_class), **settings)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    target = HFTarget(model, None, f"tiny-{family}")
+    with pytest.raises(MoaspecError, match=f"the target's {type(model.model.layers[0]).__name__} computes something else"):
+        MoADrafter(random_moa(target, tli=1), target, TreeConfig(depth=2, top_k=2, budget=3))
+    MoADrafter(random_moa(target, tli=0), target, TreeConfig(depth=2, top_k=2, budget=3))  # no TLI: any layers
+    with pytest.raises(MoaspecError, match="computes something else"):
+        train(random_moa(target, tli=1), target, [], [], TrainConfig(method="moa", tli_layers=1, steps=1), tmp_path / "run")
+    assert not (tmp_path / "run").exists()

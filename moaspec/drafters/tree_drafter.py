@@ -41,6 +41,7 @@ from moaspec.errors import MoaspecError
 from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.fast_linear import use_layout, weight_in_layout
 from moaspec.nn.layers import at_least_fp32
+from moaspec.nn.target_layers import check_tli_layers
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class TreeDrafter:
         self.net = use_layout(net.eval().to(self.device), target.weight_layout)
         self.tree_config = tree or TreeConfig()
         self.parts = target.parts(tli_layers)
+        check_tli_layers(self.parts.tli_layers, self.parts.rotary_emb)
         self.dtype = next(net.parameters()).dtype
         self.head = weight_in_layout(self.net.head_weight(self.parts).to(self.dtype), target.weight_layout)  # [Vd, D]
         # the tree builders map draft-vocabulary rows on the CPU (log-probs come back there)

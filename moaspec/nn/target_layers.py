@@ -3,7 +3,9 @@
 Target Layer Inference feeds the drafter's output through the target's last k layers. Those
 layers must attend to keys/values the target never stored together (true states of verified
 tokens next to drafted states), so we compute the transformers layer by hand from its
-submodules instead of through its cache API. Llama and Qwen2 layers (q/k/v biases allowed).
+submodules instead of through its cache API. Llama, Mistral and Qwen2 layers (q/k/v biases
+allowed); `check_tli_layers` refuses layers that compute something else (Qwen3's q/k norms,
+Gemma's extra norms and scalings, Granite's multipliers, Phi-3's fused projections).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moaspec.errors import MoaspecError
 from moaspec.nn.layers import apply_rope, attend
 
 
@@ -44,3 +47,43 @@ def target_layer_forward(
     k, v = (k_new, v_new) if context is None else (torch.cat([context[0], k_new], -2), torch.cat([context[1], v_new], -2))
     h = x + attn.o_proj(attend(q, k, v, mask))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k_new, v_new)
+
+
+CHECK_TOKENS = 6  # positions of the input check_tli_layers runs each layer on
+CHECK_RELATIVE_ERROR = 1e-4  # rounding: ~1e-7 in float32; another computation: 7e-4 (Granite) and more, even with random weights
+
+
+def check_tli_layers(layers: list[nn.Module], rotary_emb: nn.Module | None) -> None:
+    """MoaspecError unless target_layer_forward computes what each layer's own forward does, on
+    a random input (a few milliseconds per layer): Target Layer Inference would otherwise train
+    and draft through a function the target does not compute."""
+    for layer in layers:
+        try:
+            error = _relative_error(layer, rotary_emb)
+        except Exception as exc:  # noqa: BLE001  a layer of another shape fails anywhere in the hand computation
+            error, detail = float("inf"), f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        else:
+            detail = f" (relative difference {error:.2g})"
+        if not error <= CHECK_RELATIVE_ERROR:
+            raise MoaspecError(
+                f"Target Layer Inference runs Llama-style decoder layers by hand; the target's {type(layer).__name__} "
+                f"computes something else{detail}: use a drafter without TLI (--tli-layers 0)"
+            )
+
+
+def _relative_error(layer: nn.Module, rotary_emb: nn.Module | None) -> float:
+    """|hand - own| / |own| of one layer over a random input [1, CHECK_TOKENS, D], causal."""
+    if rotary_emb is None:
+        raise ValueError("no rotary embedding")
+    weight = layer.self_attn.o_proj.weight
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, CHECK_TOKENS, weight.shape[0], generator=generator).to(weight)
+    positions = torch.arange(CHECK_TOKENS, device=weight.device)
+    cos, sin = target_rope(rotary_emb, positions, x[0])
+    mask = torch.full((CHECK_TOKENS, CHECK_TOKENS), torch.finfo(weight.dtype).min, dtype=weight.dtype, device=weight.device)
+    mask = mask.triu(1)
+    with torch.no_grad():
+        hand, _ = target_layer_forward(layer, x[0], cos, sin, None, mask)
+        own = layer(x, attention_mask=mask[None, None], position_ids=positions[None], position_embeddings=(cos[None], sin[None]))
+    own = (own[0] if isinstance(own, tuple) else own)[0]
+    return float((hand - own).norm() / own.norm())

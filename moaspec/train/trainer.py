@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moaspec.config import TreeConfig
+from moaspec.nn.target_layers import check_tli_layers
 from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
 from moaspec.targets.hf import HFTarget
@@ -396,12 +397,13 @@ def train(
         raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
     if any(sample.input_ids.numel() > config.max_seq_len for sample in [*train_samples, *val_samples]):
         raise ValueError(f"training samples must be cut to max_seq_len={config.max_seq_len} tokens first")
+    parts = target.parts(config.tli_layers)
+    check_tli_layers(parts.tli_layers, parts.rotary_emb)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = source or OnlineFeatures(target)
     device = target.device
     autocast = device.type == "cuda" if autocast is None else autocast
     net.to(device)
-    parts = target.parts(config.tli_layers)
     for param in target.model.parameters():
         param.requires_grad_(False)
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
