@@ -29,6 +29,16 @@ def target_rope_theta(target_config) -> float:
     return float(params.get("rope_theta", getattr(target_config, "rope_theta", 10000.0)))
 
 
+def target_norm_eps(target_config) -> float:
+    """The target's normalization epsilon (RMSNorm's, else LayerNorm's: GPT-2), which the
+    drafter's own RMSNorms take."""
+    for name in ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps"):
+        value = getattr(target_config, name, None)
+        if value is not None:
+            return float(value)
+    return 1e-6
+
+
 class DrafterNet(nn.Module):
     """Base class of drafter networks (see the module docstring)."""
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
 from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import DecoderLayer, additive_mask
 
@@ -54,9 +54,9 @@ class EagleConfig:
             num_heads=heads,
             num_kv_heads=getattr(target_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
-            intermediate_size=target_config.intermediate_size,
+            intermediate_size=getattr(target_config, "intermediate_size", None) or 4 * hidden,  # GPT-2: 4 x hidden
             rope_theta=target_rope_theta(target_config),
-            rms_norm_eps=target_config.rms_norm_eps,
+            rms_norm_eps=target_norm_eps(target_config),
             draft_vocab_size=draft_vocab_size,
         )
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
 from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.target_layers import target_layer_forward, target_rope
@@ -118,7 +118,7 @@ class MoAConfig:
             lsa_num_kv_heads=lsa_kv_heads,
             lsa_intermediate_size=3 * kv_dim // 2,
             rope_theta=target_rope_theta(target_config),
-            rms_norm_eps=target_config.rms_norm_eps,
+            rms_norm_eps=target_norm_eps(target_config),
             tli_layers=tli_layers,
             draft_vocab_size=draft_vocab_size,
             ca_recency_bias=ca_recency_bias,

@@ -123,7 +123,8 @@ class HFTarget:
 
     @property
     def stop_ids(self) -> frozenset[int]:
-        """End-of-sequence ids from the generation config (and the tokenizer as a fallback)."""
+        """End-of-sequence ids from the generation config (and the tokenizer as a fallback); an id
+        outside the vocabulary (a config that names another tokenizer's) can never be generated."""
         ids: set[int] = set()
         gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         for source in (gen_eos, getattr(self.tokenizer, "eos_token_id", None)):
@@ -131,7 +132,7 @@ class HFTarget:
                 ids.add(source)
             elif source is not None:
                 ids.update(int(i) for i in source)
-        return frozenset(ids)
+        return frozenset(i for i in ids if 0 <= i < self.vocab_size)
 
     # -- frozen modules drafters may share ----------------------------------------------------
     @property
@@ -149,15 +150,16 @@ class HFTarget:
 
     @property
     def decoder_layers(self) -> torch.nn.ModuleList:
-        return self.model.model.layers
+        return _inner_module(self.model, ("layers", "h"), "decoder layers")
 
     @property
     def final_norm(self) -> torch.nn.Module:
-        return self.model.model.norm
+        return _inner_module(self.model, ("norm", "ln_f", "final_layernorm"), "final norm")
 
     @property
-    def rotary_emb(self) -> torch.nn.Module:
-        return self.model.model.rotary_emb
+    def rotary_emb(self) -> torch.nn.Module | None:
+        """The target's rotary embedding; None for a model without (GPT-2: absolute positions)."""
+        return getattr(self.model.base_model, "rotary_emb", None)
 
     def parts(self, tli_layers: int) -> TargetParts:
         """The frozen modules a drafter borrows (its last `tli_layers` decoder layers for TLI):
@@ -324,3 +326,14 @@ def _to_device(mask: torch.Tensor | dict[str, torch.Tensor] | None, device) -> t
     if isinstance(mask, dict):
         return {kind: bias.to(device) for kind, bias in mask.items()}
     return None if mask is None else mask.to(device)
+
+
+def _inner_module(model: PreTrainedModel, names: tuple[str, ...], what: str) -> torch.nn.Module:
+    """The base model's submodule by the first of `names` it has (Llama-style `model.layers` /
+    `model.norm`, GPT-2's `transformer.h` / `transformer.ln_f`, ...)."""
+    base = model.base_model
+    for name in names:
+        module = getattr(base, name, None)
+        if module is not None:
+            return module
+    raise MoaspecError(f"cannot find the {what} of {type(model).__name__} (looked for {', '.join(names)})")

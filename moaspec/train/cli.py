@@ -178,7 +178,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_device(args.device)
     from moaspec.model_store import resolve_target
 
-    _check_layer_counts(args, resolve_target(args.target)[1])
+    _check_against_target(args, resolve_target(args.target)[1])
     load_library_held()
     from moaspec.train.run import RunSpec, run_training
 
@@ -235,17 +235,21 @@ def _inherit_architecture(args: argparse.Namespace, init_from: Path | None) -> N
             setattr(args, name, default if value is None else value)
 
 
-def _check_layer_counts(args: argparse.Namespace, model_dir: Path) -> None:
-    """--tli-layers and --memory-layers against the target's layer count, before anything loads."""
+def _check_against_target(args: argparse.Namespace, model_dir: Path) -> None:
+    """--tli-layers, --memory-layers and --max-seq-len against the target's layer count and
+    context (config.json: Llama-style names, or GPT-2's), before anything loads."""
     import json
 
-    layers = json.loads((model_dir / "config.json").read_text()).get("num_hidden_layers")
-    if not isinstance(layers, int):
-        return
-    if args.tli_layers >= layers:
-        raise MoaspecError(f"--tli-layers must be below the target's {layers} layers, got {args.tli_layers}")
-    if args.memory_layers > layers:
-        raise MoaspecError(f"--memory-layers must be at most the target's {layers} layers (0 = all), got {args.memory_layers}")
+    config = json.loads((model_dir / "config.json").read_text())
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    if isinstance(layers, int):
+        if args.tli_layers >= layers:
+            raise MoaspecError(f"--tli-layers must be below the target's {layers} layers, got {args.tli_layers}")
+        if args.memory_layers > layers:
+            raise MoaspecError(f"--memory-layers must be at most the target's {layers} layers (0 = all), got {args.memory_layers}")
+    positions = config.get("max_position_embeddings", config.get("n_positions"))
+    if isinstance(positions, int) and args.max_seq_len > positions:
+        raise MoaspecError(f"--max-seq-len {args.max_seq_len} exceeds the target's context of {positions} positions")
 
 
 def add_data_parser(commands, default_target: str) -> None:
