@@ -19,6 +19,7 @@ from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import MODEL_FREE, check_drafter_spec, make_drafter, target_default_drafter
 from moaspec.drafters.base import Drafter
+from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
@@ -187,6 +188,8 @@ def load(
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
     chosen, calibration = drafter_for(loaded, drafter, tree_overrides)
     name = calibration.chosen.drafter if calibration is not None else drafter or default
+    if isinstance(chosen, NoDrafter):  # also where trees would not be exact (calibration/plan.py)
+        name = "none"
     return SpeculativeLM(loaded, chosen, name, calibration)
 
 

@@ -697,6 +697,36 @@ def test_the_exactness_check_fails_when_batched_kernels_round_differently(llama_
         verify(llama_target, DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
 
 
+def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafters_are_refused(
+    llama_target, monkeypatch, tmp_path, capsys
+) -> None:
+    """Bug: on a GGUF whose batched kernels are not exact here (Gemma-3-270M Q4_K_M on the
+    AVX-512 EPYC), the calibration's cost measurement failed on its first tree, and the default
+    drafter (`ngram`) then ended the generation with an error: plain decoding is the default there."""
+    from moaspec.api import SpeculativeLM
+    from moaspec.calibration.plan import drafter_for
+    from moaspec.drafters.none import NoDrafter
+    from moaspec.targets import llamacpp
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path))  # a machine with nothing measured yet
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    target = llama_target.new_session()
+    monkeypatch.setattr(target.weights, "trees_exact", False)
+    drafter, calibration = drafter_for(target, None)
+    assert isinstance(drafter, NoDrafter) and calibration is None
+    assert "plain decoding (--runtime transformers speculates)" in capsys.readouterr().err
+    assert isinstance(drafter_for(target, "none")[0], NoDrafter)
+    monkeypatch.setattr(target.weights, "trees_exact", None)  # a new process: the saved answer is read, not measured
+    monkeypatch.setattr(llamacpp, "trees_exact_here", lambda target: pytest.fail("measured again"))
+    assert isinstance(drafter_for(target, None)[0], NoDrafter) and target.weights.trees_exact is False
+    for named in ("ngram", "moa+ngram"):
+        with pytest.raises(MoaspecError, match="bit for bit .*: use --drafter none or --runtime transformers"):
+            drafter_for(target, named)
+    prompt = [1, 2, 3, 4]
+    result = SpeculativeLM(target, drafter, "none").generate(prompt, max_new_tokens=4)
+    assert result.stats.num_verifications == 4 - 1 and len(result.token_ids) == 4
+
+
 def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(llama_target, category_prompts) -> None:
     """ctypes swallows exceptions raised in the eval callback, and a callback that answers False
     stops llama.cpp's graph mid-way: Ctrl-C (or SIGTERM through the CLI's handler) arriving while

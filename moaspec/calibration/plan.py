@@ -127,6 +127,8 @@ def calibrated_drafter(
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
     cpu, runtime = cpu_description(), runtime_description(target)
     say = _progress(progress)
+    if target.runtime == "llama.cpp" and not _trees_exact(target, cpu, runtime, layouts, say):
+        return _plain_decoding(target, requested, base)
     sequences, lookup_source = load_lookup_profile(target.name)
     begin = time.perf_counter()
     try:
@@ -277,6 +279,40 @@ def _recost(trees, costs):
         Candidate(c.tree, c.num_nodes, c.expected_tau, costs.cycle_s(c.tree, c.num_nodes, c.expected_tau))
         for c in trees
     ]
+
+
+def _trees_exact(target, cpu: str, runtime: str, layouts, say) -> bool:
+    """Whether llama.cpp verifies trees exactly for this target here: cached with the verify
+    costs, else measured now (~2 s) and saved (where exact, by `_costs` with the costs)."""
+    key = costs_store.verify_key(cpu, runtime, target.name, layouts)
+    path = costs_store.cache_dir(target.name) / f"verify-{key}.json"
+    exact = costs_store.read_field(path, "trees_exact")
+    if isinstance(exact, bool):
+        target.weights.trees_exact = exact
+        return exact
+    if target.weights.trees_exact is None:
+        say("whether llama.cpp verifies trees exactly here")
+    if not target.trees_exact:
+        identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
+        costs_store.save(path, {**identity, "trees_exact": False})
+    return target.trees_exact
+
+
+def _plain_decoding(target, requested: str, base: str):
+    """Where trees would change the output (llama.cpp's batched kernels are not exact for this
+    target here): plain decoding for the default, an error for a named drafter. -> (drafter, None)."""
+    from moaspec.drafters.none import NoDrafter
+
+    reason = (
+        f"on this CPU llama.cpp's batched kernels do not reproduce one-token decoding bit for bit for {target.name}, "
+        "so verifying draft trees could change the output"
+    )
+    if requested == DEFAULT:
+        print(f"moaspec: {reason}: plain decoding (--runtime transformers speculates)", file=sys.stderr)
+    elif base != "none":
+        raise MoaspecError(f"{reason}: use --drafter none or --runtime transformers")
+    target.use_layout("row")
+    return NoDrafter.for_target(target), None
 
 
 def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):

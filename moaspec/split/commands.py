@@ -90,7 +90,7 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     capture keys/values (llama.cpp's capture slows every decode)."""
     from moaspec.api import load_target
     from moaspec.calibration.plan import drafter_for
-    from moaspec.drafters import default_drafter
+    from moaspec.drafters import default_drafter, make_drafter
     from moaspec.openai_api.cli import openai_limits_from_args
     from moaspec.serving.identity import drafter_form
     from moaspec.split.serve_flags import server_limits_from_args
@@ -100,7 +100,13 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     target = load_target(args.target, **args.runtime_options)
     split_form = args.drafter or default_drafter(target.name)
     decoding_target = None if args.drafter else target.new_session()
-    drafter, _ = drafter_for(target, split_form)
+    try:
+        drafter, _ = drafter_for(target, split_form)
+    except MoaspecError as exc:  # trees not exact here (calibration/plan.py): the OpenAI routes still decode
+        if args.drafter:
+            raise
+        print(f"moaspec: warning: {exc}: split clients' trees will be refused", file=sys.stderr)
+        drafter = make_drafter(split_form, target)
     openai, decoding = None, split_form
     if decoding_target is not None:
         decoding_drafter, calibration = drafter_for(decoding_target, None)
