@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from moaspec.targets.hf import HFTarget
 
@@ -56,12 +56,14 @@ def _tiny_config(config_cls, **overrides):
 def make_tiny_target(
     family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float64, attn: str = "eager", **overrides
 ) -> HFTarget:
-    """A random 2-layer target of the given family ("llama" or "qwen2"), eager or sdpa attention."""
+    """A random 2-layer target of the given family ("llama", "qwen2" or "qwen3"), eager or sdpa attention."""
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(_tiny_config(LlamaConfig, **overrides))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(_tiny_config(Qwen2Config, **overrides))
+    elif family == "qwen3":  # per-head q/k norms (Target Layer Inference runs them)
+        model = Qwen3ForCausalLM(_tiny_config(Qwen3Config, **({"head_dim": 16} | overrides)))
     else:
         raise ValueError(family)
     model.config._attn_implementation = attn

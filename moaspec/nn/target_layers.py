@@ -3,9 +3,9 @@
 Target Layer Inference feeds the drafter's output through the target's last k layers. Those
 layers must attend to keys/values the target never stored together (true states of verified
 tokens next to drafted states), so we compute the transformers layer by hand from its
-submodules instead of through its cache API. Llama, Mistral and Qwen2 layers (q/k/v biases
-allowed); `check_tli_layers` refuses layers that compute something else (Qwen3's q/k norms,
-Gemma's extra norms and scalings, Granite's multipliers, Phi-3's fused projections).
+submodules instead of through its cache API. Llama, Mistral, Qwen2 and Qwen3 layers (q/k/v
+biases and per-head q/k norms allowed); `check_tli_layers` refuses layers that compute something
+else (Gemma's extra norms and scalings, Granite's multipliers, Phi-3's fused projections).
 """
 
 from __future__ import annotations
@@ -40,13 +40,19 @@ def target_layer_forward(
     attn = layer.self_attn
     head_dim = attn.head_dim
     normed = layer.input_layernorm(x)
-    q = attn.q_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
-    k_new = attn.k_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
+    q = _head_norm(attn, "q_norm", attn.q_proj(normed).unflatten(-1, (-1, head_dim))).transpose(-3, -2)
+    k_new = _head_norm(attn, "k_norm", attn.k_proj(normed).unflatten(-1, (-1, head_dim))).transpose(-3, -2)
     v_new = attn.v_proj(normed).unflatten(-1, (-1, head_dim)).transpose(-3, -2)
     q, k_new = apply_rope(q, cos, sin), apply_rope(k_new, cos, sin)
     k, v = (k_new, v_new) if context is None else (torch.cat([context[0], k_new], -2), torch.cat([context[1], v_new], -2))
     h = x + attn.o_proj(attend(q, k, v, mask))
     return h + layer.mlp(layer.post_attention_layernorm(h)), (k_new, v_new)
+
+
+def _head_norm(attn: nn.Module, name: str, states: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of queries / keys [..., T, H, d] before RoPE; other layers have none."""
+    norm = getattr(attn, name, None)
+    return states if norm is None else norm(states)
 
 
 CHECK_TOKENS = 6  # positions of the input check_tli_layers runs each layer on
