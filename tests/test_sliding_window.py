@@ -85,6 +85,17 @@ def test_layers_the_runtime_cannot_verify_trees_on_are_refused() -> None:
     assert AttentionLayout.of(LlamaConfig(num_hidden_layers=2), "plain") == AttentionLayout((FULL, FULL), None)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_layout_is_the_same_without_transformers_per_layer_helper(family: str, monkeypatch) -> None:
+    """transformers before 5.16 has no get_layer_types_and_kwargs: the config's own fields say it."""
+    import transformers.cache_utils
+
+    config_class, _, settings, _, kinds = FAMILIES[family]
+    config = _tiny_config(config_class, **settings)
+    monkeypatch.delattr(transformers.cache_utils, "get_layer_types_and_kwargs")
+    assert AttentionLayout.of(config, family) == AttentionLayout(kinds, WINDOW)
+
+
 def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path) -> None:
     """Bug: a Gemma 2 directory failed to load (the runtime asked for sdpa, which it has not)."""
     torch.manual_seed(0)

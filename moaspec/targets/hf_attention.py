@@ -32,9 +32,7 @@ class AttentionLayout:
     @classmethod
     def of(cls, config, name: str) -> AttentionLayout:
         """From a transformers config; MoaspecError for layers whose trees cannot be verified."""
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
-        kinds, settings = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        kinds, settings = _layer_kinds(config.get_text_config(decoder=True))
         unsupported = sorted(set(kinds) - {FULL, SLIDING})
         if unsupported:
             raise MoaspecError(
@@ -55,3 +53,16 @@ class AttentionLayout:
         if SLIDING in self.kinds and FULL not in self.kinds:
             return sliding
         return {FULL: tree_attention_bias(parents, num_cached, dtype), SLIDING: sliding}
+
+
+def _layer_kinds(config) -> tuple[list[str], list[dict]]:
+    """Every decoder layer's kind and settings, as transformers' caches see them
+    (`get_layer_types_and_kwargs`, in transformers 5.16 and later; before, from `layer_types` or
+    the config's one `sliding_window`)."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+    except ImportError:
+        window = getattr(config, "sliding_window", None)
+        kinds = list(getattr(config, "layer_types", None) or [SLIDING if window is not None else FULL] * config.num_hidden_layers)
+        return kinds, [{"sliding_window": window} if kind == SLIDING else {} for kind in kinds]
+    return get_layer_types_and_kwargs(config)
