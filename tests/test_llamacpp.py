@@ -725,6 +725,12 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
     prompt = [1, 2, 3, 4]
     result = SpeculativeLM(target, drafter, "none").generate(prompt, max_new_tokens=4)
     assert result.stats.num_verifications == 4 - 1 and len(result.token_ids) == 4
+    from moaspec.bench.cli import _without_trees_where_inexact
+    from moaspec.bench.methods import default_methods, parse_methods
+
+    specs = _without_trees_where_inexact(parse_methods(default_methods(target.name, "llama.cpp")), target)
+    assert [spec.label for spec in specs] == ["none", "llama.cpp", "llama.cpp-pld", "default"]  # bench ran none of them
+    assert "ngram, moa, moa-tli1, eagle, moa+ngram left out" in capsys.readouterr().err
 
 
 def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(llama_target, category_prompts) -> None:

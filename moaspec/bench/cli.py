@@ -120,6 +120,8 @@ def run_bench(args: argparse.Namespace) -> int:
     # The calibration first: it lays out the target (every method then runs on the layout a user
     # of this machine gets) and gives the `default` method its drafter.
     default_drafter, calibration = _calibrated_default(target)
+    if args.methods is None:
+        specs = _without_trees_where_inexact(specs, target)
     # hf / hf-pld on a llama.cpp run: the same target on transformers (float32) beside it, once
     hf_target = moaspec.api.load_target(args.target, runtime="transformers") if needs_hf_copy(specs, runtime) else None
     methods = [build_method(spec, target, default_drafter, overrides, args.ignore_eos, hf_target) for spec in specs]
@@ -159,6 +161,20 @@ def _calibrated_default(target):
 
     drafter, calibration = drafter_for(target, None)
     return drafter, calibration.to_dict() if calibration is not None else None
+
+
+def _without_trees_where_inexact(specs, target):
+    """The default methods less those verifying trees, where llama.cpp's trees are not exact for
+    this target here (calibration/plan.py: the default decodes plainly there); named methods are
+    kept, so that such a method gets its one-line error."""
+    from moaspec.bench.methods import DEFAULT_METHOD
+
+    if target.runtime != "llama.cpp" or target.trees_exact:
+        return specs
+    kept = tuple(spec for spec in specs if spec.drafter in (None, "none", DEFAULT_METHOD))
+    left_out = ", ".join(spec.label for spec in specs if spec not in kept)
+    print(f"moaspec: methods {left_out} left out: llama.cpp's trees are not exact for {target.name} here", file=sys.stderr)
+    return kept
 
 
 def _tree_record(method) -> dict | None:
