@@ -437,3 +437,19 @@ def test_target_layer_inference_refuses_layers_it_does_not_compute(
     with pytest.raises(MoaspecError, match="computes something else"):
         train(random_moa(target, tli=1), target, [], [], TrainConfig(method="moa", tli_layers=1, steps=1), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_tli_check_refuses_a_layer_without_rope() -> None:
+    """SmolLM3's every 4th layer (its last one too) has no RoPE; target_layer_forward rotates
+    anyway. With the tiny model's weights the difference (6e-5) is under the threshold (1e-4)."""
+    import transformers
+
+    from moaspec.nn.target_layers import check_tli_layers
+
+    torch.manual_seed(0)
+    model = transformers.SmolLM3ForCausalLM(_tiny_config(transformers.SmolLM3Config, num_hidden_layers=4)).eval()
+    model.config._attn_implementation = "sdpa"
+    layer = model.model.layers[-1]
+    assert not layer.self_attn.use_rope
+    with pytest.raises(MoaspecError, match="computes something else"):
+        check_tli_layers([layer], model.model.rotary_emb)

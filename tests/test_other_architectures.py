@@ -81,3 +81,24 @@ def test_train_checks_max_seq_len_against_the_targets_context(tmp_path, capsys) 
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["moaspec: error: --max-seq-len 768 exceeds the target's context of 128 positions"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reduced_precision_gpt2_target_lends_its_parts(tmp_path, monkeypatch) -> None:
+    """_load_transformers gives a bfloat16 / float16 target the parts loader `_torch_parts`,
+    which reads `model.embed_tokens.weight` / `model.norm.weight` and builds an RMSNorm:
+    GPT-2's are `transformer.wte` / `transformer.ln_f` (a LayerNorm). A SafetensorError traceback."""
+    import moaspec.targets.load as load
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=128)).save_pretrained(tmp_path)
+    model = load.load_causal_lm(tmp_path, torch.bfloat16)
+    monkeypatch.setattr(load, "resolve_target", lambda spec: ("tiny-gpt2", tmp_path))
+    monkeypatch.setattr(load, "load_tokenizer", lambda directory: None)
+    target = load.load_target(str(tmp_path), runtime="transformers", dtype=torch.bfloat16)
+    assert target._parts_loader is None  # not a Llama-style file layout: the model's own modules, widened
+    parts = target.parts(0)
+    x = torch.randn(3, 64)
+    expected = torch.nn.functional.layer_norm(
+        x, (64,), model.transformer.ln_f.weight.float(), model.transformer.ln_f.bias.float(), model.config.layer_norm_epsilon
+    )
+    assert torch.allclose(parts.final_norm(x), expected, atol=1e-5)

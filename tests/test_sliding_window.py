@@ -104,3 +104,24 @@ def test_a_model_without_sdpa_loads_with_eager_attention(tmp_path) -> None:
     assert load_causal_lm(tmp_path / "gemma2", torch.float32).config._attn_implementation == "eager"
     assert load_causal_lm(tmp_path / "mistral", torch.float32).config._attn_implementation == "sdpa"
     assert load_causal_lm(tmp_path / "mistral", torch.float32, "eager").config._attn_implementation == "eager"
+
+
+def test_a_mistral_config_with_layer_types_is_verified_exactly_or_refused() -> None:
+    """MistralModel applies config.sliding_window to every layer and ignores `layer_types`
+    (transformers warns that such configs exist); AttentionLayout reads `layer_types`, so the
+    trees' masks have no window while prefills and chains have one: greedy output changes."""
+    torch.manual_seed(0)
+    config = _tiny_config(MistralConfig, sliding_window=3, layer_types=["full_attention", "full_attention"])
+    model = MistralForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    target = HFTarget(model.to(torch.float64).eval(), None, "tiny-mistral-layer-types")
+    assert target.attention == AttentionLayout((SLIDING, SLIDING), 3)
+    with torch.no_grad():
+        reference = target.model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0
+        )[0, len(PROMPT):].tolist()
+    drafter = ScriptedDrafter(reference, target.vocab_size, 5, 2, 2)
+    result = Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=30))
+    assert result.token_ids == reference

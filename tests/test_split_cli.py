@@ -95,3 +95,15 @@ def test_a_missing_serve_extra_is_named_in_one_line(argv, module, capsys, monkey
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moaspec: error: ") and module in err and "pip install 'moaspec[serve]'" in err and "\n" not in err
+
+
+def test_bench_client_server_names_the_missing_serve_extra(monkeypatch, capsys, tmp_path) -> None:
+    """`bench --client-server` runs split servers (aiohttp) but checks only jsonschema /
+    matplotlib first: without the `serve` extra it ends in a ModuleNotFoundError traceback."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    rc = main(["bench", "--client-server", "--target", "smollm2-135m", "--limit", "1", "--no-plots",
+               "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
+    assert rc == 2
+    assert "pip install 'moaspec[serve]'" in capsys.readouterr().err

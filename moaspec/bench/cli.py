@@ -97,6 +97,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
     options = runtime_options(args, args.target)
     check_validation()
+    if args.client_server:  # it runs split servers and clients
+        from moaspec.extras import SERVE_MODULES, require_modules
+
+        require_modules("serve", SERVE_MODULES, "bench --client-server")
     if not args.no_plots:
         check_plotting()
     if args.client_server:

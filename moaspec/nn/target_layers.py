@@ -10,6 +10,8 @@ else (Gemma's extra norms and scalings, Granite's multipliers, Phi-3's fused pro
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -56,13 +58,16 @@ def _head_norm(attn: nn.Module, name: str, states: torch.Tensor) -> torch.Tensor
 
 
 CHECK_TOKENS = 6  # positions of the input check_tli_layers runs each layer on
-CHECK_RELATIVE_ERROR = 1e-4  # rounding: ~1e-7 in float32; another computation: 7e-4 (Granite) and more, even with random weights
+# in float64: rounding ~1e-9 (eager attention's float32 softmax), another computation 5e-5 and
+# more even with tiny random weights (SmolLM3's layers without RoPE 6e-5, Granite's multipliers 7e-4)
+CHECK_RELATIVE_ERROR = 1e-6
 
 
 def check_tli_layers(layers: list[nn.Module], rotary_emb: nn.Module | None) -> None:
     """MoaspecError unless target_layer_forward computes what each layer's own forward does, on
-    a random input (a few milliseconds per layer): Target Layer Inference would otherwise train
-    and draft through a function the target does not compute."""
+    a random input, with float64 copies on the CPU (milliseconds per layer on small targets):
+    Target Layer Inference would otherwise train and draft through a function the target does
+    not compute."""
     for layer in layers:
         try:
             error = _relative_error(layer, rotary_emb)
@@ -78,16 +83,17 @@ def check_tli_layers(layers: list[nn.Module], rotary_emb: nn.Module | None) -> N
 
 
 def _relative_error(layer: nn.Module, rotary_emb: nn.Module | None) -> float:
-    """|hand - own| / |own| of one layer over a random input [1, CHECK_TOKENS, D], causal."""
+    """|hand - own| / |own| of a float64 CPU copy of one layer over a random input
+    [1, CHECK_TOKENS, D], causal."""
     if rotary_emb is None:
         raise ValueError("no rotary embedding")
-    weight = layer.self_attn.o_proj.weight
+    layer = copy.deepcopy(layer).to(device="cpu", dtype=torch.float64)
+    rotary_emb = copy.deepcopy(rotary_emb).to("cpu")
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(1, CHECK_TOKENS, weight.shape[0], generator=generator).to(weight)
-    positions = torch.arange(CHECK_TOKENS, device=weight.device)
+    x = torch.randn(1, CHECK_TOKENS, layer.self_attn.o_proj.weight.shape[0], generator=generator, dtype=torch.float64)
+    positions = torch.arange(CHECK_TOKENS)
     cos, sin = target_rope(rotary_emb, positions, x[0])
-    mask = torch.full((CHECK_TOKENS, CHECK_TOKENS), torch.finfo(weight.dtype).min, dtype=weight.dtype, device=weight.device)
-    mask = mask.triu(1)
+    mask = torch.full((CHECK_TOKENS, CHECK_TOKENS), torch.finfo(torch.float64).min, dtype=torch.float64).triu(1)
     with torch.no_grad():
         hand, _ = target_layer_forward(layer, x[0], cos, sin, None, mask)
         own = layer(x, attention_mask=mask[None, None], position_ids=positions[None], position_embeddings=(cos[None], sin[None]))

@@ -103,7 +103,7 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     try:
         drafter, _ = drafter_for(target, split_form)
     except MoaspecError as exc:  # trees not exact here (calibration/plan.py): the OpenAI routes still decode
-        if args.drafter:
+        if args.drafter or target.runtime != "llama.cpp" or target.trees_exact:
             raise
         print(f"moaspec: warning: {exc}: split clients' trees will be refused", file=sys.stderr)
         drafter = make_drafter(split_form, target)

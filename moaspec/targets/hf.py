@@ -73,7 +73,7 @@ class HFTarget:
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
-        self.attention = AttentionLayout.of(self.config, name)  # sliding windows: hf_attention.py
+        self.attention = AttentionLayout.of(self.config, name, model)  # sliding windows: hf_attention.py
         self.cache = DynamicCache()  # full layers, also for sliding-window ones (hf_attention.py)
         self.num_cached = 0
         self.cache_argument = cache_keyword(model)  # how model.forward takes a KV cache

@@ -12,6 +12,7 @@ exactly on them.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,16 @@ class AttentionLayout:
     window: int | None  # None when no layer slides
 
     @classmethod
-    def of(cls, config, name: str) -> AttentionLayout:
-        """From a transformers config; MoaspecError for layers whose trees cannot be verified."""
-        kinds, settings = _layer_kinds(config.get_text_config(decoder=True))
+    def of(cls, config, name: str, model=None) -> AttentionLayout:
+        """From a transformers config (and the model: how it builds its masks); MoaspecError for
+        layers whose trees cannot be verified."""
+        text_config = config.get_text_config(decoder=True)
+        masks = None if model is None else mask_building(model)
+        if masks in (FULL, SLIDING):
+            window = getattr(text_config, "sliding_window", None) if masks == SLIDING else None
+            kind = FULL if window is None else SLIDING
+            return cls((kind,) * text_config.num_hidden_layers, None if window is None else int(window))
+        kinds, settings = _layer_kinds(text_config)
         unsupported = sorted(set(kinds) - {FULL, SLIDING})
         if unsupported:
             raise MoaspecError(
@@ -53,6 +61,24 @@ class AttentionLayout:
         if SLIDING in self.kinds and FULL not in self.kinds:
             return sliding
         return {FULL: tree_attention_bias(parents, num_cached, dtype), SLIDING: sliding}
+
+
+PER_KIND = "per_kind"
+
+
+def mask_building(model) -> str | None:
+    """How the model's forward masks its layers: PER_KIND (a mask per layer kind,
+    `causal_mask_mapping`: Qwen2, Gemma 2 / 3, Cohere 2, ...; the config's `layer_types` say which
+    layer takes which), SLIDING (one mask for every layer, windowed when `config.sliding_window`
+    is set, whatever `layer_types` says: Mistral, Mixtral, Phi-3, Starcoder2), FULL (one causal
+    mask: Llama, GPT-2), or None when its source cannot be read (the config's layer kinds)."""
+    try:
+        source = inspect.getsource(type(model.base_model).forward)
+    except (OSError, TypeError):
+        return None
+    if "causal_mask_mapping" in source:
+        return PER_KIND
+    return SLIDING if "create_sliding_window_causal_mask" in source else FULL
 
 
 def _layer_kinds(config) -> tuple[list[str], list[dict]]:

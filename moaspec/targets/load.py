@@ -95,7 +95,9 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     if device != "cpu":
         model.to(device)
     parts_loader = None
-    if dtype in REDUCED_PRECISION:  # the drafters' modules in float32, as read from the files
+    if dtype in REDUCED_PRECISION and model.config.model_type in LLAMA_STYLE_FILES:
+        # the drafters' modules in float32, as read from the files (other layouts: the model's
+        # own modules widened, HFTarget._float32_parts)
         parts_loader = functools.partial(_torch_parts, model_dir, model.config)
     loaded = HFTarget(model, tokenizer, name, parts_loader)
     layout = requested_layout()  # else the machine calibration picks the layout (moaspec/calibration)
@@ -137,6 +139,11 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
         model, tokenizer, config, name, threads=threads or torch.get_num_threads(),
         parts_loader=lambda tli_layers: _torch_parts(model_dir, config, tli_layers),
     )
+
+
+# architectures whose files name the embedding `model.embed_tokens` and the final RMSNorm (w * x)
+# `model.norm`, which _torch_parts reads
+LLAMA_STYLE_FILES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
