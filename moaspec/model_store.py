@@ -101,7 +101,7 @@ def _builtin_named_by_path(path: Path) -> str | None:
     return None
 
 
-def _gguf_key(gguf: Path) -> str:
+def gguf_key(gguf: Path) -> str:
     """Identify a GGUF file by path, size and modification time (cheap, no hashing of 100 MB)."""
     stat = gguf.stat()
     raw = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()
@@ -110,7 +110,7 @@ def _gguf_key(gguf: Path) -> str:
 
 def ensure_converted(gguf: Path, label: str) -> Path:
     """Return the cached safetensors copy of `gguf`, writing it atomically on first use."""
-    final = cache_root() / "targets" / f"{gguf.stem}-{_gguf_key(gguf)}"
+    final = cache_root() / "targets" / f"{gguf.stem}-{gguf_key(gguf)}"
     if (final / "config.json").is_file():
         return final
     with gguf.open("rb") as handle:

@@ -733,6 +733,29 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
     assert "ngram, moa, moa-tli1, eagle, moa+ngram left out" in capsys.readouterr().err
 
 
+def test_the_calibration_keys_a_gguf_by_its_file_and_offloaded_layers(tmp_path) -> None:
+    """Bug: the cached costs and `trees_exact` were keyed by the target's name (a GGUF's file name)
+    and the CPU: two different `model.gguf` files, or the same one with --n-gpu-layers, shared
+    them, and a cached `trees_exact` True could let a file whose trees are not exact speculate."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from moaspec.calibration.plan import target_identity
+
+    def llama_target_at(path: Path, gpu_layers: int = 0):
+        weights = SimpleNamespace(path=path, gpu_layers=gpu_layers)
+        return SimpleNamespace(runtime="llama.cpp", name=path.name, weights=weights)
+
+    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    for path, size in ((first, 10), (second, 20)):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + bytes(size))
+    identities = {target_identity(llama_target_at(first)), target_identity(llama_target_at(second)),
+                  target_identity(llama_target_at(first, gpu_layers=8))}
+    assert len(identities) == 3 and target_identity(llama_target_at(first)) in identities
+    assert target_identity(SimpleNamespace(runtime="transformers", name="smollm2-135m")) == "smollm2-135m"
+
+
 def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(llama_target, category_prompts) -> None:
     """ctypes swallows exceptions raised in the eval callback, and a callback that answers False
     stops llama.cpp's graph mid-way: Ctrl-C (or SIGTERM through the CLI's handler) arriving while

@@ -162,7 +162,7 @@ def test_concurrent_writer_that_won_is_accepted(cache: Path, gguf: Path, monkeyp
 
     def racing_write(gguf: Path, out_dir: Path) -> None:
         fake(gguf, out_dir)
-        winner = out_dir.parent / f"{gguf.stem}-{model_store._gguf_key(gguf)}"
+        winner = out_dir.parent / f"{gguf.stem}-{model_store.gguf_key(gguf)}"
         winner.mkdir()
         (winner / "config.json").write_text('{"winner": true}')
 

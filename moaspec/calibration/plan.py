@@ -281,10 +281,21 @@ def _recost(trees, costs):
     ]
 
 
+def target_identity(target) -> str:
+    """What the measured costs belong to besides the CPU and runtime: the target's name, and for
+    a llama.cpp target its file (path, size, modification time: two different `model.gguf` files
+    share a name) and the layers it offloads to a GPU."""
+    if target.runtime != "llama.cpp":
+        return target.name
+    from moaspec.model_store import gguf_key
+
+    return f"{target.name}|{gguf_key(target.weights.path)}|ngl {target.weights.gpu_layers}"
+
+
 def _trees_exact(target, cpu: str, runtime: str, layouts, say) -> bool:
     """Whether llama.cpp verifies trees exactly for this target here: cached with the verify
     costs, else measured now (~2 s) and saved (where exact, by `_costs` with the costs)."""
-    key = costs_store.verify_key(cpu, runtime, target.name, layouts)
+    key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
     path = costs_store.cache_dir(target.name) / f"verify-{key}.json"
     exact = costs_store.read_field(path, "trees_exact")
     if isinstance(exact, bool):
@@ -319,7 +330,7 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?)."""
     directory = costs_store.cache_dir(target.name)
     identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
-    key = costs_store.verify_key(cpu, runtime, target.name, layouts)
+    key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
     verify_path = directory / f"verify-{key}.json"
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)

@@ -49,6 +49,7 @@ class LlamaCppModel:
         params.n_gpu_layers = n_gpu_layers
         self.lib = lib
         self.path = gguf
+        self.gpu_layers = n_gpu_layers
         with signals_held():
             self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
