@@ -6,9 +6,9 @@ the oldest entries, which the commit's compaction and `layer_kv` index by positi
 window through the mask: transformers builds it for a prefill or a chain, and a tree gets
 `tree_attention_bias` with the window for the sliding layers. Models mixing both kinds take a mask
 per layer type (a dict), as transformers' own mask creation gives them; models that build one
-mask for every layer are read from their forward (`mask_building`), not from `layer_types`. Other layer kinds
-(chunked, linear or compressed attention, shared caches) are refused: trees could not be verified
-exactly on them.
+mask for every layer are read from their forward (`mask_building`), not from `layer_types`.
+Other layer kinds (chunked, linear or compressed attention, shared caches) are refused: trees
+could not be verified exactly on them.
 """
 
 from __future__ import annotations
