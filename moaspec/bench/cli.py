@@ -81,7 +81,14 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.config import GenerationConfig, SamplingConfig
     from moaspec.model_store import resolve_target
 
-    # 1. everything cheap, before torch and the target load
+    # 1. everything cheap, before torch and the target load (or its first conversion)
+    check_validation()
+    if not args.no_plots:
+        check_plotting()
+    if args.client_server:  # it runs split servers and clients
+        from moaspec.extras import SERVE_MODULES, require_modules
+
+        require_modules("serve", SERVE_MODULES, "bench --client-server")
     check_client_server_flags(args)
     categories = parse_categories(args.categories)
     if args.limit is not None and args.limit < 1:
@@ -96,13 +103,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
-    check_validation()
-    if args.client_server:  # it runs split servers and clients
-        from moaspec.extras import SERVE_MODULES, require_modules
-
-        require_modules("serve", SERVE_MODULES, "bench --client-server")
-    if not args.no_plots:
-        check_plotting()
     if args.client_server:
         if args.ignore_eos:
             raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
