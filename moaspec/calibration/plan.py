@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from moaspec.calibration import costs_store
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -292,11 +293,18 @@ def target_identity(target) -> str:
     return f"{target.name}|{gguf_key(target.weights.path)}|ngl {target.weights.gpu_layers}"
 
 
+def _verify_record(target, cpu: str, runtime: str, layouts) -> tuple[Path, str, dict]:
+    """Where the target's verify costs (and llama.cpp's `trees_exact`) are cached here: -> (path,
+    its key, the identity fields the record carries)."""
+    key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
+    identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
+    return costs_store.cache_dir(target.name) / f"verify-{key}.json", key, identity
+
+
 def _trees_exact(target, cpu: str, runtime: str, layouts, say) -> bool:
     """Whether llama.cpp verifies trees exactly for this target here: cached with the verify
     costs, else measured now (~2 s) and saved (where exact, by `_costs` with the costs)."""
-    key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
-    path = costs_store.cache_dir(target.name) / f"verify-{key}.json"
+    path, _, identity = _verify_record(target, cpu, runtime, layouts)
     exact = costs_store.read_field(path, "trees_exact")
     if isinstance(exact, bool):
         target.weights.trees_exact = exact
@@ -304,7 +312,6 @@ def _trees_exact(target, cpu: str, runtime: str, layouts, say) -> bool:
     if target.weights.trees_exact is None:
         say("whether llama.cpp verifies trees exactly here")
     if not target.trees_exact:
-        identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
         costs_store.save(path, {**identity, "trees_exact": False})
     return target.trees_exact
 
@@ -327,11 +334,9 @@ def _plain_decoding(target, requested: str, base: str):
 
 
 def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
-    """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?)."""
-    directory = costs_store.cache_dir(target.name)
-    identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
-    key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
-    verify_path = directory / f"verify-{key}.json"
+    """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?).
+    On llama.cpp `_trees_exact` has run first: its answer is saved with the costs."""
+    verify_path, key, identity = _verify_record(target, cpu, runtime, layouts)
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
     exact = costs_store.read_field(verify_path, "trees_exact") if cached is not None else None
@@ -340,18 +345,15 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)
         record = costs_store.verify_record(verify, lookup_s, identity)
-        if target.runtime == "llama.cpp":  # measured once per machine with the costs (llamacpp.py)
-            say("whether llama.cpp verifies trees exactly here")
+        if target.runtime == "llama.cpp":
             record["trees_exact"] = target.trees_exact
         costs_store.save(verify_path, record)
     else:
         verify, lookup_s = cached
-        if target.runtime == "llama.cpp":
-            target.weights.trees_exact = exact
     drafter = None
     if model is not None:
         checkpoint = checkpoint_key(checkpoint_directory(base, target.name))
-        drafter_path = directory / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
+        drafter_path = verify_path.parent / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
         drafter = costs_store.load_drafter_costs(drafter_path, layouts)
         shapes = sorted({(d, k) for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
                         | {(model.tree_config.depth, model.tree_config.top_k)})

@@ -13,6 +13,7 @@ could not be verified exactly on them.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -73,8 +74,15 @@ def mask_building(model) -> str | None:
     layer takes which), SLIDING (one mask for every layer, windowed when `config.sliding_window`
     is set, whatever `layer_types` says: Mistral, Mixtral, Phi-3, Starcoder2), FULL (one causal
     mask: Llama, GPT-2), or None when its source cannot be read (the config's layer kinds)."""
+    return _mask_building_of(type(model.base_model))
+
+
+@functools.cache
+def _mask_building_of(model_class: type) -> str | None:
+    """mask_building for a model class (reading its source takes most of a millisecond, and every
+    session of a target is a new HFTarget on the same model)."""
     try:
-        source = inspect.getsource(type(model.base_model).forward)
+        source = inspect.getsource(model_class.forward)
     except (OSError, TypeError):
         return None
     if "causal_mask_mapping" in source:
