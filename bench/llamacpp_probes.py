@@ -189,7 +189,7 @@ def main() -> int:
                 made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name)
             finally:
                 llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE = saved
-            weights.trees_exact = True  # measure, do not refuse
+            weights.exact_nodes = llamacpp.MAX_TREE_NODES  # measure, do not refuse
             return made
         return make
 

@@ -71,13 +71,13 @@ def category_prompts(llama_target) -> dict[str, list[int]]:
 
 
 def require_exact_trees(target) -> None:
-    """On a CPU whose llama.cpp kernels are not batch-invariant, the runtime must refuse trees
-    (checked here) and the tree tests have nothing else to check; everywhere else they run."""
-    if target.trees_exact:
+    """On a CPU whose llama.cpp kernels are not batch-invariant, the runtime must refuse branching
+    trees (checked here) and the tree tests have nothing else to check; everywhere else they run."""
+    if target.exact_tree_nodes >= MAX_TREE_NODES:
         return
-    with pytest.raises(MoaspecError, match="bit for bit"):
-        target.verify(DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
-    pytest.skip("llama.cpp's kernels round differently by batch size on this CPU: trees are refused (checked)")
+    with pytest.raises(MoaspecError, match="bit for bit" if target.exact_tree_nodes == 1 else "leaves"):
+        target.verify(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])))
+    pytest.skip("llama.cpp's kernels round differently by batch size on this CPU: branching trees are refused (checked)")
 
 
 def one_token(token: int) -> DraftTree:
@@ -675,26 +675,38 @@ def test_a_gpu_target_defaults_to_prompt_lookup_everywhere(monkeypatch) -> None:
     assert "moa+ngram" in default_methods("smollm2-135m", "transformers", "cpu").split(",")
 
 
-def test_the_exactness_check_fails_when_batched_kernels_round_differently(llama_target, monkeypatch) -> None:
-    """trees_exact_here passes on this machine's kernels (the other tests hold it to that) and
-    fails as soon as a tree's logits move by one rounding step; trees are then refused."""
+@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7)])
+def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differently(
+    llama_target, monkeypatch, rounds_from: int, exact: int
+) -> None:
+    """exact_tree_nodes_here gives the largest tree on this machine's kernels (the other tests
+    hold it to that) and, where batches of `rounds_from` tokens or more move a logit by one
+    rounding step (K-quant GGUFs: 4 on the AVX-512 EPYC), the longest chain below that; trees are
+    then refused beyond it, and branching ones altogether."""
     from moaspec.targets import llamacpp
 
     require_exact_trees(llama_target)
-    assert llamacpp.trees_exact_here(llama_target)
+    assert llamacpp.exact_tree_nodes_here(llama_target) == MAX_TREE_NODES
     verify = LlamaCppTarget.verify
 
     def rounded_differently(self, tree, hidden_layers=()):
         out = verify(self, tree, hidden_layers)
-        if tree.num_nodes > 1:
+        if tree.num_nodes >= rounds_from:
             out.logits[:, 0] = torch.nextafter(out.logits[:, 0], torch.full_like(out.logits[:, 0], 1e9))
         return out
 
     monkeypatch.setattr(LlamaCppTarget, "verify", rounded_differently)
-    assert not llamacpp.trees_exact_here(llama_target)
-    monkeypatch.setattr(llama_target.weights, "trees_exact", False)
-    with pytest.raises(MoaspecError, match="bit for bit"):
-        verify(llama_target, DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
+    assert llamacpp.exact_tree_nodes_here(llama_target) == exact
+    monkeypatch.setattr(llama_target.weights, "exact_nodes", exact)
+    assert llama_target.max_tree_nodes == exact and llama_target.max_tree_leaves == 1
+    if exact == 1:
+        with pytest.raises(MoaspecError, match="bit for bit"):
+            verify(llama_target, DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0])))
+        return
+    with pytest.raises(MoaspecError, match=f"a tree of {exact + 1} nodes exceeds the {exact}"):
+        verify(llama_target, DraftTree.chain(list(range(1, exact + 2))))
+    with pytest.raises(MoaspecError, match="2 leaves exceeds the 1"):
+        verify(llama_target, DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])))
 
 
 def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafters_are_refused(
@@ -711,14 +723,14 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path))  # a machine with nothing measured yet
     monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
     target = llama_target.new_session()
-    monkeypatch.setattr(target.weights, "trees_exact", False)
+    monkeypatch.setattr(target.weights, "exact_nodes", 1)
     drafter, calibration = drafter_for(target, None)
     assert isinstance(drafter, NoDrafter) and calibration is None
     assert "plain decoding (--runtime transformers speculates)" in capsys.readouterr().err
     assert isinstance(drafter_for(target, "none")[0], NoDrafter)
-    monkeypatch.setattr(target.weights, "trees_exact", None)  # a new process: the saved answer is read, not measured
-    monkeypatch.setattr(llamacpp, "trees_exact_here", lambda target: pytest.fail("measured again"))
-    assert isinstance(drafter_for(target, None)[0], NoDrafter) and target.weights.trees_exact is False
+    monkeypatch.setattr(target.weights, "exact_nodes", None)  # a new process: the saved answer is read, not measured
+    monkeypatch.setattr(llamacpp, "exact_tree_nodes_here", lambda target: pytest.fail("measured again"))
+    assert isinstance(drafter_for(target, None)[0], NoDrafter) and target.weights.exact_nodes == 1
     for named in ("ngram", "moa+ngram"):
         with pytest.raises(MoaspecError, match="bit for bit .*: use --drafter none or --runtime transformers"):
             drafter_for(target, named)
@@ -734,9 +746,9 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
 
 
 def test_the_calibration_keys_a_gguf_by_its_file_and_offloaded_layers(tmp_path) -> None:
-    """Bug: the cached costs and `trees_exact` were keyed by the target's name (a GGUF's file name)
-    and the CPU: two different `model.gguf` files, or the same one with --n-gpu-layers, shared
-    them, and a cached `trees_exact` True could let a file whose trees are not exact speculate."""
+    """Bug: the cached costs and the exact tree size were keyed by the target's name (a GGUF's file
+    name) and the CPU: two different `model.gguf` files, or the same one with --n-gpu-layers, shared
+    them, and a cached exactness could let a file whose trees are not exact speculate."""
     from pathlib import Path
     from types import SimpleNamespace
 

@@ -151,7 +151,7 @@ def run_client_server(
     """The protocol of the module docstring. drafters: method label -> factory (`none` is added);
     adaptive: split clients size their trees from measured costs (SplitOptions.adaptive)."""
     data = ClientServerData()
-    limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens))
+    limits = ServerLimits(max_new_tokens=max(max_new_tokens, ServerLimits().max_new_tokens)).within_runtime(target)
     total = len(profiles) * sum(1 + len(prompt.follow_ups) for prompt in prompts) * (1 + 2 * len(drafters))
     bar = _progress_bar(total, "moaspec bench --client-server", progress)
     try:
@@ -305,7 +305,7 @@ def run_disconnection(
         max_sessions_per_key=DISCONNECTION_SESSIONS,
         max_sessions=DISCONNECTION_SESSIONS,
         idle_timeout_s=DISCONNECTION_IDLE_S,
-    )
+    ).within_runtime(target)
     reference = Engine(target_view(target), NoDrafter())
     rows = []
     bar = _progress_bar(len(drafters) * len(prompts), "moaspec bench: disconnection", progress)

@@ -70,13 +70,21 @@ def binary_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> 
     return DraftTree(torch.randint(0, vocab_size, (num_nodes,), generator=generator), parents)
 
 
+def chain_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
+    """A chain of num_nodes random tokens (root = node 0)."""
+    return DraftTree.chain(torch.randint(0, vocab_size, (num_nodes,), generator=generator))
+
+
 def measure_verify(
     target, context_len: int, repeats: int, node_counts=NODE_COUNTS, hidden_layers=()
 ) -> dict[int, float]:
-    """Median seconds of target.verify + commit for each tree size (see the module docstring)."""
+    """Median seconds of target.verify + commit for each tree size the target takes (see the
+    module docstring; chains where it verifies only chains)."""
     generator = torch.Generator().manual_seed(0)
-    counts = [n for n in node_counts if context_len + n <= target.max_positions]
-    trees = {n: binary_tree(n, target.vocab_size, generator) for n in counts}
+    max_nodes = getattr(target, "max_tree_nodes", None) or max(node_counts)
+    counts = [n for n in node_counts if context_len + n <= target.max_positions and n <= max_nodes]
+    shape = chain_tree if getattr(target, "max_tree_leaves", None) == 1 else binary_tree
+    trees = {n: shape(n, target.vocab_size, generator) for n in counts}
     target.reset()
     target.prefill(torch.randint(0, target.vocab_size, (context_len,), generator=generator))
 

@@ -52,6 +52,32 @@ from moaspec.tuned import checkpoint_key
 
 DISABLE_ENV = "MOASPEC_NO_CALIBRATION"
 DEFAULT = "default"
+EXACT_NODES_FIELD = "exact_tree_nodes"  # the verify record's field: the llama.cpp target's largest exact tree here
+
+
+@dataclass(frozen=True)
+class TreeLimit:
+    """The trees the target verifies: at most `max_nodes` nodes (None: any), only chains where
+    `chains_only` (llama.cpp where only short chains are exact: llamacpp.py's module docstring)."""
+
+    max_nodes: int | None = None
+    chains_only: bool = False
+
+    @classmethod
+    def of(cls, target) -> TreeLimit:
+        return cls(getattr(target, "max_tree_nodes", None), getattr(target, "max_tree_leaves", None) == 1)
+
+    def takes(self, tree, num_nodes: int) -> bool:
+        """Whether a model drafter's tree (TreeConfig) of num_nodes nodes is within the limit."""
+        return (self.max_nodes is None or num_nodes <= self.max_nodes) and (not self.chains_only or tree.top_k == 1)
+
+    def lookups(self) -> list:
+        """The lookup tries (predict.lookup_configs) whose tries are within the limit."""
+        return [
+            config for config in lookup_configs()
+            if (self.max_nodes is None or config.max_nodes <= self.max_nodes)
+            and (not self.chains_only or config.max_branches == 1)
+        ]
 
 
 @dataclass(frozen=True)
@@ -128,8 +154,9 @@ def calibrated_drafter(
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
     cpu, runtime = cpu_description(), runtime_description(target)
     say = _progress(progress)
-    if target.runtime == "llama.cpp" and not _trees_exact(target, cpu, runtime, layouts, say):
+    if target.runtime == "llama.cpp" and _exact_tree_nodes(target, cpu, runtime, layouts, say) == 1:
         return _plain_decoding(target, requested, base)
+    limit = TreeLimit.of(target)
     sequences, lookup_source = load_lookup_profile(target.name)
     begin = time.perf_counter()
     try:
@@ -144,7 +171,7 @@ def calibrated_drafter(
 
     lookups = []  # the lookup tries as the model drafter's first guess (no gate: the model answers otherwise)
     if sequences and with_lookup:
-        lookups = costs_store.simulated_lookups(target.name, sequences, lookup_configs(), simulate_lookup)
+        lookups = costs_store.simulated_lookups(target.name, sequences, limit.lookups(), simulate_lookup)
     rates, rates_source = None, None
     if model is not None:
         rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
@@ -154,12 +181,12 @@ def calibrated_drafter(
     for layout in layouts:
         costs = costs_store.cycle_costs(verify_costs[layout], drafter_costs[layout] if model is not None else None)
         if model is not None:
-            trees = _tree_candidates(model, costs, rates) if trees is None else _recost(trees, costs)
+            trees = _tree_candidates(model, costs, rates, limit) if trees is None else _recost(trees, costs)
         gated = []  # the lookup tries of the `ngram` form, behind the gate
         if sequences and (requested == DEFAULT or base == "ngram"):
             gates[layout] = LookupGate.from_verify_costs(costs.verify, LOOKUP_MAX_NODES)
             gated = costs_store.simulated_lookups(
-                target.name, sequences, lookup_configs(), simulate_lookup, gates[layout]
+                target.name, sequences, limit.lookups(), simulate_lookup, gates[layout]
             )
         options += _options(requested, base, with_lookup, trees, layout, costs, lookups, gated, lookup_s)
     if target.runtime == "llama.cpp" and not target.trees_exact:  # trees would change the output here
@@ -254,21 +281,23 @@ class LazyModelDrafter:
         return self._drafter
 
 
-def _tree_candidates(model, costs, rates):
-    """Every tree with measured costs, or only the model's own when it was fixed (tuned / explicit)."""
+def _tree_candidates(model, costs, rates, limit: TreeLimit):
+    """Every tree with measured costs that the target verifies, or only the model's own when it
+    was fixed (tuned / explicit) and the target verifies it."""
     from moaspec.calibration.tree_ranking import Candidate, candidates, expected_tau
 
-    if model.tree_source == "checkpoint" or model.fixed_fields:
+    tree = model.tree_config
+    tau, nodes = expected_tau(tree, rates)
+    if model.tree_source == "checkpoint" or model.fixed_fields or not limit.takes(tree, nodes):
         fixed = model.fixed_fields
         found = [
             c for c in candidates(costs, rates)
             if c.num_nodes <= max(costs.verify_s)  # no extrapolation
+            and limit.takes(c.tree, c.num_nodes)
             and all(getattr(c.tree, field) == value for field, value in fixed.items())
         ]
         if found:
             return found
-    tree = model.tree_config
-    tau, nodes = expected_tau(tree, rates)
     return [Candidate(tree, nodes, tau, costs.cycle_s(tree, nodes, tau))]
 
 
@@ -294,26 +323,27 @@ def target_identity(target) -> str:
 
 
 def _verify_record(target, cpu: str, runtime: str, layouts) -> tuple[Path, str, dict]:
-    """Where the target's verify costs (and llama.cpp's `trees_exact`) are cached here: -> (path,
+    """Where the target's verify costs (and llama.cpp's exact tree size) are cached here: -> (path,
     its key, the identity fields the record carries)."""
     key = costs_store.verify_key(cpu, runtime, target_identity(target), layouts)
     identity = {"cpu": cpu, "runtime": runtime, "target": target.name, "layouts": list(layouts)}
     return costs_store.cache_dir(target.name) / f"verify-{key}.json", key, identity
 
 
-def _trees_exact(target, cpu: str, runtime: str, layouts, say) -> bool:
-    """Whether llama.cpp verifies trees exactly for this target here: cached with the verify
-    costs, else measured now (~2 s) and saved (where exact, by `_costs` with the costs)."""
+def _exact_tree_nodes(target, cpu: str, runtime: str, layouts, say) -> int:
+    """How many nodes a tree llama.cpp verifies for this target here may have and stay exact:
+    cached with the verify costs, else measured now (~1 s) and saved (where trees are exact at
+    all, by `_costs` with the costs)."""
     path, _, identity = _verify_record(target, cpu, runtime, layouts)
-    exact = costs_store.read_field(path, "trees_exact")
-    if isinstance(exact, bool):
-        target.weights.trees_exact = exact
+    exact = costs_store.read_field(path, EXACT_NODES_FIELD)
+    if isinstance(exact, int) and not isinstance(exact, bool) and exact >= 1:
+        target.weights.exact_nodes = exact
         return exact
-    if target.weights.trees_exact is None:
-        say("whether llama.cpp verifies trees exactly here")
+    if target.weights.exact_nodes is None:
+        say("how large a tree llama.cpp verifies exactly here")
     if not target.trees_exact:
-        costs_store.save(path, {**identity, "trees_exact": False})
-    return target.trees_exact
+        costs_store.save(path, {**identity, EXACT_NODES_FIELD: target.exact_tree_nodes})
+    return target.exact_tree_nodes
 
 
 def _plain_decoding(target, requested: str, base: str):
@@ -335,18 +365,18 @@ def _plain_decoding(target, requested: str, base: str):
 
 def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
     """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?).
-    On llama.cpp `_trees_exact` has run first: its answer is saved with the costs."""
+    On llama.cpp `_exact_tree_nodes` has run first: its answer is saved with the costs."""
     verify_path, key, identity = _verify_record(target, cpu, runtime, layouts)
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
-    exact = costs_store.read_field(verify_path, "trees_exact") if cached is not None else None
-    if cached is None or (target.runtime == "llama.cpp" and not isinstance(exact, bool)):
+    exact = costs_store.read_field(verify_path, EXACT_NODES_FIELD) if cached is not None else None
+    if cached is None or (target.runtime == "llama.cpp" and not isinstance(exact, int)):
         measured = True
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)
         record = costs_store.verify_record(verify, lookup_s, identity)
         if target.runtime == "llama.cpp":
-            record["trees_exact"] = target.trees_exact
+            record[EXACT_NODES_FIELD] = target.exact_tree_nodes
         costs_store.save(verify_path, record)
     else:
         verify, lookup_s = cached
@@ -380,7 +410,8 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None):
     partly_fixed = bool(model.fixed_fields)  # the calibration chose the fields --tree-* left open
     model = model.drafter()
     model.use_layout(chosen.layout)
-    if chosen.tree is not None and (model.tree_source == "checkpoint" or partly_fixed):
+    replaced = chosen.tree is not None and chosen.tree != model.tree_config  # too large for the target (_tree_candidates)
+    if chosen.tree is not None and (model.tree_source == "checkpoint" or partly_fixed or replaced):
         model.tree_config, model.tree_source = chosen.tree, "calibrated"
     if chosen.drafter.endswith("+ngram"):
         model.enable_lookup(chosen.lookup)

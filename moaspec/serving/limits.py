@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,14 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # the whole body, from the handler asking for it (1 MiB at 1 Mbit/s: ~8 s)
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 10.0  # after Ctrl-C / SIGTERM, requests in flight may finish for this long
+
+    def within_runtime(self, target) -> ServerLimits:
+        """These limits with max_tree_nodes lowered to what `target`'s runtime verifies in one tree
+        (its `max_tree_nodes`; llama.cpp on GGUFs exact only for short chains), if that is less."""
+        runtime_nodes = getattr(target, "max_tree_nodes", None)
+        if runtime_nodes is None or runtime_nodes >= self.max_tree_nodes:
+            return self
+        return replace(self, max_tree_nodes=runtime_nodes)
 
 
 @dataclass(frozen=True)

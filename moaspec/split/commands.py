@@ -105,8 +105,9 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     except MoaspecError as exc:  # trees not exact here (calibration/plan.py): the OpenAI routes still decode
         if args.drafter or target.runtime != "llama.cpp" or target.trees_exact:
             raise
-        print(f"moaspec: warning: {exc}: split clients' trees will be refused", file=sys.stderr)
+        print(f"moaspec: warning: {exc}: split clients verify one token per request", file=sys.stderr)
         drafter = make_drafter(split_form, target)
+    limits = _within_runtime(limits, target, args)
     openai, decoding = None, split_form
     if decoding_target is not None:
         decoding_drafter, calibration = drafter_for(decoding_target, None)
@@ -114,6 +115,20 @@ def build_server(args: argparse.Namespace, keys: list[str]):
         decoding = calibration.chosen.drafter if calibration is not None else drafter_form(decoding_drafter)
     server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai)
     return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
+
+
+def _within_runtime(limits, target, args: argparse.Namespace):
+    """The limits with --max-tree-nodes lowered to what the runtime verifies exactly here, when the
+    flag was left at its default (a named larger value is refused by SplitServer)."""
+    from moaspec.serving.limits import ServerLimits
+
+    if args.max_tree_nodes != ServerLimits().max_tree_nodes:
+        return limits
+    lowered = limits.within_runtime(target)
+    if 1 < lowered.max_tree_nodes < limits.max_tree_nodes:  # 1: said with the drafter's warning
+        note = f"chains of at most {lowered.max_tree_nodes} nodes verify exactly here"
+        print(f"moaspec: {target.name}: {note} (--max-tree-nodes {lowered.max_tree_nodes})", file=sys.stderr)
+    return lowered
 
 
 def generate_remote(

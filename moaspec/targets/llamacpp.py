@@ -31,6 +31,13 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   are reclaimed by re-decoding the verified context in order when the cache fills (`_make_room`),
   which reproduces the same keys and values.
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
+Not every GGUF keeps this: K-quant products (Q4_K, Q6_K, ...) switch to repacked GEMM kernels
+from 4 rows on (AVX-512 EPYC), which round differently from one-token decoding. So the largest
+exact tree is measured per machine and model (llamacpp_exactness.py, `exact_tree_nodes`): where
+a branching tree is exact, trees of up to MAX_TREE_NODES; where only short chains are, trees are
+chains of at most that length (`max_tree_nodes`, `max_tree_leaves` 1: a chain never parks a cell,
+so the context is never re-decoded in batches larger than its tokens were decoded in); where no
+chain is, plain decoding only.
 
 The verified context has TREE_HEADROOM cells beyond its `cells` positions: a tree at the context's
 end fits by depth (the engine prunes it so) but needs a cell per node.
@@ -55,7 +62,7 @@ layers Target Layer Inference runs are not available on this runtime: drafters t
 are refused with a clear error.
 
 Beside this module: llamacpp_model.py (the bindings and the GGUF's weights), llamacpp_exactness.py
-(the per-machine check that trees stay exact), llamacpp_cells.py (moving a prompt's cells),
+(the per-machine measure of how large a tree stays exact), llamacpp_cells.py (moving a prompt's cells),
 llamacpp_features.py (the eval callback's keys/values, and the rows kept of verified positions).
 """
 
@@ -77,7 +84,7 @@ from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
-from moaspec.targets.llamacpp_exactness import tree_logits_equal_steps
+from moaspec.targets.llamacpp_exactness import exact_tree_nodes
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
@@ -105,7 +112,6 @@ class LlamaCppTarget:
 
     runtime = "llama.cpp"
     keeps_shared_start = True  # set_context keeps a shared start, bit for bit (module docstring)
-    max_tree_nodes, max_tree_leaves = MAX_TREE_NODES, MAX_LEAVES
 
     def __init__(
         self,
@@ -245,12 +251,29 @@ class LlamaCppTarget:
         self.reset()
 
     @property
+    def exact_tree_nodes(self) -> int:
+        """The most nodes a verified tree may have and keep one-token decoding's logits bit for bit
+        on this machine (1: none; measured once per process and model, ~1 s: `exact_tree_nodes_here`)."""
+        if self.weights.exact_nodes is None:
+            self.weights.exact_nodes = exact_tree_nodes_here(self)
+        return self.weights.exact_nodes
+
+    @property
     def trees_exact(self) -> bool:
-        """Whether tree logits equal one-token decoding's bit for bit on this machine (measured
-        once per process and model, ~2 s: `trees_exact_here`)."""
-        if self.weights.trees_exact is None:
-            self.weights.trees_exact = trees_exact_here(self)
-        return self.weights.trees_exact
+        """Whether drafted tokens can be verified here without changing the output."""
+        return self.exact_tree_nodes > 1
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The most nodes `verify` takes in one tree: MAX_TREE_NODES, or fewer where only chains that
+        short are exact (module docstring)."""
+        return min(MAX_TREE_NODES, self.exact_tree_nodes)
+
+    @property
+    def max_tree_leaves(self) -> int:
+        """The most leaves of one tree: MAX_LEAVES, or 1 (chains) where trees are exact only up to a
+        size (module docstring)."""
+        return MAX_LEAVES if self.exact_tree_nodes >= MAX_TREE_NODES else 1
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -368,8 +391,9 @@ class LlamaCppTarget:
 
         A prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context and
         moved in (`_prefill_in_prompt_context`); a shorter one is decoded here, keeping the part
-        of the context it shares with the one held (a chat's next turn). Either way the result
-        is the same bits a fresh context would give (module docstring)."""
+        of the context it shares with the one held (a chat's next turn), where the weight
+        products do not change with the batch size (`exact_tree_nodes`). Either way the result is
+        the same bits a fresh context would give (module docstring)."""
         ids = input_ids.tolist()
         if not ids:
             raise ValueError("set_context needs at least one token")
@@ -380,6 +404,8 @@ class LlamaCppTarget:
         if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS:
             return self._prefill_in_prompt_context(ids, hidden_layers)
         keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
+        if keep and self.exact_tree_nodes < MAX_TREE_NODES:
+            keep = 0  # kernels that change with the batch size: kept cells would differ from a fresh prefill's
         if self.capture is not None:
             keep = min(keep, self._kv.valid)
         if hidden_layers:
@@ -480,19 +506,23 @@ class LlamaCppTarget:
         self._check_hidden(hidden_layers)
         self._drop_pending()
         count = tree.num_nodes
-        if count > MAX_TREE_NODES:
-            raise MoaspecError(f"a tree of {count} nodes exceeds the llama.cpp runtime's {MAX_TREE_NODES}")
+        if count > 1 and not self.trees_exact:
+            raise MoaspecError(
+                "on this CPU llama.cpp's batched kernels do not reproduce one-token decoding bit for bit, so "
+                "verifying draft trees could change the output: use --drafter none or --runtime transformers"
+            )
+        if count > self.max_tree_nodes:
+            raise MoaspecError(
+                f"a tree of {count} nodes exceeds the {self.max_tree_nodes} the llama.cpp runtime verifies here"
+            )
         node_depths = depths(tree.parents)
         if self.num_cached + int(node_depths.max()) + 1 > self.max_positions:
             raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
         seq_sets = leaf_groups(tree.parents)
         num_seqs = len(seq_sets[0])  # the root carries every leaf's sequence
-        if num_seqs > MAX_LEAVES:
-            raise MoaspecError(f"a tree with {num_seqs} leaves exceeds the llama.cpp runtime's {MAX_LEAVES}")
-        if count > 1 and not self.trees_exact:
+        if num_seqs > self.max_tree_leaves:
             raise MoaspecError(
-                "on this CPU llama.cpp's batched kernels do not reproduce one-token decoding bit for bit, so "
-                "verifying draft trees could change the output: use --drafter none or --runtime transformers"
+                f"a tree with {num_seqs} leaves exceeds the {self.max_tree_leaves} the llama.cpp runtime verifies here"
             )
         self._make_room(count)
         for seq in range(1, num_seqs):
@@ -673,13 +703,13 @@ def _shared_start(held: list[int], ids: list[int]) -> int:
     return count
 
 
-def trees_exact_here(target: LlamaCppTarget) -> bool:
-    """Measure, in a small context of its own on `target`'s weights, whether this machine's
-    llama.cpp kernels keep tree verification exact (llamacpp_exactness.py); where they do not,
-    the runtime refuses trees rather than change outputs."""
+def exact_tree_nodes_here(target: LlamaCppTarget) -> int:
+    """Measure, in a small context of its own on `target`'s weights, how many nodes a tree may
+    have and keep this machine's llama.cpp kernels exact (llamacpp_exactness.py); larger trees
+    are refused rather than change outputs."""
     probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
-    probe.weights.trees_exact = True  # the probe itself verifies trees
+    probe.weights.exact_nodes = MAX_TREE_NODES  # the probe itself verifies trees
     try:
-        return tree_logits_equal_steps(probe)
+        return exact_tree_nodes(probe, MAX_TREE_NODES)
     finally:
-        probe.weights.trees_exact = None
+        probe.weights.exact_nodes = None

@@ -1,4 +1,4 @@
-"""Whether tree verification stays exact on this machine's llama.cpp kernels (llamacpp.py's module
+"""How large a verified tree stays exact on this machine's llama.cpp kernels (llamacpp.py's module
 docstring: a tree's logits must equal one-token decoding's bit for bit)."""
 
 from __future__ import annotations
@@ -13,28 +13,65 @@ EXACTNESS_STEPS = 8
 
 
 @torch.inference_mode()
-def tree_logits_equal_steps(probe: Target) -> bool:
-    """Decode EXACTNESS_STEPS tokens one at a time after EXACTNESS_CONTEXT tokens in `probe` (a
-    fresh context of its own), then verify them as the path of a branching tree (wrong siblings
-    before it: parked cells) and one more token after the commit, and compare every logit bit for
-    bit. Kernels chosen by batch size (an AMX or ARM matrix path, say) fail it."""
+def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
+    """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
+    give one-token decoding's logits bit for bit: `max_nodes` where a branching tree of
+    2 * EXACTNESS_STEPS - 1 nodes is exact (kernels that do not change with the batch size), else
+    the longest chain k such that chains of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none).
+    Kernels chosen by batch size fail the tree: llama.cpp's repacked K-quant products from 4
+    rows on (AVX-512 EPYC), an AMX or ARM matrix path, say."""
     context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
+    tokens, logits = _one_token_decoding(probe, context)
+    if _branching_tree_exact(probe, context, tokens, logits):
+        return max_nodes
+    for length in range(2, EXACTNESS_STEPS + 1):
+        if not _chain_exact(probe, context, tokens, logits, length):
+            return length - 1
+    return EXACTNESS_STEPS
+
+
+def _one_token_decoding(probe: Target, context: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+    """EXACTNESS_STEPS + 1 greedy tokens after `context`, decoded one at a time, and their logits
+    (logits[k]: after tokens[k])."""
     tokens, logits = [], []
     token = int(probe.set_context(context).logits[0].argmax())
     for _ in range(EXACTNESS_STEPS + 1):
         tokens.append(token)
-        out = probe.verify(DraftTree(torch.tensor([token]), torch.tensor([-1])))
+        out = probe.verify(DraftTree.root_only(token))
         probe.commit([0])
         logits.append(out.logits[0])
         token = int(out.logits[0].argmax())
+    return tokens, logits
+
+
+def _branching_tree_exact(probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor]) -> bool:
+    """The steps verified as the path of a branching tree (a wrong sibling before each true
+    token: parked cells), then one more token after the commit, equal to one-token decoding."""
     probe.set_context(context)
     ids, parents = [tokens[0]], [-1]
     for depth in range(1, EXACTNESS_STEPS):  # a wrong sibling first, then the true token
         ids += [(tokens[depth] + 1) % probe.vocab_size, tokens[depth]]
         parents += [len(ids) - 3 if depth > 1 else 0] * 2
-    out = probe.verify(DraftTree(torch.tensor(ids), torch.tensor(parents)))
     path = [0] + [2 * depth for depth in range(1, EXACTNESS_STEPS)]
+    return _verified_as_decoded(probe, DraftTree(torch.tensor(ids), torch.tensor(parents)), path, tokens, logits)
+
+
+def _chain_exact(
+    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], length: int
+) -> bool:
+    """The first `length` steps verified as one chain, then one more token after the commit."""
+    probe.set_context(context)
+    chain = DraftTree.chain(tokens[:length])
+    return _verified_as_decoded(probe, chain, list(range(length)), tokens, logits)
+
+
+def _verified_as_decoded(
+    probe: Target, tree: DraftTree, path: list[int], tokens: list[int], logits: list[torch.Tensor]
+) -> bool:
+    """Verify `tree`, commit `path` (one-token decoding's first tokens), verify the next token:
+    every logit on the path and after it equal to one-token decoding's."""
+    out = probe.verify(tree)
     exact = all(torch.equal(out.logits[node], logits[k]) for k, node in enumerate(path))
     probe.commit(path)
-    after = probe.verify(DraftTree(torch.tensor([tokens[EXACTNESS_STEPS]]), torch.tensor([-1])))
-    return exact and torch.equal(after.logits[0], logits[EXACTNESS_STEPS])
+    after = probe.verify(DraftTree.root_only(tokens[len(path)]))
+    return exact and torch.equal(after.logits[0], logits[len(path)])

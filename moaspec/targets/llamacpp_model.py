@@ -59,7 +59,7 @@ class LlamaCppModel:
         self.num_layers = lib.llama_model_n_layer(self.model)
         self.hidden_size = lib.llama_model_n_embd(self.model)
         self.context_train = lib.llama_model_n_ctx_train(self.model)
-        self.trees_exact: bool | None = None  # measured on first need (trees_exact_here)
+        self.exact_nodes: int | None = None  # the largest exact tree here (exact_tree_nodes_here, on first need)
 
     def __del__(self) -> None:
         if getattr(self, "model", None):
