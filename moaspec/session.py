@@ -65,10 +65,18 @@ class TargetSession:
             return int(logits.argmax()), update
         return sample(target_probs(logits.double(), self.sampling), self.generator), update
 
-    def resume(self, context_ids: torch.Tensor) -> VerifiedUpdate:
+    def resume(self, context_ids: torch.Tensor, prompt_len: int | None = None) -> VerifiedUpdate:
         """Rebuild the verified context context_ids [T] without choosing a token (the caller
-        already knows the root: resynchronisation after a disconnection)."""
-        return self._prefill(context_ids)[0]
+        already knows the root: resynchronisation after a disconnection). prompt_len: its first
+        tokens were the prompt: prefilled as one, the rest appended as verification decoded them
+        (`Target.prefill`), so that a runtime whose batched kernels round otherwise (llama.cpp)
+        holds the uninterrupted context bit for bit; None: all prefilled as one prompt."""
+        if prompt_len is None or prompt_len >= context_ids.numel():
+            return self._prefill(context_ids)[0]
+        prompt, _ = self._prefill(context_ids[:prompt_len])
+        out = self.target.prefill(context_ids[prompt_len:], self.hidden_layers)
+        hidden = None if out.hidden is None else torch.cat([prompt.hidden, out.hidden])
+        return VerifiedUpdate(context_ids, 0, hidden, self.target)
 
     def verify(self, tree: DraftTree) -> Verified:
         """Score the tree in one forward, pick the accepted path and next token, commit the path."""

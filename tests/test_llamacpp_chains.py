@@ -52,7 +52,7 @@ def k_quant_target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(llama_target) -> dict[str, list[int]]:
     """The first prompt of three benchmark categories, through the chat template."""
-    found = load_prompts(("mt_bench", "humaneval", "summarization"), 1)
+    found = load_prompts(("mt_bench", "humaneval", "summarization", "qa"), 1)
     return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in found.items()}
 
 
@@ -73,8 +73,8 @@ def test_chains_up_to_the_measured_length_give_one_token_decodings_logits(k_quan
     logits one-token decoding computes, and the token after a committed chain too."""
     target = k_quant_target
     longest = min(target.max_tree_nodes, 8)
-    for name, prompt in prompts.items():
-        prompt = prompt[:200]
+    for name in ("mt_bench", "humaneval", "summarization"):
+        prompt = prompts[name][:200]
         tokens, logits = plain_decode(target, prompt, longest + 1)
         for length in range(2, longest + 1):
             target.set_context(torch.tensor(prompt))  # held: the prompt and more (a fresh prefill's bits)
@@ -105,7 +105,8 @@ def test_a_k_quant_gguf_speculates_within_its_exact_chains_and_keeps_plain_decod
     lookup = NgramConfig(min_ngram=1, max_depth=6, max_branches=3, max_nodes=16)
     generation = GenerationConfig(max_new_tokens=64)
     drafted = 0
-    for name, prompt in prompts.items():
+    for name in ("mt_bench", "humaneval", "summarization"):
+        prompt = prompts[name]
         plain = Engine(target, NoDrafter.for_target(target)).generate(prompt, generation=generation)
         verified.clear()
         speculated = Engine(target, NgramDrafter(lookup)).generate(prompt, generation=generation)
@@ -195,3 +196,28 @@ def test_a_prompt_after_a_generation_gets_the_bits_of_a_fresh_prefill(k_quant_ta
     fresh = target.set_context(torch.tensor(longer)).logits[0]
     plain_decode(target, prompt, 6)  # held: the longer prompt and two tokens more
     assert torch.equal(target.set_context(torch.tensor(longer)).logits[0], fresh)
+
+
+@pytest.mark.parametrize(("gguf", "prompt_tokens", "cut"), [
+    ("k_quant", 120, 16),  # batches of more than the exact chain round otherwise
+    ("q4_1", 340, 50),  # prompt + answer past 384 tokens: prefilled with the prompt context's attention kernel
+])
+def test_a_resumed_split_session_continues_with_the_uninterrupted_logits(
+    request, prompts, gguf: str, prompt_tokens: int, cut: int
+) -> None:
+    """Bug: a split session resumed after a cut (an open with root_id) prefilled the prompt and the
+    answer so far as one prompt; where batched kernels round otherwise, the generated tokens'
+    cells then differed from the uninterrupted session's and so could the tokens after the cut.
+    Given the prompt's length, the answer is appended as verification decoded it."""
+    from moaspec.config import SamplingConfig
+    from moaspec.session import TargetSession
+
+    target = request.getfixturevalue("k_quant_target" if gguf == "k_quant" else "llama_target")
+    prompt = prompts["qa"][:prompt_tokens]
+    tokens, logits = plain_decode(target, prompt, cut + 8)
+    session = TargetSession(target.new_session(), (), SamplingConfig(), 0)
+    session.resume(torch.tensor(prompt + tokens[:cut]), len(prompt))
+    for k in range(cut, cut + 8):  # logits[k + 1] follow tokens[k]
+        out = session.target.verify(DraftTree.root_only(tokens[k]))
+        session.target.commit([0])
+        assert torch.equal(out.logits[0], logits[k + 1]), (gguf, k)

@@ -239,6 +239,26 @@ def test_an_open_returns_the_context_from_context_from_on() -> None:
         made.server.stop()
 
 
+def test_prompt_len_is_for_a_resume_within_its_prompt() -> None:
+    """docs/protocol.md: an open's prompt_len (the resumed session's prompt length) comes with
+    root_id and is in 1..T, else a 400; a resume with it continues from the given root."""
+    made = SplitPair("moa")
+    try:
+        client = SplitClient(made.url, KEY)
+        with pytest.raises(ServerRefused, match=r"\(400\).*'prompt_len' is only for a resume \(with 'root_id'\)"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, prompt_len=2))
+        with pytest.raises(ServerRefused, match=rf"\(400\).*'prompt_len' must be an integer in \[1, {len(PROMPT)}\]"):
+            client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, root_id=5, prompt_len=len(PROMPT) + 1))
+        whole = client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, root_id=5))
+        split = client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, root_id=5, prompt_len=3))
+        assert whole["next_token"] == split["next_token"] == 5
+        contexts = [wire.decode_context(reply["context"], len(PROMPT)) for reply in (whole, split)]
+        assert contexts[0].keys() == contexts[1].keys()
+        assert all(torch.allclose(contexts[0][name].float(), contexts[1][name].float(), atol=1e-2) for name in contexts[0])
+    finally:
+        made.server.stop()
+
+
 def test_max_new_tokens_beyond_the_servers_limit_is_refused() -> None:
     """--max-new-tokens bounds an open's max_new_tokens (400), whatever room the token budget has."""
     made = SplitPair("ngram", limits=ServerLimits(max_new_tokens=8))

@@ -575,15 +575,22 @@ def test_a_link_that_fails_again_right_after_reconnecting_goes_back_offline(pair
     provisional tokens on a session it had just dropped (`/sessions/None/verify`), hundreds of
     thousands of times, ignoring the deadline. Now it goes back offline, reconnects and finishes
     with the target's own tokens. Deterministic: failures injected by count, not by timing."""
+    resyncs = []
+
     def fail(kind, count, request):
         # verify 3 and its immediate retry: the link is down; 5 and 6, the first verify of the
         # provisional tokens after the reconnect and its retry: down again
+        if kind == "resync":
+            resyncs.append(request)
         return LinkDown("connection reset by peer") if kind == "verify" and count in (3, 4, 5, 6) else None
 
     # 50 ms before the first reconnect attempt: the drafter writes provisional tokens meanwhile
     result, client, expected = run_scripted(pair, fail, retry_initial_s=0.05, retry_max_s=0.1)
     assert result.token_ids == expected and result.num_reconnects == 2 and result.num_provisional > 0
     assert client.counts["resync"] == 2
+    # each resume names the prompt's length: the server appends the answer as it was verified
+    assert [request.prompt_len for request in resyncs] == [len(PROMPT)] * 2
+    assert all(len(request.prompt_ids) > len(PROMPT) for request in resyncs)
 
 
 @pytest.mark.parametrize("pair", [("ngram", None, ServerLimits(max_tree_nodes=3))], indirect=True)

@@ -422,6 +422,7 @@ class _Run:
             prompt_ids, s.temperature, s.top_k, s.top_p, self.generation.seed % 2**64,  # the wire takes 0..2^64-1
             self.max_new if max_new is None else max_new,
             root_id=root_id, context_from=context_from, context_dtype=self.options.context_dtype, stop_ids=stop_ids,
+            prompt_len=None if root_id is None else len(self.prompt),
         )
 
 

@@ -184,7 +184,9 @@ def decode_context(value: Any, num_tokens: int) -> dict[str, torch.Tensor]:
 @dataclass(frozen=True)
 class OpenRequest:
     """Start a session: prefill prompt_ids. With root_id, resume (resynchronise) instead: the
-    server rebuilds the verified context and continues from the given root without choosing one."""
+    server rebuilds the verified context and continues from the given root without choosing one
+    (prompt_len: its first tokens are prefilled as the session's prompt was, the rest decoded as
+    verification decoded them: TargetSession.resume)."""
 
     prompt_ids: list[int]
     temperature: float = 0.0
@@ -194,6 +196,7 @@ class OpenRequest:
     max_new_tokens: int = 256
     root_id: int | None = None
     context_from: int = 0  # return context for prompt positions >= this (the client has the rest)
+    prompt_len: int | None = None  # with root_id: the leading prompt_ids the session was opened with
     context_dtype: str = "f16"
     stop_ids: list[int] | None = None  # with a verify's `remaining`: the server closes a finished session itself
     version: int = PROTOCOL_VERSION

@@ -305,12 +305,17 @@ class SplitServer:
         if root_id is not None:
             root_id = wire.get_int(message, "root_id", 0, vocab - 1)
         context_from = wire.get_int(message, "context_from", 0, len(prompt), 0)
+        prompt_len = message.get("prompt_len")
+        if prompt_len is not None:
+            if root_id is None:
+                raise ProtocolError("'prompt_len' is only for a resume (with 'root_id')")
+            prompt_len = wire.get_int(message, "prompt_len", 1, len(prompt))
         context_dtype = wire.get_choice(message, "context_dtype", wire.CONTEXT_DTYPES, "f16")
         has_stop_ids = message.get("stop_ids") is not None  # absent or null alike, as root_id
         stop_ids = frozenset(wire.get_ids(message, "stop_ids", vocab, 0, wire.MAX_STOP_IDS)) if has_stop_ids else frozenset()
         reservation = self._reserve(request[KEY_INDEX], len(prompt) + max_new)
         try:
-            done = await self._prefill(reservation, prompt, sampling, seed, root_id, context_from, context_dtype)
+            done = await self._prefill(reservation, prompt, sampling, seed, root_id, prompt_len, context_from, context_dtype)
         except BaseException:
             self.budget.release(reservation)
             raise
@@ -324,7 +329,7 @@ class SplitServer:
 
     async def _prefill(
         self, reservation: Reservation, prompt: list[int], sampling: SamplingConfig, seed: int, root_id: int | None,
-        context_from: int, context_dtype: str,
+        prompt_len: int | None, context_from: int, context_dtype: str,
     ) -> _Prefilled:
         """A new session's target state: prefill (or resume) on the worker, in a target this key
         left idle (keeping what the prompt shares with it), another key's emptied, or a new one
@@ -346,7 +351,7 @@ class SplitServer:
                 if root_id is None:
                     first, update = target_session.prefill(prompt_ids)
                 else:
-                    first, update = root_id, target_session.resume(prompt_ids)
+                    first, update = root_id, target_session.resume(prompt_ids, prompt_len)
             context = {k: v[context_from:] for k, v in self.encoder.encode(update).items()}
             return first, wire.encode_context(context, context_dtype)
 

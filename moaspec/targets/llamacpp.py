@@ -53,7 +53,9 @@ aligned to position 0 and reuses only whole chunks of a previous prompt, and a p
 reuses cells the other path computed (a short prompt after a long one starts afresh; a long one
 prefills the previous answer again). A prompt's cells are therefore a function of its tokens
 (and of the thread count, which llama.cpp's one-token attention over 512+ f16 cells splits by):
-a chat's next turn equals a fresh prefill bit for bit on either path.
+a chat's next turn equals a fresh prefill bit for bit on either path. Verified tokens appended
+after a prompt (`prefill`: a split session resumed after a cut rebuilds prompt and answer) are
+decoded in this context in batches one-token decoding agrees with, never as part of a prompt.
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
 embeddings output); per-layer keys/values through the eval callback (llamacpp_features.py) for
@@ -457,20 +459,27 @@ class LlamaCppTarget:
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, 1, D].
-        Into an empty context this is set_context (a prompt)."""
+        Into an empty context this is set_context (a prompt); after one, the tokens get the
+        cells one-token decoding (and tree verification) gives them: decoded here in batches
+        of `_exact_batch` tokens (a split session resumed after a cut holds the same bits)."""
         if self.num_cached == 0:
             return self.set_context(input_ids, hidden_layers)
-        return self._append(input_ids, hidden_layers)
+        return self._append(input_ids, hidden_layers, self._exact_batch)
 
-    def _append(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...]) -> TargetOutput:
-        """Decode input_ids [T] after the verified context, in this context."""
+    @property
+    def _exact_batch(self) -> int:
+        """The most tokens one decode after the prompt takes and keeps one-token decoding's bits."""
+        return min(COMPACT_CHUNK, self.exact_tree_nodes)
+
+    def _append(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...], batch: int = MAX_BATCH) -> TargetOutput:
+        """Decode input_ids [T] after the verified context, in this context, `batch` tokens per decode."""
         self._check_hidden(hidden_layers)
         ids = input_ids.tolist()
         if self.num_cached + len(ids) > self.max_positions:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
         self._make_room(len(ids))
-        return self._decode_in_chunks(self.ctx, ids, self.num_cached, MAX_BATCH, hidden_layers, self._tokens)
+        return self._decode_in_chunks(self.ctx, ids, self.num_cached, batch, hidden_layers, self._tokens)
 
     def _decode_in_chunks(
         self, ctx, ids: list[int], first: int, size: int, hidden_layers: tuple[int, ...], held: list[int]
@@ -616,8 +625,8 @@ class LlamaCppTarget:
         self.compactions += 1
         if self._moved:
             self._move_prompt_cells(self._moved)
-        for start in range(self._moved, len(tokens), COMPACT_CHUNK):
-            chunk = tokens[start : start + COMPACT_CHUNK]
+        for start in range(self._moved, len(tokens), self._exact_batch):
+            chunk = tokens[start : start + self._exact_batch]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
 
