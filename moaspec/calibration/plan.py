@@ -335,8 +335,8 @@ def _exact_tree_nodes(target, cpu: str, runtime: str, layouts, say) -> int:
     cached with the verify costs, else measured now (~1 s) and saved (where trees are exact at
     all, by `_costs` with the costs)."""
     path, _, identity = _verify_record(target, cpu, runtime, layouts)
-    exact = costs_store.read_field(path, EXACT_NODES_FIELD)
-    if isinstance(exact, int) and not isinstance(exact, bool) and exact >= 1:
+    exact = _saved_exact_nodes(path)
+    if exact is not None:
         target.weights.exact_nodes = exact
         return exact
     if target.weights.exact_nodes is None:
@@ -344,6 +344,12 @@ def _exact_tree_nodes(target, cpu: str, runtime: str, layouts, say) -> int:
     if not target.trees_exact:
         costs_store.save(path, {**identity, EXACT_NODES_FIELD: target.exact_tree_nodes})
     return target.exact_tree_nodes
+
+
+def _saved_exact_nodes(path: Path) -> int | None:
+    """The exact tree size a verify record holds, None where it holds none (or not a count)."""
+    exact = costs_store.read_field(path, EXACT_NODES_FIELD)
+    return exact if isinstance(exact, int) and not isinstance(exact, bool) and exact >= 1 else None
 
 
 def _plain_decoding(target, requested: str, base: str):
@@ -369,8 +375,7 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     verify_path, key, identity = _verify_record(target, cpu, runtime, layouts)
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
-    exact = costs_store.read_field(verify_path, EXACT_NODES_FIELD) if cached is not None else None
-    if cached is None or (target.runtime == "llama.cpp" and not isinstance(exact, int)):
+    if cached is None or (target.runtime == "llama.cpp" and _saved_exact_nodes(verify_path) is None):
         measured = True
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)
