@@ -10,19 +10,20 @@ from moaspec.tree import DraftTree
 
 EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
 EXACTNESS_STEPS = 8
+DECOYS = (1, 8)  # wrong siblings per depth of the branching trees checked: 15 and 64 nodes
 
 
 @torch.inference_mode()
 def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
-    give one-token decoding's logits bit for bit: `max_nodes` where a branching tree of
-    2 * EXACTNESS_STEPS - 1 nodes is exact (kernels that do not change with the batch size), else
-    the longest chain k such that chains of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none).
-    Kernels chosen by batch size fail the tree: llama.cpp's repacked K-quant products from 4
-    rows on (AVX-512 EPYC), an AMX or ARM matrix path, say."""
+    give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15 and 64
+    nodes are exact (kernels that do not change with the batch size), else the longest chain k
+    such that chains of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Kernels chosen by
+    batch size fail a tree: llama.cpp's repacked K-quant products from 4 rows on (AVX-512 EPYC),
+    an AMX or ARM matrix path from some rows on, say."""
     context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
     tokens, logits = _one_token_decoding(probe, context)
-    if _branching_tree_exact(probe, context, tokens, logits):
+    if all(_branching_tree_exact(probe, context, tokens, logits, decoys) for decoys in DECOYS):
         return max_nodes
     for length in range(2, EXACTNESS_STEPS + 1):
         if not _chain_exact(probe, context, tokens, logits, length):
@@ -44,15 +45,17 @@ def _one_token_decoding(probe: Target, context: torch.Tensor) -> tuple[list[int]
     return tokens, logits
 
 
-def _branching_tree_exact(probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor]) -> bool:
-    """The steps verified as the path of a branching tree (a wrong sibling before each true
-    token: parked cells), then one more token after the commit, equal to one-token decoding."""
+def _branching_tree_exact(
+    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int
+) -> bool:
+    """The steps verified as the path of a branching tree (`decoys` wrong siblings before each
+    true token: parked cells), then one more token after the commit, equal to one-token decoding."""
     probe.set_context(context)
-    ids, parents = [tokens[0]], [-1]
-    for depth in range(1, EXACTNESS_STEPS):  # a wrong sibling first, then the true token
-        ids += [(tokens[depth] + 1) % probe.vocab_size, tokens[depth]]
-        parents += [len(ids) - 3 if depth > 1 else 0] * 2
-    path = [0] + [2 * depth for depth in range(1, EXACTNESS_STEPS)]
+    ids, parents, path = [tokens[0]], [-1], [0]
+    for depth in range(1, EXACTNESS_STEPS):  # the wrong siblings first, then the true token
+        ids += [(tokens[depth] + k) % probe.vocab_size for k in range(1, decoys + 1)] + [tokens[depth]]
+        parents += [path[-1]] * (decoys + 1)
+        path.append(len(ids) - 1)
     return _verified_as_decoded(probe, DraftTree(torch.tensor(ids), torch.tensor(parents)), path, tokens, logits)
 
 
