@@ -137,6 +137,12 @@ class Engine:
             if done:
                 if result.stop_reason == "length" and generation.max_new_tokens > room:
                     result.stop_reason = "context"
+                # the context plain decoding would hold (the accepted path may run past a stop token
+                # or the limit): the next generation on this target then starts from the same state
+                # whatever drafted this one (a chat's next turn keeps what it shares with it)
+                held = prompt.numel() + len(result.token_ids) - 1
+                if self.target.num_cached > held:
+                    self.target.rollback(held)
                 return
             # propose, verify in one target forward (the verifier picks the path, the target
             # commits it), tell the drafter (decode_step.py: shared with the split client)

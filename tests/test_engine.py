@@ -133,6 +133,9 @@ def test_greedy_with_ngram_and_none(family: str) -> None:
 
 
 def test_stop_token_ends_generation_and_is_kept() -> None:
+    """...and the target holds what plain decoding would (the prompt and every emitted token but
+    the last), though the accepted path ran past the stop token: before, the next generation on
+    it (a chat's next turn) started from another context than plain decoding's."""
     target = make_tiny_target("llama")
     expected = greedy_reference(target, 30)
     stop = expected[9]
@@ -141,6 +144,7 @@ def test_stop_token_ends_generation_and_is_kept() -> None:
     result = Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=30), stop_ids=frozenset({stop}))
     assert result.token_ids == expected[: first + 1]
     assert result.stop_reason == "stop_token"
+    assert target.num_cached == len(PROMPT) + first
 
 
 def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> None:
@@ -151,6 +155,7 @@ def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> N
     chunks = list(engine.stream(PROMPT, generation=GenerationConfig(max_new_tokens=13), stop_ids=NO_STOP))
     assert [t for chunk in chunks for t in chunk] == expected
     assert len(chunks) < 13  # several tokens per step
+    assert target.num_cached == len(PROMPT) + 13 - 1  # as plain decoding leaves it
 
 
 def test_context_limit_stops_generation_cleanly() -> None:
