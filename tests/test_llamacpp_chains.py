@@ -119,11 +119,12 @@ def test_a_k_quant_gguf_speculates_within_its_exact_chains_and_keeps_plain_decod
 
 
 def test_where_only_short_chains_are_exact_the_calibration_chooses_chains_within_them(
-    llama_target, monkeypatch, tmp_path
+    llama_target, monkeypatch, tmp_path, capsys
 ) -> None:
     """With exactness measured up to 3-node chains (as K-quant GGUFs on the AVX-512 EPYC), the
     calibration costs and weighs only chains of at most 3 nodes, for prompt lookup and for model
-    drafters, and caches that length with the costs."""
+    drafters, and caches that length with the costs; a tree --tree-* fixes beyond that is said
+    to be cut."""
     from moaspec.calibration import costs_store
     from moaspec.calibration.plan import EXACT_NODES_FIELD, drafter_for
     from moaspec.drafters.moa import MoADrafter
@@ -140,6 +141,11 @@ def test_where_only_short_chains_are_exact_the_calibration_chooses_chains_within
         if isinstance(drafter, MoADrafter):
             tree = drafter.tree_config
             assert tree.top_k == 1 and tree.depth <= 2 and drafter.tree_source == "calibrated", spec
+    assert "cut" not in capsys.readouterr().err
+    for fixed in ({"top_k": 2}, {"depth": 2, "top_k": 2, "budget": 3}):  # the calibration's other fields / none
+        drafter, _ = drafter_for(target, "moa", fixed)
+        assert all(getattr(drafter.tree_config, field) == value for field, value in fixed.items())
+        assert "verifies chains of at most 3 nodes here: the drafter's tree (depth" in capsys.readouterr().err
     records = list(costs_store.cache_dir(target.name).glob("verify-*.json"))
     assert len(records) == 1
     record = costs_store._read(records[0])

@@ -283,12 +283,13 @@ class LazyModelDrafter:
 
 def _tree_candidates(model, costs, rates, limit: TreeLimit):
     """Every tree with measured costs that the target verifies, or only the model's own when it
-    was fixed (tuned / explicit) and the target verifies it."""
+    was fixed: tuned (where the target verifies it) or explicit (where not, cut at every step)."""
     from moaspec.calibration.tree_ranking import Candidate, candidates, expected_tau
 
     tree = model.tree_config
     tau, nodes = expected_tau(tree, rates)
-    if model.tree_source == "checkpoint" or model.fixed_fields or not limit.takes(tree, nodes):
+    beyond = not limit.takes(tree, nodes) and model.tree_source != "explicit"
+    if model.tree_source == "checkpoint" or model.fixed_fields or beyond:
         fixed = model.fixed_fields
         found = [
             c for c in candidates(costs, rates)
@@ -298,6 +299,10 @@ def _tree_candidates(model, costs, rates, limit: TreeLimit):
         ]
         if found:
             return found
+    if not limit.takes(tree, nodes):  # fixed by --tree-* beyond what the target verifies
+        shape = "chains" if limit.chains_only else "trees"
+        print(f"moaspec: the target verifies {shape} of at most {limit.max_nodes} nodes here: the drafter's tree "
+              f"(depth {tree.depth}, top-k {tree.top_k}) is cut to that at every step", file=sys.stderr)
     return [Candidate(tree, nodes, tau, costs.cycle_s(tree, nodes, tau))]
 
 
