@@ -204,6 +204,7 @@ def test_schema_rejects_missing_and_mistyped_fields(tmp_path, tiny_bench) -> Non
     main(bench_args(tmp_path / "res", "--categories", "math", "--methods", "none", "--no-plots", "--limit", "1"))
     results = json.loads((tmp_path / "res" / "results.json").read_text())
     schema.validate(results)
+    assert results["config"]["tree_limit"] == {"max_nodes": None, "chains_only": False}  # transformers: any tree
     broken = json.loads(json.dumps(results))
     del broken["summary"][0]["tau"]
     with pytest.raises(ValueError, match=r"summary\[0\]: missing key 'tau'"):
@@ -248,6 +249,22 @@ def test_the_report_compares_every_method_with_the_runtimes_own_generation() -> 
     # none: 100/80 = 1.25 and 100/125 = 0.80, mean 1.025; ngram: 1.50 and 0.40, mean 0.95
     assert "| none | 1.02× | 1.25× | 0.80× |" in relative and "| ngram | 0.95× | 1.50× | 0.40× |" in relative
     assert "## Relative to `hf`" not in markdown  # only for a runtime's generation the run has
+
+
+def test_the_report_says_when_the_target_verified_only_short_chains() -> None:
+    """A K-quant GGUF on llama.cpp verifies chains of a few nodes here: a method's tree
+    (`moa@ref`, say) was cut to them, which its results alone would not show."""
+    from moaspec.bench.report import render_markdown
+
+    results = {
+        "config": {"target": "t", "temperature": 0.0, "max_new_tokens": 8, "seed": 0,
+                   "tree_limit": {"max_nodes": 3, "chains_only": True}},
+        "machine": {"description": "m"}, "command": "c", "mismatches": [], "agreement": [], "skipped": [],
+        "categories": [], "summary": [],
+    }
+    assert "Trees: the target verifies chains of at most 3 nodes exactly here" in render_markdown(results)
+    results["config"]["tree_limit"] = {"max_nodes": 128, "chains_only": False}
+    assert "Trees:" not in render_markdown(results)
 
 
 def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:

@@ -149,6 +149,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "method_trees": {method.label: _tree_record(method) for method in methods},
         "calibration": calibration,
         "weight_layout": target.weight_layout,
+        "tree_limit": _tree_limit(target),
     }
     results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
     print(render_markdown(results), end="")
@@ -165,6 +166,16 @@ def _calibrated_default(target):
 
     drafter, calibration = drafter_for(target, None)
     return drafter, calibration.to_dict() if calibration is not None else None
+
+
+def _tree_limit(target) -> dict:
+    """The trees the target verifies here (calibration.plan.TreeLimit): {max_nodes, chains_only};
+    llama.cpp takes fewer nodes, in chains, where its batched kernels are exact only for those."""
+    from dataclasses import asdict
+
+    from moaspec.calibration.plan import TreeLimit
+
+    return asdict(TreeLimit.of(target))
 
 
 def _without_trees_where_inexact(specs, target):

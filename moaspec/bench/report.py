@@ -174,6 +174,16 @@ def _calibration_lines(calibration: dict | None) -> list[str]:
     return [f"Calibration (`default`, CPU {calibration['cpu']}): {', '.join(parts)}{predicted}."]
 
 
+def _tree_limit_lines(limit: dict | None) -> list[str]:
+    """Where the target verifies only short chains here, every method's trees were cut to them."""
+    if not limit or not limit.get("chains_only"):
+        return []
+    return [
+        f"Trees: the target verifies chains of at most {limit['max_nodes']} nodes exactly here "
+        "(llama.cpp's batched kernels for this GGUF); every method's drafts were cut to that."
+    ]
+
+
 def render_markdown(results: dict) -> str:
     config = results["config"]
     decoding = decoding_phrase(config["temperature"])
@@ -186,6 +196,7 @@ def render_markdown(results: dict) -> str:
         ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
         *_calibration_lines(config.get("calibration")),
+        *_tree_limit_lines(config.get("tree_limit")),
         "",
     ]
     for category in results["categories"]:
