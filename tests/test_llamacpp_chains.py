@@ -207,6 +207,7 @@ def test_a_prompt_after_a_generation_gets_the_bits_of_a_fresh_prefill(k_quant_ta
 @pytest.mark.parametrize(("gguf", "prompt_tokens", "cut"), [
     ("k_quant", 120, 16),  # batches of more than the exact chain round otherwise
     ("q4_1", 340, 50),  # prompt + answer past 384 tokens: prefilled with the prompt context's attention kernel
+    ("q4_1", 400, 20),  # a long prompt (moved in from the prompt context) and its answer
 ])
 def test_a_resumed_split_session_continues_with_the_uninterrupted_logits(
     request, prompts, gguf: str, prompt_tokens: int, cut: int
