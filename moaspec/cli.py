@@ -127,7 +127,10 @@ def _add_serve_parser(commands, default_target: str, default_drafter: str) -> No
     serve.add_argument("--drafter", default=None, help=f"drafter whose context encoder the server runs (default: {default_drafter})")
     serve.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     serve.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
-    serve.add_argument("--max-tree-nodes", type=int, default=limits.max_tree_nodes, help=f"largest draft tree (default {limits.max_tree_nodes})")
+    serve.add_argument(
+        "--max-tree-nodes", type=int, default=None,
+        help=f"largest draft tree (default {limits.max_tree_nodes}, or what the runtime verifies exactly there if less)",
+    )
     serve.add_argument("--max-new-tokens", type=int, default=limits.max_new_tokens, help=f"per split session and per OpenAI request (default {limits.max_new_tokens})")
     from moaspec.openai_api.cli import add_openai_arguments
 
@@ -151,7 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise MoaspecError(f"--port must be in [0, 65535], got {args.port}")
     for name in ("max_tree_nodes", "max_new_tokens", "max_sessions_per_key", "max_body_bytes"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
     if not args.idle_timeout_s > 0:
         raise MoaspecError("--idle-timeout-s must be > 0")

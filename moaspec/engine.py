@@ -106,6 +106,7 @@ class Engine:
         cancel: threading.Event | None,
     ) -> Iterator[list[int]]:
         stats = result.stats
+        emitted_before = len(result.token_ids)  # a caller's result may hold earlier tokens
         room = self.target.max_positions - prompt.numel()
         max_new = min(generation.max_new_tokens, room)
         session = TargetSession(self.target, self.drafter.hidden_layers, sampling, generation.seed)
@@ -140,7 +141,7 @@ class Engine:
                 # the context plain decoding would hold (the accepted path may run past a stop token
                 # or the limit): the next generation on this target then starts from the same state
                 # whatever drafted this one (a chat's next turn keeps what it shares with it)
-                held = prompt.numel() + len(result.token_ids) - 1
+                held = prompt.numel() + len(result.token_ids) - emitted_before - 1
                 if self.target.num_cached > held:
                     self.target.rollback(held)
                 return

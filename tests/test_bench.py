@@ -263,6 +263,8 @@ def test_the_report_says_when_the_target_verified_only_short_chains() -> None:
         "categories": [], "summary": [],
     }
     assert "Trees: the target verifies chains of at most 3 nodes exactly here" in render_markdown(results)
+    results["config"]["tree_limit"] = {"max_nodes": 1, "chains_only": True}  # Gemma-3's Q4_K_M here
+    assert "Trees: the target verifies no drafted token exactly here" in render_markdown(results)
     results["config"]["tree_limit"] = {"max_nodes": 128, "chains_only": False}
     assert "Trees:" not in render_markdown(results)
 

@@ -357,3 +357,29 @@ def test_tree_fields_left_open_are_the_calibrations_to_choose(tiny_default) -> N
     assert drafter.tree_config.depth == 3 and drafter.tree_source == "calibrated"
     assert drafter.tree_config == calibration.chosen.tree
     assert (drafter.tree_config.top_k, drafter.tree_config.budget) != (2, 2)  # not the checkpoint's
+
+
+def test_verify_costs_are_measured_on_the_trees_the_target_takes_up_to_its_largest(monkeypatch) -> None:
+    """A target verifying chains of at most 7 nodes (SmolLM2 as Q6_K on llama.cpp, AVX-512 EPYC):
+    its verify costs are measured on chains, for every listed size up to 7 and for 7 itself (not
+    in the list: the longest chain it takes was never a candidate, having no measured cost)."""
+    from moaspec.calibration.costs import measure_verify
+    from moaspec.calibration.costs_store import VERIFY_NODE_COUNTS
+    from moaspec.targets.hf import HFTarget
+
+    target = make_tiny_target("llama")
+    target.max_tree_nodes, target.max_tree_leaves = 7, 1
+    shapes = []
+    verify = HFTarget.verify
+
+    def recording(self, tree, hidden_layers=()):
+        shapes.append(tree.parents.tolist())
+        return verify(self, tree, hidden_layers)
+
+    monkeypatch.setattr(HFTarget, "verify", recording)
+    assert 7 not in VERIFY_NODE_COUNTS
+    costs = measure_verify(target, 16, 1, VERIFY_NODE_COUNTS)
+    assert sorted(costs) == [1, 2, 3, 4, 5, 6, 7]
+    assert all(parents == list(range(-1, len(parents) - 1)) for parents in shapes)  # chains only
+    target.max_tree_nodes, target.max_tree_leaves = None, None
+    assert sorted(measure_verify(target, 16, 1, VERIFY_NODE_COUNTS)) == list(VERIFY_NODE_COUNTS)

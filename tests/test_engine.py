@@ -14,7 +14,7 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.ngram import NgramDrafter
 from moaspec.drafters.none import NoDrafter
-from moaspec.engine import Engine
+from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.sampling import target_probs
 from moaspec.targets.hf import HFTarget
@@ -145,6 +145,12 @@ def test_stop_token_ends_generation_and_is_kept() -> None:
     assert result.token_ids == expected[: first + 1]
     assert result.stop_reason == "stop_token"
     assert target.num_cached == len(PROMPT) + first
+    earlier = GenerationResult(token_ids=[1, 2, 3])  # a caller's result holding earlier tokens
+    drafter = ScriptedDrafter(expected, target.vocab_size, 5, 5)
+    for _ in Engine(target, drafter).stream(PROMPT, generation=GenerationConfig(max_new_tokens=30),
+                                            stop_ids=frozenset({stop}), result=earlier):
+        pass
+    assert earlier.token_ids[3:] == expected[: first + 1] and target.num_cached == len(PROMPT) + first
 
 
 def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> None:

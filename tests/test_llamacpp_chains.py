@@ -171,9 +171,9 @@ def test_serve_lowers_its_default_tree_limit_to_the_runtimes_exact_length(llama_
     server, _ = build_server(args, ["k" * 16])
     assert server.limits.max_tree_nodes == 3 and server.info["max_tree_leaves"] == 1
     assert "chains of at most 3 nodes verify exactly here (--max-tree-nodes 3)" in capsys.readouterr().err
-    args = _build_parser().parse_args(["serve", "--max-tree-nodes", "8"])
+    args = _build_parser().parse_args(["serve", "--max-tree-nodes", "64"])  # named, though the default's value
     args.runtime_options = {}
-    with pytest.raises(MoaspecError, match="--max-tree-nodes 8 is more than the llama.cpp runtime verifies in one tree \\(3\\)"):
+    with pytest.raises(MoaspecError, match="--max-tree-nodes 64 is more than the llama.cpp runtime verifies in one tree \\(3\\)"):
         build_server(args, ["k" * 16])
 
 

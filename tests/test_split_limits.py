@@ -239,9 +239,20 @@ def test_an_open_returns_the_context_from_context_from_on() -> None:
         made.server.stop()
 
 
-def test_prompt_len_is_for_a_resume_within_its_prompt() -> None:
+def test_prompt_len_is_for_a_resume_within_its_prompt(monkeypatch) -> None:
     """docs/protocol.md: an open's prompt_len (the resumed session's prompt length) comes with
-    root_id and is in 1..T, else a 400; a resume with it continues from the given root."""
+    root_id and is in 1..T, else a 400; a resume with it rebuilds the context from that prompt
+    (TargetSession.resume) and continues from the given root."""
+    from moaspec.session import TargetSession
+
+    resumed = []
+    resume = TargetSession.resume
+
+    def recording(self, context_ids, prompt_len=None):
+        resumed.append((context_ids.numel(), prompt_len))
+        return resume(self, context_ids, prompt_len)
+
+    monkeypatch.setattr(TargetSession, "resume", recording)
     made = SplitPair("moa")
     try:
         client = SplitClient(made.url, KEY)
@@ -252,6 +263,7 @@ def test_prompt_len_is_for_a_resume_within_its_prompt() -> None:
         whole = client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, root_id=5))
         split = client.open(wire.OpenRequest(PROMPT, max_new_tokens=4, root_id=5, prompt_len=3))
         assert whole["next_token"] == split["next_token"] == 5
+        assert resumed == [(len(PROMPT), None), (len(PROMPT), 3)]
         contexts = [wire.decode_context(reply["context"], len(PROMPT)) for reply in (whole, split)]
         assert contexts[0].keys() == contexts[1].keys()
         assert all(torch.allclose(contexts[0][name].float(), contexts[1][name].float(), atol=1e-2) for name in contexts[0])

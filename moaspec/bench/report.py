@@ -175,13 +175,15 @@ def _calibration_lines(calibration: dict | None) -> list[str]:
 
 
 def _tree_limit_lines(limit: dict | None) -> list[str]:
-    """Where the target verifies only short chains here, every method's trees were cut to them."""
+    """Where the target verifies only short chains here, every method's trees were cut to them;
+    where none, no drafts were verified."""
     if not limit or not limit.get("chains_only"):
         return []
-    return [
-        f"Trees: the target verifies chains of at most {limit['max_nodes']} nodes exactly here "
-        "(llama.cpp's batched kernels for this GGUF); every method's drafts were cut to that."
-    ]
+    why = "(llama.cpp's batched kernels for this GGUF)"
+    if limit["max_nodes"] == 1:
+        return [f"Trees: the target verifies no drafted token exactly here {why}: `default` decoded plainly."]
+    return [f"Trees: the target verifies chains of at most {limit['max_nodes']} nodes exactly here {why}; "
+            "every method's drafts were cut to that."]
 
 
 def render_markdown(results: dict) -> str:

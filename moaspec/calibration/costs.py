@@ -81,8 +81,9 @@ def measure_verify(
     """Median seconds of target.verify + commit for each tree size the target takes (see the
     module docstring; chains where it verifies only chains)."""
     generator = torch.Generator().manual_seed(0)
-    max_nodes = getattr(target, "max_tree_nodes", None) or max(node_counts)
-    counts = [n for n in node_counts if context_len + n <= target.max_positions and n <= max_nodes]
+    max_nodes = min(getattr(target, "max_tree_nodes", None) or max(node_counts), max(node_counts))
+    sizes = sorted({n for n in node_counts if n <= max_nodes} | {max_nodes})  # the largest tree taken, measured
+    counts = [n for n in sizes if context_len + n <= target.max_positions]
     shape = chain_tree if getattr(target, "max_tree_leaves", None) == 1 else binary_tree
     trees = {n: shape(n, target.vocab_size, generator) for n in counts}
     target.reset()

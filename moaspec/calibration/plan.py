@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.calibration import costs_store
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -50,6 +51,11 @@ from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
 
+if TYPE_CHECKING:
+    from moaspec.config import TreeConfig
+    from moaspec.drafters.ngram import NgramConfig
+    from moaspec.targets.base import Target
+
 DISABLE_ENV = "MOASPEC_NO_CALIBRATION"
 DEFAULT = "default"
 EXACT_NODES_FIELD = "exact_tree_nodes"  # the verify record's field: the llama.cpp target's largest exact tree here
@@ -64,14 +70,14 @@ class TreeLimit:
     chains_only: bool = False
 
     @classmethod
-    def of(cls, target) -> TreeLimit:
+    def of(cls, target: Target) -> TreeLimit:
         return cls(getattr(target, "max_tree_nodes", None), getattr(target, "max_tree_leaves", None) == 1)
 
-    def takes(self, tree, num_nodes: int) -> bool:
+    def takes(self, tree: TreeConfig, num_nodes: int) -> bool:
         """Whether a model drafter's tree (TreeConfig) of num_nodes nodes is within the limit."""
         return (self.max_nodes is None or num_nodes <= self.max_nodes) and (not self.chains_only or tree.top_k == 1)
 
-    def lookups(self) -> list:
+    def lookups(self) -> list[NgramConfig]:
         """The lookup tries (predict.lookup_configs) whose tries are within the limit."""
         return [
             config for config in lookup_configs()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class ServerLimits:
     keepalive_timeout_s: float = 75.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 10.0  # after Ctrl-C / SIGTERM, requests in flight may finish for this long
 
-    def within_runtime(self, target) -> ServerLimits:
+    def within_runtime(self, target: Any) -> ServerLimits:
         """These limits with max_tree_nodes lowered to what `target`'s runtime verifies in one tree
         (its `max_tree_nodes`; llama.cpp on GGUFs exact only for short chains), if that is less."""
         runtime_nodes = getattr(target, "max_tree_nodes", None)

@@ -13,10 +13,14 @@ import signal
 import ssl
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from moaspec.errors import MoaspecError
+from moaspec.serving.limits import ServerLimits
 from moaspec.signals import Terminated, load_library_held
+
+if TYPE_CHECKING:
+    from moaspec.targets.base import Target
 
 API_KEY_ENV = "MOASPEC_API_KEY"
 
@@ -117,12 +121,10 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
 
 
-def _within_runtime(limits, target, args: argparse.Namespace):
+def _within_runtime(limits: ServerLimits, target: Target, args: argparse.Namespace) -> ServerLimits:
     """The limits with --max-tree-nodes lowered to what the runtime verifies exactly here, when the
-    flag was left at its default (a named larger value is refused by SplitServer)."""
-    from moaspec.serving.limits import ServerLimits
-
-    if args.max_tree_nodes != ServerLimits().max_tree_nodes:
+    flag was not given (a named larger value is refused by SplitServer)."""
+    if args.max_tree_nodes is not None:
         return limits
     lowered = limits.within_runtime(target)
     if 1 < lowered.max_tree_nodes < limits.max_tree_nodes:  # 1: said with the drafter's warning

@@ -48,7 +48,8 @@ def server_limits_from_args(args: argparse.Namespace) -> ServerLimits:
         if not getattr(args, field) > 0:
             raise MoaspecError(f"{flag} must be > 0, got {getattr(args, field)}")
     return ServerLimits(
-        max_body_bytes=args.max_body_bytes, max_tree_nodes=args.max_tree_nodes, max_new_tokens=args.max_new_tokens,
+        max_body_bytes=args.max_body_bytes, max_new_tokens=args.max_new_tokens,
+        max_tree_nodes=ServerLimits().max_tree_nodes if args.max_tree_nodes is None else args.max_tree_nodes,
         max_sessions_per_key=args.max_sessions_per_key, idle_timeout_s=args.idle_timeout_s,
         **{field: getattr(args, field) for field, _, _ in _FLAGS.values()},
     )

@@ -74,7 +74,8 @@ class IdleTargets:
 
     Only targets that keep what a new prompt shares with their context (`keeps_shared_start`,
     llama.cpp) are kept: a llama.cpp context costs ~100 ms to create, and one holding a key's
-    previous turn lets the next turn's prefill skip what the two share. Of those large enough for
+    previous turn lets the next turn's prefill skip what the two share (where that is bit for bit:
+    not on GGUFs whose products change with the batch size, which prefill afresh). Of those large enough for
     the new session (a session's context is sized to its reservation), a key gets back its own
     most recent one as it is; otherwise the oldest one, emptied first (`reset` on the worker), so
     no cache content ever crosses keys. At most `capacity` are kept; the reaper drops stale ones.

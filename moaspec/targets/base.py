@@ -60,8 +60,9 @@ class Target(Protocol):
 
     name: str
     runtime: str  # one of options.RUNTIMES
-    # set_context keeps what a new prompt shares with the context held (a chat's next turn):
-    # a server reuses such a target for its next session instead of making a new one
+    # set_context keeps what a new prompt shares with the context held (a chat's next turn) where
+    # that gives a fresh prefill's bits: a server reuses such a target for its next session
+    # instead of making a new one
     keeps_shared_start: bool
     max_tree_nodes: int | None  # the most nodes `verify` takes in one tree (None: no limit of its own)
     max_tree_leaves: int | None  # ... and leaves

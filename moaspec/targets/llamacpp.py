@@ -113,7 +113,7 @@ class LlamaCppTarget:
     """A GGUF target on llama.cpp (batch size 1); see the module docstring."""
 
     runtime = "llama.cpp"
-    keeps_shared_start = True  # set_context keeps a shared start, bit for bit (module docstring)
+    keeps_shared_start = True  # set_context keeps a shared start where that is bit for bit (module docstring)
 
     def __init__(
         self,
