@@ -134,6 +134,7 @@ class LlamaCppTarget:
         self.threads = threads or min(os.cpu_count() or 1, 8)
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
+        self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
         self.cells = cells
         self.lib = model.lib
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
@@ -256,6 +257,8 @@ class LlamaCppTarget:
     def exact_tree_nodes(self) -> int:
         """The most nodes a verified tree may have and keep one-token decoding's logits bit for bit
         on this machine (1: none; measured once per process and model, ~1 s: `exact_tree_nodes_here`)."""
+        if self._probing_exactness:
+            return MAX_TREE_NODES
         if self.weights.exact_nodes is None:
             self.weights.exact_nodes = exact_tree_nodes_here(self)
         return self.weights.exact_nodes
@@ -717,8 +720,5 @@ def exact_tree_nodes_here(target: LlamaCppTarget) -> int:
     have and keep this machine's llama.cpp kernels exact (llamacpp_exactness.py); larger trees
     are refused rather than change outputs."""
     probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
-    probe.weights.exact_nodes = MAX_TREE_NODES  # the probe itself verifies trees
-    try:
-        return exact_tree_nodes(probe, MAX_TREE_NODES)
-    finally:
-        probe.weights.exact_nodes = None
+    probe._probing_exactness = True  # it verifies trees of any size; other sessions on the weights still wait for the answer
+    return exact_tree_nodes(probe, MAX_TREE_NODES)
