@@ -228,3 +228,21 @@ def test_a_resumed_split_session_continues_with_the_uninterrupted_logits(
         out = session.target.verify(DraftTree.root_only(tokens[k]))
         session.target.commit([0])
         assert torch.equal(out.logits[0], logits[k + 1]), (gguf, k)
+
+
+def test_long_prompts_of_sliding_window_models_are_prefilled_in_the_verified_context(
+    llama_target, prompts, monkeypatch
+) -> None:
+    """Bug: Gemma-3 (sliding-window layers: llama.cpp keeps a second cache, which its sequence
+    state holds too) failed on every prompt of 384 tokens or more, plain decoding included
+    ("llama.cpp's sequence state has a layout this version of moaspec does not know"): the prompt
+    context's cells could not be moved. Such models prefill long prompts where they verify."""
+    target = llama_target.new_session()
+    prompt = prompts["qa"][:400]
+    monkeypatch.setattr(target.weights, "sliding_window", 512)
+    target.set_context(torch.tensor(prompt))
+    assert target.num_cached == len(prompt) and target._moved == 0 and target._prompt_ctx is None
+    monkeypatch.setattr(target.weights, "sliding_window", 0)
+    target.reset()
+    target.set_context(torch.tensor(prompt))
+    assert target._moved == len(prompt)  # the prompt context's path, as before

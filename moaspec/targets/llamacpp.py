@@ -42,7 +42,8 @@ chain is, plain decoding only.
 The verified context has TREE_HEADROOM cells beyond its `cells` positions: a tree at the context's
 end fits by depth (the engine prunes it so) but needs a cell per node.
 
-Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) are prefilled in a second context, the prompt
+Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) of models without sliding-window layers (whose
+sequence state holds a second cache: Gemma-3) are prefilled in a second context, the prompt
 context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
 the move costs). Its cells are then moved into the verified context through llama.cpp's
@@ -395,7 +396,8 @@ class LlamaCppTarget:
         [T, 1, D] when asked.
 
         A prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context and
-        moved in (`_prefill_in_prompt_context`); a shorter one is decoded here, keeping the part
+        moved in (`_prefill_in_prompt_context`; not for sliding-window models); a shorter one is
+        decoded here, keeping the part
         of the context it shares with the one held (a chat's next turn), where the weight
         products do not change with the batch size (`exact_tree_nodes`). Either way the result is
         the same bits a fresh context would give (module docstring)."""
@@ -406,7 +408,7 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._check_hidden(hidden_layers)
         self._drop_pending()
-        if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS:
+        if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and not self.weights.sliding_window:
             return self._prefill_in_prompt_context(ids, hidden_layers)
         keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
         if keep and self.exact_tree_nodes < MAX_TREE_NODES:

@@ -17,13 +17,17 @@ DECOYS = (1, 8)  # wrong siblings per depth of the branching trees checked: 15 a
 def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
     give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15 and 64
-    nodes are exact (kernels that do not change with the batch size), else the longest chain k
-    such that chains of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Kernels chosen by
-    batch size fail a tree: llama.cpp's repacked K-quant products from 4 rows on (AVX-512 EPYC),
-    an AMX or ARM matrix path from some rows on, say."""
+    nodes are exact and a prompt's start kept by `set_context` gives a fresh prefill's logits
+    (kernels that do not change with the batch size), else the longest chain k such that chains
+    of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Every tree is verified after a fresh
+    prefill, as a generation's are. Kernels chosen by batch size fail a tree or the kept start:
+    llama.cpp's repacked K-quant products from 4 rows on (AVX-512 EPYC), K-quant mixes whose
+    300-row prompt batch rounds otherwise than one row, an AMX or ARM matrix path, say."""
     context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
-    tokens, logits = _one_token_decoding(probe, context)
-    if all(_branching_tree_exact(probe, context, tokens, logits, decoys) for decoys in DECOYS):
+    first, tokens, logits = _one_token_decoding(probe, context)
+    kept_start_exact = torch.equal(probe.set_context(context).logits[0], first)  # holding context + steps
+    trees_exact = all(_branching_tree_exact(probe, context, tokens, logits, decoys) for decoys in DECOYS)
+    if kept_start_exact and trees_exact:
         return max_nodes
     for length in range(2, EXACTNESS_STEPS + 1):
         if not _chain_exact(probe, context, tokens, logits, length):
@@ -31,18 +35,27 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     return EXACTNESS_STEPS
 
 
-def _one_token_decoding(probe: Target, context: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
-    """EXACTNESS_STEPS + 1 greedy tokens after `context`, decoded one at a time, and their logits
-    (logits[k]: after tokens[k])."""
+def _one_token_decoding(
+    probe: Target, context: torch.Tensor
+) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    """The prefill's logits after `context`, then EXACTNESS_STEPS + 1 greedy tokens decoded one
+    at a time, and their logits (logits[k]: after tokens[k])."""
     tokens, logits = [], []
-    token = int(probe.set_context(context).logits[0].argmax())
+    first = probe.set_context(context).logits[0]
+    token = int(first.argmax())
     for _ in range(EXACTNESS_STEPS + 1):
         tokens.append(token)
         out = probe.verify(DraftTree.root_only(token))
         probe.commit([0])
         logits.append(out.logits[0])
         token = int(out.logits[0].argmax())
-    return tokens, logits
+    return first, tokens, logits
+
+
+def _fresh_prefill(probe: Target, context: torch.Tensor) -> None:
+    """`context` prefilled in an emptied context, as a generation's prompt is the first time."""
+    probe.reset()
+    probe.set_context(context)
 
 
 def _branching_tree_exact(
@@ -50,7 +63,7 @@ def _branching_tree_exact(
 ) -> bool:
     """The steps verified as the path of a branching tree (`decoys` wrong siblings before each
     true token: parked cells), then one more token after the commit, equal to one-token decoding."""
-    probe.set_context(context)
+    _fresh_prefill(probe, context)
     ids, parents, path = [tokens[0]], [-1], [0]
     for depth in range(1, EXACTNESS_STEPS):  # the wrong siblings first, then the true token
         ids += [(tokens[depth] + k) % probe.vocab_size for k in range(1, decoys + 1)] + [tokens[depth]]
@@ -63,7 +76,7 @@ def _chain_exact(
     probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], length: int
 ) -> bool:
     """The first `length` steps verified as one chain, then one more token after the commit."""
-    probe.set_context(context)
+    _fresh_prefill(probe, context)
     chain = DraftTree.chain(tokens[:length])
     return _verified_as_decoded(probe, chain, list(range(length)), tokens, logits)
 

@@ -59,6 +59,7 @@ class LlamaCppModel:
         self.num_layers = lib.llama_model_n_layer(self.model)
         self.hidden_size = lib.llama_model_n_embd(self.model)
         self.context_train = lib.llama_model_n_ctx_train(self.model)
+        self.sliding_window = lib.llama_model_n_swa(self.model)  # 0: none (Gemma-3: 512)
         self.exact_nodes: int | None = None  # the largest exact tree here (exact_tree_nodes_here, on first need)
 
     def __del__(self) -> None:
