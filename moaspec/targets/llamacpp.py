@@ -397,10 +397,9 @@ class LlamaCppTarget:
 
         A prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context and
         moved in (`_prefill_in_prompt_context`; not for sliding-window models); a shorter one is
-        decoded here, keeping the part
-        of the context it shares with the one held (a chat's next turn), where the weight
-        products do not change with the batch size (`exact_tree_nodes`). Either way the result is
-        the same bits a fresh context would give (module docstring)."""
+        decoded here, keeping the part of the context it shares with the one held (a chat's next
+        turn) where the products do not change with the batch size (`exact_tree_nodes`). Either
+        way the result is the same bits a fresh context would give (module docstring)."""
         ids = input_ids.tolist()
         if not ids:
             raise ValueError("set_context needs at least one token")
@@ -722,5 +721,5 @@ def exact_tree_nodes_here(target: LlamaCppTarget) -> int:
     have and keep this machine's llama.cpp kernels exact (llamacpp_exactness.py); larger trees
     are refused rather than change outputs."""
     probe = LlamaCppTarget(target.weights, None, target.config, target.name, cells=1024, threads=target.threads)
-    probe._probing_exactness = True  # it verifies trees of any size; other sessions on the weights still wait for the answer
+    probe._probing_exactness = True  # it verifies any tree; other sessions on the weights wait for the answer
     return exact_tree_nodes(probe, MAX_TREE_NODES)
