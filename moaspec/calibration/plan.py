@@ -195,8 +195,6 @@ def calibrated_drafter(
                 target.name, sequences, limit.lookups(), simulate_lookup, gates[layout]
             )
         options += _options(requested, base, with_lookup, trees, layout, costs, lookups, gated, lookup_s)
-    if target.runtime == "llama.cpp" and not target.trees_exact:  # trees would change the output here
-        options = [o for o in options if o.drafter == "none"] or options
     chosen = choose(options)
     plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
     drafter = _apply(target, chosen, model, spec, gates.get(chosen.layout))

@@ -107,7 +107,7 @@ PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in 
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
 VALUE_CACHE_TYPE = 1  # ggml_type of the value cache: f16 (differs from the keys': see the module docstring)
-COMPACT_CHUNK = 32  # tokens per decode when re-decoding the context (per-row kernels up to 40 measured)
+COMPACT_CHUNK = 32  # tokens per decode when re-decoding or appending verified tokens (per-row kernels up to 40 measured)
 
 
 class LlamaCppTarget:
@@ -629,8 +629,9 @@ class LlamaCppTarget:
         self.compactions += 1
         if self._moved:
             self._move_prompt_cells(self._moved)
-        for start in range(self._moved, len(tokens), self._exact_batch):
-            chunk = tokens[start : start + self._exact_batch]
+        step = self._exact_batch
+        for start in range(self._moved, len(tokens), step):
+            chunk = tokens[start : start + step]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
 
