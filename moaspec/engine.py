@@ -109,6 +109,7 @@ class Engine:
         emitted_before = len(result.token_ids)  # a caller's result may hold earlier tokens
         room = self.target.max_positions - prompt.numel()
         max_new = min(generation.max_new_tokens, room)
+        limit = emitted_before + max_new  # len(result.token_ids) at which this generation ends
         session = TargetSession(self.target, self.drafter.hidden_layers, sampling, generation.seed)
         generator = draft_generator(generation.seed)
         started = time.perf_counter()
@@ -131,7 +132,7 @@ class Engine:
         emitted = [root]
         while True:
             num_before = len(result.token_ids)
-            done = self._emit(emitted, result, stop_ids, max_new)
+            done = self._emit(emitted, result, stop_ids, limit)
             stats.wall_s = time.perf_counter() - started
             yield result.token_ids[num_before:]
             stats.wall_s = time.perf_counter() - started
@@ -148,22 +149,23 @@ class Engine:
             # propose, verify in one target forward (the verifier picks the path, the target
             # commits it), tell the drafter (decode_step.py: shared with the split client)
             step = decode_step(
-                self.drafter, root, max_new - len(result.token_ids), sampling, generator, stats, verify,
+                self.drafter, root, limit - len(result.token_ids), sampling, generator, stats, verify,
                 max_nodes=getattr(self.target, "max_tree_nodes", None), vocab_size=self.target.vocab_size,
                 max_leaves=getattr(self.target, "max_tree_leaves", None),
             )
             emitted, root = step.emitted, step.verdict.next_token
 
     @staticmethod
-    def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], max_new: int) -> bool:
-        """Append emitted tokens up to a stop token or the limit; True when generation is over."""
+    def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], limit: int) -> bool:
+        """Append emitted tokens up to a stop token or until result holds `limit` tokens (a caller's
+        earlier ones included); True when generation is over."""
         for token in emitted:
             result.token_ids.append(token)
             result.stats.new_tokens += 1
             if token in stop_ids:
                 result.stop_reason = "stop_token"
                 return True
-            if len(result.token_ids) >= max_new:
+            if len(result.token_ids) >= limit:
                 result.stop_reason = "length"
                 return True
         return False

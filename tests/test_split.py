@@ -19,7 +19,7 @@ from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.moa import MoAConfig, MoADrafterNet
 from moaspec.split import protocol as wire
 from moaspec.split.client import ServerRefused, SplitClient
-from moaspec.split.generator import SplitGenerator, SplitOptions
+from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 
 PROMPT = [5, 17, 33, 2, 71, 5, 17, 33, 2]
@@ -200,6 +200,12 @@ def test_events_stream_the_verified_tokens(pair: SplitPair) -> None:
     events = list(pair.generator().stream(PROMPT, SamplingConfig(), generation))
     assert {e.kind for e in events} == {"verified"}
     assert [t for e in events for t in e.token_ids] == pair.reference(SamplingConfig(), generation)
+
+
+@pytest.mark.parametrize("pair", ["ngram"], indirect=True)
+def test_a_result_holding_tokens_is_refused(pair: SplitPair) -> None:
+    with pytest.raises(MoaspecError, match="fills an empty result"):
+        pair.generator().stream(PROMPT, result=SplitResult(token_ids=[1, 2]))
 
 
 def test_mismatched_drafter_is_refused() -> None:

@@ -154,9 +154,12 @@ class SplitGenerator:
     def stream(self, prompt_ids: list[int], sampling: SamplingConfig = SamplingConfig(),
                generation: GenerationConfig = GenerationConfig(), stop_ids: frozenset[int] = frozenset(),
                result: SplitResult | None = None) -> Iterator[SplitEvent]:
-        """Yield events until done; fill `result`. prompt_ids: [T] token ids, T >= 1."""
+        """Yield events until done; fill `result` (empty: its tokens are the answer, which a
+        resume after a cut sends). prompt_ids: [T] token ids, T >= 1."""
         if not prompt_ids:
             raise MoaspecError("the prompt is empty")
+        if result is not None and result.token_ids:
+            raise MoaspecError("a split generation fills an empty result: this one holds tokens already")
         run = _Run(self, list(prompt_ids), sampling, generation, stop_ids, result if result is not None else SplitResult())
         return self._one_at_a_time.run(run.events())
 
