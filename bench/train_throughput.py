@@ -9,17 +9,24 @@ size (tests/test_train.py), so the fastest one is the one to train with on this 
 
 Everything after `--` goes to `moaspec train` as it is (not --out, --steps, --micro-batch or
 --val-every, set here). On a GPU add `--device cuda` there. Prints a markdown table.
+
+`--profile FILE` runs every size under `torch.profiler` (CPU, and CUDA where a GPU is visible) and
+writes its operator tables to FILE, sorted by device time and by CPU time: where a step's time
+goes (loading the target is in it too, on the CPU side).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.machine import machine_info
 from moaspec.bench.output import write_json
 from moaspec.bench.script_args import help_description, output_file, run_script
@@ -38,12 +45,25 @@ def tokens_per_s(train_args: list[str], micro_batch: int, steps: int, out_dir: P
     return [record["tokens_per_s"] for record in history[1:]]
 
 
+def write_profile(path: Path, profiler: profile, train_args: list[str], sizes: list[int]) -> None:
+    """The profiler's operator tables -> path (text): by device time where CUDA was profiled, and by
+    CPU time."""
+    averages = profiler.key_averages()
+    sections = [f"moaspec train {' '.join(train_args)}; --micro-batch {','.join(map(str, sizes))}"]
+    if torch.cuda.is_available():
+        sections.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
+    sections.append(averages.table(sort_by="self_cpu_time_total", row_limit=40))
+    write_file_atomically(path, "\n\n".join(sections) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=help_description(__doc__), usage="%(prog)s [options] -- TRAIN_FLAGS")
     parser.add_argument("--micro-batches", default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
     parser.add_argument("--steps", type=int, default=5, help="steps per run, the first not counted (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the sizes (default 2)")
     parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
+    parser.add_argument("--profile", type=output_file, default=None,
+                        help="profile the runs with torch.profiler and write its operator tables here")
     args, train_args = parser.parse_known_args(argv)
     train_args = [arg for arg in train_args if arg != "--"]
     try:
@@ -55,11 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     if not train_args or any(arg.split("=")[0] in OWN_FLAGS for arg in train_args):
         parser.error(f"give `moaspec train` flags after --, without {', '.join(OWN_FLAGS)}")
     per_size: dict[int, list[float]] = {size: [] for size in sizes}
-    with tempfile.TemporaryDirectory() as scratch:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities) if args.profile is not None else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as scratch, profiler:
         for round_index in range(args.rounds):
             for size in sizes:
                 run_dir = Path(scratch) / f"r{round_index}-m{size}"
                 per_size[size] += tokens_per_s(train_args, size, args.steps, run_dir)
+    if args.profile is not None:
+        write_profile(args.profile, profiler, train_args, sizes)
     results = {
         "machine": machine_info(),
         "train_flags": train_args,

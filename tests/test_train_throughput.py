@@ -36,6 +36,23 @@ def test_runs_are_interleaved_and_the_warm_up_step_is_left_out(tmp_path, monkeyp
     assert "| 4 | 401 | 3.97× |" in capsys.readouterr().out
 
 
+def test_the_profile_holds_the_operators_the_runs_issued(tmp_path, monkeypatch) -> None:
+    script = load_bench_script("train_throughput")
+
+    def fake_train(command: list[str]) -> int:
+        torch.linalg.matrix_exp(torch.eye(4))  # an operator the profile must name
+        out = Path(command[command.index("--out") + 1])
+        out.mkdir(parents=True)
+        torch.save({"history": [{"tokens_per_s": 1.0}, {"tokens_per_s": 2.0}]}, out / "train_state.pt")
+        return 0
+
+    monkeypatch.setattr(script, "moaspec_main", fake_train)
+    profile = tmp_path / "profile.txt"
+    assert script.main(["--micro-batches", "2", "--steps", "2", "--rounds", "1", "--profile", str(profile), "--", "--method", "eagle"]) == 0
+    text = profile.read_text()
+    assert text.startswith("moaspec train --method eagle; --micro-batch 2") and "aten::linalg_matrix_exp" in text
+
+
 @pytest.mark.parametrize(
     "argv",
     [["--micro-batches", "0,4", "--", "--method", "moa"], ["--", "--method", "moa", "--out", "x"], ["--micro-batches", "a"], []],
