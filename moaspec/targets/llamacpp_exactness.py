@@ -10,14 +10,16 @@ from moaspec.tree import DraftTree
 
 EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
 EXACTNESS_STEPS = 8
-DECOYS = (1, 8)  # wrong siblings per depth of the branching trees checked: 15 and 64 nodes
+# the branching trees checked: (wrong branches per depth, their length) -> 15, 64 and 120 nodes
+# (the last with 57 leaves: llama.cpp's sequences bound a tree's leaves to 62)
+DECOYS = ((1, 1), (8, 1), (8, 2))
 
 
 @torch.inference_mode()
 def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
-    give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15 and 64
-    nodes are exact and a prompt's start kept by `set_context` gives a fresh prefill's logits
+    give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15, 64
+    and 120 nodes are exact and a prompt's start kept by `set_context` gives a fresh prefill's logits
     (kernels that do not change with the batch size), else the longest chain k such that chains
     of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Every tree is verified after a fresh
     prefill, as a generation's are. Kernels chosen by batch size fail a tree or the kept start:
@@ -26,7 +28,7 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
     first, tokens, logits = _one_token_decoding(probe, context)
     kept_start_exact = torch.equal(probe.set_context(context).logits[0], first)  # holding context + steps
-    trees_exact = all(_branching_tree_exact(probe, context, tokens, logits, decoys) for decoys in DECOYS)
+    trees_exact = all(_branching_tree_exact(probe, context, tokens, logits, *decoys) for decoys in DECOYS)
     if kept_start_exact and trees_exact:
         return max_nodes
     for length in range(2, EXACTNESS_STEPS + 1):
@@ -59,15 +61,20 @@ def _fresh_prefill(probe: Target, context: torch.Tensor) -> None:
 
 
 def _branching_tree_exact(
-    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int
+    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int, length: int
 ) -> bool:
-    """The steps verified as the path of a branching tree (`decoys` wrong siblings before each
-    true token: parked cells), then one more token after the commit, equal to one-token decoding."""
+    """The steps verified as the path of a branching tree (`decoys` wrong branches of `length`
+    nodes before each true token: parked cells), then one more token after the commit, equal to
+    one-token decoding."""
     _fresh_prefill(probe, context)
     ids, parents, path = [tokens[0]], [-1], [0]
-    for depth in range(1, EXACTNESS_STEPS):  # the wrong siblings first, then the true token
-        ids += [(tokens[depth] + k) % probe.vocab_size for k in range(1, decoys + 1)] + [tokens[depth]]
-        parents += [path[-1]] * (decoys + 1)
+    for depth in range(1, EXACTNESS_STEPS):  # the wrong branches first, then the true token
+        for k in range(1, decoys + 1):
+            wrong = (tokens[depth] + k) % probe.vocab_size
+            ids += [wrong] * length
+            parents += [path[-1]] + list(range(len(ids) - length, len(ids) - 1))
+        ids.append(tokens[depth])
+        parents.append(path[-1])
         path.append(len(ids) - 1)
     return _verified_as_decoded(probe, DraftTree(torch.tensor(ids), torch.tensor(parents)), path, tokens, logits)
 
