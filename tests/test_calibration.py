@@ -348,6 +348,28 @@ def test_bench_methods_get_the_drafter_generate_would_make_on_one_layout(tiny_de
     assert alone.chosen.layout == "column"
 
 
+def test_reference_tree_methods_look_up_with_the_reference_lookup_not_the_calibrations(tiny_default, monkeypatch) -> None:
+    """Bug: `moa+ngram@ref` took the machine calibration's prompt lookup (2 deep on the AVX-512
+    EPYC), so its τ changed with the CPU it ran on: the fixed lookup is now part of the reference."""
+    from moaspec.bench.methods import REFERENCE_LOOKUP, build_method, parse_methods
+    from moaspec.drafters.ngram import NgramConfig
+
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES)
+    calibrated = NgramConfig(max_depth=2, max_branches=1)
+    real_drafter_for = plan.drafter_for
+
+    def with_calibrated_lookup(*args, **kwargs):
+        drafter, calibration = real_drafter_for(*args, **kwargs)
+        drafter.enable_lookup(calibrated)
+        return drafter, calibration
+
+    monkeypatch.setattr(plan, "drafter_for", with_calibrated_lookup)
+    own, reference = parse_methods(f"own={checkpoint}+ngram,ref={checkpoint}+ngram@ref")[1:]
+    assert build_method(own, target).engine.drafter.lookup.config == calibrated
+    assert build_method(reference, target).engine.drafter.lookup.config == REFERENCE_LOOKUP == NgramConfig()
+
+
 def test_tree_fields_left_open_are_the_calibrations_to_choose(tiny_default) -> None:
     """`--tree-depth 3` alone: the depth is 3 and the top-k and budget are the calibration's best
     for depth 3 (they came from the checkpoint, 1 and 2, whatever the costs said)."""

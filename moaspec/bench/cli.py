@@ -193,12 +193,16 @@ def _without_trees_where_inexact(specs, target):
 
 
 def _tree_record(method) -> dict | None:
-    """The draft tree an engine method's model drafter used and where it came from (tuned.py)."""
+    """The draft tree an engine method's model drafter used and where it came from (tuned.py),
+    with its prompt lookup's settings where it looks up first (`+ngram`)."""
     from dataclasses import asdict
 
     drafter = getattr(getattr(method, "engine", None), "drafter", None)
     tree = getattr(drafter, "tree_config", None)
-    return None if tree is None else {**asdict(tree), "source": drafter.tree_source}
+    if tree is None:
+        return None
+    lookup = getattr(drafter, "lookup", None)
+    return {**asdict(tree), "source": drafter.tree_source, **({"lookup": asdict(lookup.config)} if lookup is not None else {})}
 
 
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:

@@ -7,7 +7,9 @@
   tables (default label: the value as given);
 - `X@ref` for a model drafter X: the same checkpoint with the fixed reference tree
   (REFERENCE_TREE: depth 6, top-k 4, 16 drafted nodes) whatever its tuned or --tree-* tree, so a
-  run can show `moa` and `moa@ref` side by side (acceptance per depth needs a deep tree);
+  run can show `moa` and `moa@ref` side by side (acceptance per depth needs a deep tree); with
+  `+ngram`, the prompt lookup is fixed too (REFERENCE_LOOKUP, the lookup's defaults), not the
+  machine calibration's, so `X+ngram@ref`'s τ does not depend on the CPU it ran on;
 - `default`: what `moaspec generate` uses when no drafter is named: the machine calibration's
   choice (moaspec/calibration/plan.py), recorded in results.json's `config.calibration`;
 - `hf`: transformers `generate()` on the same loaded model (same weights and weight layout, so the
@@ -35,6 +37,7 @@ from moaspec.drafters import (
     default_drafter,
     run_directory_hint,
 )
+from moaspec.drafters.ngram import NgramConfig
 from moaspec.errors import MoaspecError
 from moaspec.bench.method_run import Method, MethodRun
 from moaspec.metrics import SpecStats
@@ -52,6 +55,7 @@ DEFAULT_METHOD = "default"
 HF_PLD_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 REFERENCE_SUFFIX = "@ref"
 REFERENCE_TREE = {"depth": 6, "top_k": 4, "budget": 16}  # issue 20's fixed tree for comparing drafters
+REFERENCE_LOOKUP = NgramConfig()  # X+ngram@ref's lookup: 2- to 4-grams, 8 deep x 3 branches, 16 nodes
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,8 @@ def build_method(
     # form, unless --tree-* (or @ref) fix the tree; every method on the target's one weight layout.
     session = target.new_session()
     drafter, _ = drafter_for(session, spec.drafter, drafter_tree(spec, tree_overrides), layout=target.weight_layout)
+    if spec.reference_tree and getattr(drafter, "lookup", None) is not None:
+        drafter.enable_lookup(REFERENCE_LOOKUP)
     return EngineMethod(spec.label, session, drafter, stop_ids)
 
 
