@@ -348,7 +348,9 @@ def test_bench_methods_get_the_drafter_generate_would_make_on_one_layout(tiny_de
     assert alone.chosen.layout == "column"
 
 
-def test_reference_tree_methods_look_up_with_the_reference_lookup_not_the_calibrations(tiny_default, monkeypatch) -> None:
+def test_reference_tree_methods_look_up_with_the_reference_lookup_not_the_calibrations(
+    tiny_default, monkeypatch
+) -> None:
     """Bug: `moa+ngram@ref` took the machine calibration's prompt lookup (2 deep on the AVX-512
     EPYC), so its τ changed with the CPU it ran on: the fixed lookup is now part of the reference."""
     from moaspec.bench.methods import REFERENCE_LOOKUP, build_method, parse_methods

@@ -164,7 +164,8 @@ def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> N
     assert target.num_cached == len(PROMPT) + 13 - 1  # as plain decoding leaves it
     earlier = GenerationResult(token_ids=[1, 2, 3])  # a caller's result: its tokens are not this generation's
     drafter = ScriptedDrafter(expected + [0] * 10, target.vocab_size, 5, 5)
-    for _ in Engine(target, drafter).stream(PROMPT, generation=GenerationConfig(max_new_tokens=13), stop_ids=NO_STOP, result=earlier):
+    generation = GenerationConfig(max_new_tokens=13)
+    for _ in Engine(target, drafter).stream(PROMPT, generation=generation, stop_ids=NO_STOP, result=earlier):
         pass
     assert earlier.token_ids == [1, 2, 3, *expected] and earlier.stop_reason == "length"
     assert target.num_cached == len(PROMPT) + 13 - 1

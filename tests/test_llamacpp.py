@@ -682,8 +682,8 @@ def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differentl
     """exact_tree_nodes_here gives the largest tree on this machine's kernels (the other tests
     hold it to that) and, where batches of `rounds_from` tokens or more move a logit by one
     rounding step (K-quant GGUFs: 4 on the AVX-512 EPYC), the longest chain below that, up to 8
-    (16: only the 64-node tree sees it, as a 16-row matrix path would; 65: only the 120-node one); trees are then refused
-    beyond it, and branching ones altogether."""
+    (16: only the 64-node tree sees it, as a 16-row matrix path would; 65: only the 120-node one);
+    trees are then refused beyond it, and branching ones altogether."""
     from moaspec.targets import llamacpp
 
     require_exact_trees(llama_target)

@@ -48,7 +48,8 @@ def test_the_profile_holds_the_operators_the_runs_issued(tmp_path, monkeypatch) 
 
     monkeypatch.setattr(script, "moaspec_main", fake_train)
     profile = tmp_path / "profile.txt"
-    assert script.main(["--micro-batches", "2", "--steps", "2", "--rounds", "1", "--profile", str(profile), "--", "--method", "eagle"]) == 0
+    argv = ["--micro-batches", "2", "--steps", "2", "--rounds", "1", "--profile", str(profile), "--", "--method", "eagle"]
+    assert script.main(argv) == 0
     text = profile.read_text()
     assert text.startswith("moaspec train --method eagle; --micro-batch 2") and "aten::linalg_matrix_exp" in text
 

@@ -201,8 +201,9 @@ def _tree_record(method) -> dict | None:
     tree = getattr(drafter, "tree_config", None)
     if tree is None:
         return None
+    record = {**asdict(tree), "source": drafter.tree_source}
     lookup = getattr(drafter, "lookup", None)
-    return {**asdict(tree), "source": drafter.tree_source, **({"lookup": asdict(lookup.config)} if lookup is not None else {})}
+    return record if lookup is None else {**record, "lookup": asdict(lookup.config)}
 
 
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
