@@ -257,7 +257,8 @@ class LlamaCppTarget:
     @property
     def exact_tree_nodes(self) -> int:
         """The most nodes a verified tree may have and keep one-token decoding's logits bit for bit
-        on this machine (1: none; measured once per process and model, ~1 s: `exact_tree_nodes_here`)."""
+        on this machine (1: none; measured once per process and model, a few seconds:
+        `exact_tree_nodes_here`)."""
         if self._probing_exactness:
             return MAX_TREE_NODES
         if self.weights.exact_nodes is None:
