@@ -675,14 +675,15 @@ def test_a_gpu_target_defaults_to_prompt_lookup_everywhere(monkeypatch) -> None:
     assert "moa+ngram" in default_methods("smollm2-135m", "transformers", "cpu").split(",")
 
 
-@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (65, 8)])
+@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (65, 8), (121, 8)])
 def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differently(
     llama_target, monkeypatch, rounds_from: int, exact: int
 ) -> None:
     """exact_tree_nodes_here gives the largest tree on this machine's kernels (the other tests
     hold it to that) and, where batches of `rounds_from` tokens or more move a logit by one
     rounding step (K-quant GGUFs: 4 on the AVX-512 EPYC), the longest chain below that, up to 8
-    (16: only the 64-node tree sees it, as a 16-row matrix path would; 65: only the 120-node one);
+    (16: only the 64-node tree sees it, as a 16-row matrix path would; 65: only the largest one;
+    121: only the largest once filled up to 128 nodes, the most a tree may have);
     trees are then refused beyond it, and branching ones altogether."""
     from moaspec.targets import llamacpp
 
@@ -710,6 +711,42 @@ def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differentl
         verify(llama_target, DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])))
 
 
+def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp_path, monkeypatch) -> None:
+    """Every process that verified trees on llama.cpp measured the exact tree size again (~6 s:
+    4 minutes of the test suite): it is saved, and measured again only for another CPU, GGUF file,
+    thread count or an unreadable record."""
+    import os
+    from types import SimpleNamespace
+
+    from moaspec.targets import llamacpp_exactness
+    from moaspec.targets.llamacpp_exactness import saved_exact_tree_nodes, saved_or_measured
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(16))
+    target = SimpleNamespace(name="model.gguf", weights=SimpleNamespace(path=gguf, gpu_layers=0), threads=2)
+    measured = []
+
+    def measure(answer: int):
+        return lambda: measured.append(answer) or answer
+
+    assert saved_exact_tree_nodes(target) is None
+    assert saved_or_measured(target, measure(128)) == 128 and measured == [128]
+    assert saved_or_measured(target, measure(7)) == 128 and measured == [128]  # a new process: read
+    target.threads = 1
+    assert saved_or_measured(target, measure(7)) == 7 and measured == [128, 7]
+    target.threads = 2
+    os.utime(gguf, ns=(1, 1))  # the file replaced
+    assert saved_or_measured(target, measure(3)) == 3
+    monkeypatch.setattr(llamacpp_exactness, "cpu_description", lambda: "another CPU [avx2]")
+    assert saved_exact_tree_nodes(target) is None and saved_or_measured(target, measure(1)) == 1
+    records = (tmp_path / "cache" / "calibration" / "model.gguf").glob("exactness-*.json")
+    [record] = [path for path in records if "another CPU" in path.read_text()]
+    record.write_text("{not json")
+    assert saved_or_measured(target, measure(2)) == 2 and measured == [128, 7, 3, 1, 2]
+    assert saved_or_measured(target, measure(5)) == 2
+
+
 def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafters_are_refused(
     llama_target, monkeypatch, tmp_path, capsys
 ) -> None:
@@ -724,7 +761,8 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path))  # a machine with nothing measured yet
     monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
     target = llama_target.new_session()
-    monkeypatch.setattr(target.weights, "exact_nodes", 1)
+    monkeypatch.setattr(target.weights, "exact_nodes", None)
+    monkeypatch.setattr(llamacpp, "exact_tree_nodes_here", lambda target: 1)  # measured here, then saved
     drafter, calibration = drafter_for(target, None)
     assert isinstance(drafter, NoDrafter) and calibration is None
     assert "plain decoding (--runtime transformers speculates)" in capsys.readouterr().err

@@ -124,7 +124,7 @@ def test_where_only_short_chains_are_exact_the_calibration_chooses_chains_within
     """With exactness measured up to 3-node chains (as K-quant GGUFs on the AVX-512 EPYC), the
     calibration costs and weighs only chains of at most 3 nodes, for prompt lookup and for model
     drafters, and caches that length with the costs; a tree --tree-* fixes beyond that is said
-    to be cut."""
+    to be cut; the length is saved, so a new process measures it no more."""
     from moaspec.calibration import costs_store
     from moaspec.calibration.plan import EXACT_NODES_FIELD, drafter_for
     from moaspec.drafters.moa import MoADrafter
@@ -133,7 +133,8 @@ def test_where_only_short_chains_are_exact_the_calibration_chooses_chains_within
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path))  # a machine with nothing measured yet
     monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
     target = llama_target.new_session()
-    monkeypatch.setattr(target.weights, "exact_nodes", 3)
+    monkeypatch.setattr(target.weights, "exact_nodes", None)
+    monkeypatch.setattr(llamacpp, "exact_tree_nodes_here", lambda target: 3)  # measured here, then saved
     for spec in (None, "ngram", "moa", "moa+ngram"):
         drafter, calibration = drafter_for(target, spec)
         lookup = calibration.chosen.lookup

@@ -58,9 +58,10 @@ if TYPE_CHECKING:
 
 DISABLE_ENV = "MOASPEC_NO_CALIBRATION"
 DEFAULT = "default"
-# the verify record's field: the llama.cpp target's largest exact tree here (v2: its check covers
-# trees of up to 120 nodes; records of v1's check, up to 64, are measured again)
-EXACT_NODES_FIELD = "exact_tree_nodes_v2"
+# the verify record's field on llama.cpp: the exact tree size its costs were measured within (the
+# size itself is saved by llamacpp_exactness.py; costs measured for another size, or recorded
+# before session 28 under other field names, are measured again)
+EXACT_NODES_FIELD = "exact_tree_nodes"
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ def calibrated_drafter(
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
     cpu, runtime = cpu_description(), runtime_description(target)
     say = _progress(progress)
-    if target.runtime == "llama.cpp" and _exact_tree_nodes(target, cpu, runtime, layouts, say) == 1:
+    if target.runtime == "llama.cpp" and _exact_tree_nodes(target, say) == 1:
         return _plain_decoding(target, requested, base)
     limit = TreeLimit.of(target)
     sequences, lookup_source = load_lookup_profile(target.name)
@@ -341,26 +342,14 @@ def _verify_record(target, cpu: str, runtime: str, layouts) -> tuple[Path, str, 
     return costs_store.cache_dir(target.name) / f"verify-{key}.json", key, identity
 
 
-def _exact_tree_nodes(target, cpu: str, runtime: str, layouts, say) -> int:
+def _exact_tree_nodes(target, say) -> int:
     """How many nodes a tree llama.cpp verifies for this target here may have and stay exact:
-    cached with the verify costs, else measured now (~1 s) and saved (where trees are exact at
-    all, by `_costs` with the costs)."""
-    path, _, identity = _verify_record(target, cpu, runtime, layouts)
-    exact = _saved_exact_nodes(path)
-    if exact is not None:
-        target.weights.exact_nodes = exact
-        return exact
-    if target.weights.exact_nodes is None:
+    saved on this machine, else measured now (~6 s) and saved (llamacpp_exactness.py)."""
+    from moaspec.targets.llamacpp_exactness import saved_exact_tree_nodes
+
+    if target.weights.exact_nodes is None and saved_exact_tree_nodes(target) is None:
         say("how large a tree llama.cpp verifies exactly here")
-    if not target.trees_exact:
-        costs_store.save(path, {**identity, EXACT_NODES_FIELD: target.exact_tree_nodes})
     return target.exact_tree_nodes
-
-
-def _saved_exact_nodes(path: Path) -> int | None:
-    """The exact tree size a verify record holds, None where it holds none (or not a count)."""
-    exact = costs_store.read_field(path, EXACT_NODES_FIELD)
-    return exact if isinstance(exact, int) and not isinstance(exact, bool) and exact >= 1 else None
 
 
 def _plain_decoding(target, requested: str, base: str):
@@ -382,11 +371,13 @@ def _plain_decoding(target, requested: str, base: str):
 
 def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
     """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?).
-    On llama.cpp `_exact_tree_nodes` has run first: its answer is saved with the costs."""
+    On llama.cpp the costs hold the exact tree size they were measured within (they time no
+    larger tree): costs measured within another size are measured again."""
     verify_path, key, identity = _verify_record(target, cpu, runtime, layouts)
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
-    if cached is None or (target.runtime == "llama.cpp" and _saved_exact_nodes(verify_path) is None):
+    measured_within = costs_store.read_field(verify_path, EXACT_NODES_FIELD)
+    if cached is None or (target.runtime == "llama.cpp" and measured_within != target.exact_tree_nodes):
         measured = True
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)

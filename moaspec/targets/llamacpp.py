@@ -33,7 +33,7 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 Not every GGUF keeps this: K-quant products (Q4_K, Q6_K, ...) switch to repacked GEMM kernels
 from 4 rows on (AVX-512 EPYC), which round differently from one-token decoding. So the largest
-exact tree is measured per machine and model (llamacpp_exactness.py, `exact_tree_nodes`): where
+exact tree is measured once per machine, GGUF and thread count, and saved (llamacpp_exactness.py): where
 a branching tree is exact, trees of up to MAX_TREE_NODES; where only short chains are, trees are
 chains of at most that length (`max_tree_nodes`, `max_tree_leaves` 1: a chain never parks a cell,
 so the context is never re-decoded in batches larger than its tokens were decoded in); where no
@@ -87,7 +87,7 @@ from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import SequenceState
-from moaspec.targets.llamacpp_exactness import exact_tree_nodes
+from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
@@ -257,12 +257,12 @@ class LlamaCppTarget:
     @property
     def exact_tree_nodes(self) -> int:
         """The most nodes a verified tree may have and keep one-token decoding's logits bit for bit
-        on this machine (1: none; measured once per process and model, a few seconds:
-        `exact_tree_nodes_here`)."""
+        on this machine (1: none; measured once per machine, GGUF and thread count, ~6 s:
+        `exact_tree_nodes_here`, then read from the cache: llamacpp_exactness.py)."""
         if self._probing_exactness:
             return MAX_TREE_NODES
         if self.weights.exact_nodes is None:
-            self.weights.exact_nodes = exact_tree_nodes_here(self)
+            self.weights.exact_nodes = saved_or_measured(self, lambda: exact_tree_nodes_here(self))
         return self.weights.exact_nodes
 
     @property

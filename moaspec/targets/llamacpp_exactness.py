@@ -1,26 +1,81 @@
 """How large a verified tree stays exact on this machine's llama.cpp kernels (llamacpp.py's module
-docstring: a tree's logits must equal one-token decoding's bit for bit)."""
+docstring: a tree's logits must equal one-token decoding's bit for bit), and the answer saved per
+machine, llama.cpp build, GGUF file and thread count (`saved_or_measured`): every process that
+verifies trees needs it, and measuring takes ~6 s.
+
+The answer is saved as `<cache root>/calibration/<target name>/exactness-<key>.json` (cache root
+as in model_store.py); a change of the CPU, llama-cpp-python's version, the GGUF file (path, size,
+modification time), the layers offloaded to a GPU, the thread count or the check itself
+(EXACTNESS_VERSION) is a new key, hence a new measurement. An unreadable record is measured again.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 
+from moaspec.atomic_files import write_file_atomically
+from moaspec.calibration.machine import cpu_description, key_of
+from moaspec.model_store import cache_root, gguf_key
 from moaspec.targets.base import Target
 from moaspec.tree import DraftTree
 
+EXACTNESS_VERSION = 3  # 3: the largest tree is filled up to max_nodes (2: up to 120 nodes; 1: 64)
 EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
 EXACTNESS_STEPS = 8
-# the branching trees checked: (wrong branches per depth, their length) -> 15, 64 and 120 nodes
-# (the last with 57 leaves: llama.cpp's sequences bound a tree's leaves to 62)
+# the branching trees checked: (wrong branches per depth, their length) -> 15, 64 and 120 nodes;
+# the last is filled up to the largest tree allowed by one more wrong branch below the root
+# (128 nodes, 58 leaves: llama.cpp's sequences bound a tree's leaves to 62)
 DECOYS = ((1, 1), (8, 1), (8, 2))
+
+
+def saved_or_measured(target, measure: Callable[[], int]) -> int:
+    """The exact tree size saved for `target` (a LlamaCppTarget: its name, `weights` and
+    `threads`) on this machine, else `measure()`'s answer, saved (a cache that cannot be written
+    costs a measurement next time, not an error)."""
+    saved = saved_exact_tree_nodes(target)
+    if saved is not None:
+        return saved
+    exact = measure()
+    record = {"cpu": cpu_description(), "target": target.name, "threads": target.threads, "exact_tree_nodes": exact}
+    try:
+        write_file_atomically(_record_path(target), json.dumps(record, indent=1) + "\n")
+    except OSError:
+        pass
+    return exact
+
+
+def saved_exact_tree_nodes(target) -> int | None:
+    """The exact tree size saved for `target` on this machine, None where none is (or the
+    record is unreadable)."""
+    try:
+        saved = json.loads(_record_path(target).read_text()).get("exact_tree_nodes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
+
+
+def _record_path(target) -> Path:
+    import llama_cpp
+
+    weights = target.weights
+    key = key_of(
+        str(EXACTNESS_VERSION), cpu_description(), f"llama-cpp-python {llama_cpp.__version__}",
+        gguf_key(weights.path), f"ngl {weights.gpu_layers}", f"{target.threads} threads",
+    )
+    return cache_root() / "calibration" / target.name / f"exactness-{key}.json"
 
 
 @torch.inference_mode()
 def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
     give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15, 64
-    and 120 nodes are exact and a prompt's start kept by `set_context` gives a fresh prefill's logits
-    (kernels that do not change with the batch size), else the longest chain k such that chains
+    and 120 nodes, the last filled up to `max_nodes`, are exact and a prompt's start kept by
+    `set_context` gives a fresh prefill's logits (kernels that do not change with the batch
+    size), else the longest chain k such that chains
     of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Every tree is verified after a fresh
     prefill, as a generation's are. Kernels chosen by batch size fail a tree or the kept start:
     llama.cpp's repacked K-quant products from 4 rows on (AVX-512 EPYC), K-quant mixes whose
@@ -28,7 +83,11 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
     first, tokens, logits = _one_token_decoding(probe, context)
     kept_start_exact = torch.equal(probe.set_context(context).logits[0], first)  # holding context + steps
-    trees_exact = all(_branching_tree_exact(probe, context, tokens, logits, *decoys) for decoys in DECOYS)
+    largest = len(DECOYS) - 1
+    trees_exact = all(
+        _branching_tree_exact(probe, context, tokens, logits, *decoys, max_nodes if k == largest else 0)
+        for k, decoys in enumerate(DECOYS)
+    )
     if kept_start_exact and trees_exact:
         return max_nodes
     for length in range(2, EXACTNESS_STEPS + 1):
@@ -61,10 +120,12 @@ def _fresh_prefill(probe: Target, context: torch.Tensor) -> None:
 
 
 def _branching_tree_exact(
-    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int, length: int
+    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int, length: int,
+    fill_to: int,
 ) -> bool:
     """The steps verified as the path of a branching tree (`decoys` wrong branches of `length`
-    nodes before each true token: parked cells), then one more token after the commit, equal to
+    nodes before each true token: parked cells; then one more wrong branch below the root up to
+    `fill_to` nodes, where that is more), then one more token after the commit, equal to
     one-token decoding."""
     _fresh_prefill(probe, context)
     ids, parents, path = [tokens[0]], [-1], [0]
@@ -76,6 +137,10 @@ def _branching_tree_exact(
         ids.append(tokens[depth])
         parents.append(path[-1])
         path.append(len(ids) - 1)
+    fill = fill_to - len(ids)
+    if fill > 0:
+        ids += [(tokens[1] + decoys + 1) % probe.vocab_size] * fill
+        parents += [0] + list(range(len(ids) - fill, len(ids) - 1))
     return _verified_as_decoded(probe, DraftTree(torch.tensor(ids), torch.tensor(parents)), path, tokens, logits)
 
 
