@@ -316,6 +316,28 @@ def test_the_last_verify_closes_the_session(pair: SplitPair, ending: str) -> Non
 
 
 @pytest.mark.parametrize("pair", ["ngram"], indirect=True)
+@pytest.mark.parametrize("ending", ["length", "stop_token"])
+def test_the_last_verify_leaves_the_context_plain_decoding_would(pair: SplitPair, ending: str) -> None:
+    """Bug: the verify that finished a session left the tokens its accepted path held past the
+    client's limit or stop token in the target's context, which the server keeps for the key's next
+    session (IdleTargets): the next turn then started from a state that depended on what was
+    drafted, unlike Engine.stream's, which rolls back to what plain decoding would hold."""
+    generation = GenerationConfig(max_new_tokens=12)
+    full = pair.reference(SamplingConfig(), generation)
+    client = SplitClient(pair.url, KEY)
+    stop_ids = [full[2]] if ending == "stop_token" else []
+    answer = full.index(full[2]) + 1 if stop_ids else 3  # tokens, the open's first included
+    assert answer > 1  # the stop token is not the open's own
+    opened = client.open(wire.OpenRequest(PROMPT, max_new_tokens=12, stop_ids=stop_ids))
+    assert opened["next_token"] == full[0]
+    target = pair.server.server.sessions[opened["session_id"]].target_session.target
+    chain = wire.VerifyRequest(0, full[:6], list(range(-1, 5)), remaining=2 if ending == "length" else 11)
+    reply = client.verify(opened["session_id"], chain)  # accepts 5 tokens past the root, emits 6
+    assert reply["closed"] is True and reply["path_node_idx"] == list(range(6))
+    assert target.num_cached == len(PROMPT) + answer - 1  # the answer's last token is not decoded yet
+
+
+@pytest.mark.parametrize("pair", ["ngram"], indirect=True)
 def test_a_closed_sessions_last_verify_is_replayed_and_nothing_else(pair: SplitPair) -> None:
     """A retry of the verify that closed a session (its reply lost) gets the same reply; any other
     verify is a 404 and a DELETE is answered; a client that sends no `remaining` closes the session

@@ -390,20 +390,29 @@ class SplitServer:
             raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
         remaining = wire.get_int(message, "remaining", 1, 1 << 40) if "remaining" in message else None
 
-        def verify() -> dict:
+        def verify() -> tuple[dict, bool]:
+            """-> (the reply, whether this verify ends the generation)."""
             verified = session.target_session.verify(tree)
+            accepted = verified.accepted
             context = self.encoder.encode(verified.update)
+            emitted = [int(tree.token_ids[i]) for i in accepted.path_node_idx[1:]] + [accepted.next_token]
+            last = None if remaining is None else wire.last_emitted(emitted, remaining, session.stop_ids)
+            if last is not None:
+                # the context plain decoding would hold, as Engine.stream leaves it (the accepted path
+                # may run past a stop token or the limit): a kept target's next session starts from it
+                target = session.target_session.target
+                target.rollback(target.num_cached - (len(emitted) - 1 - last))
             return {
                 "seq": seq,
-                "path_node_idx": verified.accepted.path_node_idx,
-                "next_token": verified.accepted.next_token,
+                "path_node_idx": accepted.path_node_idx,
+                "next_token": accepted.next_token,
                 "start_pos": verified.update.start_pos,
                 "context": wire.encode_context(context, session.context_dtype),
-            }
+            }, last is not None
 
         started = time.perf_counter()
         try:
-            reply = await self._compute(verify)
+            reply, ends = await self._compute(verify)
         except Exception as exc:  # its cache may be half-updated: the session cannot go on
             self._drop(request.match_info["session_id"], reusable=False)
             logger.exception("model failure on a verify; session closed")
@@ -412,8 +421,7 @@ class SplitServer:
         session.num_verified += len(reply["path_node_idx"])
         session.root_id = reply["next_token"]
         session.next_seq, session.last_reply, session.last_used = seq + 1, reply, time.monotonic()
-        emitted = [int(tree.token_ids[i]) for i in reply["path_node_idx"][1:]] + [reply["next_token"]]
-        if remaining is not None and wire.finishes(emitted, remaining, session.stop_ids):
+        if ends:
             reply["closed"] = True  # the client is done: no DELETE round trip needed
             self._finish(request.match_info["session_id"], session, seq, reply)
         return _reply(request, reply)
