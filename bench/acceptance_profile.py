@@ -28,6 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moaspec.api import load_target
+from moaspec.bench.script_args import help_description, positive_int, run_script
 from moaspec.bench.tune import CALIBRATION_PROMPTS, calibrate
 from moaspec.calibration.profile import PROFILE_FILE, LookupSequence, sequences_to_json, weights_digest
 from moaspec.chat import encode_chat_prompt
@@ -35,7 +36,6 @@ from moaspec.config import GenerationConfig
 from moaspec.drafters import SHIPPED, SHIPPED_DIR, make_drafter
 from moaspec.engine import Engine
 from moaspec.train.sharegpt import load_training_conversations
-from moaspec.bench.script_args import help_description, positive_int, run_script
 
 CONTEXT_PROMPTS = (  # written for the lookup profile; not from any benchmark set
     "Summarize this note in two sentences:\n\nThe garden club met on Tuesday evening. Members agreed to "

@@ -23,10 +23,10 @@ import torch
 
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
+from moaspec.bench.script_args import non_negative_int, output_file, positive_int, run_script
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
-from moaspec.bench.script_args import non_negative_int, output_file, positive_int, run_script
 
 CONTEXT = 256
 

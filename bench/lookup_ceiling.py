@@ -35,6 +35,7 @@ from tqdm import tqdm
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
 from moaspec.bench.prompts import CATEGORIES, load_prompts
+from moaspec.bench.script_args import category_list, help_description, output_file, positive_int, run_script
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.costs_store import measure_verify_costs
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -46,7 +47,6 @@ from moaspec.drafters import make_drafter
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.bench.script_args import category_list, help_description, output_file, positive_int, run_script
 
 MAX_CHAIN = 15  # drafted tokens per cycle at most: 16 verified nodes, the largest tree measured
 

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+
 from moaspec.bench.script_args import existing_file, positive_int, run_script
 
 

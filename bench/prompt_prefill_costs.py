@@ -16,6 +16,7 @@ import statistics
 import time
 
 from llamacpp_probes import CONTEXT, PROBE_CELLS, _context
+
 from moaspec.bench.script_args import positive_int, positive_ints, run_script
 
 CASES = {  # label -> (ggml key type, ggml value type, tokens per llama_decode)

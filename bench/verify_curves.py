@@ -15,6 +15,7 @@ import statistics
 import sys
 
 import torch
+
 from moaspec.bench.script_args import dtype_list, help_description, output_file, positive_int, run_script
 
 NODE_COUNTS = (1, 2, 4, 8, 16)

@@ -165,7 +165,6 @@ def _serve(args: argparse.Namespace) -> int:
     ssl_context = check_tls(args.ssl_certfile, args.ssl_keyfile)
     from moaspec.drafters import check_drafter_spec, default_drafter
     from moaspec.model_store import resolve_target
-
     from moaspec.targets.options import runtime_options
 
     if args.drafter is not None:

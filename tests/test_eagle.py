@@ -14,9 +14,9 @@ from moaspec.drafters.base import VerifiedUpdate
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.nn.layers import additive_mask
+from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.hf import HFTarget
 from moaspec.tree import DraftTree, depths
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_random_drafter_net, make_tiny_target
+
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
 from moaspec.drafters.eagle import EagleDrafter
 from moaspec.engine import Engine

@@ -7,8 +7,17 @@ import argparse
 import pytest
 
 from moaspec.bench.script_args import (
-    category_list, dtype_list, existing_file, help_description, non_negative_int, non_negative_ints, output_directory,
-    output_file, positive_int, positive_ints, run_script,
+    category_list,
+    dtype_list,
+    existing_file,
+    help_description,
+    non_negative_int,
+    non_negative_ints,
+    output_directory,
+    output_file,
+    positive_int,
+    positive_ints,
+    run_script,
 )
 from moaspec.errors import MoaspecError
 

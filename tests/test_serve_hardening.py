@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
 
+from moaspec.serving.http_guard import LINGER_S
 from moaspec.split import protocol as wire
 from moaspec.split.client import ServerRefused, SplitClient
-from moaspec.serving.http_guard import LINGER_S
 from moaspec.split.server import ServerLimits, ServerThread, SplitServer
 
 PROMPT = [40, 69, 76, 76, 79, 12, 0, 87, 79, 82]

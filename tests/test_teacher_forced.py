@@ -7,8 +7,8 @@ import json
 import pytest
 
 from moaspec.errors import MoaspecError
-from moaspec.train.teacher_forced import TeacherForcedConfig, build_records, encode_conversation
 from moaspec.train.sharegpt import Conversation
+from moaspec.train.teacher_forced import TeacherForcedConfig, build_records, encode_conversation
 
 ROLE = {"user": 1, "assistant": 2}
 END, NEWLINE, START = 3, 4, 5

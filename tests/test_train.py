@@ -12,8 +12,8 @@ from conftest import make_tiny_target
 
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
-from moaspec.train.run import build_net
 from moaspec.train.features import OnlineFeatures, TrainSample
+from moaspec.train.run import build_net
 from moaspec.train.trainer import last_anchors, learning_rate, loss_mask, staircase_probability, train
 
 

@@ -12,9 +12,9 @@ from conftest import make_random_drafter_net, make_tiny_target
 
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.tree_ranking import (
+    BUDGETS,
     DEPTHS,
     TOP_KS,
-    BUDGETS,
     candidates,
     expected_tau,
     expected_taus_by_budget,

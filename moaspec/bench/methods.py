@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from moaspec.bench.method_run import Method, MethodRun
 from moaspec.drafters import (
     MODEL_FREE,
     SHIPPED,
@@ -39,7 +40,6 @@ from moaspec.drafters import (
 )
 from moaspec.drafters.ngram import NgramConfig
 from moaspec.errors import MoaspecError
-from moaspec.bench.method_run import Method, MethodRun
 from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:

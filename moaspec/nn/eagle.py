@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
-from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import DecoderLayer, additive_mask
+from moaspec.nn.target_parts import TargetParts
 
 
 @dataclass(frozen=True)

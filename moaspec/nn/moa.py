@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
-from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.target_layers import target_layer_forward, target_rope
+from moaspec.nn.target_parts import TargetParts
 
 LSA_HEAD_DIM = 64
 # The learned layer mix's logits are LAYER_MIX_SCALE * raw parameters: Adam moves a parameter by

@@ -32,12 +32,11 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from moaspec.errors import MoaspecError
-from moaspec.nn.target_parts import TargetParts
 from moaspec.nn.fast_linear import layout_of, use_layout
+from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.hf_attention import AttentionLayout
 from moaspec.tree import DraftTree, depths
-
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -25,9 +25,9 @@ import torch
 
 from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import coverage, most_frequent_token_ids
-from moaspec.train.distill import read_manifest
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
+from moaspec.train.distill import read_manifest
 from moaspec.train.features import TrainSample
 from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, saved_state, train
 
