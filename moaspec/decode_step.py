@@ -60,20 +60,23 @@ def decode_step(
     generator: torch.Generator,
     stats: SpecStats,
     verify: Callable[[DraftTree], Verdict],
-    max_nodes: int | None = None,
+    limits: object | None = None,
     vocab_size: int | None = None,
-    max_leaves: int | None = None,
-    max_prob_entries: int | None = None,
 ) -> Step:
     """One cycle (module docstring). remaining: tokens still to emit (>= 1), so the tree is pruned
-    to depth remaining - 1; max_nodes / max_leaves / max_prob_entries: keep only the first nodes,
-    within those limits (a server's or the runtime's; limit_nodes); vocab_size: the target's,
-    which every drafted token must be in."""
+    to depth remaining - 1; limits: what verifies the tree (the target, or the split server's
+    limits), whose `max_tree_nodes`, `max_tree_leaves` and `max_prob_entries` (each absent or
+    None: no limit) keep only the tree's first nodes (limit_nodes); read only for a tree of two
+    nodes or more, since a llama.cpp target measures its own on first need; vocab_size: the
+    target's, which every drafted token must be in."""
     tick = time.perf_counter()
     tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
     tree = prune_to_depth(tree, remaining - 1)
-    if max_nodes is not None or max_leaves is not None or max_prob_entries is not None:
-        tree = limit_nodes(tree, max_nodes, max_leaves, max_prob_entries)
+    if limits is not None and tree.num_nodes > 1:
+        tree = limit_nodes(
+            tree, getattr(limits, "max_tree_nodes", None), getattr(limits, "max_tree_leaves", None),
+            getattr(limits, "max_prob_entries", None),
+        )
     draft_s = time.perf_counter() - tick
     stats.draft_s += draft_s
 

@@ -112,7 +112,7 @@ class Engine:
         limit = emitted_before + max_new  # len(result.token_ids) at which this generation ends
         session = TargetSession(self.target, self.drafter.hidden_layers, sampling, generation.seed)
         generator = draft_generator(generation.seed)
-        started = time.perf_counter()
+        started = time.perf_counter() - stats.wall_s  # a caller's result: its stats add up, wall time too
 
         # 0. prefill: the prompt becomes verified context; its last logits give the first token.
         tick = time.perf_counter()
@@ -150,8 +150,7 @@ class Engine:
             # commits it), tell the drafter (decode_step.py: shared with the split client)
             step = decode_step(
                 self.drafter, root, limit - len(result.token_ids), sampling, generator, stats, verify,
-                max_nodes=getattr(self.target, "max_tree_nodes", None), vocab_size=self.target.vocab_size,
-                max_leaves=getattr(self.target, "max_tree_leaves", None),
+                limits=self.target, vocab_size=self.target.vocab_size,
             )
             emitted, root = step.emitted, step.verdict.next_token
 

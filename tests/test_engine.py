@@ -171,6 +171,23 @@ def test_max_new_tokens_truncates_mid_verification_and_streams_everything() -> N
     assert target.num_cached == len(PROMPT) + 13 - 1
 
 
+def test_a_reused_result_adds_up_its_stats_wall_time_included() -> None:
+    """Bug: with one result reused across generations, new tokens and the prefill, draft and
+    verify seconds added up but the wall time restarted at each, so tokens/s grew with every
+    generation and the time split exceeded the wall time."""
+    target = make_tiny_target("llama")
+    expected = greedy_reference(target, 12)
+    result = GenerationResult()
+    for _ in range(3):
+        drafter = ScriptedDrafter(expected, target.vocab_size, 3, 3)
+        for _ in Engine(target, drafter).stream(PROMPT, generation=GenerationConfig(max_new_tokens=12), stop_ids=NO_STOP,
+                                                result=result):
+            pass
+    stats = result.stats
+    assert result.token_ids == expected * 3 and stats.new_tokens == 36
+    assert stats.prefill_s + stats.draft_s + stats.verify_s <= stats.wall_s
+
+
 def test_context_limit_stops_generation_cleanly() -> None:
     target = make_tiny_target("llama", max_position_embeddings=12)
     result = Engine(target, NgramDrafter()).generate(PROMPT, generation=GenerationConfig(max_new_tokens=50), stop_ids=NO_STOP)

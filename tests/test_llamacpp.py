@@ -75,7 +75,8 @@ def require_exact_trees(target) -> None:
     trees (checked here) and the tree tests have nothing else to check; everywhere else they run."""
     if target.exact_tree_nodes >= MAX_TREE_NODES:
         return
-    with pytest.raises(MoaspecError, match="bit for bit" if target.exact_tree_nodes == 1 else "leaves"):
+    refusal = {1: "bit for bit", 2: "a tree of 3 nodes exceeds the 2"}.get(target.exact_tree_nodes, "2 leaves exceeds the 1")
+    with pytest.raises(MoaspecError, match=refusal):
         target.verify(DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])))
     pytest.skip("llama.cpp's kernels round differently by batch size on this CPU: branching trees are refused (checked)")
 
@@ -709,6 +710,40 @@ def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differentl
         verify(llama_target, DraftTree.chain(list(range(1, exact + 2))))
     with pytest.raises(MoaspecError, match="2 leaves exceeds the 1"):
         verify(llama_target, DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])))
+
+
+@pytest.mark.parametrize("exact", [1, 2, 3])
+def test_the_tree_tests_skip_where_the_runtime_refuses_branching_trees(llama_target, monkeypatch, exact: int) -> None:
+    """The tree tests' guard failed instead of skipping where only 2-token chains are exact: the
+    3-node branching tree it offers is refused for its size there, not for its leaves."""
+    monkeypatch.setattr(llama_target.weights, "exact_nodes", exact)
+    with pytest.raises(pytest.skip.Exception):
+        require_exact_trees(llama_target)
+
+
+def test_plain_decoding_measures_no_exact_tree_size_and_small_contexts_are_checked(
+    llama_target, category_prompts, monkeypatch, tmp_path
+) -> None:
+    """Bug: plain decoding on llama.cpp read the runtime's tree limits at every step, so with no
+    calibration its first generation measured the exact tree size (~6 s inside its timed
+    decoding), and a GGUF whose context holds fewer than the check's 300-token prompt could not
+    decode at all ("the prompt has 300 tokens but the target's context holds 256"). Now only a
+    drafted tree reads them, and the check fits a small context."""
+    from moaspec.targets import llamacpp
+
+    prompt, generation = category_prompts["mt_bench"], GenerationConfig(max_new_tokens=8)
+    expected = Engine(llama_target, make_drafter("none", llama_target)).generate(prompt, generation=generation)
+    exact = llama_target.exact_tree_nodes
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path))  # nothing saved
+    monkeypatch.setattr(llama_target.weights, "exact_nodes", None)
+    monkeypatch.setattr(llamacpp, "exact_tree_nodes_here", lambda target: pytest.fail("measured for plain decoding"))
+    fresh = llama_target.new_session()  # a chat's next turn would measure it: keeping cells depends on it
+    plain = Engine(fresh, make_drafter("none", fresh)).generate(prompt, generation=generation)
+    assert plain.token_ids == expected.token_ids and fresh.weights.exact_nodes is None
+    monkeypatch.undo()
+    monkeypatch.setattr(llama_target.weights, "context_train", 256)  # as a GGUF trained on 256 positions
+    assert llama_target.max_positions == 256
+    assert llamacpp.exact_tree_nodes_here(llama_target) == exact
 
 
 def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp_path, monkeypatch) -> None:

@@ -243,7 +243,7 @@ class _Run:
         try:
             step = decode_step(
                 self.drafter, self.root, self.remaining, self.sampling, self.generator, self.result.stats, verify,
-                self.owner.max_tree_nodes, self.owner.vocab_size, self.owner.max_tree_leaves, self.owner.max_prob_entries,
+                limits=self.owner, vocab_size=self.owner.vocab_size,
             )
         except (LinkDown, SessionLost) as exc:
             self._go_offline(exc)

@@ -525,7 +525,7 @@ class LlamaCppTarget:
                 "on this CPU llama.cpp's batched kernels do not reproduce one-token decoding bit for bit, so "
                 "verifying draft trees could change the output: use --drafter none or --runtime transformers"
             )
-        if count > self.max_tree_nodes:
+        if count > 1 and count > self.max_tree_nodes:  # one node is one-token decoding: nothing to measure
             raise MoaspecError(
                 f"a tree of {count} nodes exceeds the {self.max_tree_nodes} the llama.cpp runtime verifies here"
             )
@@ -534,7 +534,7 @@ class LlamaCppTarget:
             raise MoaspecError(f"the tree does not fit the target's context ({self.max_positions})")
         seq_sets = leaf_groups(tree.parents)
         num_seqs = len(seq_sets[0])  # the root carries every leaf's sequence
-        if num_seqs > self.max_tree_leaves:
+        if num_seqs > 1 and num_seqs > self.max_tree_leaves:
             raise MoaspecError(
                 f"a tree with {num_seqs} leaves exceeds the {self.max_tree_leaves} the llama.cpp runtime verifies here"
             )

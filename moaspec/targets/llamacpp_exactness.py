@@ -77,10 +77,14 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     `set_context` gives a fresh prefill's logits (kernels that do not change with the batch
     size), else the longest chain k such that chains
     of 2..k tokens all are (up to EXACTNESS_STEPS; 1: none). Every tree is verified after a fresh
-    prefill, as a generation's are. Kernels chosen by batch size fail a tree or the kept start:
+    prefill of EXACTNESS_CONTEXT tokens (fewer where the model's context is smaller), as a
+    generation's are. Kernels chosen by batch size fail a tree or the kept start:
     llama.cpp's repacked K-quant products from 4 rows on (AVX-512 EPYC), K-quant mixes whose
     300-row prompt batch rounds otherwise than one row, an AMX or ARM matrix path, say."""
-    context = torch.arange(EXACTNESS_CONTEXT) % 1000 + 1000
+    context_len = min(EXACTNESS_CONTEXT, probe.max_positions - EXACTNESS_STEPS - 2)  # a small model's context
+    if context_len < 1:
+        return 1  # too small a context to check anything: plain decoding
+    context = (torch.arange(context_len) % 1000 + 1000) % probe.vocab_size
     first, tokens, logits = _one_token_decoding(probe, context)
     kept_start_exact = torch.equal(probe.set_context(context).logits[0], first)  # holding context + steps
     largest = len(DECOYS) - 1
