@@ -407,3 +407,34 @@ def test_verify_costs_are_measured_on_the_trees_the_target_takes_up_to_its_large
     assert all(parents == list(range(-1, len(parents) - 1)) for parents in shapes)  # chains only
     target.max_tree_nodes, target.max_tree_leaves = None, None
     assert sorted(measure_verify(target, 16, 1, VERIFY_NODE_COUNTS)) == list(VERIFY_NODE_COUNTS)
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512_vnni avx512_bf16
+processor\t: 1
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse2 avx2 fma f16c avx512f avx512_vnni avx512_bf16
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 2100.00
+Features\t: fp asimd evtstrm aes asimdhp cpuid asimddp sve i8mm bf16
+CPU implementer\t: {implementer}
+CPU architecture: 8
+CPU part\t: {part}
+"""
+
+
+def test_the_cpu_is_told_apart_by_its_kernel_flags_on_x86_and_arm() -> None:
+    """Bug: an ARM CPU was named by `platform.processor()` alone ('aarch64' or nothing) with no
+    flags, so every ARM machine shared one calibration and one llama.cpp exact tree size,
+    whatever its dot-product, int8-matrix or SVE kernels."""
+    from moaspec.calibration.machine import cpu_description
+
+    assert cpu_description(X86_CPUINFO) == "AMD EPYC 9R14 [avx2 avx512f avx512_bf16 avx512_vnni fma f16c]"
+    graviton3 = cpu_description(ARM_CPUINFO.format(implementer="0x41", part="0xd40"))
+    assert graviton3 == "ARM 0x41 part 0xd40 [asimddp asimdhp i8mm sve bf16]"
+    assert cpu_description(ARM_CPUINFO.format(implementer="0x41", part="0xd0c")) != graviton3
+    without_i8mm = ARM_CPUINFO.format(implementer="0x41", part="0xd40").replace(" i8mm", "")
+    assert cpu_description(without_i8mm) == "ARM 0x41 part 0xd40 [asimddp asimdhp sve bf16]"

@@ -2,8 +2,9 @@
 
 Costs differ by CPU model (vector width, AMX, cache sizes decide MKL's few-row products), by
 thread count and by the runtime's versions, so a calibration is reused only where all of them
-are the same. The CPU is named by /proc/cpuinfo's model name and the instruction-set flags that
-change kernels (a KVM guest may show a generic model name such as "AMD EPYC").
+are the same. The CPU is named by /proc/cpuinfo's model name (on ARM: implementer and part) and
+the instruction-set flags that change kernels (a KVM guest may show a generic model name such as
+"AMD EPYC").
 """
 
 from __future__ import annotations
@@ -12,24 +13,31 @@ import hashlib
 import platform
 from pathlib import Path
 
-KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "f16c")
+KERNEL_FLAGS = (
+    "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "f16c",  # x86
+    "asimddp", "asimdhp", "i8mm", "sve", "sve2", "bf16",  # ARM: dot products, fp16, int8 matrices, SVE
+)
 
 
-def cpu_description() -> str:
-    """'<model name> [flags that change kernels]', e.g. 'AMD EPYC [avx2 avx512f fma]'."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and value.strip():
-                model = value.strip()
-            elif key in ("flags", "Features"):
-                flags = set(value.split())
-            if model and flags:
-                break
-    except OSError:
-        pass
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """'<model name> [flags that change kernels]', e.g. 'AMD EPYC [avx2 avx512f fma]'; on ARM,
+    whose /proc/cpuinfo names no model, the implementer and part, e.g. 'ARM 0x41 part 0xd40
+    [asimddp asimdhp i8mm sve bf16]'. cpuinfo: /proc/cpuinfo's text (read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if value.strip():
+            fields.setdefault(key.strip(), value.strip())  # the first processor's
+    model = fields.get("model name")
+    if not model and "CPU implementer" in fields and "CPU part" in fields:
+        model = f"ARM {fields['CPU implementer']} part {fields['CPU part']}"
+    model = model or platform.processor() or platform.machine()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
     present = " ".join(flag for flag in KERNEL_FLAGS if flag in flags)
     return f"{model} [{present}]" if present else model
 
