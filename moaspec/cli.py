@@ -332,6 +332,10 @@ def _main(argv: list[str] | None) -> tuple[int, str | None]:
         return (EXIT_TERMINATED if terminated else EXIT_INTERRUPTED), command
     except BrokenPipeError:  # the reader of the output went away (`| head`): what it took is out
         return EXIT_BROKEN_PIPE, command
+    except OSError as exc:  # the machine's: a cache folder that cannot be written, a full disk, ...
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"moaspec: error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1, command
 
 
 # nothing left to write once the command returns: no files; serve's model thread may still be in

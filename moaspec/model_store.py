@@ -102,9 +102,10 @@ def _builtin_named_by_path(path: Path) -> str | None:
 
 
 def gguf_key(gguf: Path) -> str:
-    """Identify a GGUF file by path, size and modification time (cheap, no hashing of 100 MB)."""
+    """Identify a GGUF file by path (symbolic links resolved: one file reached by two paths is one
+    key), size and modification time (cheap, no hashing of 100 MB)."""
     stat = gguf.stat()
-    raw = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()
+    raw = f"{Path(gguf).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
@@ -116,7 +117,12 @@ def ensure_converted(gguf: Path, label: str) -> Path:
     with gguf.open("rb") as handle:
         if handle.read(4) != b"GGUF":
             raise MoaspecError(f"target {gguf} is not a GGUF file (no GGUF magic bytes)")
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise MoaspecError(
+            f"cannot write the model cache {final.parent}: {exc.strerror or exc} (MOASPEC_CACHE names another folder)"
+        ) from exc
     print(
         f"moaspec: first use of {label}: converting {gguf.name} to a float32 cache in {final} "
         "(one time, about 30 s)...",

@@ -13,7 +13,9 @@ Precedence of the tree a model drafter uses (highest first):
    from the levels below, where the machine calibration chooses them among the trees with the
    given fields);
 2. the tuned choice for this machine, target, checkpoint and kind of device (CPU or GPU), when
-   one was saved (set MOASPEC_NO_TUNED=1 to ignore it);
+   one was saved (set MOASPEC_NO_TUNED=1 to ignore it), on the runtime `moaspec tune` measures
+   (transformers: a llama.cpp target's verified nodes cost otherwise, so there its tree comes
+   from the machine calibration, which measures that runtime);
 3. the machine calibration's choice (moaspec/calibration/plan.py; applied by `load()`, `moaspec
    generate`, `bench` and `serve` to a drafter whose tree came from the checkpoint);
 4. the tree recorded in the checkpoint at training time;
@@ -26,17 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.config import MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOP_K, TreeConfig
+from moaspec.env_flags import env_flag
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 
 TREE_FIELDS = ("depth", "top_k", "budget")
 DISABLE_ENV = "MOASPEC_NO_TUNED"
+TUNED_RUNTIME = "transformers"  # the runtime `moaspec tune` measures, the only one its choices apply to
 DEVICE_KINDS = ("cpu", "cuda")
 
 
@@ -81,7 +84,7 @@ def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details
 def load_tuned_tree(target_name: str, directory: Path, device="cpu") -> TreeConfig | None:
     """The choice saved for `device`'s kind, or None (none saved, disabled by MOASPEC_NO_TUNED,
     or unreadable)."""
-    if os.environ.get(DISABLE_ENV):
+    if env_flag(DISABLE_ENV):
         return None
     path = tuned_path(target_name, directory, device)
     if not path.is_file():
@@ -113,14 +116,15 @@ def tree_overrides(args) -> dict:
 
 
 def resolve_tree(
-    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None, device="cpu"
+    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None, device="cpu",
+    runtime: str = TUNED_RUNTIME,
 ) -> tuple[TreeConfig, str]:
     """Apply the precedence above to a drafter whose checkpoint tree is `base` and whose target
-    runs on `device`.
+    runs on `device` and `runtime`.
 
     -> (tree, source) with source "explicit", "tuned" or "checkpoint".
     """
-    tuned = load_tuned_tree(target_name, directory, device) if directory is not None else None
+    tuned = load_tuned_tree(target_name, directory, device) if directory is not None and runtime == TUNED_RUNTIME else None
     tree, source = (tuned, "tuned") if tuned is not None else (base, "checkpoint")
     given = {key: value for key, value in (overrides or {}).items() if value is not None}
     unknown = set(given) - {f.name for f in fields(TreeConfig)}

@@ -274,3 +274,28 @@ def test_ctrl_c_and_sigterm_exit_as_shells_report_them(terminated: bool, monkeyp
     monkeypatch.setattr(cli, "_generate", stopped)
     assert cli.main(["generate", "--prompt", "hi"]) == (143 if terminated else 130)
     assert capsys.readouterr().err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"
+
+
+def test_an_error_of_the_machine_is_one_line_not_a_traceback(monkeypatch, capsys) -> None:
+    """Bug: a $MOASPEC_CACHE that cannot be written (or any file the machine refuses) ended the
+    command with a traceback; now one line and exit status 1."""
+    import moaspec.cli as cli
+
+    def refused(args):
+        raise PermissionError(1, "Operation not permitted", "/sys/kernel/x")
+
+    monkeypatch.setattr(cli, "_generate", refused)
+    assert main(["generate", "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err == "moaspec: error: Operation not permitted: /sys/kernel/x\n"
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch) -> None:
+    from moaspec.errors import MoaspecError
+    from moaspec.model_store import builtin_gguf_path, ensure_converted
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("MOASPEC_CACHE", str(blocked))
+    with pytest.raises(MoaspecError, match=r"cannot write the model cache .*a-file/targets: .*MOASPEC_CACHE"):
+        ensure_converted(builtin_gguf_path("smollm2-135m"), "smollm2-135m")

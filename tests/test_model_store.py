@@ -266,3 +266,14 @@ def test_builtin_with_its_file_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(model_store.BUILTIN_TARGETS, "hollow", BuiltinTarget("moaspec", "hollow.gguf"))
     with pytest.raises(MoaspecError, match="hollow.gguf is missing from its package"):
         resolve_target("hollow")
+
+
+def test_one_gguf_reached_by_two_paths_is_one_key(gguf: Path, tmp_path: Path) -> None:
+    """Bug: the same GGUF reached through a symbolic link (a `.venv` linked from another clone)
+    had another key, hence a second 517 MB float32 conversion and another calibration."""
+    link = tmp_path / "linked"
+    link.symlink_to(gguf.parent, target_is_directory=True)
+    assert model_store.gguf_key(link / gguf.name) == model_store.gguf_key(gguf)
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(gguf.read_bytes())
+    assert model_store.gguf_key(copy) != model_store.gguf_key(gguf)

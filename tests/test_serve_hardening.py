@@ -472,3 +472,51 @@ def test_a_tls_handshake_that_never_comes_times_out(tmp_path) -> None:
                 pass
     finally:
         started.stop()
+
+
+def test_a_declared_oversized_body_is_refused_at_once(server) -> None:
+    """Bug: a request whose Content-Length is over --max-body-bytes, its body not sent (a client
+    waiting for the answer, without `Expect: 100-continue`), got a 408 after the 30 s body
+    time-out instead of the 413 the limit documents."""
+    port = server.port
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 99999999\r\n\r\n").encode())
+        response = read_response(sock)
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert assert_our_error(int(head.split()[1]), body, 413)["code"] == "request_too_large"
+    assert time.monotonic() - started < 5.0
+
+
+def test_an_address_that_cannot_be_listened_on_is_a_one_line_error_and_port_0_is_told(server) -> None:
+    """Bug: `moaspec serve` on a port in use, an address not this machine's or a host name that
+    does not resolve said it was serving, then failed with a traceback; with --port 0 it said
+    port 0 instead of the one it listened on."""
+    import asyncio
+
+    from moaspec.errors import MoaspecError
+
+    def site():  # one per event loop
+        target = tiny_chat_target()
+        return SplitServer(target, make_drafter("ngram", target), [KEY], ServerLimits()).site()
+
+    for host, port in (("127.0.0.1", server.port), ("no-such-host.invalid", 0)):
+        with pytest.raises(MoaspecError, match=f"cannot listen on {re.escape(host)}:{port}: ") as raised:
+            asyncio.run(site().start(host, port))
+        assert "\n" not in str(raised.value)
+
+    told: list[int] = []
+
+    async def listen_then_stop() -> None:
+        task = asyncio.ensure_future(site().run_until_signalled("127.0.0.1", 0, None, told.append))
+        while not told:
+            await asyncio.sleep(0.01)
+        with socket.create_connection(("127.0.0.1", told[0]), timeout=SOCKET_TIMEOUT_S):
+            pass  # it listens on the port it told
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(listen_then_stop())
+    assert told[0] > 0

@@ -438,3 +438,34 @@ def test_sampled_trees_are_cut_to_the_servers_drafter_probability_limit(monkeypa
     assert result.stop_reason == "length" and len(result.token_ids) == 16, (result.stop_reason, result.refusal)
     entries = [int((tree.draft_probs != 0).sum()) for tree in verified]
     assert max(entries) <= limit and max(tree.num_nodes for tree in verified) > 1, entries
+
+
+def test_client_set_up_errors_are_one_line(tmp_path, monkeypatch) -> None:
+    """Bugs: --cafile naming a missing file or one holding no certificate, an API key file that
+    is not text, and a key HTTP cannot carry ended `generate --server` (or `serve`) with a
+    traceback; a reply from an HTTP server that is not moaspec's was printed whole (an HTML page)."""
+    from moaspec.split.client import _reason
+    from moaspec.split.commands import read_api_keys
+
+    not_a_certificate = tmp_path / "keys.txt"
+    not_a_certificate.write_text("a-key\n")
+    for cafile in (tmp_path / "missing.pem", not_a_certificate):
+        with pytest.raises(MoaspecError, match=f"cannot load the CA bundle {cafile}: "):
+            SplitClient("https://127.0.0.1:1", KEY, cafile=str(cafile))
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(MoaspecError, match="is not text"):
+        read_api_keys(str(binary))
+    for key in ("key\u4e2d\u6587", "two words"):
+        with pytest.raises(MoaspecError, match="printable ASCII"):
+            SplitClient("http://127.0.0.1:1", key)
+        (tmp_path / "key").write_text(key + "\n")
+        with pytest.raises(MoaspecError, match="printable ASCII"):
+            read_api_keys(str(tmp_path / "key"))
+        monkeypatch.setenv("MOASPEC_API_KEY", key)
+        with pytest.raises(MoaspecError, match="printable ASCII"):
+            read_api_keys(None)
+    page = b"<!DOCTYPE HTML>\n<html><body><h1>Error response</h1>\n<p>Error code: 404</p></body></html>\n"
+    assert _reason(page, "text/html") == f"not a moaspec server's reply (text/html, {len(page)} bytes)"
+    assert _reason(b"Bad Gateway", "text/plain") == "Bad Gateway"
+    assert _reason(b"", "text/plain") == "no reason given"

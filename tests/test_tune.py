@@ -291,3 +291,20 @@ def test_tune_refuses_a_drafter_of_another_target_before_measuring(tiny_with_che
     assert main(["tune", "--drafters", f"{checkpoint},{foreign}", "--target", "tiny", "--repeats", "1"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("moaspec: error:") and "trained for target" in err[0]
+
+
+def test_a_tuned_choice_applies_to_the_runtime_tune_measured_only(tiny_with_checkpoint, monkeypatch) -> None:
+    """Bug: a tree `moaspec tune` chose from the transformers runtime's costs was used on the
+    llama.cpp runtime too, where a verified node costs 0.3-0.9 of a step (there: τ 2.06 at 20-23
+    tok/s against the calibration's τ 1.52 at 29-37); llama.cpp targets get the calibration's
+    tree. MOASPEC_NO_TUNED=0 switched the choice off as =1 did."""
+    from moaspec.tuned import resolve_tree, save_tuned_tree
+
+    _, checkpoint = tiny_with_checkpoint
+    base, tuned = TreeConfig(depth=2, top_k=1, budget=2), TreeConfig(depth=5, top_k=2, budget=6)
+    save_tuned_tree("tiny-llama", checkpoint, tuned, {})
+    assert resolve_tree(base, "tiny-llama", checkpoint, None, "cpu", "transformers") == (tuned, "tuned")
+    assert resolve_tree(base, "tiny-llama", checkpoint, None, "cpu", "llama.cpp") == (base, "checkpoint")
+    for value, applies in (("0", True), ("", True), ("false", True), ("1", False), ("yes", False)):
+        monkeypatch.setenv("MOASPEC_NO_TUNED", value)
+        assert resolve_tree(base, "tiny-llama", checkpoint, None)[1] == ("tuned" if applies else "checkpoint"), value

@@ -25,7 +25,6 @@ greedy is kept for sampled requests.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -47,6 +46,7 @@ from moaspec.calibration.predict import (
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
 from moaspec.drafters import MODEL_FREE, checkpoint_directory, make_drafter, split_lookup, target_default_drafter
 from moaspec.drafters.lookup_gate import LookupGate
+from moaspec.env_flags import env_flag
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
@@ -128,7 +128,7 @@ class CalibrationUnavailable(MoaspecError):
 
 
 def calibration_enabled() -> bool:
-    return not os.environ.get(DISABLE_ENV)
+    return not env_flag(DISABLE_ENV)
 
 
 def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None):
@@ -271,12 +271,14 @@ class LazyModelDrafter:
             self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source
         else:
             self._drafter = None
-            self.tree_config, self.tree_source = resolve_tree(tree, target.name, directory, tree_overrides, target.device)
+            self.tree_config, self.tree_source = resolve_tree(
+                tree, target.name, directory, tree_overrides, target.device, target.runtime
+            )
         # some --tree-* fields fixed, the others left to the calibration (not to a tuned choice,
         # which outranks it: tuned.py): the candidates are the trees with those fields
         given = {key: value for key, value in (tree_overrides or {}).items() if value is not None}
         partial = tree is not None and 0 < len(given) < 3
-        below = resolve_tree(tree, target.name, directory, None, target.device)[1] if partial else None
+        below = resolve_tree(tree, target.name, directory, None, target.device, target.runtime)[1] if partial else None
         self.fixed_fields = given if below == "checkpoint" else {}
 
     def drafter(self):

@@ -98,7 +98,7 @@ def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) 
     directory = checkpoint_directory(spec, target.name)
     drafter = load_drafter(directory, target)
     drafter.tree_config, drafter.tree_source = resolve_tree(
-        drafter.tree_config, target.name, directory, tree_overrides, target.device
+        drafter.tree_config, target.name, directory, tree_overrides, target.device, target.runtime
     )
     if split_lookup(spec)[1]:
         drafter.enable_lookup()

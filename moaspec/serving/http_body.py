@@ -20,13 +20,15 @@ TRANSPORT_ERRORS = (ConnectionError, web.RequestPayloadError, HttpProcessingErro
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    too_large = APIError(413, f"the request body is larger than {request.client_max_size} bytes", None, "request_too_large", True)
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        raise too_large  # declared: refused before any of it arrives, not after the body time-out
     try:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s", None, "body_timeout", True) from None
     except web.HTTPRequestEntityTooLarge:
-        message = f"the request body is larger than {request.client_max_size} bytes"
-        raise APIError(413, message, None, "request_too_large", True) from None
+        raise too_large from None
     except TRANSPORT_ERRORS:
         raise APIError(400, "the request body was cut off before its end", None, "body_incomplete", True) from None

@@ -33,6 +33,7 @@ from http import HTTPStatus
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
+from moaspec.errors import MoaspecError
 from moaspec.serving.errors import APIError, error_response
 from moaspec.serving.limits import ServerLimits
 
@@ -186,7 +187,11 @@ class GuardedSite:
 
         # a TLS handshake gets the header time-out too (asyncio's default is 60 s)
         handshake_s = limits.header_timeout_s if ssl_context is not None else None
-        self._server = await loop.create_server(connection, host, port, ssl=ssl_context, ssl_handshake_timeout=handshake_s)
+        try:
+            self._server = await loop.create_server(connection, host, port, ssl=ssl_context, ssl_handshake_timeout=handshake_s)
+        except OSError as exc:  # in use, not this machine's address, a name that does not resolve
+            await self._runner.cleanup()
+            raise MoaspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
@@ -195,11 +200,16 @@ class GuardedSite:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    async def run_until_signalled(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+    async def run_until_signalled(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None, listening: Callable[[int], None] | None = None
+    ) -> int:
         """Serve until SIGINT or SIGTERM (the CLI) -> that signal. After it, nothing new is
         accepted and requests in flight get the shutdown time-out to finish (the application's
-        on_shutdown hooks turn waiting ones away); a second signal stops waiting for them."""
-        await self.start(host, port, ssl_context)
+        on_shutdown hooks turn waiting ones away); a second signal stops waiting for them.
+        listening: called with the port once it listens (the one chosen where `port` is 0)."""
+        bound = await self.start(host, port, ssl_context)
+        if listening is not None:
+            listening(bound)
         loop = asyncio.get_running_loop()
         received: list[int] = []
         stop = asyncio.Event()

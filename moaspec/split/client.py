@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from moaspec.errors import MoaspecError
+from moaspec.serving.api_keys import check_api_key
 from moaspec.split import protocol as wire
 
 
@@ -58,7 +59,11 @@ class SplitClient:
         if not api_key:
             raise MoaspecError("an API key is required (--api-key-file or MOASPEC_API_KEY)")
         self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl_context = ssl.create_default_context(cafile=cafile) if parts.scheme == "https" else None
+        try:
+            self.ssl_context = ssl.create_default_context(cafile=cafile) if parts.scheme == "https" else None
+        except (OSError, ssl.SSLError) as exc:  # missing, unreadable, or not a certificate
+            raise MoaspecError(f"cannot load the CA bundle {cafile}: {getattr(exc, 'strerror', None) or exc}") from exc
+        check_api_key(api_key)
         self.api_key, self.timeout_s, self.content_type = api_key, timeout_s, content_type
         self.stats = TransportStats()
         self._conn: http.client.HTTPConnection | None = None
@@ -141,7 +146,12 @@ class SplitClient:
 
 
 def _reason(data: bytes, content_type: str) -> str:
+    """The server's one-line reason; a reply not in moaspec's error shape (another HTTP server on
+    that port, say) is named by its type, not printed."""
     try:
         return str(wire.loads(data, content_type)["error"]["message"])
     except (MoaspecError, KeyError, TypeError):
-        return data[:200].decode(errors="replace") or "no reason given"
+        text = data[:200].decode(errors="replace").strip()
+        if content_type == "text/plain" and text and "\n" not in text:
+            return text  # a proxy's one-line reason
+        return f"not a moaspec server's reply ({content_type}, {len(data)} bytes)" if data else "no reason given"

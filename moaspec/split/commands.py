@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from moaspec.errors import MoaspecError
+from moaspec.serving.api_keys import check_api_key
 from moaspec.serving.limits import ServerLimits
 from moaspec.signals import Terminated, load_library_held
 
@@ -32,12 +33,14 @@ def read_api_keys(path: str | None) -> list[str]:
             lines = Path(path).expanduser().read_text().splitlines()
         except OSError as exc:
             raise MoaspecError(f"cannot read the API key file {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise MoaspecError(f"the API key file {path} is not text: {exc.reason}") from exc
         keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
         if not keys:
             raise MoaspecError(f"the API key file {path} holds no key")
-        return keys
+        return [check_api_key(key) for key in keys]
     if os.environ.get(API_KEY_ENV, "").strip():
-        return [os.environ[API_KEY_ENV].strip()]
+        return [check_api_key(os.environ[API_KEY_ENV].strip())]
     raise MoaspecError(f"an API key is required: --api-key-file FILE or {API_KEY_ENV}")
 
 
@@ -63,9 +66,12 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     load_library_held()
     server, described = build_server(args, keys)
     scheme = "https" if ssl_context else "http"
-    print(f"[moaspec] serving {described} on {scheme}://{args.host}:{args.port}", file=sys.stderr)
+
+    def listening(port: int) -> None:  # said once it listens, with the port chosen for --port 0
+        print(f"[moaspec] serving {described} on {scheme}://{args.host}:{port}", file=sys.stderr)
+
     _log_to_stderr()
-    signum = asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context))
+    signum = asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context, listening))
     # the CLI's exit for them (status 143 / 130 and its line), without waiting for the model thread
     raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 

@@ -1,0 +1,12 @@
+"""On/off switches read from the environment (MOASPEC_NO_CALIBRATION, MOASPEC_NO_TUNED)."""
+
+from __future__ import annotations
+
+import os
+
+OFF_VALUES = ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """Whether the variable `name` is set to anything but empty, 0, false, no or off (any case)."""
+    return os.environ.get(name, "").strip().lower() not in OFF_VALUES
