@@ -277,3 +277,14 @@ def test_one_gguf_reached_by_two_paths_is_one_key(gguf: Path, tmp_path: Path) ->
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(gguf.read_bytes())
     assert model_store.gguf_key(copy) != model_store.gguf_key(gguf)
+
+
+def test_a_folder_without_a_tokenizer_is_refused_in_one_whole_line(tmp_path: Path) -> None:
+    """Bug: the error stopped at the library message's first line, "Couldn't instantiate the
+    backend tokenizer from one of:", cutting off what the list after it said."""
+    from moaspec.api import load_target
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(MoaspecError, match=r"cannot load target .*tokenizer from one of: \(1\)") as raised:
+        load_target(str(tmp_path), runtime="transformers")
+    assert "\n" not in str(raised.value)
