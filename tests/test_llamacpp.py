@@ -676,15 +676,15 @@ def test_a_gpu_target_defaults_to_prompt_lookup_everywhere(monkeypatch) -> None:
     assert "moa+ngram" in default_methods("smollm2-135m", "transformers", "cpu").split(",")
 
 
-@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (65, 8), (121, 8)])
+@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (121, 8)])
 def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differently(
     llama_target, monkeypatch, rounds_from: int, exact: int
 ) -> None:
     """exact_tree_nodes_here gives the largest tree on this machine's kernels (the other tests
     hold it to that) and, where batches of `rounds_from` tokens or more move a logit by one
     rounding step (K-quant GGUFs: 4 on the AVX-512 EPYC), the longest chain below that, up to 8
-    (16: only the 64-node tree sees it, as a 16-row matrix path would; 65: only the largest one;
-    121: only the largest once filled up to 128 nodes, the most a tree may have);
+    (16: only the 64-node tree sees it, as a 16-row matrix path would; 121: only the largest,
+    filled up to 128 nodes, the most a tree may have);
     trees are then refused beyond it, and branching ones altogether."""
     from moaspec.targets import llamacpp
 
