@@ -36,13 +36,14 @@ def saved_or_measured(target, measure: Callable[[], int]) -> int:
     """The exact tree size saved for `target` (a LlamaCppTarget: its name, `weights` and
     `threads`) on this machine, else `measure()`'s answer, saved (a cache that cannot be written
     costs a measurement next time, not an error)."""
-    saved = saved_exact_tree_nodes(target)
+    path = _record_path(target)
+    saved = _read_saved(path)
     if saved is not None:
         return saved
     exact = measure()
     record = {"cpu": cpu_description(), "target": target.name, "threads": target.threads, "exact_tree_nodes": exact}
     try:
-        write_file_atomically(_record_path(target), json.dumps(record, indent=1) + "\n")
+        write_file_atomically(path, json.dumps(record, indent=1) + "\n")
     except OSError:
         pass
     return exact
@@ -51,8 +52,12 @@ def saved_or_measured(target, measure: Callable[[], int]) -> int:
 def saved_exact_tree_nodes(target) -> int | None:
     """The exact tree size saved for `target` on this machine, None where none is (or the
     record is unreadable)."""
+    return _read_saved(_record_path(target))
+
+
+def _read_saved(path: Path) -> int | None:
     try:
-        saved = json.loads(_record_path(target).read_text()).get("exact_tree_nodes")
+        saved = json.loads(path.read_text()).get("exact_tree_nodes")
     except (OSError, ValueError, AttributeError):
         return None
     return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
