@@ -17,7 +17,7 @@ import torch
 
 from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import MODEL_FREE, check_drafter_spec, make_drafter, target_default_drafter
+from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, make_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine, GenerationResult
@@ -182,7 +182,7 @@ def load(
         if drafter in MODEL_FREE and tree_overrides and any(v is not None for v in tree_overrides.values()):
             raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
     loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
-    default = target_default_drafter(loaded)
+    default = default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)

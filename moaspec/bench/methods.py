@@ -108,16 +108,14 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
     return tuple(specs)
 
 
-def default_methods(target_name: str, runtime: str = "transformers", device: str = "cpu") -> str:
+def default_methods(target_name: str, runtime: str = "transformers") -> str:
     """`none`, the other library's generation on the runtime (`hf,hf-pld` / `llama.cpp,llama.cpp-pld`),
     `ngram`, every shipped drafter that exists for the target, the
-    default drafter form (`moa+ngram`) and `default` (the calibrated choice). With the target on a
-    GPU, the model drafters are left out (named, they run there too; the GPU default is `ngram`)."""
-    on_cpu = device == "cpu"
-    shipped = [name for name in SHIPPED if on_cpu and (SHIPPED_DIR / target_name / name / "config.json").is_file()]
+    default drafter form (`moa+ngram`) and `default` (the calibrated choice), on any device."""
+    shipped = [name for name in SHIPPED if (SHIPPED_DIR / target_name / name / "config.json").is_file()]
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
-    return ",".join(dict.fromkeys([*methods, default_drafter(target_name, device), DEFAULT_METHOD]))
+    return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:

@@ -44,7 +44,7 @@ from moaspec.calibration.predict import (
     plain_option,
 )
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
-from moaspec.drafters import MODEL_FREE, checkpoint_directory, make_drafter, split_lookup, target_default_drafter
+from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.env_flags import env_flag
 from moaspec.errors import MoaspecError
@@ -141,7 +141,7 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, la
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
-    return make_drafter(spec or target_default_drafter(target), target, tree_overrides), None
+    return make_drafter(spec or default_drafter(target.name), target, tree_overrides), None
 
 
 def calibrated_drafter(
@@ -153,9 +153,9 @@ def calibrated_drafter(
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
     if spec is None and any(value is not None for value in (tree_overrides or {}).values()):
-        spec = target_default_drafter(target)  # tree settings name the default model drafter's form
+        spec = default_drafter(target.name)  # tree settings name the default model drafter's form
     requested = spec or DEFAULT
-    spec = spec or target_default_drafter(target)
+    spec = spec or default_drafter(target.name)
     base, with_lookup = split_lookup(spec)
     model = None if base in MODEL_FREE else LazyModelDrafter(base, target, tree_overrides)
     fixed = layout or requested_layout()

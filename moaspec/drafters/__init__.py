@@ -41,19 +41,14 @@ DEFAULT_DRAFTER = "moa+ngram"  # when no drafter is named, for targets with a sh
 FALLBACK_DRAFTER = "ngram"  # ... and for any other target
 
 
-def default_drafter(target_name: str, device: str = "cpu") -> str:
-    """The drafter used when none is named: the shipped MoA drafter with prompt lookup, or the
-    model-free `ngram` for a target without a shipped MoA drafter or on a device other than the
-    CPU (model drafters run on a GPU target when named, on its device, but their speed there is
-    not measured yet, so they are not the default there)."""
-    if device == "cpu" and (SHIPPED_DIR / target_name / "moa").is_dir():
+def default_drafter(target_name: str) -> str:
+    """The drafter used when none is named, on any device: the shipped MoA drafter with prompt
+    lookup, or the model-free `ngram` for a target without a shipped MoA drafter. (Until session
+    29 a GPU target defaulted to `ngram`; two H200 benches then measured `moa+ngram` faster in
+    every category: README, *Target runtimes*.)"""
+    if (SHIPPED_DIR / target_name / "moa").is_dir():
         return DEFAULT_DRAFTER
     return FALLBACK_DRAFTER
-
-
-def target_default_drafter(target) -> str:
-    """default_drafter for a loaded target, on its device."""
-    return default_drafter(target.name, target.device.type)
 
 
 def split_lookup(spec: str) -> tuple[str, bool]:
