@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, first_line
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -134,8 +134,7 @@ def ensure_converted(gguf: Path, label: str) -> Path:
         try:
             _write_dequantized(gguf, staging)
         except Exception as exc:  # a corrupt or unsupported file fails in many ways
-            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
-            raise MoaspecError(f"cannot convert target {gguf.name}: {reason}") from exc
+            raise MoaspecError(f"cannot convert target {gguf.name}: {first_line(exc)}") from exc
         try:
             os.rename(staging, final)
         except OSError:

@@ -299,3 +299,14 @@ def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch) -
     monkeypatch.setenv("MOASPEC_CACHE", str(blocked))
     with pytest.raises(MoaspecError, match=r"cannot write the model cache .*a-file/targets: .*MOASPEC_CACHE"):
         ensure_converted(builtin_gguf_path("smollm2-135m"), "smollm2-135m")
+
+
+def test_another_librarys_error_becomes_one_line() -> None:
+    from moaspec.errors import first_line
+
+    assert first_line(RuntimeError("size mismatch\n  at layer 3")) == "size mismatch"
+    listed = OSError("Couldn't instantiate the backend tokenizer from one of:\n(1) a tokenizer.json\n(2) a slow one")
+    assert first_line(listed) == "Couldn't instantiate the backend tokenizer from one of: (1) a tokenizer.json (2) a slow one"
+    assert first_line(RuntimeError()) == first_line(RuntimeError(" \n ")) == "RuntimeError"
+    assert first_line(ValueError(""), empty="refused") == "refused"
+    assert first_line(ValueError("x" * 500), limit=10) == "x" * 10

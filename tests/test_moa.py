@@ -453,3 +453,21 @@ def test_tli_check_refuses_a_layer_without_rope() -> None:
     assert not layer.self_attn.use_rope
     with pytest.raises(MoaspecError, match="computes something else"):
         check_tli_layers([layer], model.model.rotary_emb)
+
+
+@pytest.mark.parametrize("message", ["size mismatch for head.weight\n  copying a param of shape...", ""])
+def test_weights_that_do_not_load_give_one_line(tmp_path, monkeypatch, message: str) -> None:
+    """A checkpoint whose weights the net refuses is a MoaspecError naming the library's first
+    line, also when the library's error says nothing (it was an IndexError)."""
+    from moaspec.nn.checkpoint import save_checkpoint
+
+    target = make_tiny_target("llama")
+    net = random_moa(target)
+    directory = save_checkpoint(tmp_path / "moa", "moa", net, target, {"depth": 1, "top_k": 2, "budget": 2})
+
+    def refuse(self, state, *args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(MoADrafterNet, "load_state_dict", refuse)
+    with pytest.raises(MoaspecError, match=r"weights do not match the recorded config \((size mismatch for head.weight|RuntimeError)\)$"):
+        MoADrafterNet.from_pretrained(directory, target)

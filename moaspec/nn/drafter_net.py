@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, first_line
 from moaspec.nn.checkpoint import read_checkpoint, save_checkpoint
 from moaspec.nn.layers import RMSNorm
 from moaspec.nn.target_parts import TargetParts
@@ -93,5 +93,5 @@ class DrafterNet(nn.Module):
             net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
             net.load_state_dict(state)  # type: ignore[attr-defined]
         except (TypeError, ValueError, RuntimeError) as exc:
-            raise MoaspecError(f"{directory}: weights do not match the recorded config ({str(exc).splitlines()[0]})") from exc
+            raise MoaspecError(f"{directory}: weights do not match the recorded config ({first_line(exc)})") from exc
         return net.to(target.dtype), record  # type: ignore[attr-defined]

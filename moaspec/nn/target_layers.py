@@ -15,7 +15,7 @@ import copy
 import torch
 from torch import nn
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, first_line
 from moaspec.nn.layers import apply_rope, attend
 
 
@@ -72,7 +72,7 @@ def check_tli_layers(layers: list[nn.Module], rotary_emb: nn.Module | None) -> N
         try:
             error = _relative_error(layer, rotary_emb)
         except Exception as exc:  # noqa: BLE001  a layer of another shape fails anywhere in the hand computation
-            error, detail = float("inf"), f" ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            error, detail = float("inf"), f" ({type(exc).__name__}: {first_line(exc, empty='')})"
         else:
             detail = f" (relative difference {error:.2g})"
         if not error <= CHECK_RELATIVE_ERROR:

@@ -35,6 +35,7 @@ from aiohttp import web
 from moaspec.chat import encode_chat_messages
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
+from moaspec.errors import first_line
 from moaspec.openai_api import schemas, validation
 from moaspec.openai_api.metrics import CONTENT_TYPE, ServerMetrics
 from moaspec.openai_api.queue import AdmissionQueue, ClientGone, QueueFull, ShuttingDown
@@ -184,7 +185,7 @@ class OpenAIRoutes:
         try:
             return await asyncio.get_running_loop().run_in_executor(None, encode)
         except TemplateError as exc:  # e.g. a chat template that refuses the roles' order: its author's message
-            reason = str(exc).splitlines()[0][:200] if str(exc) else "refused"
+            reason = first_line(exc, limit=200, empty="refused")
             raise APIError(400, f"the chat template refused these messages: {reason}", "messages", "invalid_prompt") from None
         except Exception:  # noqa: BLE001  the tokenizer's own errors are its internals, not a reason for the client
             raise APIError(400, "the target's tokenizer cannot encode this prompt", None, "invalid_prompt") from None

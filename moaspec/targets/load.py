@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, first_line
 from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, resolve_target
 from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import Target
@@ -91,7 +91,7 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
         tokenizer = load_tokenizer(model_dir)
         model = load_causal_lm(model_dir, dtype, attn_implementation)
     except (OSError, ValueError, KeyError) as exc:
-        raise MoaspecError(f"cannot load target {spec}: {_first_sentence(exc)}") from exc
+        raise MoaspecError(f"cannot load target {spec}: {first_line(exc)}") from exc
     if device != "cpu":
         model.to(device)
     parts_loader = None
@@ -219,13 +219,6 @@ class SafetensorsWeights:
 
     def __exit__(self, *exc_info) -> None:
         self._stack.close()
-
-
-def _first_sentence(exc: BaseException) -> str:
-    """A library error's first line, or where that ends in ':' (e.g. "Couldn't instantiate the
-    backend tokenizer from one of:", then the list of what it tried) its lines joined into one."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-    return " ".join(lines)[:400] if lines[0].endswith(":") else lines[0]
 
 
 def load_tokenizer(model_dir: Path):
