@@ -93,6 +93,19 @@ def decode_step(
     return Step(tree, verdict, emitted, draft_s, verify_s)
 
 
+def last_emitted(emitted: list[int], remaining: int, stop_ids: frozenset[int]) -> int | None:
+    """Where emitting these tokens ends a generation that may emit `remaining` (>= 1) more: the
+    index in `emitted` of its last token (the first stop token within the limit, else the
+    limit's), or None where it goes on. The one end rule of the engine (Engine._emit), the split
+    client and the split server's closing verify."""
+    if remaining < 1:
+        raise ValueError(f"a generation with {remaining} tokens left has ended already")
+    for index, token in enumerate(emitted[:remaining]):
+        if token in stop_ids:
+            return index
+    return remaining - 1 if len(emitted) >= remaining else None
+
+
 def check_proposal(tree: DraftTree, root: int, vocab_size: int | None) -> DraftTree:
     """A drafter's tree as the verifier needs it (MoaspecError otherwise): node 0 is the root, the
     last emitted token (a tree from elsewhere would emit tokens the target never chose), and

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.decode_step import Verdict, decode_step
+from moaspec.decode_step import Verdict, decode_step, last_emitted
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.exclusive import OneAtATime
@@ -158,14 +158,11 @@ class Engine:
     def _emit(emitted: list[int], result: GenerationResult, stop_ids: frozenset[int], limit: int) -> bool:
         """Append emitted tokens up to a stop token or until result holds `limit` tokens (a caller's
         earlier ones included); True when generation is over."""
-        for token in emitted:
-            result.token_ids.append(token)
-            result.stats.new_tokens += 1
-            if token in stop_ids:
-                result.stop_reason = "stop_token"
-                return True
-            if len(result.token_ids) >= limit:
-                result.stop_reason = "length"
-                return True
-        return False
+        last = last_emitted(emitted, limit - len(result.token_ids), stop_ids)
+        kept = emitted if last is None else emitted[: last + 1]
+        result.token_ids.extend(kept)
+        result.stats.new_tokens += len(kept)
+        if last is not None:
+            result.stop_reason = "stop_token" if kept[-1] in stop_ids else "length"
+        return last is not None
 

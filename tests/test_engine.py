@@ -432,3 +432,19 @@ def test_a_drafter_cannot_change_what_is_emitted(drafter: FaultyDrafter, message
     target = make_tiny_target("llama")
     with pytest.raises(MoaspecError, match=message):
         Engine(target, drafter).generate(PROMPT, generation=GenerationConfig(max_new_tokens=4), stop_ids=NO_STOP)
+
+
+def test_the_end_rule_stops_at_the_first_stop_token_within_the_limit() -> None:
+    """decode_step.last_emitted: one rule for the engine, the split client and the split server."""
+    from moaspec.decode_step import last_emitted
+
+    stop = frozenset({0})
+    assert last_emitted([5, 6, 7], 4, stop) is None  # room left, no stop token
+    assert last_emitted([5, 6, 7], 3, stop) == 2  # the limit's token
+    assert last_emitted([5, 6, 7], 2, stop) == 1
+    assert last_emitted([5, 0, 7], 4, stop) == 1  # the stop token
+    assert last_emitted([5, 6, 0], 2, stop) == 1  # a stop token past the limit is not emitted
+    assert last_emitted([5, 0], 2, stop) == 1
+    assert last_emitted([], 1, stop) is None
+    with pytest.raises(ValueError):
+        last_emitted([5], 0, stop)

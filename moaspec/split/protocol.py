@@ -253,13 +253,3 @@ def parse_verification(message: dict, vocab_size: int, num_nodes: int, num_token
     if not isinstance(closed, bool):
         raise ProtocolError("'closed' must be a boolean")
     return Verification(path, next_token, start_pos, context, server_s, closed)
-
-
-def last_emitted(emitted: list[int], remaining: int, stop_ids: frozenset[int]) -> int | None:
-    """Where emitting these tokens ends a generation that may emit `remaining` more: the index in
-    `emitted` of its last token (the first stop token within the limit, else the limit's), or None
-    where it goes on (the engine's rule, Engine._emit)."""
-    for index, token in enumerate(emitted[:remaining]):
-        if token in stop_ids:
-            return index
-    return remaining - 1 if len(emitted) >= remaining else None

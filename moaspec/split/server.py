@@ -33,6 +33,7 @@ import torch
 from aiohttp import web
 
 from moaspec.config import SamplingConfig
+from moaspec.decode_step import last_emitted
 from moaspec.drafters.base import Drafter
 from moaspec.errors import MoaspecError
 from moaspec.openai_api.routes import OpenAILimits, OpenAIRoutes, add_openai_routes
@@ -396,7 +397,7 @@ class SplitServer:
             accepted = verified.accepted
             context = self.encoder.encode(verified.update)
             emitted = [int(tree.token_ids[i]) for i in accepted.path_node_idx[1:]] + [accepted.next_token]
-            last = None if remaining is None else wire.last_emitted(emitted, remaining, session.stop_ids)
+            last = None if remaining is None else last_emitted(emitted, remaining, session.stop_ids)
             if last is not None:
                 # the context plain decoding would hold, as Engine.stream leaves it (the accepted path
                 # may run past a stop token or the limit): a kept target's next session starts from it
