@@ -236,6 +236,25 @@ def test_costs_are_cached_per_cpu_and_checkpoint(tiny_default, monkeypatch, caps
     assert calls[-1] == "drafter" and calls.count("verify") == 2
 
 
+def test_cached_costs_that_choose_no_model_drafter_never_read_the_target_for_it(tiny_default, monkeypatch) -> None:
+    """Checking that the drafter was made for this target reads the target's embedding (on
+    llama.cpp it loads ~40 MB of torch weights): done before a measurement, never on a load
+    whose cached costs choose `none` or `ngram`."""
+    import moaspec.nn.checkpoint as checkpoint_module
+
+    target, _, set_costs, calls = tiny_default
+    fingerprints = []
+    fingerprint = checkpoint_module.target_fingerprint
+    monkeypatch.setattr(checkpoint_module, "target_fingerprint", lambda t: fingerprints.append(1) or fingerprint(t))
+    set_costs(COSTLY_TREES)
+    _, first = plan.calibrated_drafter(target, None)
+    assert first.source == "measured" and first.chosen.drafter in ("none", "ngram") and fingerprints
+    fingerprints.clear()
+    _, again = plan.calibrated_drafter(target, None)
+    assert again.source == "cached" and again.chosen == first.chosen and calls == ["verify", "drafter"]
+    assert fingerprints == []
+
+
 def test_a_damaged_cache_file_is_measured_again(tiny_default) -> None:
     target, _, set_costs, calls = tiny_default
     set_costs(CHEAP_TREES)

@@ -163,7 +163,7 @@ def calibrated_drafter(
     layouts = (fixed,) if fixed else LAYOUTS if target.runtime == "transformers" else ("row",)
     cpu, runtime = cpu_description(), runtime_description(target)
     say = _progress(progress)
-    if target.runtime == "llama.cpp" and _exact_tree_nodes(target, say) == 1:
+    if target.runtime == "llama.cpp" and _exact_tree_nodes(target, say, model) == 1:
         return _plain_decoding(target, requested, base)
     limit = TreeLimit.of(target)
     sequences, lookup_source = load_lookup_profile(target.name)
@@ -248,24 +248,22 @@ class DrafterUnavailable(MoaspecError):
 class LazyModelDrafter:
     """The model drafter a calibration weighs, loaded only when it is measured or chosen: its tree
     (checkpoint, tuned or explicit: tuned.py) comes from config.json without the weights, so a
-    load whose cached costs choose `none` or `ngram` never builds it."""
+    load whose cached costs choose `none` or `ngram` never builds it, nor reads the target's
+    embedding that `check_target` compares (llama.cpp: ~40 MB more peak memory, tested)."""
 
     def __init__(self, base: str, target, tree_overrides: dict | None) -> None:
         import json
 
         from moaspec.config import TreeConfig
-        from moaspec.nn.checkpoint import check_made_for
         from moaspec.tuned import resolve_tree
 
         self.base, self.target, self.tree_overrides = base, target, tree_overrides
-        directory = checkpoint_directory(base, target.name)
+        self.directory = directory = checkpoint_directory(base, target.name)
         try:
-            record = json.loads((directory / "config.json").read_text())
+            self.record = record = json.loads((directory / "config.json").read_text())
             tree = TreeConfig(**record.get("tree", {}))
         except (OSError, ValueError, TypeError, AttributeError):
             tree = None
-        if tree is not None:  # a drafter of another target is refused now, not after the measurements
-            check_made_for(record, directory, target)
         if tree is None:  # unreadable: make_drafter says why
             self._drafter = make_drafter(base, target, tree_overrides)
             self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source
@@ -280,6 +278,14 @@ class LazyModelDrafter:
         partial = tree is not None and 0 < len(given) < 3
         below = resolve_tree(tree, target.name, directory, None, target.device, target.runtime)[1] if partial else None
         self.fixed_fields = given if below == "checkpoint" else {}
+
+    def check_target(self) -> None:
+        """MoaspecError for a drafter made for another target: before anything is measured for it
+        (building it checks the same; costs saved for it were measured with it built)."""
+        from moaspec.nn.checkpoint import check_made_for
+
+        if self._drafter is None:
+            check_made_for(self.record, self.directory, self.target)
 
     def drafter(self):
         if self._drafter is None:
@@ -344,12 +350,14 @@ def _verify_record(target, cpu: str, runtime: str, layouts) -> tuple[Path, str, 
     return costs_store.cache_dir(target.name) / f"verify-{key}.json", key, identity
 
 
-def _exact_tree_nodes(target, say) -> int:
+def _exact_tree_nodes(target, say, model) -> int:
     """How many nodes a tree llama.cpp verifies for this target here may have and stay exact:
     saved on this machine, else measured now (~6 s) and saved (llamacpp_exactness.py)."""
     from moaspec.targets.llamacpp_exactness import saved_exact_tree_nodes
 
     if target.weights.exact_nodes is None and saved_exact_tree_nodes(target) is None:
+        if model is not None:
+            model.check_target()  # a drafter of another target is refused before the measurement
         say("how large a tree llama.cpp verifies exactly here")
     return target.exact_tree_nodes
 
@@ -379,7 +387,18 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     measured = False
     cached = costs_store.load_verify_costs(verify_path, layouts)
     measured_within = costs_store.read_field(verify_path, EXACT_NODES_FIELD)
-    if cached is None or (target.runtime == "llama.cpp" and measured_within != target.exact_tree_nodes):
+    drafter = drafter_path = shapes = None
+    if model is not None:
+        checkpoint = checkpoint_key(checkpoint_directory(base, target.name))
+        drafter_path = verify_path.parent / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
+        drafter = costs_store.load_drafter_costs(drafter_path, layouts)
+        shapes = sorted({(d, k) for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
+                        | {(model.tree_config.depth, model.tree_config.top_k)})
+    drafter_missing = model is not None and (drafter is None or any(s not in drafter[layouts[0]][0] for s in shapes))
+    verify_missing = cached is None or (target.runtime == "llama.cpp" and measured_within != target.exact_tree_nodes)
+    if model is not None and (verify_missing or drafter_missing):
+        model.check_target()  # a drafter of another target is refused now, not after the measurements
+    if verify_missing:
         measured = True
         verify = costs_store.measure_verify_costs(target, layouts, say)
         lookup_s = costs_store.measure_lookup_s(sequences)
@@ -389,17 +408,10 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
         costs_store.save(verify_path, record)
     else:
         verify, lookup_s = cached
-    drafter = None
-    if model is not None:
-        checkpoint = checkpoint_key(checkpoint_directory(base, target.name))
-        drafter_path = verify_path.parent / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
-        drafter = costs_store.load_drafter_costs(drafter_path, layouts)
-        shapes = sorted({(d, k) for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
-                        | {(model.tree_config.depth, model.tree_config.top_k)})
-        if drafter is None or any(shape not in drafter[layouts[0]][0] for shape in shapes):
-            measured = True
-            drafter = costs_store.measure_drafter_costs(model.drafter(), target, layouts, shapes, say)
-            costs_store.save(drafter_path, costs_store.drafter_record(drafter, {**identity, "checkpoint": checkpoint}))
+    if drafter_missing:
+        measured = True
+        drafter = costs_store.measure_drafter_costs(model.drafter(), target, layouts, shapes, say)
+        costs_store.save(drafter_path, costs_store.drafter_record(drafter, {**identity, "checkpoint": checkpoint}))
     return verify, lookup_s, drafter, measured
 
 

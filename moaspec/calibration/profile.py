@@ -168,7 +168,10 @@ def load_lookup_profile(target_name: str) -> tuple[list[LookupSequence], str]:
 def weights_digest(directory: Path) -> str:
     """sha256 (16 hex) of a checkpoint's model.safetensors: ties a profile to the weights it measured."""
     weights = directory / "model.safetensors"
-    return hashlib.sha256(weights.read_bytes()).hexdigest()[:16] if weights.is_file() else ""
+    if not weights.is_file():
+        return ""
+    with weights.open("rb") as file:  # streamed: reading it whole raised a load's peak memory by its size
+        return hashlib.file_digest(file, "sha256").hexdigest()[:16]
 
 
 def load_rank_rates(target_name: str, directory: Path) -> tuple[tuple[float, ...], str]:
