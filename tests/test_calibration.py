@@ -23,6 +23,7 @@ from moaspec.config import GenerationConfig, TreeConfig
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.drafters.ngram import NgramConfig, NgramDrafter
 from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
 
 
 def test_accepted_length_walks_the_matching_path() -> None:
@@ -253,6 +254,25 @@ def test_cached_costs_that_choose_no_model_drafter_never_read_the_target_for_it(
     _, again = plan.calibrated_drafter(target, None)
     assert again.source == "cached" and again.chosen == first.chosen and calls == ["verify", "drafter"]
     assert fingerprints == []
+
+
+def test_a_drafter_for_another_target_is_the_error_alone_with_costs_cached(tiny_default, tmp_path, capsys) -> None:
+    """With the target's costs cached (the check then runs inside the measurement's error
+    handling), a drafter made for another target is that one error: no "no machine calibration"
+    warning before it."""
+    from moaspec.nn.checkpoint import save_checkpoint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+
+    target, _, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES)
+    plan.calibrated_drafter(target, None)  # the target's verify costs, now cached
+    other = make_tiny_target("llama", seed=1, max_position_embeddings=512, dtype=torch.float32)
+    net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(other.config), other)
+    foreign = save_checkpoint(tmp_path / "foreign", "moa", net, other, {"depth": 1, "top_k": 2, "budget": 2})
+    capsys.readouterr()
+    with pytest.raises(MoaspecError, match="was trained for target"):
+        plan.drafter_for(target, str(foreign))
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_a_damaged_cache_file_is_measured_again(tiny_default) -> None:

@@ -164,6 +164,8 @@ def calibrated_drafter(
     cpu, runtime = cpu_description(), runtime_description(target)
     say = _progress(progress)
     if target.runtime == "llama.cpp" and _exact_tree_nodes(target, say, model) == 1:
+        if model is not None and requested != DEFAULT:
+            model.check_target()  # a named drafter of another target: that error, not the trees'
         return _plain_decoding(target, requested, base)
     limit = TreeLimit.of(target)
     sequences, lookup_source = load_lookup_profile(target.name)
@@ -285,7 +287,10 @@ class LazyModelDrafter:
         from moaspec.nn.checkpoint import check_made_for
 
         if self._drafter is None:
-            check_made_for(self.record, self.directory, self.target)
+            try:
+                check_made_for(self.record, self.directory, self.target)
+            except MoaspecError as exc:  # the user's error, not a failed measurement
+                raise DrafterUnavailable(str(exc)) from exc
 
     def drafter(self):
         if self._drafter is None:
