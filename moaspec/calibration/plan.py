@@ -172,7 +172,7 @@ def calibrated_drafter(
     begin = time.perf_counter()
     try:
         verify_costs, lookup_s, drafter_costs, measured = _costs(
-            target, model, base, layouts, sequences, cpu, runtime, say
+            target, model, layouts, sequences, cpu, runtime, say
         )
     except DrafterUnavailable as exc:  # the named drafter itself cannot be made: that is the error
         raise MoaspecError(str(exc)) from exc
@@ -185,7 +185,7 @@ def calibrated_drafter(
         lookups = costs_store.simulated_lookups(target.name, sequences, limit.lookups(), simulate_lookup)
     rates, rates_source = None, None
     if model is not None:
-        rates, rates_source = load_rank_rates(target.name, checkpoint_directory(base, target.name))
+        rates, rates_source = load_rank_rates(target.name, model.directory)
     options: list[Option] = []
     trees = None  # the model's tree candidates: their acceptance is the same in every layout
     gates: dict[str, LookupGate] = {}  # the `ngram` form's gate per layout, from its verify costs
@@ -384,7 +384,7 @@ def _plain_decoding(target, requested: str, base: str):
     return NoDrafter.for_target(target), None
 
 
-def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str, say):
+def _costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
     """Cached costs, or measured (and saved) ones. -> (verify, lookup_s, drafter, measured?).
     On llama.cpp the costs hold the exact tree size they were measured within (they time no
     larger tree): costs measured within another size are measured again."""
@@ -394,7 +394,7 @@ def _costs(target, model, base: str, layouts, sequences, cpu: str, runtime: str,
     measured_within = costs_store.read_field(verify_path, EXACT_NODES_FIELD)
     drafter = drafter_path = shapes = None
     if model is not None:
-        checkpoint = checkpoint_key(checkpoint_directory(base, target.name))
+        checkpoint = checkpoint_key(model.directory)
         drafter_path = verify_path.parent / f"drafter-{costs_store.key_of(key, checkpoint)}.json"
         drafter = costs_store.load_drafter_costs(drafter_path, layouts)
         shapes = sorted({(d, k) for d in costs_store.DRAFT_DEPTHS for k in costs_store.DRAFT_TOP_KS}
