@@ -1044,3 +1044,45 @@ def test_a_sessions_context_is_its_reservation_rounded_up_to_a_power_of_two(llam
     positions = (10, 1024, 1025, 1500, 4096, llama_target.cells + 1)
     assert [llama_target.new_session(n).cells for n in positions] == [1024, 1024, 2048, 2048, 4096, llama_target.cells]
     assert llama_target.new_session().cells == llama_target.cells
+
+
+@pytest.mark.parametrize("length", [300, 400])  # a short prompt, and a long one (through the prompt context)
+def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, category_prompts, monkeypatch, length) -> None:
+    """The verified context starts at SESSION_CELLS_MIN positions (its cache is allocated and
+    cleared up front: ~150 MB for 8,192) and doubles when verified tokens or a tree pass them,
+    its cells moved through llama.cpp's sequence state. Started at 256 here, trees with parked
+    cells carry the prompt past 256 and 512 positions: every accepted node's logits equal plain
+    decoding's in a context made large at once, with the final hidden states still output after
+    each move; an engine with a keys/values-reading drafter gives plain decoding's tokens across
+    the moves."""
+    require_exact_trees(llama_target)
+    import moaspec.targets.llamacpp as llamacpp
+
+    text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
+    prompt = category_prompts["qa"][:length] if length >= PROMPT_CONTEXT_MIN_TOKENS else text[:length]
+    assert len(prompt) == length
+    fresh = llama_target.new_session()
+    assert fresh.lib.llama_n_ctx(fresh.ctx) == 1280 and fresh.max_positions == llama_target.max_positions  # 1,024 + 128
+    tokens, logits = plain_decode(llama_target, prompt, 340)
+    monkeypatch.setattr(llamacpp, "SESSION_CELLS_MIN", 256)
+    target = llama_target.new_session()
+    assert target.lib.llama_n_ctx(target.ctx) == 512  # 256 + TREE_HEADROOM, as llama.cpp rounds it up
+    generator = random.Random(length)
+    last = (target.num_layers,)
+    target.prefill(torch.tensor(prompt), last)
+    done = 0
+    while done < 330:
+        tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size, decoys=3)
+        out = target.verify(tree, last)
+        assert out.hidden is not None and out.hidden.shape == (tree.num_nodes, 1, target.hidden_size)
+        accepted = verify_greedy(tree, out.logits)
+        for k, node in enumerate(accepted.path_node_idx):
+            assert torch.equal(out.logits[node], logits[done + k + 1]), (done, k)
+        target.commit(accepted.path_node_idx)
+        done += accepted.num_accepted + 1
+    assert target.num_cached == length + done and target._allocated == 1024
+    session = llama_target.new_session()
+    generation = GenerationConfig(max_new_tokens=150)
+    expected = Engine(llama_target, make_drafter("none", llama_target)).generate(prompt, generation=generation)
+    got = Engine(session, make_drafter("moa+ngram", session)).generate(prompt, generation=generation)
+    assert got.token_ids == expected.token_ids and session._allocated == (512 if length + 150 <= 512 else 1024)

@@ -69,7 +69,7 @@ class DrafterNet(nn.Module):
     def head_weight(self, parts: TargetParts) -> torch.Tensor:
         """Rows of the target's LM head the drafter scores: [Vd, D] (all rows without reduction)."""
         if self.config.draft_vocab_size:
-            return parts.lm_head_weight[self.draft_vocab_ids]
+            return parts.lm_head_rows(self.draft_vocab_ids)
         return parts.lm_head_weight
 
     def save_pretrained(

@@ -13,7 +13,7 @@ class ServerLimits:
     Sessions reserve prompt + max_new_tokens cached tokens (the most their KV cache can grow to)
     against `max_cached_tokens_per_key` and `max_cached_tokens`; on SmolLM2-135M with the MoA
     drafter a cached token costs ~140 KB on the transformers runtime (a 2,048-token session ~280 MB);
-    on llama.cpp a session's context is allocated up front, sized to its reservation.
+    on llama.cpp a session's context holds its reservation at most, allocated as it fills.
     """
 
     max_body_bytes: int = 1 << 20

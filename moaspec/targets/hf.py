@@ -170,7 +170,7 @@ class HFTarget:
         layers = list(self.decoder_layers)
         return TargetParts(
             embed_tokens=self.embed_tokens,
-            lm_head_weight=self.lm_head.weight,
+            lm_head=self.lm_head.weight,
             final_norm=self.final_norm,
             tli_layers=layers[len(layers) - tli_layers :] if tli_layers else [],
             rotary_emb=self.rotary_emb,
@@ -184,7 +184,7 @@ class HFTarget:
         layers = list(self.decoder_layers)
         return TargetParts(
             embed_tokens=copy.deepcopy(self.embed_tokens).float(),
-            lm_head_weight=self.lm_head.weight.detach().float(),
+            lm_head=self.lm_head.weight.detach().float(),
             final_norm=copy.deepcopy(self.final_norm).float(),
             tli_layers=[copy.deepcopy(layer).float() for layer in layers[len(layers) - tli_layers :]] if tli_layers else [],
             rotary_emb=self.rotary_emb,

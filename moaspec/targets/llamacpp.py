@@ -39,8 +39,12 @@ chains of at most that length (`max_tree_nodes`, `max_tree_leaves` 1: a chain ne
 so the context is never re-decoded in batches larger than its tokens were decoded in); where no
 chain is, plain decoding only.
 
-The verified context has TREE_HEADROOM cells beyond its `cells` positions: a tree at the context's
-end fits by depth (the engine prunes it so) but needs a cell per node.
+The verified context has TREE_HEADROOM cells beyond its positions: a tree at the context's end
+fits by depth (the engine prunes it so) but needs a cell per node. llama.cpp allocates and clears
+a context's cache when it makes it (~17 KB a cell on SmolLM2-135M: ~150 MB for 8,192 positions),
+so the verified context starts at SESSION_CELLS_MIN positions and doubles, up to `cells`, when
+verified tokens or a tree pass them (`_grow`): its cells move to the larger one through llama.cpp's
+sequence state, the same bits in cells 0.. in position order.
 
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) of models without sliding-window layers (whose
 sequence state holds a second cache: Gemma-3) are prefilled in a second context, the prompt
@@ -92,9 +96,9 @@ from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.tree import DraftTree, depths, leaf_groups
 
-DEFAULT_CELLS = 8192  # KV cache cells allocated up front (q8_0 keys + f16 values: ~17 KB per cell for SmolLM2-135M)
+DEFAULT_CELLS = 8192  # positions the verified context holds at most (q8_0 keys + f16 values: ~17 KB a cell on SmolLM2-135M)
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
-SESSION_CELLS_MIN = 1024  # the smallest context new_session(positions) makes
+SESSION_CELLS_MIN = 1024  # the verified context's first size (it doubles as needed: `_grow`)
 MAX_TREE_NODES = 128  # nodes per verified tree (a node costs 0.3-0.9 of a step on a 2-core CPU)
 # cells the verified context has beyond `cells` (its positions): a tree verified at the context's
 # end needs a cell per node, not per position (~2 MB on SmolLM2-135M)
@@ -136,7 +140,8 @@ class LlamaCppTarget:
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
-        self.cells = cells
+        self.cells = cells  # the most positions the verified context holds
+        self._allocated = min(cells, SESSION_CELLS_MIN)  # positions it is made with (`_grow` doubles them)
         self.lib = model.lib
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
         self._prompt_ctx = None  # made on first need (_prompt_context)
@@ -166,7 +171,7 @@ class LlamaCppTarget:
         """The verified context, made on first need (with the eval callback when keys/values
         are captured)."""
         if self._ctx is None:
-            self._ctx = self._new_llama_context(self.cells + TREE_HEADROOM, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
+            self._ctx = self._new_llama_context(self._allocated + TREE_HEADROOM, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
             self._memory = self.lib.llama_get_memory(self._ctx)
             self._embeddings_on[self._ctx] = False
         return self._ctx
@@ -363,10 +368,10 @@ class LlamaCppTarget:
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self, positions: int | None = None) -> LlamaCppTarget:
         """A context of its own on the same weights (capturing the same keys/values): of this
-        one's size, or of `positions` rounded up to a power of two, SESSION_CELLS_MIN at least (its
-        cache is allocated up front: ~17 KB a cell on SmolLM2-135M, so a split session of a few
-        hundred tokens need not hold the 8,192 positions' ~150 MB; the rounding leaves a chat's
-        next turns room in it, which a server reuses: IdleTargets)."""
+        one's size, or of `positions` rounded up to a power of two, SESSION_CELLS_MIN at least (the
+        most it holds: its cache, allocated SESSION_CELLS_MIN positions at first, doubles up to
+        that as it fills, `_grow`; the rounding leaves a chat's next turns room in it, which a
+        server reuses: IdleTargets)."""
         cells = self.cells if positions is None else min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
         other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
@@ -441,6 +446,8 @@ class LlamaCppTarget:
         # interruption in between leaves an empty context rather than a stale one
         self.lib.llama_memory_clear(self.memory, True)
         self._tokens, self._moved, self._parked = [], 0, 0
+        if len(ids) > self._allocated:
+            self._grow(len(ids))  # empty: a larger context, nothing to move
         self._restore_prompt_cells(keep)
         self._kv.truncate(keep)
         self._hidden.truncate(keep)
@@ -619,9 +626,12 @@ class LlamaCppTarget:
             self._pending, self._pending_rows = None, (None, None)
 
     def _make_room(self, count: int) -> None:
-        """Reclaim parked cells when `count` more would not fit after the used ones in the
-        verified context's cells (`cells` + TREE_HEADROOM, as llama.cpp rounds them up); after that
-        they fit: at most `cells` positions plus TREE_HEADROOM nodes."""
+        """Make room for `count` more cells after the verified ones: a larger verified context
+        when they pass its positions (`_grow`), else parked cells reclaimed when they would not fit
+        after the used ones in its cells (positions + TREE_HEADROOM, as llama.cpp rounds them up);
+        after that they fit: at most `cells` positions plus TREE_HEADROOM nodes."""
+        if self.num_cached + count > self._allocated and self._allocated < self.cells:
+            self._grow(self.num_cached + count)
         if self.num_cached + self._parked + count <= self.lib.llama_n_ctx(self.ctx) or not self._parked:
             return
         tokens = self._tokens
@@ -635,6 +645,22 @@ class LlamaCppTarget:
             chunk = tokens[start : start + step]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
+
+    def _grow(self, positions: int) -> None:
+        """Make the verified context one of `positions` rounded up to a power of two (at most
+        `cells`): the KV cache is allocated and cleared up front, ~17 KB a cell on SmolLM2-135M,
+        so a context starts at SESSION_CELLS_MIN rather than the 8,192 positions' ~150 MB. The
+        verified cells move through llama.cpp's sequence state, the same bits in cells 0.. in
+        position order (parked cells stay behind, as a compaction leaves them)."""
+        state = self._sequence_state(self._ctx) if self._ctx is not None and self.num_cached else None
+        embeddings = self._embeddings_on.pop(self._ctx, False) if self._ctx is not None else False
+        self._free_llama_context(self._ctx)
+        self._ctx = self._memory = None
+        self._allocated = min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
+        self._parked = 0
+        if state is not None:
+            self._load_state(self.ctx, state)
+        self._use_embeddings(self.ctx, embeddings)
 
     def _fill(self, tokens: list[int], positions: Sequence[int], seq_sets: list[list[int]], outputs) -> None:
         batch = self.batch
@@ -651,21 +677,28 @@ class LlamaCppTarget:
 
     def _prompt_cells(self, count: int) -> SequenceState:
         """The prompt context's first `count` cells, as llama.cpp saves them."""
-        lib, ctx = self.lib, self._prompt_ctx
+        return SequenceState.parse(memoryview(self._sequence_state(self._prompt_ctx))).leading(count)
+
+    def _sequence_state(self, ctx) -> ctypes.Array:
+        """Sequence 0 of `ctx` (its cells' positions, keys and values) as llama.cpp saves it."""
+        lib = self.lib
         size = lib.llama_state_seq_get_size(ctx, 0)
         state = (ctypes.c_uint8 * size)()
         if lib.llama_state_seq_get_data(ctx, state, size, 0) != size:
             self.reset()
-            raise MoaspecError("llama.cpp could not save the prompt's cells; the target's context was reset")
-        return SequenceState.parse(memoryview(state)).leading(count)
+            raise MoaspecError("llama.cpp could not save the context's cells; the target's context was reset")
+        return state
 
     def _load_cells(self, ctx, cells: SequenceState) -> None:
         """Make `cells` sequence 0 of the empty context `ctx` (in cells 0.., position order)."""
         data = cells.to_buffer()
-        source = (ctypes.c_uint8 * len(data)).from_buffer(data)
-        if self.lib.llama_state_seq_set_data(ctx, source, len(data), 0) != len(data):
+        self._load_state(ctx, (ctypes.c_uint8 * len(data)).from_buffer(data))
+
+    def _load_state(self, ctx, state: ctypes.Array) -> None:
+        """Make a saved sequence state sequence 0 of the empty context `ctx` (in cells 0.., position order)."""
+        if self.lib.llama_state_seq_set_data(ctx, state, len(state), 0) != len(state):
             self.reset()
-            raise MoaspecError("llama.cpp refused the prompt's cells; the target's context was reset")
+            raise MoaspecError("llama.cpp refused the context's cells; the target's context was reset")
 
     def _restore_prompt_cells(self, keep: int) -> None:
         """Keep the prompt context's first `keep` cells only, in cells 0..keep-1 as a fresh

@@ -19,6 +19,7 @@ import torch
 
 from moaspec.errors import MoaspecError, first_line
 from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, resolve_target
+from moaspec.nn.file_rows import FileRows, RowEmbedding
 from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import Target
 from moaspec.targets.options import check_placement, check_runtime
@@ -154,15 +155,14 @@ def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
     from moaspec.nn.layers import RMSNorm
 
     with SafetensorsWeights(model_dir) as weights:
-        embedding = weights.get_tensor("model.embed_tokens.weight").float()
+        embedding = weights.rows("model.embed_tokens.weight")
         tied = getattr(config, "tie_word_embeddings", True)
-        head = embedding if tied else weights.get_tensor("lm_head.weight").float()
+        head = embedding if tied else weights.rows("lm_head.weight")
         norm = RMSNorm(embedding.shape[1], float(getattr(config, "rms_norm_eps", 1e-5)))
         norm.weight.data.copy_(weights.get_tensor("model.norm.weight"))
         layers, rotary_emb = _last_decoder_layers(model_dir, weights, tli_layers) if tli_layers else ([], None)
-    embed_tokens = torch.nn.Embedding.from_pretrained(embedding, freeze=True)
     return TargetParts(
-        embed_tokens=embed_tokens, lm_head_weight=head, final_norm=norm, tli_layers=layers, rotary_emb=rotary_emb
+        embed_tokens=RowEmbedding(embedding), lm_head=head, final_norm=norm, tli_layers=layers, rotary_emb=rotary_emb
     )
 
 
@@ -205,14 +205,22 @@ class SafetensorsWeights:
         self._open: dict[str, object] = {}
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        file = "model.safetensors" if self.shard_of is None else self.shard_of.get(name)
-        if file is None:
-            raise MoaspecError(f"{self.model_dir}: no tensor '{name}' in model.safetensors.index.json")
+        file = self._file_of(name)
         if file not in self._open:
             from safetensors import safe_open
 
             self._open[file] = self._stack.enter_context(safe_open(self.model_dir / file, framework="pt"))
         return self._open[file].get_tensor(name)
+
+    def rows(self, name: str) -> FileRows:
+        """A 2-D tensor as float32 rows read on demand (nn/file_rows.py: never memory-mapped)."""
+        return FileRows(self.model_dir / self._file_of(name), name)
+
+    def _file_of(self, name: str) -> str:
+        file = "model.safetensors" if self.shard_of is None else self.shard_of.get(name)
+        if file is None:
+            raise MoaspecError(f"{self.model_dir}: no tensor '{name}' in model.safetensors.index.json")
+        return file
 
     def __enter__(self) -> SafetensorsWeights:
         return self

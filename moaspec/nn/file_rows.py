@@ -1,0 +1,114 @@
+"""Rows of a frozen target matrix read from its safetensors file on demand, never mapped.
+
+A model drafter on llama.cpp borrows the target's token embedding (its LM head when tied): 49,152
+× 576 float32 for SmolLM2, 113 MB. Memory-mapped, every row a drafter touches maps the pages
+around it (the kernel's fault-around), so the 8,192 rows of a draft vocabulary, spread over the
+vocabulary, mapped nearly the whole file into the process (peak RSS +106 MB for 19 MB of rows).
+`FileRows` reads the rows asked for with `os.pread` into the process's own memory, and the whole
+matrix only when a caller needs all of it (`full`: a full-vocabulary head, training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moaspec.errors import MoaspecError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+
+
+class FileRows:
+    """One 2-D tensor of a safetensors file, rows read on demand and returned as `dtype`."""
+
+    def __init__(self, path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> None:
+        self.path = Path(path)
+        self.name = name
+        self.dtype = dtype
+        with open(self.path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_size))
+        info = header.get(name)
+        if info is None:
+            raise MoaspecError(f"{self.path}: no tensor '{name}'")
+        stored = SAFETENSORS_DTYPES.get(info["dtype"])
+        if stored is None or len(info["shape"]) != 2:
+            raise MoaspecError(f"{self.path}: tensor '{name}' is {info['dtype']} {info['shape']}, not a 2-D float matrix")
+        self.stored_dtype = stored
+        self.shape = (int(info["shape"][0]), int(info["shape"][1]))
+        begin, end = info["data_offsets"]
+        self.row_bytes = self.shape[1] * stored.itemsize
+        if end - begin != self.shape[0] * self.row_bytes:
+            raise MoaspecError(f"{self.path}: tensor '{name}' has {end - begin} bytes, not {self.shape} of {info['dtype']}")
+        self._offset = 8 + header_size + begin
+        if self.path.stat().st_size < 8 + header_size + end:
+            raise MoaspecError(f"{self.path}: file ends inside tensor '{name}' (truncated?)")
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        self._full: torch.Tensor | None = None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] (any device) -> [..., D] in `dtype` on the CPU: the rows at those indices, as
+        indexing the whole matrix gives them. Consecutive ids are read in one call."""
+        if self._full is not None:
+            return self._full[ids.cpu()]
+        flat = ids.detach().flatten().cpu()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        out = torch.empty((unique.numel(), self.shape[1]), dtype=self.stored_dtype)
+        buffer = out.view(torch.uint8).numpy().reshape(-1)
+        wanted = unique.tolist()
+        start = 0
+        while start < len(wanted):
+            stop = start + 1
+            while stop < len(wanted) and wanted[stop] == wanted[stop - 1] + 1:
+                stop += 1
+            self._read(wanted[start], stop - start, memoryview(buffer)[start * self.row_bytes : stop * self.row_bytes])
+            start = stop
+        return out.to(self.dtype)[inverse].reshape(*ids.shape, self.shape[1])
+
+    def full(self) -> torch.Tensor:
+        """[V, D] in `dtype`: the whole matrix, read once and kept."""
+        if self._full is None:
+            out = torch.empty(self.shape, dtype=self.stored_dtype)
+            self._read(0, self.shape[0], memoryview(out.view(torch.uint8).numpy().reshape(-1)))
+            self._full = out.to(self.dtype)
+        return self._full
+
+    def _read(self, first: int, count: int, into: memoryview) -> None:
+        done = 0
+        position = self._offset + first * self.row_bytes
+        while done < count * self.row_bytes:
+            read = os.preadv(self._fd, [into[done:]], position + done)
+            if read == 0:
+                raise MoaspecError(f"{self.path}: file ends inside tensor '{self.name}' (truncated?)")
+            done += read
+
+
+class RowEmbedding(nn.Module):
+    """A frozen embedding over `FileRows`: forward(ids [...]) -> [..., D], as nn.Embedding gives.
+    `weight` is the whole matrix (read once, on first use)."""
+
+    def __init__(self, rows: FileRows) -> None:
+        super().__init__()
+        self.file_rows = rows
+        self.num_embeddings, self.embedding_dim = rows.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.file_rows.full()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.file_rows.rows(ids)

@@ -1,0 +1,94 @@
+"""Rows of a target matrix read from its safetensors file on demand (moaspec/nn/file_rows.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from moaspec.errors import MoaspecError
+from moaspec.nn.file_rows import FileRows, RowEmbedding
+from moaspec.nn.layers import RMSNorm
+from moaspec.nn.target_parts import TargetParts
+
+
+@pytest.fixture()
+def matrices(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.f32": torch.randn(300, 24, generator=generator),
+        "b.f16": torch.randn(50, 16, generator=generator).half(),
+        "c.bf16": torch.randn(40, 8, generator=generator).bfloat16(),
+        "vector": torch.randn(7, generator=generator),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+@pytest.mark.parametrize("name", ["a.f32", "b.f16", "c.bf16"])
+def test_rows_equal_indexing_the_whole_matrix(matrices, name: str) -> None:
+    path, tensors = matrices
+    rows = FileRows(path, name)
+    want = tensors[name].float()
+    assert rows.shape == tuple(want.shape)
+    generator = torch.Generator().manual_seed(1)
+    cases = [
+        torch.tensor([3]),
+        torch.tensor([5, 4, 5, 0, want.shape[0] - 1]),  # unsorted, repeated, both ends
+        torch.arange(10, 30),  # one consecutive run: one read
+        torch.randint(0, want.shape[0], (4, 6), generator=generator),  # any shape, as nn.Embedding takes
+        torch.empty(0, dtype=torch.long),
+    ]
+    for ids in cases:
+        got = rows.rows(ids)
+        assert got.dtype == torch.float32 and torch.equal(got, want[ids]), ids
+    assert torch.equal(rows.full(), want)
+    assert torch.equal(rows.rows(torch.tensor([2, 1])), want[[2, 1]])  # after full(): from memory
+
+
+def test_bad_requests_and_files_are_clear_errors(matrices, tmp_path) -> None:
+    path, _ = matrices
+    rows = FileRows(path, "a.f32")
+    for ids in (torch.tensor([300]), torch.tensor([-1])):
+        with pytest.raises(IndexError, match="out of range for a.f32 with 300 rows"):
+            rows.rows(ids)
+    with pytest.raises(MoaspecError, match="no tensor 'nope'"):
+        FileRows(path, "nope")
+    with pytest.raises(MoaspecError, match="not a 2-D float matrix"):
+        FileRows(path, "vector")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(path.read_bytes()[: rows._offset + 10 * rows.row_bytes])
+    with pytest.raises(MoaspecError, match="file ends inside tensor 'a.f32'"):
+        FileRows(cut, "a.f32")
+
+
+def test_rows_are_read_without_mapping_the_file(matrices) -> None:
+    """The point of FileRows: a memory-mapped embedding put the whole file in the process's RSS
+    (fault-around maps the pages around every row read); pread reads only the rows."""
+    path, _ = matrices
+    rows = FileRows(path, "a.f32")
+    rows.rows(torch.arange(0, 300, 7))
+    with open("/proc/self/maps") as maps:
+        assert str(path) not in maps.read()
+
+
+def test_a_row_embedding_is_a_frozen_embedding_and_parts_read_rows_of_it(matrices) -> None:
+    path, tensors = matrices
+    rows = FileRows(path, "a.f32")
+    embedding = RowEmbedding(rows)
+    plain = nn.Embedding.from_pretrained(tensors["a.f32"], freeze=True)
+    ids = torch.tensor([[1, 2, 299], [0, 0, 7]])
+    assert torch.equal(embedding(ids), plain(ids)) and (embedding.num_embeddings, embedding.embedding_dim) == (300, 24)
+    parts = TargetParts(embedding, rows, RMSNorm(24, 1e-5), [], None)
+    stored = TargetParts(plain, tensors["a.f32"], RMSNorm(24, 1e-5), [], None)
+    ids = torch.tensor([9, 3, 3])
+    assert torch.equal(parts.lm_head_rows(ids), stored.lm_head_rows(ids))
+    assert torch.equal(parts.embedding_rows(ids), stored.embedding_rows(ids))
+    assert torch.equal(parts.lm_head_weight, stored.lm_head_weight)
+    on_cpu = parts.to("cpu")
+    assert on_cpu.lm_head is rows and on_cpu.embed_tokens is embedding  # still read on demand
+    elsewhere = parts.to("meta")  # another device: the whole matrix, moved
+    assert isinstance(elsewhere.embed_tokens, nn.Embedding) and elsewhere.embed_tokens.weight.device.type == "meta"
+    assert elsewhere.lm_head.device.type == "meta"
