@@ -59,25 +59,23 @@ class FileRows:
         self._full: torch.Tensor | None = None
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] (any device) -> [..., D] in `dtype` on the CPU: the rows at those indices, as
-        indexing the whole matrix gives them. Consecutive ids are read in one call."""
+        """ids [...] -> [..., D] in `dtype` on the CPU: the rows at those indices, as indexing the
+        whole matrix gives them. Ids that follow each other are read in one call."""
         if self._full is not None:
             return self._full[ids.cpu()]
-        flat = ids.detach().flatten().cpu()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+        wanted = ids.detach().reshape(-1).tolist()
+        if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
             raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        out = torch.empty((unique.numel(), self.shape[1]), dtype=self.stored_dtype)
-        buffer = out.view(torch.uint8).numpy().reshape(-1)
-        wanted = unique.tolist()
+        out = torch.empty((len(wanted), self.shape[1]), dtype=self.stored_dtype)
+        buffer = memoryview(out.view(torch.uint8).numpy().reshape(-1))
         start = 0
         while start < len(wanted):
             stop = start + 1
             while stop < len(wanted) and wanted[stop] == wanted[stop - 1] + 1:
                 stop += 1
-            self._read(wanted[start], stop - start, memoryview(buffer)[start * self.row_bytes : stop * self.row_bytes])
+            self._read(wanted[start], stop - start, buffer[start * self.row_bytes : stop * self.row_bytes])
             start = stop
-        return out.to(self.dtype)[inverse].reshape(*ids.shape, self.shape[1])
+        return out.to(self.dtype).reshape(*ids.shape, self.shape[1])
 
     def full(self) -> torch.Tensor:
         """[V, D] in `dtype`: the whole matrix, read once and kept."""
