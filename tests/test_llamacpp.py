@@ -1086,3 +1086,13 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
     expected = Engine(llama_target, make_drafter("none", llama_target)).generate(prompt, generation=generation)
     got = Engine(session, make_drafter("moa+ngram", session)).generate(prompt, generation=generation)
     assert got.token_ids == expected.token_ids and session._allocated == (512 if length + 150 <= 512 else 1024)
+
+
+def test_a_sliding_window_models_context_is_allocated_whole(llama_target, monkeypatch) -> None:
+    """Growing moves a context's cells through llama.cpp's sequence state, which for a
+    sliding-window model (Gemma-3) holds a second cache that no test here can move: such a
+    model's verified context is allocated whole, as before contexts grew."""
+    monkeypatch.setattr(llama_target.weights, "sliding_window", 512)
+    assert llama_target.new_session()._allocated == llama_target.cells == 8192
+    monkeypatch.setattr(llama_target.weights, "sliding_window", 0)
+    assert llama_target.new_session()._allocated == 1024

@@ -141,7 +141,9 @@ class LlamaCppTarget:
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
         self.cells = cells  # the most positions the verified context holds
-        self._allocated = min(cells, SESSION_CELLS_MIN)  # positions it is made with (`_grow` doubles them)
+        # positions it is made with (`_grow` doubles them); whole for a sliding-window model, whose
+        # sequence state holds a second cache that no test here moves (no such GGUF is at hand)
+        self._allocated = cells if model.sliding_window else min(cells, SESSION_CELLS_MIN)
         self.lib = model.lib
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
         self._prompt_ctx = None  # made on first need (_prompt_context)
