@@ -154,3 +154,33 @@ def test_tune_on_the_gpu_saves_a_choice_that_gpu_targets_use(tmp_path, monkeypat
     assert main(args) == 0
     assert tuned_path("tiny-llama", checkpoint, "cuda").is_file() and not tuned_path("tiny-llama", checkpoint).is_file()
     assert make_drafter(str(checkpoint), gpu_target).tree_source == "tuned"
+
+
+def test_a_reduced_precision_gpu_target_lends_float32_parts_on_its_gpu(tmp_path) -> None:
+    """A bfloat16 target on the GPU reads the parts its drafters borrow from its float32 files
+    (targets/load.py: rows read on demand on the CPU, nn/file_rows.py) and hands them out on the
+    GPU whole: the files' values there, the same fingerprint as the float32 target's, and a MoA
+    drafter with Target Layer Inference drafting on them without a device mismatch."""
+    import functools
+
+    from test_reduced_precision import PROMPT
+
+    from moaspec.drafters.moa import MoADrafter
+    from moaspec.nn.checkpoint import target_fingerprint
+    from moaspec.nn.moa import MoAConfig, MoADrafterNet
+    from moaspec.targets.load import _torch_parts
+
+    exact = make_tiny_target("llama", dtype=torch.float32)
+    exact.model.save_pretrained(tmp_path)
+    reduced_model = make_tiny_target("llama", dtype=torch.float32).model.to(torch.bfloat16).to("cuda")
+    reduced = HFTarget(reduced_model, None, exact.name, functools.partial(_torch_parts, tmp_path, reduced_model.config))
+    parts = reduced.parts(1)
+    assert parts.embed_tokens.weight.device.type == parts.lm_head_weight.device.type == "cuda"
+    assert torch.equal(parts.embed_tokens.weight.cpu(), exact.embed_tokens.weight)
+    assert torch.equal(parts.lm_head_weight.cpu(), exact.lm_head.weight)
+    assert target_fingerprint(reduced) == target_fingerprint(exact)
+    draft_vocab = torch.arange(0, 97, 2)
+    config = MoAConfig.for_target(exact.config, tli_layers=1, draft_vocab_size=draft_vocab.numel())
+    drafter = MoADrafter(make_random_drafter_net(MoADrafterNet, config, reduced, draft_vocab), reduced, TreeConfig(depth=3, top_k=2, budget=5))
+    result = Engine(reduced, drafter).generate(PROMPT, SamplingConfig(), GenerationConfig(max_new_tokens=24))
+    assert len(result.token_ids) == 24 and result.stats.num_verifications < 24
