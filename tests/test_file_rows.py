@@ -92,3 +92,23 @@ def test_a_row_embedding_is_a_frozen_embedding_and_parts_read_rows_of_it(matrice
     elsewhere = parts.to("meta")  # another device: the whole matrix, moved
     assert isinstance(elsewhere.embed_tokens, nn.Embedding) and elsewhere.embed_tokens.weight.device.type == "meta"
     assert elsewhere.lm_head.device.type == "meta"
+
+
+def test_a_copy_reads_its_own_file_and_ids_are_checked_after_a_full_read(matrices) -> None:
+    """Audit: a deep copy kept the original's fd number, which the original's finalizer closed (a
+    reused number then read another file); -1 wrapped to the last row once the matrix was in memory."""
+    import copy
+    import gc
+    import pickle
+
+    path, tensors = matrices
+    rows = FileRows(path, "a.f32")
+    copies = [copy.deepcopy(rows), pickle.loads(pickle.dumps(rows))]
+    del rows
+    gc.collect()
+    for other in copies:
+        assert torch.equal(other.rows(torch.tensor([4, 2])), tensors["a.f32"][[4, 2]])
+    other = copies[0]
+    other.full()
+    with pytest.raises(IndexError, match="out of range"):
+        other.rows(torch.tensor([-1]))

@@ -1096,3 +1096,27 @@ def test_a_sliding_window_models_context_is_allocated_whole(llama_target, monkey
     assert llama_target.new_session()._allocated == llama_target.cells == 8192
     monkeypatch.setattr(llama_target.weights, "sliding_window", 0)
     assert llama_target.new_session()._allocated == 1024
+
+
+def test_a_context_that_cannot_grow_leaves_an_empty_target(llama_target, category_prompts, monkeypatch) -> None:
+    """Bug (audit): when making the larger context failed (memory, a signal), the target kept its
+    verified tokens with no context holding their cells, and the next call decoded after positions
+    that had none: wrong logits, no error. Now the target is reset and the error raised."""
+    import moaspec.targets.llamacpp as llamacpp
+
+    text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
+    monkeypatch.setattr(llamacpp, "SESSION_CELLS_MIN", 256)
+    target = llama_target.new_session()
+    target.prefill(torch.tensor(text[:200]))
+    made = target._new_llama_context
+
+    def fails(*args):
+        raise MoaspecError("llama.cpp cannot create a context")
+
+    monkeypatch.setattr(target, "_new_llama_context", fails)
+    with pytest.raises(MoaspecError, match="cannot create a context"):
+        target.prefill(torch.tensor(text[200:300]))
+    assert target.num_cached == 0 and target._ctx is None
+    monkeypatch.setattr(target, "_new_llama_context", made)
+    fresh = llama_target.new_session()
+    assert torch.equal(target.prefill(torch.tensor(text[:40])).logits, fresh.prefill(torch.tensor(text[:40])).logits)

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save
 
 from moaspec.atomic_files import new_hidden_directory
 from moaspec.errors import MoaspecError
+from moaspec.nn.file_rows import RowEmbedding
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target
@@ -39,7 +40,8 @@ def target_fingerprint(target: Target) -> str:
         for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
     }
     parts = target.parts(0)
-    rows = parts.embed_tokens.num_embeddings
+    embed_tokens = parts.embed_tokens
+    rows = embed_tokens.num_embeddings if isinstance(embed_tokens, RowEmbedding) else embed_tokens.weight.shape[0]
     sample = parts.embedding_rows(torch.arange(0, rows, max(1, rows // 512)))  # not the whole matrix
     sample = sample.to(torch.float32).cpu().contiguous().numpy().tobytes()
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + sample)

@@ -4,7 +4,7 @@ A model drafter on llama.cpp borrows the target's token embedding (its LM head w
 × 576 float32 for SmolLM2, 113 MB. Memory-mapped, every row a drafter touches maps the pages
 around it (the kernel's fault-around), so the 8,192 rows of a draft vocabulary, spread over the
 vocabulary, mapped nearly the whole file into the process (peak RSS +106 MB for 19 MB of rows).
-`FileRows` reads the rows asked for with `os.pread` into the process's own memory, and the whole
+`FileRows` reads the rows asked for with `os.preadv` into the process's own memory, and the whole
 matrix only when a caller needs all of it (`full`: a full-vocabulary head, training).
 """
 
@@ -58,14 +58,20 @@ class FileRows:
         weakref.finalize(self, os.close, self._fd)
         self._full: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict:  # a copy opens the file again (an fd number is this object's own)
+        return {"path": self.path, "name": self.name, "dtype": self.dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state["name"], state["dtype"])
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [...] -> [..., D] in `dtype` on the CPU: the rows at those indices, as indexing the
-        whole matrix gives them. Ids that follow each other are read in one call."""
-        if self._full is not None:
-            return self._full[ids.cpu()]
+        """ids [...] -> [..., D] in `dtype` on the CPU: the rows at those indices (0..V-1), as
+        indexing the whole matrix gives them. Ids that follow each other are read in one call."""
         wanted = ids.detach().reshape(-1).tolist()
         if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
             raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
+        if self._full is not None:
+            return self._full[ids.cpu()]
         out = torch.empty((len(wanted), self.shape[1]), dtype=self.stored_dtype)
         buffer = memoryview(out.view(torch.uint8).numpy().reshape(-1))
         start = 0

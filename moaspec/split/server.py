@@ -55,7 +55,7 @@ KEY_INDEX = web.RequestKey("key_index", int)
 DRAFT_PROB_SLACK = 1e-6  # rounding allowed above 1 in a node's drafter distribution
 logger = logging.getLogger("moaspec.serve")
 # target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
-# context of 8,192 positions (and TREE_HEADROOM cells more) holds ~155 MB of cache
+# context holds ~17 KB of cache a cell, up to ~155 MB once grown to 8,192 positions
 IDLE_TARGETS = 2
 # a key at its session limit gets room by ending its own sessions idle this long (a client that
 # died, or one offline, which resynchronises on reconnect) instead of a 429 until the idle time-out

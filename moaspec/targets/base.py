@@ -98,8 +98,8 @@ class Target(Protocol):
 
     def new_session(self, positions: int | None = None) -> Target:
         """A target sharing these weights with an empty context of its own (one per client);
-        positions: the most tokens it will hold (a runtime that allocates its cache up front
-        sizes it so; its max_positions may then be that), None for the whole context."""
+        positions: the most tokens it will hold (a runtime that allocates its cache ahead of
+        use bounds it so; its max_positions may then be that), None for the whole context."""
         ...
 
     def reset(self) -> None: ...

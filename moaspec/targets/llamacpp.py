@@ -100,7 +100,7 @@ DEFAULT_CELLS = 8192  # positions the verified context holds at most (q8_0 keys 
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
 SESSION_CELLS_MIN = 1024  # the verified context's first size (it doubles as needed: `_grow`)
 MAX_TREE_NODES = 128  # nodes per verified tree (a node costs 0.3-0.9 of a step on a 2-core CPU)
-# cells the verified context has beyond `cells` (its positions): a tree verified at the context's
+# cells the verified context has beyond its positions (`_allocated`): a tree verified at the context's
 # end needs a cell per node, not per position (~2 MB on SmolLM2-135M)
 TREE_HEADROOM = MAX_TREE_NODES
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
@@ -446,7 +446,8 @@ class LlamaCppTarget:
         keep = common // PROMPT_CHUNK * PROMPT_CHUNK
         # the verified context is rebuilt from the prompt context below: empty it first, so that an
         # interruption in between leaves an empty context rather than a stale one
-        self.lib.llama_memory_clear(self.memory, True)
+        if self._ctx is not None:
+            self.lib.llama_memory_clear(self._memory, True)
         self._tokens, self._moved, self._parked = [], 0, 0
         if len(ids) > self._allocated:
             self._grow(len(ids))  # empty: a larger context, nothing to move
@@ -656,13 +657,17 @@ class LlamaCppTarget:
         position order (parked cells stay behind, as a compaction leaves them)."""
         state = self._sequence_state(self._ctx) if self._ctx is not None and self.num_cached else None
         embeddings = self._embeddings_on.pop(self._ctx, False) if self._ctx is not None else False
-        self._free_llama_context(self._ctx)
-        self._ctx = self._memory = None
+        old, self._ctx, self._memory = self._ctx, None, None  # cleared before the free: no dangling pointer
+        self._free_llama_context(old)
         self._allocated = min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
         self._parked = 0
-        if state is not None:
-            self._load_state(self.ctx, state)
-        self._use_embeddings(self.ctx, embeddings)
+        try:
+            if state is not None:
+                self._load_state(self.ctx, state)
+            self._use_embeddings(self.ctx, embeddings)
+        except BaseException:  # no context holds the verified tokens: forget them
+            self.reset()
+            raise
 
     def _fill(self, tokens: list[int], positions: Sequence[int], seq_sets: list[list[int]], outputs) -> None:
         batch = self.batch
