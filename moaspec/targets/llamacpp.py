@@ -219,7 +219,7 @@ class LlamaCppTarget:
         if self._prompt_ctx is not None and length <= self._prompt_capacity:
             return self._prompt_ctx
         self._free_prompt_context()
-        cells = min(self.cells, max(PROMPT_CELLS_MIN, 1 << (length - 1).bit_length()))
+        cells = _cells_for(length, PROMPT_CELLS_MIN, self.cells)
         self._prompt_ctx = self._new_llama_context(cells, PROMPT_KEY_CACHE_TYPE, 1, PROMPT_CHUNK)
         self._prompt_capacity = cells
         self._embeddings_on[self._prompt_ctx] = False
@@ -374,7 +374,7 @@ class LlamaCppTarget:
         most it holds: its cache, allocated SESSION_CELLS_MIN positions at first, doubles up to
         that as it fills, `_grow`; the rounding leaves a chat's next turns room in it, which a
         server reuses: IdleTargets)."""
-        cells = self.cells if positions is None else min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
+        cells = self.cells if positions is None else _cells_for(positions, SESSION_CELLS_MIN, self.cells)
         other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
@@ -659,7 +659,7 @@ class LlamaCppTarget:
         embeddings = self._embeddings_on.pop(self._ctx, False) if self._ctx is not None else False
         old, self._ctx, self._memory = self._ctx, None, None  # cleared before the free: no dangling pointer
         self._free_llama_context(old)
-        self._allocated = min(self.cells, max(SESSION_CELLS_MIN, 1 << (positions - 1).bit_length()))
+        self._allocated = _cells_for(positions, SESSION_CELLS_MIN, self.cells)
         self._parked = 0
         try:
             if state is not None:
@@ -745,6 +745,11 @@ class LlamaCppTarget:
         """A copy of the last decode's logits or embeddings of its `rows` outputs: [rows, width]."""
         source = getter(self.ctx if ctx is None else ctx)
         return torch.from_numpy(np.ctypeslib.as_array(source, shape=(rows, width)).copy())
+
+
+def _cells_for(positions: int, at_least: int, at_most: int) -> int:
+    """A context's size for `positions`: rounded up to a power of two, within the bounds."""
+    return min(at_most, max(at_least, 1 << (positions - 1).bit_length()))
 
 
 def _shared_start(held: list[int], ids: list[int]) -> int:
