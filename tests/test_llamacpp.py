@@ -121,19 +121,21 @@ def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: in
     return DraftTree(torch.tensor(ids), torch.tensor(parents))
 
 
-@pytest.mark.parametrize(("cells", "names", "length", "decoys"), [
-    (8192, ("mt_bench", "humaneval"), 200, 0),
-    (264, ("mt_bench", "humaneval"), 200, 24),  # many parked cells: the context is re-decoded
-    (8192, ("qa",), 400, 0),  # a long prompt: prefilled in the prompt context, moved in
-    (460, ("qa",), 400, 40),  # ... and moved in again when the context is re-decoded
+@pytest.mark.parametrize(("cells", "names", "length", "decoys", "sliding_window"), [
+    (8192, ("mt_bench", "humaneval"), 200, 0, 0),
+    (264, ("mt_bench", "humaneval"), 200, 24, 0),  # many parked cells: reclaimed through the sequence state
+    (264, ("mt_bench", "humaneval"), 200, 24, 512),  # ... or re-decoded, as for a sliding-window model
+    (8192, ("qa",), 400, 0, 0),  # a long prompt: prefilled in the prompt context, moved in
+    (460, ("qa",), 400, 40, 0),  # ... its moved cells kept when parked cells are reclaimed
 ])
 def test_tree_logits_are_bit_identical_to_one_token_decoding(
-    llama_target, category_prompts, cells: int, names, length: int, decoys: int
+    llama_target, category_prompts, monkeypatch, cells: int, names, length: int, decoys: int, sliding_window: int
 ) -> None:
     """Random trees holding the true continuation, committed step by step (rejected nodes parked;
-    with few cells the context is re-decoded to reclaim them): every accepted node's logits equal
-    plain decoding's exactly, so the greedy path is the same."""
+    with few cells they are reclaimed): every accepted node's logits equal plain decoding's
+    exactly, so the greedy path is the same."""
     require_exact_trees(llama_target)
+    monkeypatch.setattr(llama_target.weights, "sliding_window", sliding_window)  # the path reclaiming takes
     target = llama_target if cells == 8192 else llama_target.__class__(
         llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=cells, threads=2
     )
@@ -209,6 +211,34 @@ def test_a_tree_at_the_context_end_uses_the_headroom_before_re_decoding_the_cont
     out = target.verify(tree)  # 20 nodes: past `cells` with the 4 parked cells, within the headroom
     assert torch.equal(out.logits[1], logits[10])
     assert target.compactions == 0
+
+
+def test_reclaiming_parked_cells_decodes_nothing(llama_target, category_prompts, monkeypatch) -> None:
+    """Parked cells used to be reclaimed by re-decoding the whole verified context (~3.5 ms a token
+    on 2 cores, once a few hundred tokens into a generation with branching trees); sequence 0 now
+    moves through llama.cpp's sequence state, and the next tree's logits are plain decoding's."""
+    require_exact_trees(llama_target)
+    target = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=384, threads=2,
+    )
+    prompt = category_prompts["mt_bench"][:120]
+    tokens, logits = plain_decode(target, prompt, 12)
+    target.reset()
+    target.prefill(torch.tensor(prompt))
+    for done in range(0, 8, 2):  # a wrong sibling before the true one: one cell parked per step
+        target.verify(DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0])))
+        target.commit([0, 2])
+
+    def no_decode(ctx=None) -> None:
+        raise AssertionError("reclaiming parked cells decoded")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(target, "_decode", no_decode)
+        target._reclaim_parked()
+    assert target.compactions == 1 and target.num_cached == len(prompt) + 8
+    out = target.verify(DraftTree(torch.tensor([tokens[8], tokens[9], 5, tokens[10]]), torch.tensor([-1, 0, 0, 1])))
+    assert torch.equal(out.logits[0], logits[9]) and torch.equal(out.logits[1], logits[10])
+    assert torch.equal(out.logits[3], logits[11])
 
 
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:

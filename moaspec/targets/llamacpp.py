@@ -28,16 +28,17 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
 - that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
   llama.cpp refills freed cells from the lowest one, so a rejected node placed *before* the last
   accepted one is parked (moved to sequence PARKED, never attended) instead of freed. Parked cells
-  are reclaimed by re-decoding the verified context in order when the cache fills (`_make_room`),
-  which reproduces the same keys and values.
+  are reclaimed when the cache fills (`_reclaim_parked`): sequence 0 is saved through llama.cpp's
+  sequence state and loaded back into the emptied cache, the same bits in cells 0.. in position
+  order (a sliding-window model re-decodes the verified context instead).
 Greedy equality with plain decoding is tested on real prompts (tests/test_llamacpp.py).
 Not every GGUF keeps this: K-quant products (Q4_K, Q6_K, ...) switch to repacked GEMM kernels
 from 4 rows on (AVX-512 EPYC), which round differently from one-token decoding. So the largest
 exact tree is measured once per machine, GGUF and thread count, and saved (llamacpp_exactness.py): where
 a branching tree is exact, trees of up to MAX_TREE_NODES; where only short chains are, trees are
 chains of at most that length (`max_tree_nodes`, `max_tree_leaves` 1: a chain never parks a cell,
-so the context is never re-decoded in batches larger than its tokens were decoded in); where no
-chain is, plain decoding only.
+so a sliding-window model never re-decodes its context in batches larger than its tokens were
+decoded in); where no chain is, plain decoding only.
 
 The verified context has TREE_HEADROOM cells beyond its positions: a tree at the context's end
 fits by depth (the engine prunes it so) but needs a cell per node. llama.cpp allocates and clears
@@ -153,7 +154,7 @@ class LlamaCppTarget:
         self._ctx = self._memory = None
         self._embeddings_on: dict = {}  # llama context -> whether it outputs embeddings
         self.batch = self.lib.llama_batch_init(MAX_BATCH, 0, PARKED + 1)
-        self.compactions = 0  # times the context was re-decoded to reclaim parked cells
+        self.compactions = 0  # times parked cells were reclaimed (`_reclaim_parked`)
         self._cancel: threading.Event | None = None  # set within `cancellable`
         self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
@@ -391,7 +392,7 @@ class LlamaCppTarget:
             self.lib.llama_memory_clear(self.lib.llama_get_memory(self._prompt_ctx), True)
         self._prompt_tokens: list[int] = []  # the tokens the prompt context holds (positions 0...)
         self._moved = 0  # leading verified positions whose cells and rows came from the prompt context
-        self._tokens: list[int] = []  # the verified tokens (num_cached; re-decoded when compacting)
+        self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
         self._kv = VerifiedRows()  # captured keys/values of the verified tokens
@@ -637,14 +638,24 @@ class LlamaCppTarget:
             self._grow(self.num_cached + count)
         if self.num_cached + self._parked + count <= self.lib.llama_n_ctx(self.ctx) or not self._parked:
             return
-        tokens = self._tokens
-        self.lib.llama_memory_clear(self.memory, True)
+        self._reclaim_parked()
+
+    def _reclaim_parked(self) -> None:
+        """Free the parked cells, sequence 0 left in cells 0.. in position order: saved through
+        llama.cpp's sequence state and loaded back into the emptied cache (the same bits, nothing
+        decoded), or, for a sliding-window model (whose state holds a second cache that no test
+        here moves; it never uses the prompt context), by re-decoding the verified tokens."""
         self._parked = 0
         self.compactions += 1
-        if self._moved:
-            self._move_prompt_cells(self._moved)
+        if not self.weights.sliding_window:
+            state = self._sequence_state(self.ctx)
+            self.lib.llama_memory_clear(self.memory, True)
+            self._load_state(self.ctx, state)
+            return
+        tokens = self._tokens
+        self.lib.llama_memory_clear(self.memory, True)
         step = self._exact_batch
-        for start in range(self._moved, len(tokens), step):
+        for start in range(0, len(tokens), step):
             chunk = tokens[start : start + step]
             self._fill(chunk, range(start, start + len(chunk)), [[0]] * len(chunk), ())
             self._decode()
