@@ -52,3 +52,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'moaspec' has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -26,10 +26,12 @@ def output_dir(value: str, flag: str = "--out") -> Path:
     out = Path(value).expanduser()
     if out.exists() and not out.is_dir():
         raise MoaspecError(f"{flag} {out} exists and is not a directory")
-    if not out.absolute().parent.is_dir():
-        raise MoaspecError(f"the parent directory of {flag} {out} does not exist")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        problem = "is not a directory" if parent.exists() else "does not exist"
+        raise MoaspecError(f"the parent directory of {flag} {out} {problem}")
     try:
-        os.rmdir(new_hidden_directory(out if out.is_dir() else out.absolute().parent, "moaspec-write-probe"))
+        os.rmdir(new_hidden_directory(out if out.is_dir() else parent, "moaspec-write-probe"))
     except OSError as exc:
         raise MoaspecError(f"cannot write {flag} {out}: {exc.strerror or exc}") from exc
     return out

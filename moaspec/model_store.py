@@ -11,6 +11,7 @@ Cache root: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec.
 
 from __future__ import annotations
 
+import filecmp
 import hashlib
 import importlib.util
 import os
@@ -75,10 +76,10 @@ def resolve_target(spec: str) -> tuple[str, Path]:
     if spec in BUILTIN_TARGETS:
         return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
     path = Path(spec).expanduser()
+    builtin = _builtin_at(path) if path.exists() else None
+    if builtin is not None:  # its name, so that its shipped drafters apply (they were refused)
+        return resolve_target(builtin)
     if path.is_file() and path.suffix == ".gguf":
-        builtin = _builtin_named_by_path(path)
-        if builtin is not None:  # the built-in's own file: its name, so its shipped drafters apply
-            return resolve_target(builtin)
         return path.name, ensure_converted(path.resolve(), label=path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -90,14 +91,21 @@ def resolve_target(spec: str) -> tuple[str, Path]:
     raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
 
 
-def _builtin_named_by_path(path: Path) -> str | None:
-    """The built-in target whose GGUF `path` is (the same file), if any."""
+def _builtin_at(path: Path) -> str | None:
+    """The built-in target that `path` holds, if any: its GGUF (the file itself, or a byte-identical
+    copy: compared only when the sizes match) or that file's converted cache directory."""
     for name in BUILTIN_TARGETS:
         try:
-            if builtin_gguf_path(name).resolve() == path.resolve():
-                return name
+            gguf = builtin_gguf_path(name)
         except MoaspecError:  # its package is not installed: not this file
             continue
+        if path.is_dir():
+            if path.resolve() == converted_path(gguf).resolve():
+                return name
+        elif path.resolve() == gguf.resolve() or (
+            path.suffix == ".gguf" and path.stat().st_size == gguf.stat().st_size and filecmp.cmp(path, gguf, shallow=False)
+        ):
+            return name
     return None
 
 
@@ -109,9 +117,14 @@ def gguf_key(gguf: Path) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
+def converted_path(gguf: Path) -> Path:
+    """Where the cached safetensors copy of `gguf` is (or will be written by ensure_converted)."""
+    return cache_root() / "targets" / f"{gguf.stem}-{gguf_key(gguf)}"
+
+
 def ensure_converted(gguf: Path, label: str) -> Path:
     """Return the cached safetensors copy of `gguf`, writing it atomically on first use."""
-    final = cache_root() / "targets" / f"{gguf.stem}-{gguf_key(gguf)}"
+    final = converted_path(gguf)
     if (final / "config.json").is_file():
         return final
     with gguf.open("rb") as handle:
@@ -134,7 +147,9 @@ def ensure_converted(gguf: Path, label: str) -> Path:
         try:
             _write_dequantized(gguf, staging)
         except Exception as exc:  # a corrupt or unsupported file fails in many ways
-            raise MoaspecError(f"cannot convert target {gguf.name}: {first_line(exc)}") from exc
+            raise MoaspecError(
+                f"cannot convert target {gguf.name} (a truncated, corrupt or unsupported GGUF file?): {first_line(exc)}"
+            ) from exc
         try:
             os.rename(staging, final)
         except OSError:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from moaspec.cli import EXIT_USAGE, main
+from moaspec.cli_support import output_dir
+from moaspec.errors import MoaspecError
 
 PREFIX = "moaspec: error: "
 
@@ -291,7 +293,6 @@ def test_an_error_of_the_machine_is_one_line_not_a_traceback(monkeypatch, capsys
 
 
 def test_a_cache_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch) -> None:
-    from moaspec.errors import MoaspecError
     from moaspec.model_store import builtin_gguf_path, ensure_converted
 
     blocked = tmp_path / "a-file"
@@ -310,3 +311,14 @@ def test_another_librarys_error_becomes_one_line() -> None:
     assert first_line(RuntimeError()) == first_line(RuntimeError(" \n ")) == "RuntimeError"
     assert first_line(ValueError(""), empty="refused") == "refused"
     assert first_line(ValueError("x" * 500), limit=10) == "x" * 10
+
+
+def test_an_output_directory_under_a_file_is_named_as_such(tmp_path: Path) -> None:
+    """Bug: `--out FILE/sub` said the parent directory does not exist, though it exists as a file."""
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(MoaspecError, match=r"the parent directory of --out .*notes.txt/sub is not a directory"):
+        output_dir(str(tmp_path / "notes.txt" / "sub"))
+    with pytest.raises(MoaspecError, match="does not exist"):
+        output_dir(str(tmp_path / "nowhere" / "sub"))
+    assert output_dir(str(tmp_path / "run")) == tmp_path / "run" and not (tmp_path / "run").exists()
+

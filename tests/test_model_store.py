@@ -215,6 +215,27 @@ def test_resolve_builtin_uses_the_packaged_gguf(
     assert resolve_target(str(gguf)) == (model_store.DEFAULT_TARGET, model_dir)
 
 
+def test_a_copy_of_the_builtin_or_its_converted_folder_is_the_builtin(
+    cache: Path, gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug: shipped drafters are found by the target's name, and a copy of the built-in's GGUF or
+    its converted folder got its own name, so `--drafter moa` was refused for the same weights
+    (and the copy was converted again)."""
+    monkeypatch.setattr(model_store, "builtin_gguf_path", lambda name: gguf)
+    converter = FakeConverter()
+    monkeypatch.setattr(model_store, "_write_dequantized", converter)
+    name, model_dir = resolve_target(model_store.DEFAULT_TARGET)
+    copy = tmp_path / "elsewhere.gguf"
+    copy.write_bytes(gguf.read_bytes())
+    assert resolve_target(str(copy)) == (name, model_dir)
+    assert resolve_target(str(model_dir)) == (name, model_dir)
+    assert len(converter.out_dirs) == 1
+    other = tmp_path / "same-size.gguf"  # as long as the built-in, other bytes: another target
+    other.write_bytes(GGUF_BYTES[:-1] + b"x")
+    assert resolve_target(str(other))[0] == "same-size.gguf"
+    assert len(converter.out_dirs) == 2
+
+
 def _unknown_name(tmp: Path) -> str:
     return "gpt-17"
 

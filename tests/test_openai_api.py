@@ -218,6 +218,8 @@ def _post(server, path: str, content: bytes | None = None, body: dict | None = N
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
         ({"prompt": "x"}, 400, "model"),
         ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": " \n\t"}, 400, "prompt"),  # blank: refused as `moaspec generate` refuses it
+        ({"model": MODEL, "prompt": ["  "]}, 400, "prompt"),
         ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         ({"model": MODEL, "prompt": [5, 500]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),

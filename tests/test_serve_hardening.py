@@ -284,6 +284,20 @@ def test_an_oversized_header_is_refused_in_our_shape_and_never_logged(server, ca
     assert "s3cret" not in logged and not [r for r in caplog.records if r.exc_info]
 
 
+def test_a_key_that_is_not_utf8_is_refused_as_invalid(server, caplog) -> None:
+    """Bug: a key with bytes that are not UTF-8 (aiohttp reads them as lone surrogates) raised
+    UnicodeEncodeError in the key check: a 500 and a traceback in the log, on every route."""
+    caplog.set_level(logging.DEBUG)
+    for path in ("/v1/models", "/health"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}".encode()
+                         + b"\xff\xfe\r\nConnection: close\r\n\r\n")
+            head, _, body = read_response(sock).partition(b"\r\n\r\n")
+        status = int(head.split(b" ")[1])
+        assert assert_our_error(status, body, 401)["message"] == "invalid API key"
+    assert not [r for r in caplog.records if r.exc_info]
+
+
 # -- fuzz: a few hundred malformed bodies on both routes -----------------------------------------------
 def _nested(rng, depth: int):
     """[[...[10**30]...]] or {"k": ...}: `depth` levels (over 200 is beyond the JSON parser's limit)."""

@@ -214,7 +214,7 @@ def test_mismatched_drafter_is_refused() -> None:
         other_target = make_tiny_target("llama", num_hidden_layers=3)
         config = MoAConfig.for_target(other_target.config)
         other = MoADrafter(make_random_drafter_net(MoADrafterNet, config, other_target, seed=5), other_target)
-        with pytest.raises(MoaspecError, match="same drafter"):
+        with pytest.raises(MoaspecError, match=r"is not this client's \(moa, [0-9a-f]{16}\): both sides need the same drafter"):
             SplitGenerator(SplitClient(made.url, KEY), other)
     finally:
         made.server.stop()

@@ -200,7 +200,7 @@ def completion_prompt(request: CompletionRequest, vocab_size: int) -> str | list
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        if not prompt:
+        if not prompt.strip():  # as `moaspec generate` and load().generate refuse it (chat.py)
             raise APIError(400, "the prompt is empty", "prompt", "invalid_value")
         return prompt
     if prompt and all(isinstance(t, int) for t in prompt):

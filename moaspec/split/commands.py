@@ -54,7 +54,11 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
     try:
         context.load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise MoaspecError(f"cannot load the TLS certificate/key: {exc}") from exc
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError) else exc
+        raise MoaspecError(
+            f"cannot load the TLS certificate {certfile} / key {keyfile} (PEM files, the key matching the "
+            f"certificate): {detail}"
+        ) from exc
     return context
 
 

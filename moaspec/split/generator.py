@@ -45,7 +45,7 @@ from moaspec.drafters.base import Context, SplitDrafter
 from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.exclusive import OneAtATime
-from moaspec.serving.identity import drafter_fingerprint
+from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.session import draft_generator
 from moaspec.split import protocol as wire
 from moaspec.split.adaptive import AdaptiveTree
@@ -131,7 +131,8 @@ class SplitGenerator:
         if info.get("drafter_fingerprint") != drafter_fingerprint(drafter):
             raise MoaspecError(
                 f"the server's drafter ({info.get('drafter')}, {info.get('drafter_fingerprint')}) is not this client's "
-                f"({drafter_fingerprint(drafter)}): both sides need the same drafter"
+                f"({drafter_form(drafter)}, {drafter_fingerprint(drafter)}): both sides need the same drafter "
+                "(give this client the server's --drafter, or start the server with this client's)"
             )
         self.info = info
         self.vocab_size = int(info["vocab_size"])

@@ -240,7 +240,8 @@ class SplitServer:
         scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
             raise HTTPError(401, "unauthorized", "missing API key (send 'Authorization: Bearer <key>')")
-        presented = credentials.strip().encode()
+        # aiohttp reads header bytes that are not UTF-8 as lone surrogates: encoded back to those bytes
+        presented = credentials.strip().encode("utf-8", "surrogateescape")
         matches = [hmac.compare_digest(presented, key) for key in self.api_keys]  # no short circuit
         if not any(matches):
             raise HTTPError(401, "unauthorized", "invalid API key")
