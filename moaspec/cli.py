@@ -66,7 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moaspec", description="Lossless speculative decoding with Mixture of Attentions.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--prompt", required=True, help="the user message (or raw text with --raw)")
+    gen.add_argument(
+        "--prompt", required=True, help="the user message (or raw text with --raw); - reads it from stdin"
+    )
     gen.add_argument("--target", default=DEFAULT_TARGET, help=f"built-in name, HF directory or .gguf (default {DEFAULT_TARGET})")
     gen.add_argument(
         "--drafter",
@@ -199,6 +201,16 @@ def _check_named(args: argparse.Namespace, *flags: str) -> None:
             raise MoaspecError(f"{flag} is empty")
 
 
+def _prompt_from_stdin() -> str:
+    """`--prompt -`: standard input as UTF-8 text, its trailing newlines dropped (as `$(cat)` drops
+    them), so `echo TEXT | moaspec generate --prompt -` is `--prompt TEXT`."""
+    data = sys.stdin.buffer.read() if sys.stdin is not None else b""
+    try:
+        return data.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise MoaspecError("the prompt read from stdin is not valid UTF-8 text") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from moaspec.chat import check_prompt_text
     from moaspec.config import GenerationConfig, SamplingConfig
@@ -206,6 +218,8 @@ def _generate(args: argparse.Namespace) -> int:
     # Validate everything cheap before the model loads.
     SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.prompt == "-":
+        args.prompt = _prompt_from_stdin()
     check_prompt_text(args.prompt)
     _check_named(args, "--drafter", "--target")
     if args.server is None:

@@ -322,3 +322,16 @@ def test_an_output_directory_under_a_file_is_named_as_such(tmp_path: Path) -> No
         output_dir(str(tmp_path / "nowhere" / "sub"))
     assert output_dir(str(tmp_path / "run")) == tmp_path / "run" and not (tmp_path / "run").exists()
 
+
+@pytest.mark.parametrize(("stdin", "message"), [
+    (b" \n\t\n", "the prompt is empty"),
+    (b"caf\xe9 au lait\n", "the prompt read from stdin is not valid UTF-8 text"),
+])
+def test_a_bad_prompt_on_stdin_is_one_line(stdin: bytes, message: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "moaspec", "generate", "--prompt", "-"], input=stdin, capture_output=True,
+        env=dict(os.environ, MOASPEC_CACHE=str(tmp_path / "cache")), timeout=120,
+    )
+    assert proc.returncode == EXIT_USAGE and proc.stdout == b""
+    assert proc.stderr.decode() == PREFIX + message + "\n"
+

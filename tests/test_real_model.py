@@ -88,7 +88,7 @@ def greedy(lms: dict[str, SpeculativeLM]) -> Callable[[str, str], GenerationOutp
     return run
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run(
         [sys.executable, "-m", "moaspec.cli", "generate", "--runtime", "transformers", *args],
@@ -96,6 +96,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         env=env,
         timeout=600,
+        input=stdin,
     )
 
 
@@ -180,6 +181,14 @@ def test_cli_streams_the_same_text(cli_json: dict) -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stdout.removesuffix("\n") == cli_json["text"]
     assert f"[moaspec] {cli_json['new_tokens']} tokens" in proc.stderr
+
+
+def test_cli_reads_the_prompt_from_stdin(cli_json: dict) -> None:
+    """`--prompt -`: what `echo TEXT |` pipes in (its newline dropped) is `--prompt TEXT`."""
+    args = ["--prompt", "-", *CLI_ARGS[2:], "--json"]
+    proc = _run_cli(*args, stdin=PROMPTS["repeat"] + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["token_ids"] == cli_json["token_ids"]
 
 
 def test_raw_skips_the_chat_template(lm: SpeculativeLM) -> None:
