@@ -107,3 +107,16 @@ def test_bench_client_server_names_the_missing_serve_extra(monkeypatch, capsys, 
                "--max-new-tokens", "4", "--out", str(tmp_path / "out")])
     assert rc == 2
     assert "pip install 'moaspec[serve]'" in capsys.readouterr().err
+
+
+def test_a_tls_file_that_cannot_be_loaded_is_named_in_one_line(tmp_path) -> None:
+    from moaspec.split.commands import check_tls
+
+    not_pem = tmp_path / "cert.pem"
+    not_pem.write_text("not a certificate")
+    for certfile, detail in ((tmp_path / "missing.pem", "No such file or directory"), (not_pem, "PEM")):
+        with pytest.raises(MoaspecError) as info:
+            check_tls(str(certfile), str(not_pem))
+        message = str(info.value)
+        assert f"cannot load the TLS certificate {certfile} / key {not_pem}" in message
+        assert detail in message and "\n" not in message

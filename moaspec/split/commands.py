@@ -54,7 +54,7 @@ def check_tls(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | Non
     try:
         context.load_cert_chain(certfile, keyfile)
     except (OSError, ssl.SSLError) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror and not isinstance(exc, ssl.SSLError) else exc
+        detail = exc if isinstance(exc, ssl.SSLError) else exc.strerror or exc  # "No such file or directory"
         raise MoaspecError(
             f"cannot load the TLS certificate {certfile} / key {keyfile} (PEM files, the key matching the "
             f"certificate): {detail}"
