@@ -9,10 +9,13 @@
 4. captured keys/values against the float32 transformers runtime's (relative error per layer);
 5. prefilling 1,000 tokens in an f32 / f16 context and moving the cells into one with the
    runtime's cache types (llama.cpp's sequence state: keys Hadamard-rotated per head, as
-   llama.cpp stores a quantized key cache, then quantized to q8_0), against prefilling there.
+   llama.cpp stores a quantized key cache, then quantized to q8_0), against prefilling there;
+6. reclaiming parked cells (`LlamaCppTarget._reclaim_parked`) after 300, 900 and 1,800 verified
+   tokens: through llama.cpp's sequence state (the runtime's way) against re-decoding the
+   verified tokens (sliding-window models' way, and every model's before session 31).
 
     .venv/bin/python bench/llamacpp_probes.py --out bench/results/llamacpp-probes-2026-11-24.json
-        [--items 1,2,3,4,5] [--rounds 4]
+        [--items 1,2,3,4,5,6] [--rounds 4]
 
 Item 2 also times pairs with an f32 side and f32 / f32, to show what the exact cache costs on
 this CPU. With flash attention llama.cpp casts an f32 key or value cache to f16 before attending
@@ -160,17 +163,37 @@ def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tu
             lib.llama_free(ctx)
 
 
+def reclaim_ms(target, ids: list[int], verified: int, sliding_window: int) -> float:
+    """ms of one `_reclaim_parked` with `verified` tokens and 4 parked cells; `sliding_window`
+    set on the weights picks the re-decoding path."""
+    from moaspec.tree import DraftTree
+
+    target.weights.sliding_window = sliding_window
+    try:
+        target.reset()
+        target.prefill(torch.tensor(ids[: verified - 8]))
+        for k in range(4):  # a wrong sibling before the true one: one cell parked per step
+            start = verified - 8 + 2 * k
+            target.verify(DraftTree(torch.tensor([ids[start], 7, ids[start + 1]]), torch.tensor([-1, 0, 0])))
+            target.commit([0, 2])
+        tick = time.perf_counter()
+        target._reclaim_parked()
+        return 1e3 * (time.perf_counter() - tick)
+    finally:
+        target.weights.sliding_window = 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=help_description(__doc__))
     parser.add_argument("--prompts", type=positive_int, default=3, help="bench prompts per category for item 1 (default 3)")
     parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds for items 2-3 (default 4)")
-    parser.add_argument("--items", default="1,2,3,4,5", help="comma-separated items to run (default all)")
+    parser.add_argument("--items", default="1,2,3,4,5,6", help="comma-separated items to run (default all)")
     parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
     wanted = set(args.items.split(","))
-    if not wanted <= {"1", "2", "3", "4", "5"}:
-        parser.error(f"--items takes a comma-separated subset of 1,2,3,4,5, not {args.items!r}")
+    if not wanted <= {"1", "2", "3", "4", "5", "6"}:
+        parser.error(f"--items takes a comma-separated subset of 1,2,3,4,5,6, not {args.items!r}")
 
     from moaspec.api import load_target
     from moaspec.bench.prompts import CATEGORIES, load_prompts
@@ -246,6 +269,17 @@ def main() -> int:
         moved["next_token_max_logit_difference"] = round(max(r[3] for r in rounds), 3)
         print(f"5. prefill of 1000 tokens in f32 / f16, moved into the runtime's cache types: {moved}", file=sys.stderr)
         result["moved_prefill_1000"] = moved
+
+    if "6" in wanted:
+        ids = CONTEXT * 100  # 2,000 tokens
+        paths = {"sequence state": 0, "re-decode": 512}
+        times = {(n, path): [] for n in (308, 908, 1808) for path in paths}
+        for _ in range(args.rounds):
+            for (n, path) in times:
+                times[n, path].append(reclaim_ms(target, ids, n, paths[path]))
+        reclaim = {f"{path} after {n}": round(statistics.median(v), 1) for (n, path), v in times.items()}
+        print(f"6. ms to reclaim 4 parked cells (verified tokens): {reclaim}", file=sys.stderr)
+        result["reclaim_parked_ms"] = reclaim
 
     print(json.dumps(result, indent=1))
     if args.out is not None:
