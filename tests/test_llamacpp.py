@@ -160,6 +160,15 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(
     assert (target.compactions > 0) == (cells < 8192)
 
 
+def park_four_cells(target, tokens: list[int], logits: list[torch.Tensor]) -> None:
+    """Commit tokens[0..7] (plain decoding's, after the prefilled prompt) in four trees, each with
+    a wrong sibling before the true one: one cell parked per tree; the true nodes' logits checked."""
+    for done in range(0, 8, 2):
+        out = target.verify(DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0])))
+        assert torch.equal(out.logits[2], logits[done + 2])
+        target.commit([0, 2])
+
+
 def test_a_wide_tree_at_the_context_end_has_a_cell_for_every_node(llama_target, category_prompts) -> None:
     """Bug: the verified context had exactly `cells` cells, so near its end a tree that fits by
     depth (what the engine prunes it to) but has more nodes than free cells failed in llama_decode
@@ -202,11 +211,7 @@ def test_a_tree_at_the_context_end_uses_the_headroom_before_re_decoding_the_cont
     tokens, logits = plain_decode(target, prompt, 12)
     target.reset()
     target.prefill(torch.tensor(prompt))
-    for done in range(0, 8, 2):  # a wrong sibling before the true one: one cell parked per step
-        tree = DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0]))
-        out = target.verify(tree)
-        assert torch.equal(out.logits[2], logits[done + 2])
-        target.commit([0, 2])
+    park_four_cells(target, tokens, logits)
     tree = DraftTree(torch.tensor([tokens[8], tokens[9], *range(100, 118)]), torch.tensor([-1] + [0] * 19))
     out = target.verify(tree)  # 20 nodes: past `cells` with the 4 parked cells, within the headroom
     assert torch.equal(out.logits[1], logits[10])
@@ -225,9 +230,7 @@ def test_reclaiming_parked_cells_decodes_nothing(llama_target, category_prompts,
     tokens, logits = plain_decode(target, prompt, 12)
     target.reset()
     target.prefill(torch.tensor(prompt))
-    for done in range(0, 8, 2):  # a wrong sibling before the true one: one cell parked per step
-        target.verify(DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0])))
-        target.commit([0, 2])
+    park_four_cells(target, tokens, logits)
 
     def no_decode(ctx=None) -> None:
         raise AssertionError("reclaiming parked cells decoded")
