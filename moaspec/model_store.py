@@ -161,14 +161,23 @@ def ensure_converted(gguf: Path, label: str) -> Path:
 
 
 def _write_dequantized(gguf: Path, out_dir: Path) -> None:
+    """transformers reads the GGUF (its de-quantizing bar is the conversion's progress) and writes
+    safetensors; its own loading and saving bars, a line each, are turned off meanwhile."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
