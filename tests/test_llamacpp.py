@@ -25,6 +25,8 @@ from moaspec.targets.llamacpp import (
     MAX_TREE_NODES,
     PROMPT_CHUNK,
     PROMPT_CONTEXT_MIN_TOKENS,
+    VALUE_CACHE_ENV,
+    VALUE_CACHE_TYPES,
     LlamaCppTarget,
 )
 from moaspec.tree import DraftTree, ancestor_mask, depths, leaf_groups
@@ -158,6 +160,53 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(
             done += accepted.num_accepted + 1
             assert target.num_cached == len(prompt) + done
     assert (target.compactions > 0) == (cells < 8192)
+
+
+def test_a_q8_0_value_cache_stays_exact_and_decodes_every_prompt_in_the_verified_context(
+    llama_target, category_prompts, monkeypatch
+) -> None:
+    """MOASPEC_LLAMA_VALUE_CACHE=q8_0 (faster where f16 values cost much: module docstring): the
+    verified context holds q8_0 values, a long prompt is decoded there (no prompt context), the
+    accepted nodes of random trees have one-token decoding's logits bit for bit, greedy output with
+    drafters equals plain decoding in every category, and the calibration keys it apart."""
+    from moaspec.calibration.machine import runtime_description
+    from moaspec.targets.llamacpp_cells import SequenceState
+
+    monkeypatch.setenv(VALUE_CACHE_ENV, "q8_0")
+    target = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, threads=2,
+        parts_loader=llama_target._parts_loader, parts=llama_target._parts,  # as new_session() passes them
+    )
+    require_exact_trees(target)
+    assert target.value_cache_name == "q8_0" and not target.uses_prompt_context
+    assert "q8_0/q8_0 KV" in runtime_description(target) and "q8_0/f16 KV" in runtime_description(llama_target)
+    prompt = category_prompts["qa"][:400]
+    assert len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS  # would go through the prompt context with f16 values
+    tokens, logits = plain_decode(target, prompt, 40)
+    assert target._prompt_ctx is None
+    state = SequenceState.parse(memoryview(target._sequence_state(target.ctx)))
+    assert {kind for kind, _ in state.values} == {VALUE_CACHE_TYPES["q8_0"]}
+    target.reset()
+    target.prefill(torch.tensor(prompt))
+    generator, done = random.Random(8), 0
+    while done < 32:
+        tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size, decoys=2)
+        out = target.verify(tree)
+        accepted = verify_greedy(tree, out.logits)
+        for k, node in enumerate(accepted.path_node_idx):
+            assert torch.equal(out.logits[node], logits[done + k + 1]), (done, k)
+        target.commit(accepted.path_node_idx)
+        done += accepted.num_accepted + 1
+    plain = Engine(target, make_drafter("none", target))
+    generation = GenerationConfig(max_new_tokens=48)
+    for drafter in ("ngram", "moa+ngram"):
+        engine = Engine(target, make_drafter(drafter, target))
+        for name, category_prompt in category_prompts.items():
+            expected = plain.generate(category_prompt, SamplingConfig(), generation).token_ids
+            assert engine.generate(category_prompt, SamplingConfig(), generation).token_ids == expected, (drafter, name)
+    monkeypatch.setenv(VALUE_CACHE_ENV, "q4_0")
+    with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_VALUE_CACHE must be f16 or q8_0, not 'q4_0'"):
+        LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name)
 
 
 def park_four_cells(target, tokens: list[int], logits: list[torch.Tensor]) -> None:
@@ -787,7 +836,7 @@ def test_plain_decoding_measures_no_exact_tree_size_and_small_contexts_are_check
 def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp_path, monkeypatch) -> None:
     """Every process that verified trees on llama.cpp measured the exact tree size again (~6 s:
     4 minutes of the test suite): it is saved, and measured again only for another CPU, GGUF file,
-    thread count or an unreadable record."""
+    thread count, value cache type or an unreadable record."""
     import os
     from types import SimpleNamespace
 
@@ -797,7 +846,9 @@ def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(16))
-    target = SimpleNamespace(name="model.gguf", weights=SimpleNamespace(path=gguf, gpu_layers=0), threads=2)
+    target = SimpleNamespace(
+        name="model.gguf", weights=SimpleNamespace(path=gguf, gpu_layers=0), threads=2, value_cache_name="f16"
+    )
     measured = []
 
     def measure(answer: int):
@@ -809,6 +860,10 @@ def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp
     target.threads = 1
     assert saved_or_measured(target, measure(7)) == 7 and measured == [128, 7]
     target.threads = 2
+    target.value_cache_name = "q8_0"
+    assert saved_or_measured(target, measure(5)) == 5 and measured == [128, 7, 5]
+    target.value_cache_name = "f16"
+    assert saved_or_measured(target, measure(9)) == 128
     os.utime(gguf, ns=(1, 1))  # the file replaced
     assert saved_or_measured(target, measure(3)) == 3
     monkeypatch.setattr(llamacpp_exactness, "cpu_description", lambda: "another CPU [avx2]")
@@ -816,7 +871,7 @@ def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp
     records = (tmp_path / "cache" / "calibration" / "model.gguf").glob("exactness-*.json")
     [record] = [path for path in records if "another CPU" in path.read_text()]
     record.write_text("{not json")
-    assert saved_or_measured(target, measure(2)) == 2 and measured == [128, 7, 3, 1, 2]
+    assert saved_or_measured(target, measure(2)) == 2 and measured == [128, 7, 5, 3, 1, 2]
     assert saved_or_measured(target, measure(5)) == 2
 
 

@@ -51,7 +51,7 @@ def runtime_description(target) -> str:
         import llama_cpp
 
         return (
-            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0/f16 KV flash-attention "
+            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0/{target.value_cache_name} KV flash-attention "
             f"torch {torch.__version__} {target.threads} threads"
         )
     import transformers

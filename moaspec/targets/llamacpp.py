@@ -24,7 +24,13 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   (or both f32). With a q8_0 key cache and an f16 value cache every decode runs the same per-query
   kernel (values accumulated in f16, as llama.cpp's own f16 decoding does; masked cells skipped
   exactly), whatever the batch. An f16 value cache rather than q8_0 saves the per-cell dequantizing:
-  one-token decoding 7-10 % and a 1,000-token prefill 21 % faster (bench/llamacpp_probes.py);
+  one-token decoding 7-10 % and a 1,000-token prefill 21 % faster on the AVX-512 EPYC
+  (bench/llamacpp_probes.py). Not on every CPU: on an Intel Xeon (avx512_fp16, no AMX) the q8_0
+  value cache decodes one token 25 % faster after 300 cells and 42 % after 1,000, and prefills
+  1,000 tokens 42 % faster. `MOASPEC_LLAMA_VALUE_CACHE=q8_0` chooses it (`value_cache_type`); it
+  stays exact (the same per-query kernel) but rounds differently, so plain decoding's tokens are
+  those of the chosen cache. With q8_0 values there is no prompt context (below: its faster kernel
+  needs f16 keys and values), every prompt is decoded in the verified context;
 - that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
   llama.cpp refills freed cells from the lowest one, so a rejected node placed *before* the last
   accepted one is parked (moved to sequence PARKED, never attended) instead of freed. Parked cells
@@ -48,7 +54,7 @@ verified tokens or a tree pass them (`_grow`): its cells move to the larger one 
 sequence state, the same bits in cells 0.. in position order.
 
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) of models without sliding-window layers (whose
-sequence state holds a second cache: Gemma-3) are prefilled in a second context, the prompt
+sequence state holds a second cache: Gemma-3), with the f16 value cache, are prefilled in a second context, the prompt
 context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
 the move costs). Its cells are then moved into the verified context through llama.cpp's
@@ -111,8 +117,22 @@ PROMPT_KEY_CACHE_TYPE = 1  # ggml_type of the prompt context's keys: f16 (module
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
-VALUE_CACHE_TYPE = 1  # ggml_type of the value cache: f16 (differs from the keys': see the module docstring)
+VALUE_CACHE_TYPE = 1  # ggml_type of the value cache by default: f16 (differs from the keys': see the module docstring)
+VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"  # f16 (the default) or q8_0: see the module docstring
+VALUE_CACHE_TYPES = {"f16": 1, "q8_0": 8}  # the value cache types the per-query kernel keeps exact
+GGML_TYPE_NAMES = {0: "f32", 1: "f16", 8: "q8_0"}
 COMPACT_CHUNK = 32  # tokens per decode when re-decoding or appending verified tokens (per-row kernels up to 40 measured)
+
+
+def value_cache_type() -> int:
+    """The value cache's ggml type: VALUE_CACHE_TYPE unless MOASPEC_LLAMA_VALUE_CACHE names one
+    (f16 or q8_0; module docstring). MoaspecError for any other name."""
+    name = os.environ.get(VALUE_CACHE_ENV, "").strip()
+    if not name:
+        return VALUE_CACHE_TYPE
+    if name not in VALUE_CACHE_TYPES:
+        raise MoaspecError(f"{VALUE_CACHE_ENV} must be f16 or q8_0, not {name!r}")
+    return VALUE_CACHE_TYPES[name]
 
 
 class LlamaCppTarget:
@@ -138,6 +158,7 @@ class LlamaCppTarget:
         self.config = config
         self.name = name
         self.threads = threads or min(os.cpu_count() or 1, 8)
+        self.value_cache_type = value_cache_type()  # ggml type of the verified context's values
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
@@ -158,6 +179,17 @@ class LlamaCppTarget:
         self._cancel: threading.Event | None = None  # set within `cancellable`
         self.weight_layout = "row"  # of the torch parts drafters use (nn/fast_linear.py)
         self.reset()
+
+    @property
+    def value_cache_name(self) -> str:
+        """The value cache type's name (f16 or q8_0)."""
+        return GGML_TYPE_NAMES.get(self.value_cache_type, str(self.value_cache_type))
+
+    @property
+    def uses_prompt_context(self) -> bool:
+        """Whether long prompts are prefilled in the prompt context (module docstring): not for
+        sliding-window models, nor with q8_0 values (its faster kernel needs f16 keys and values)."""
+        return not self.weights.sliding_window and self.value_cache_type == VALUE_CACHE_TYPES["f16"]
 
     @property
     def ctx(self):
@@ -199,7 +231,7 @@ class LlamaCppTarget:
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.type_k, params.type_v = key_type, VALUE_CACHE_TYPE
+        params.type_k, params.type_v = key_type, self.value_cache_type
         params.no_perf = True
         if self.capture is not None:
             params.cb_eval = self.capture.callback
@@ -416,7 +448,7 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._check_hidden(hidden_layers)
         self._drop_pending()
-        if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and not self.weights.sliding_window:
+        if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and self.uses_prompt_context:
             return self._prefill_in_prompt_context(ids, hidden_layers)
         keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
         if keep and self.exact_tree_nodes < MAX_TREE_NODES:

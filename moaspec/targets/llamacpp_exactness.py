@@ -70,6 +70,8 @@ def _record_path(target) -> Path:
     key = key_of(
         str(EXACTNESS_VERSION), cpu_description(), f"llama-cpp-python {llama_cpp.__version__}",
         gguf_key(weights.path), f"ngl {weights.gpu_layers}", f"{target.threads} threads",
+        # a q8_0 value cache is another configuration; the default's records keep their keys
+        *([f"values {target.value_cache_name}"] if target.value_cache_name != "f16" else []),
     )
     return cache_root() / "calibration" / target.name / f"exactness-{key}.json"
 
