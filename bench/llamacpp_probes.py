@@ -206,17 +206,18 @@ def main() -> int:
     weights = target.weights
     def runtime_target(type_k: int, type_v: int):
         def make():
-            saved = llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE  # the runtime's, swapped for the probe
-            llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE = type_k, type_v
+            saved = llamacpp.KEY_CACHE_TYPE  # the runtime's, swapped for the probe
+            llamacpp.KEY_CACHE_TYPE = type_k
             try:
-                made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name)
+                made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name, value_cache=type_v)
             finally:
-                llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE = saved
+                llamacpp.KEY_CACHE_TYPE = saved
             weights.exact_nodes = llamacpp.MAX_TREE_NODES  # measure, do not refuse
             return made
         return make
 
-    runtime_kv = (llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE)
+    runtime_kv = (llamacpp.KEY_CACHE_TYPE, target.value_cache_type)  # this machine's choice (llamacpp_value_cache.py)
+    runtime_values = target.value_cache_name
     result = {"command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads()}
     if "1" in wanted:
         prompts = [
@@ -225,12 +226,12 @@ def main() -> int:
             for item in items
         ]
         exactness = {name: tree_exactness(runtime_target(*kinds), prompts, args.new_tokens) for name, kinds in
-                     (("f16 KV", (1, 1)), ("q8_0 keys, f16 values (the runtime's)", runtime_kv))}
+                     (("f16 KV", (1, 1)), (f"q8_0 keys, {runtime_values} values (the runtime's)", runtime_kv))}
         print(f"1. prompts diverging out of {len(prompts)}: {exactness}", file=sys.stderr)
         result |= {"tree_exactness_prompts_diverged": exactness, "num_prompts": len(prompts), "new_tokens": args.new_tokens}
 
     if wanted & {"2", "3"}:
-        kv_types = KV_TYPES | {"q8_0/f16 (the runtime's)": runtime_kv} if "2" in wanted else {}
+        kv_types = KV_TYPES | {f"q8_0/{runtime_values} (the runtime's)": runtime_kv} if "2" in wanted else {}
         captures = {f"{n} layers": CapturedKV(weights.lib, range(30 - n, 30), 3, 64) for n in (4, 30)} if "3" in wanted else {}
         decode = {f"{name} after {n}": [] for name in kv_types for n in (300, 1000)}
         decode |= {f"capture {c}": [] for c in captures}
@@ -263,7 +264,8 @@ def main() -> int:
         result["layer_kv_relative_error"] = relative
 
     if "5" in wanted:
-        rounds = [moved_prefill(weights, runtime_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
+        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, 1)  # f16 values: only they have the prompt context
+        rounds = [moved_prefill(weights, prompt_path_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
         moved = {key: round(statistics.median(r[i] for r in rounds), 1)
                  for i, key in enumerate(("f32_f16_prefill_ms", "move_ms", "runtime_prefill_ms"))}
         moved["next_token_max_logit_difference"] = round(max(r[3] for r in rounds), 3)

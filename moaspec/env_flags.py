@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 OFF_VALUES = ("", "0", "false", "no", "off")
+NO_CALIBRATION_ENV = "MOASPEC_NO_CALIBRATION"  # the machine calibration (calibration/plan.py) off
 
 
 def env_flag(name: str) -> bool:

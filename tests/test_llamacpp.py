@@ -25,10 +25,9 @@ from moaspec.targets.llamacpp import (
     MAX_TREE_NODES,
     PROMPT_CHUNK,
     PROMPT_CONTEXT_MIN_TOKENS,
-    VALUE_CACHE_ENV,
-    VALUE_CACHE_TYPES,
     LlamaCppTarget,
 )
+from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV, VALUE_CACHE_TYPES
 from moaspec.tree import DraftTree, ancestor_mask, depths, leaf_groups
 from moaspec.verify import verify_greedy
 
@@ -62,7 +61,9 @@ def test_a_chain_is_sequence_zero_alone() -> None:
 def llama_target():
     from moaspec.api import load_target
 
-    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    target = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    assert target.value_cache_name == "f16"  # the calibration is off in tests: chosen now, not by a test's variable
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,9 @@ def test_a_q8_0_value_cache_stays_exact_and_decodes_every_prompt_in_the_verified
     )
     require_exact_trees(target)
     assert target.value_cache_name == "q8_0" and not target.uses_prompt_context
-    assert "q8_0/q8_0 KV" in runtime_description(target) and "q8_0/f16 KV" in runtime_description(llama_target)
+    f16_values = LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name,
+                                value_cache=VALUE_CACHE_TYPES["f16"])
+    assert "q8_0/q8_0 KV" in runtime_description(target) and "q8_0/f16 KV" in runtime_description(f16_values)
     prompt = category_prompts["qa"][:400]
     assert len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS  # would go through the prompt context with f16 values
     tokens, logits = plain_decode(target, prompt, 40)
@@ -207,6 +210,42 @@ def test_a_q8_0_value_cache_stays_exact_and_decodes_every_prompt_in_the_verified
     monkeypatch.setenv(VALUE_CACHE_ENV, "q4_0")
     with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_VALUE_CACHE must be f16 or q8_0, not 'q4_0'"):
         LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name)
+
+
+def test_the_value_cache_is_measured_once_per_machine_where_the_calibration_is_on(
+    llama_target, tmp_path, monkeypatch
+) -> None:
+    """With the calibration on, the first context a target needs is preceded by timing both value
+    caches; the answer is saved and read by later targets. The variable fixes it; the calibration
+    off means f16 unmeasured. The measurement's contexts carry no capture callback."""
+    from moaspec.targets import llamacpp_value_cache
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    monkeypatch.delenv(VALUE_CACHE_ENV, raising=False)
+
+    def new_target():
+        return LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, threads=2)
+
+    measured = []
+    measure = llamacpp_value_cache.measure_value_cache_type
+    monkeypatch.setattr(llamacpp_value_cache, "measure_value_cache_type", lambda target: measured.append(1) or measure(target))
+    first = new_target()
+    first.keep_layer_kv(range(26, 30))  # a capture set: the measurement must not feed it
+    first.set_context(torch.tensor([1, 2, 3]))
+    assert len(measured) == 1 and first.value_cache_type in VALUE_CACHE_TYPES.values()
+    assert first._kv.valid == 3
+    [record] = (tmp_path / "cache" / "calibration" / llama_target.name).glob("value-cache-*.json")
+    assert json.loads(record.read_text())["value_cache_type"] == first.value_cache_type
+    second = new_target()
+    assert second.value_cache_type == first.value_cache_type and len(measured) == 1  # read, not measured
+    monkeypatch.setenv(VALUE_CACHE_ENV, "q8_0" if first.value_cache_name == "f16" else "f16")
+    assert new_target().value_cache_name != first.value_cache_name and len(measured) == 1
+    monkeypatch.delenv(VALUE_CACHE_ENV)
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
+    assert new_target().value_cache_name == "f16" and len(measured) == 1
+    assert llamacpp_value_cache.faster_value_cache(10.0, 8.9) == VALUE_CACHE_TYPES["q8_0"]
+    assert llamacpp_value_cache.faster_value_cache(10.0, 9.5) == VALUE_CACHE_TYPES["f16"]  # within the margin
 
 
 def park_four_cells(target, tokens: list[int], logits: list[torch.Tensor]) -> None:

@@ -46,7 +46,7 @@ from moaspec.calibration.predict import (
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
 from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
 from moaspec.drafters.lookup_gate import LookupGate
-from moaspec.env_flags import env_flag
+from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from moaspec.drafters.ngram import NgramConfig
     from moaspec.targets.base import Target
 
-DISABLE_ENV = "MOASPEC_NO_CALIBRATION"
+DISABLE_ENV = NO_CALIBRATION_ENV
 DEFAULT = "default"
 # the verify record's field on llama.cpp: the exact tree size its costs were measured within (the
 # size itself is saved by llamacpp_exactness.py; costs measured for another size, or recorded

@@ -27,8 +27,9 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   one-token decoding 7-10 % and a 1,000-token prefill 21 % faster on the AVX-512 EPYC
   (bench/llamacpp_probes.py). Not on every CPU: on an Intel Xeon (avx512_fp16, no AMX) the q8_0
   value cache decodes one token 25 % faster after 300 cells and 42 % after 1,000, and prefills
-  1,000 tokens 42 % faster. `MOASPEC_LLAMA_VALUE_CACHE=q8_0` chooses it (`value_cache_type`); it
-  stays exact (the same per-query kernel) but rounds differently, so plain decoding's tokens are
+  1,000 tokens 42 % faster. So the value cache is chosen per machine (llamacpp_value_cache.py:
+  measured once where the calibration is on, or fixed by MOASPEC_LLAMA_VALUE_CACHE=f16|q8_0); both
+  stay exact (the same per-query kernel) but round differently, so plain decoding's tokens are
   those of the chosen cache. With q8_0 values there is no prompt context (below: its faster kernel
   needs f16 keys and values), every prompt is decoded in the verified context;
 - that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
@@ -77,7 +78,8 @@ are refused with a clear error.
 
 Beside this module: llamacpp_model.py (the bindings and the GGUF's weights), llamacpp_exactness.py
 (the per-machine measure of how large a tree stays exact), llamacpp_cells.py (moving a prompt's cells),
-llamacpp_features.py (the eval callback's keys/values, and the rows kept of verified positions).
+llamacpp_features.py (the eval callback's keys/values, and the rows kept of verified positions),
+llamacpp_value_cache.py (the per-machine choice of the value cache).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ from moaspec.targets.llamacpp_cells import SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
+from moaspec.targets.llamacpp_value_cache import fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # positions the verified context holds at most (q8_0 keys + f16 values: ~17 KB a cell on SmolLM2-135M)
@@ -117,22 +120,8 @@ PROMPT_KEY_CACHE_TYPE = 1  # ggml_type of the prompt context's keys: f16 (module
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
-VALUE_CACHE_TYPE = 1  # ggml_type of the value cache by default: f16 (differs from the keys': see the module docstring)
-VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"  # f16 (the default) or q8_0: see the module docstring
-VALUE_CACHE_TYPES = {"f16": 1, "q8_0": 8}  # the value cache types the per-query kernel keeps exact
 GGML_TYPE_NAMES = {0: "f32", 1: "f16", 8: "q8_0"}
 COMPACT_CHUNK = 32  # tokens per decode when re-decoding or appending verified tokens (per-row kernels up to 40 measured)
-
-
-def value_cache_type() -> int:
-    """The value cache's ggml type: VALUE_CACHE_TYPE unless MOASPEC_LLAMA_VALUE_CACHE names one
-    (f16 or q8_0; module docstring). MoaspecError for any other name."""
-    name = os.environ.get(VALUE_CACHE_ENV, "").strip()
-    if not name:
-        return VALUE_CACHE_TYPE
-    if name not in VALUE_CACHE_TYPES:
-        raise MoaspecError(f"{VALUE_CACHE_ENV} must be f16 or q8_0, not {name!r}")
-    return VALUE_CACHE_TYPES[name]
 
 
 class LlamaCppTarget:
@@ -152,13 +141,15 @@ class LlamaCppTarget:
         threads: int | None = None,
         parts_loader=None,
         parts: dict[int, TargetParts] | None = None,
+        value_cache: int | None = None,
     ) -> None:
         self.weights = model
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
         self.threads = threads or min(os.cpu_count() or 1, 8)
-        self.value_cache_type = value_cache_type()  # ggml type of the verified context's values
+        # a ggml type, fixed here (a bad MOASPEC_LLAMA_VALUE_CACHE fails now) or measured on first need
+        self._value_cache_type = value_cache if value_cache is not None else fixed_value_cache_type()
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
@@ -181,6 +172,14 @@ class LlamaCppTarget:
         self.reset()
 
     @property
+    def value_cache_type(self) -> int:
+        """The ggml type of the verified context's values, chosen on first need
+        (llamacpp_value_cache.py: MOASPEC_LLAMA_VALUE_CACHE, else measured once per machine)."""
+        if self._value_cache_type is None:
+            self._value_cache_type = value_cache_type(self)
+        return self._value_cache_type
+
+    @property
     def value_cache_name(self) -> str:
         """The value cache type's name (f16 or q8_0)."""
         return GGML_TYPE_NAMES.get(self.value_cache_type, str(self.value_cache_type))
@@ -189,7 +188,7 @@ class LlamaCppTarget:
     def uses_prompt_context(self) -> bool:
         """Whether long prompts are prefilled in the prompt context (module docstring): not for
         sliding-window models, nor with q8_0 values (its faster kernel needs f16 keys and values)."""
-        return not self.weights.sliding_window and self.value_cache_type == VALUE_CACHE_TYPES["f16"]
+        return not self.weights.sliding_window and self.value_cache_name == "f16"
 
     @property
     def ctx(self):
@@ -220,9 +219,18 @@ class LlamaCppTarget:
             self._free_llama_context(self._ctx)
             self._ctx = self._memory = None
 
-    def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int):
+    def new_measuring_context(self, cells: int, value_type: int):
+        """A one-sequence context with q8_0 keys and `value_type` values and no eval callback, for
+        a measurement (llamacpp_value_cache.py); free it with free_measuring_context."""
+        return self._new_llama_context(cells, KEY_CACHE_TYPE, 1, MAX_BATCH, value_type=value_type)
+
+    def free_measuring_context(self, ctx) -> None:
+        self._free_llama_context(ctx)
+
+    def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int, value_type: int | None = None):
         """A flash-attention llama_context on the weights, decoding up to `batch` tokens at once
-        (its compute buffers are sized by it), with the eval callback when keys/values are captured."""
+        (its compute buffers are sized by it), with the eval callback when keys/values are captured;
+        `value_type` given: those values and no callback (a measurement's context)."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = cells
@@ -231,9 +239,9 @@ class LlamaCppTarget:
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.type_k, params.type_v = key_type, self.value_cache_type
+        params.type_k, params.type_v = key_type, self.value_cache_type if value_type is None else value_type
         params.no_perf = True
-        if self.capture is not None:
+        if self.capture is not None and value_type is None:
             params.cb_eval = self.capture.callback
         ctx = None
         try:

@@ -33,47 +33,57 @@ DECOYS = ((1, 1), (8, 1), (8, 2))
 
 
 def saved_or_measured(target, measure: Callable[[], int]) -> int:
-    """The exact tree size saved for `target` (a LlamaCppTarget: its name, `weights` and
-    `threads`) on this machine, else `measure()`'s answer, saved (a cache that cannot be written
-    costs a measurement next time, not an error)."""
-    path = _record_path(target)
-    saved = _read_saved(path)
-    if saved is not None:
-        return saved
-    exact = measure()
-    record = {"cpu": cpu_description(), "target": target.name, "threads": target.threads, "exact_tree_nodes": exact}
-    try:
-        write_file_atomically(path, json.dumps(record, indent=1) + "\n")
-    except OSError:
-        pass
-    return exact
+    """The exact tree size saved for `target` (a LlamaCppTarget: its name, `weights`, `threads`
+    and value cache) on this machine, else `measure()`'s answer, saved."""
+    return saved_or_measured_record(_record_path(target), "exact_tree_nodes", target, measure)
 
 
 def saved_exact_tree_nodes(target) -> int | None:
     """The exact tree size saved for `target` on this machine, None where none is (or the
     record is unreadable)."""
-    return _read_saved(_record_path(target))
+    return _read_saved(_record_path(target), "exact_tree_nodes")
 
 
-def _read_saved(path: Path) -> int | None:
+def saved_or_measured_record(path: Path, field: str, target, measure: Callable[[], int]) -> int:
+    """The positive int `field` of the record at `path`, else `measure()`'s answer, saved there
+    (a cache that cannot be written costs a measurement next time, not an error)."""
+    saved = _read_saved(path, field)
+    if saved is not None:
+        return saved
+    answer = measure()
+    record = {"cpu": cpu_description(), "target": target.name, "threads": target.threads, field: answer}
     try:
-        saved = json.loads(path.read_text()).get("exact_tree_nodes")
+        write_file_atomically(path, json.dumps(record, indent=1) + "\n")
+    except OSError:
+        pass
+    return answer
+
+
+def _read_saved(path: Path, field: str) -> int | None:
+    try:
+        saved = json.loads(path.read_text()).get(field)
     except (OSError, ValueError, AttributeError):
         return None
     return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
 
 
-def _record_path(target) -> Path:
+def machine_record_path(target, kind: str, *parts: str) -> Path:
+    """`<cache root>/calibration/<target>/<kind>-<key>.json`, the key naming this CPU, llama.cpp's
+    build, the GGUF file, the layers offloaded, the thread count and `parts`."""
     import llama_cpp
 
     weights = target.weights
     key = key_of(
-        str(EXACTNESS_VERSION), cpu_description(), f"llama-cpp-python {llama_cpp.__version__}",
+        *parts, cpu_description(), f"llama-cpp-python {llama_cpp.__version__}",
         gguf_key(weights.path), f"ngl {weights.gpu_layers}", f"{target.threads} threads",
-        # a q8_0 value cache is another configuration; the default's records keep their keys
-        *([f"values {target.value_cache_name}"] if target.value_cache_name != "f16" else []),
     )
-    return cache_root() / "calibration" / target.name / f"exactness-{key}.json"
+    return cache_root() / "calibration" / target.name / f"{kind}-{key}.json"
+
+
+def _record_path(target) -> Path:
+    # a q8_0 value cache is another configuration; the default's records keep their keys
+    values = [f"values {target.value_cache_name}"] if target.value_cache_name != "f16" else []
+    return machine_record_path(target, "exactness", str(EXACTNESS_VERSION), *values)
 
 
 @torch.inference_mode()
