@@ -239,6 +239,11 @@ def test_the_value_cache_is_measured_once_per_machine_where_the_calibration_is_o
     assert json.loads(record.read_text())["value_cache_type"] == first.value_cache_type
     second = new_target()
     assert second.value_cache_type == first.value_cache_type and len(measured) == 1  # read, not measured
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")  # f16 for a target of its own, yet a session decodes as its parent
+    parent = LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name,
+                            value_cache=VALUE_CACHE_TYPES["q8_0"])
+    assert parent.new_session().value_cache_name == "q8_0"
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION")
     monkeypatch.setenv(VALUE_CACHE_ENV, "q8_0" if first.value_cache_name == "f16" else "f16")
     assert new_target().value_cache_name != first.value_cache_name and len(measured) == 1
     monkeypatch.delenv(VALUE_CACHE_ENV)

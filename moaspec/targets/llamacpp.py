@@ -419,6 +419,7 @@ class LlamaCppTarget:
         other = LlamaCppTarget(
             self.weights, self.tokenizer, self.config, self.name,
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
+            value_cache=self.value_cache_type,  # the same tokens as this one's
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)
