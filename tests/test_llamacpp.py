@@ -252,6 +252,13 @@ def test_the_value_cache_is_measured_once_per_machine_where_the_calibration_is_o
     assert llamacpp_value_cache.faster_value_cache(10.0, 8.9) == VALUE_CACHE_TYPES["q8_0"]
     assert llamacpp_value_cache.faster_value_cache(10.0, 9.5) == VALUE_CACHE_TYPES["f16"]  # within the margin
 
+    def no_context(cells, value_type):
+        raise MoaspecError("llama.cpp cannot create a context")
+
+    untimeable = new_target()
+    monkeypatch.setattr(untimeable, "new_measuring_context", no_context)
+    assert measure(untimeable) == VALUE_CACHE_TYPES["f16"]  # the default where it cannot be timed
+
 
 def park_four_cells(target, tokens: list[int], logits: list[torch.Tensor]) -> None:
     """Commit tokens[0..7] (plain decoding's, after the prefilled prompt) in four trees, each with

@@ -5,8 +5,10 @@ verifies trees needs it, and measuring takes ~6 s.
 
 The answer is saved as `<cache root>/calibration/<target name>/exactness-<key>.json` (cache root
 as in model_store.py); a change of the CPU, llama-cpp-python's version, the GGUF file (path, size,
-modification time), the layers offloaded to a GPU, the thread count or the check itself
-(EXACTNESS_VERSION) is a new key, hence a new measurement. An unreadable record is measured again.
+modification time), the layers offloaded to a GPU, the thread count, a q8_0 value cache
+(llamacpp_value_cache.py) or the check itself (EXACTNESS_VERSION) is a new key, hence a new
+measurement. An unreadable record is measured again. The value cache's own choice is saved the
+same way (`saved_or_measured_record`, `machine_record_path`).
 """
 
 from __future__ import annotations

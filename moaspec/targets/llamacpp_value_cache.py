@@ -4,10 +4,10 @@ Both keep tree verification exact (llamacpp.py's module docstring: one per-query
 with q8_0 keys, whatever the batch); which decodes faster depends on the CPU. On the AVX-512 EPYC
 an f16 value cache decodes one token 7-10 % faster than q8_0; on an Intel Xeon with avx512_fp16
 q8_0 values are 25-42 % faster (README, *Target runtimes*). So where the machine calibration is on,
-the first context the target needs on a machine is preceded by a measurement (~3 s): one-token
-decoding after MEASURE_CONTEXT tokens with each value cache (raw llama_decode loops, the two
-interleaved over MEASURE_ROUNDS rounds, medians), q8_0 kept only where it is faster by the
-margin Q8_0_MARGIN. The answer is saved per machine, llama.cpp build, GGUF file, offloaded layers
+the first context the target needs on a machine is preceded by a measurement (~3 s on 2 cores):
+one-token decoding after MEASURE_CONTEXT tokens with each value cache (raw llama_decode loops in two
+contexts prefilled once, taking turns over MEASURE_ROUNDS rounds, medians), q8_0 kept only where
+it is faster by the margin Q8_0_MARGIN. The answer is saved per machine, llama.cpp build, GGUF file, offloaded layers
 and thread count, as the exact tree size is (llamacpp_exactness.py), so every later process on the
 machine decodes with the same cache, hence the same tokens.
 
@@ -32,10 +32,10 @@ VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"
 VALUE_CACHE_TYPES = {"f16": 1, "q8_0": 8}  # ggml types: the value caches the per-query kernel keeps exact
 DEFAULT_VALUE_CACHE = "f16"
 MEASURE_VERSION = 1
-MEASURE_CONTEXT = 300  # tokens before the timed decodes
+MEASURE_CONTEXT = 256  # tokens before the timed decodes
 MEASURE_STEPS = 12  # one-token decodes timed per round and cache
 MEASURE_ROUNDS = 3
-MEASURE_CELLS = 1024  # the measuring contexts' cells (llama.cpp rounds a context's size to 256 cells)
+MEASURE_CELLS = 512  # the measuring contexts' cells: the context and every round's tokens
 Q8_0_MARGIN = 0.9  # q8_0 values only where one token costs at most this much of f16's
 
 
@@ -67,35 +67,38 @@ def faster_value_cache(f16_s: float, q8_0_s: float) -> int:
 
 @torch.inference_mode()
 def measure_value_cache_type(target) -> int:
-    """Time one-token decoding with each value cache in contexts of the target's own (module
-    docstring) and return the faster's ggml type."""
+    """Time one-token decoding with each value cache, in two contexts of the target's own
+    prefilled once with the same MEASURE_CONTEXT tokens and then decoding in turns (module
+    docstring); -> the faster's ggml type."""
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (MEASURE_CONTEXT,), generator=generator).tolist()
-    seconds: dict[int, list[float]] = {kind: [] for kind in VALUE_CACHE_TYPES.values()}
-    for _ in range(MEASURE_ROUNDS):
-        for kind in seconds:
-            seconds[kind].append(_one_token_s(target, kind, context))
-    return faster_value_cache(*(statistics.median(seconds[VALUE_CACHE_TYPES[name]]) for name in ("f16", "q8_0")))
+    contexts = {}
+    try:
+        for kind in VALUE_CACHE_TYPES.values():
+            contexts[kind] = target.new_measuring_context(MEASURE_CELLS, kind)
+        last = {kind: _decode(target, ctx, context) for kind, ctx in contexts.items()}
+        seconds: dict[int, list[float]] = {kind: [] for kind in contexts}
+        for _ in range(MEASURE_ROUNDS):
+            for kind, ctx in contexts.items():
+                started = time.perf_counter()
+                for _ in range(MEASURE_STEPS):
+                    last[kind] = _decode(target, ctx, [last[kind]])
+                seconds[kind].append((time.perf_counter() - started) / MEASURE_STEPS)
+    except MoaspecError:  # a model llama.cpp cannot time this way (too short a context): the default
+        return VALUE_CACHE_TYPES[DEFAULT_VALUE_CACHE]
+    finally:
+        for ctx in contexts.values():
+            target.free_measuring_context(ctx)
+    f16, q8_0 = (statistics.median(seconds[VALUE_CACHE_TYPES[name]]) for name in ("f16", "q8_0"))
+    return faster_value_cache(f16, q8_0)
 
 
-def _one_token_s(target, value_type: int, context: list[int]) -> float:
-    """Mean seconds of one-token llama_decode after prefilling `context`, in a fresh context with
-    q8_0 keys and `value_type` values (no eval callback)."""
+def _decode(target, ctx, tokens: list[int]) -> int:
+    """llama_decode `tokens` in `ctx`; -> the greedy next token."""
     import numpy as np
 
     lib = target.lib
-    ctx = target.new_measuring_context(MEASURE_CELLS, value_type)
-    try:
-        tokens = (lib.llama_token * len(context))(*context)  # held: the batch only points at it
-        if lib.llama_decode(ctx, lib.llama_batch_get_one(tokens, len(context))):
-            raise MoaspecError("llama.cpp could not decode the value cache measurement's context")
-        token, started = context[-1], time.perf_counter()
-        for _ in range(MEASURE_STEPS):
-            one = (lib.llama_token * 1)(token)
-            if lib.llama_decode(ctx, lib.llama_batch_get_one(one, 1)):
-                raise MoaspecError("llama.cpp could not decode the value cache measurement's tokens")
-            logits = np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(target.vocab_size,))
-            token = int(logits.argmax())
-        return (time.perf_counter() - started) / MEASURE_STEPS
-    finally:
-        target.free_measuring_context(ctx)
+    batch = (lib.llama_token * len(tokens))(*tokens)  # held: the batch only points at it
+    if lib.llama_decode(ctx, lib.llama_batch_get_one(batch, len(tokens))):
+        raise MoaspecError("llama.cpp could not decode the value cache measurement's tokens")
+    return int(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, -1), shape=(target.vocab_size,)).argmax())
