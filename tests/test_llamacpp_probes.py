@@ -12,12 +12,13 @@ from conftest import load_bench_script
 def test_moved_cells_continue_like_a_direct_prefill() -> None:
     from moaspec.api import load_target
     from moaspec.targets import llamacpp
+    from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_TYPES
 
     probes = load_bench_script("llamacpp_probes")
     target = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
     tokens = (probes.CONTEXT * 10)[:120]
     wide_ms, move_ms, direct_ms, difference = probes.moved_prefill(
-        target.weights, (llamacpp.KEY_CACHE_TYPE, llamacpp.VALUE_CACHE_TYPE), tokens
+        target.weights, (llamacpp.KEY_CACHE_TYPE, VALUE_CACHE_TYPES["f16"]), tokens  # the prompt context's values
     )
     assert min(wide_ms, move_ms, direct_ms) > 0
     assert difference < 2.0  # other numerics (f32 keys while prefilling), the same model
