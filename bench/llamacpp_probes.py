@@ -1,7 +1,7 @@
 """The measurements behind the README's *Target runtimes* section, in one run on an idle machine:
 
 1. exactness of tree verification with llama.cpp's default f16 KV cache against the runtime's
-   (q8_0 keys, f16 values): greedy decoding through random trees that hold the true continuation,
+   (q8_0 keys, this machine's value cache: llamacpp_value_cache.py): greedy decoding through random trees that hold the true continuation,
    against one-token decoding, over bench prompts (prompts whose outputs diverge);
 2. one-token decode cost and prefill cost by key/value cache types (raw llama_decode loops,
    types interleaved);
@@ -38,6 +38,7 @@ import torch
 from moaspec.bench.output import write_json
 from moaspec.bench.script_args import help_description, output_file, positive_int, run_script
 from moaspec.targets.llamacpp import MAX_BATCH
+from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_TYPES
 
 PROBE_CELLS = 4096  # each probe context's cells: its longest decode
 # ggml types: 0 f32, 1 f16, 8 q8_0. Only a quantized key cache keeps the per-query kernel (exact
@@ -264,7 +265,7 @@ def main() -> int:
         result["layer_kv_relative_error"] = relative
 
     if "5" in wanted:
-        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, 1)  # f16 values: only they have the prompt context
+        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, VALUE_CACHE_TYPES["f16"])  # only f16 values have the prompt context
         rounds = [moved_prefill(weights, prompt_path_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
         moved = {key: round(statistics.median(r[i] for r in rounds), 1)
                  for i, key in enumerate(("f32_f16_prefill_ms", "move_ms", "runtime_prefill_ms"))}
