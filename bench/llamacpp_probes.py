@@ -1,8 +1,9 @@
 """The measurements behind the README's *Target runtimes* section, in one run on an idle machine:
 
 1. exactness of tree verification with llama.cpp's default f16 KV cache against the runtime's
-   (q8_0 keys, this machine's value cache: llamacpp_value_cache.py): greedy decoding through random trees that hold the true continuation,
-   against one-token decoding, over bench prompts (prompts whose outputs diverge);
+   (q8_0 keys, this machine's value cache: llamacpp_value_cache.py): greedy decoding through random
+   trees that hold the true continuation, against one-token decoding, over bench prompts (prompts
+   whose outputs diverge);
 2. one-token decode cost and prefill cost by key/value cache types (raw llama_decode loops,
    types interleaved);
 3. the cost of capturing keys/values through the eval callback (0, 4 or 30 layers);

@@ -225,6 +225,7 @@ class LlamaCppTarget:
         return self._new_llama_context(cells, KEY_CACHE_TYPE, 1, MAX_BATCH, value_type=value_type)
 
     def free_measuring_context(self, ctx) -> None:
+        """Free a context new_measuring_context made."""
         self._free_llama_context(ctx)
 
     def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int, value_type: int | None = None):

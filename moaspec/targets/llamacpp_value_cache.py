@@ -22,6 +22,7 @@ import os
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
@@ -95,8 +96,6 @@ def measure_value_cache_type(target) -> int:
 
 def _decode(target, ctx, tokens: list[int]) -> int:
     """llama_decode `tokens` in `ctx`; -> the greedy next token."""
-    import numpy as np
-
     lib = target.lib
     batch = (lib.llama_token * len(tokens))(*tokens)  # held: the batch only points at it
     if lib.llama_decode(ctx, lib.llama_batch_get_one(batch, len(tokens))):
