@@ -148,7 +148,7 @@ def moved_prefill(weights, runtime_kv: tuple[int, int], tokens: list[int]) -> tu
         size = lib.llama_state_seq_get_size(wide, 0)
         state = (ctypes.c_uint8 * size)()
         lib.llama_state_seq_get_data(wide, state, size, 0)
-        blob = SequenceState.parse(memoryview(state)).with_q8_0_keys(head_dim).to_buffer()
+        blob = SequenceState.parse(memoryview(state)).to_q8_0(head_dim).to_buffer()
         if lib.llama_state_seq_set_data(moved, (ctypes.c_uint8 * len(blob)).from_buffer(blob), len(blob), 0) != len(blob):
             raise RuntimeError("llama.cpp refused the moved cells")
         move_ms = (time.perf_counter() - started) * 1000

@@ -163,13 +163,16 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(
     assert (target.compactions > 0) == (cells < 8192)
 
 
-def test_a_q8_0_value_cache_stays_exact_and_decodes_every_prompt_in_the_verified_context(
+def test_a_q8_0_value_cache_stays_exact_and_takes_long_prompts_from_the_prompt_context(
     llama_target, category_prompts, monkeypatch
 ) -> None:
     """MOASPEC_LLAMA_VALUE_CACHE=q8_0 (faster where f16 values cost much: module docstring): the
-    verified context holds q8_0 values, a long prompt is decoded there (no prompt context), the
-    accepted nodes of random trees have one-token decoding's logits bit for bit, greedy output with
-    drafters equals plain decoding in every category, and the calibration keys it apart."""
+    verified context holds q8_0 values, a long prompt is prefilled in the prompt context and moved
+    in with its values rotated and quantized as llama.cpp's q8_0 value cache holds them (decoding
+    after it stays close to the per-query prefill's), the accepted nodes of random trees have
+    one-token decoding's logits bit for bit, greedy output with drafters equals plain decoding in
+    every category, and the calibration keys it apart."""
+    import moaspec.targets.llamacpp as llamacpp
     from moaspec.calibration.machine import runtime_description
     from moaspec.targets.llamacpp_cells import SequenceState
 
@@ -179,16 +182,24 @@ def test_a_q8_0_value_cache_stays_exact_and_decodes_every_prompt_in_the_verified
         parts_loader=llama_target._parts_loader, parts=llama_target._parts,  # as new_session() passes them
     )
     require_exact_trees(target)
-    assert target.value_cache_name == "q8_0" and not target.uses_prompt_context
+    assert target.value_cache_name == "q8_0" and target.uses_prompt_context
     f16_values = LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name,
                                 value_cache=VALUE_CACHE_TYPES["f16"])
     assert "q8_0/q8_0 KV" in runtime_description(target) and "q8_0/f16 KV" in runtime_description(f16_values)
     prompt = category_prompts["qa"][:400]
-    assert len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS  # would go through the prompt context with f16 values
+    assert len(prompt) >= PROMPT_CONTEXT_MIN_TOKENS
     tokens, logits = plain_decode(target, prompt, 40)
-    assert target._prompt_ctx is None
+    assert target._prompt_ctx is not None and target._moved == len(prompt)
     state = SequenceState.parse(memoryview(target._sequence_state(target.ctx)))
     assert {kind for kind, _ in state.values} == {VALUE_CACHE_TYPES["q8_0"]}
+    with monkeypatch.context() as patch:
+        patch.setattr(llamacpp, "PROMPT_CONTEXT_MIN_TOKENS", len(prompt) + 1)
+        per_query = target.new_session()
+        _, per_query_logits = plain_decode(per_query, prompt, 9)
+    assert per_query._prompt_ctx is None
+    # both valid numerics (f16 / f16 tiled vs per-query q8_0): within 0.8 on this target; values
+    # moved without their rotation put the logits 18-33 apart
+    assert max(float((a - b).abs().max()) for a, b in zip(logits[1:9], per_query_logits[1:])) < 3.0
     target.reset()
     target.prefill(torch.tensor(prompt))
     generator, done = random.Random(8), 0

@@ -1,5 +1,5 @@
 """Moving cells between llama.cpp contexts (moaspec/targets/llamacpp_cells.py): the rotation and
-quantization llama.cpp's q8_0 key cache expects, and the sequence-state layout."""
+quantization llama.cpp's q8_0 key and value caches expect, and the sequence-state layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moaspec.errors import MoaspecError
-from moaspec.targets.llamacpp_cells import SequenceState, hadamard, key_rotation_size, quantize_q8_0
+from moaspec.targets.llamacpp_cells import SequenceState, hadamard, quantize_q8_0, rotation_size
 
 
 def test_the_hadamard_matrix_is_orthonormal_symmetric_and_sylvester_ordered() -> None:
@@ -22,12 +22,12 @@ def test_the_hadamard_matrix_is_orthonormal_symmetric_and_sylvester_ordered() ->
 
 
 @pytest.mark.parametrize(("head_dim", "size"), [(64, 64), (128, 128), (256, 256), (192, 64), (80, 0), (32, 0)])
-def test_key_rotation_follows_llama_cpp(head_dim: int, size: int, monkeypatch) -> None:
+def test_the_rotation_size_follows_llama_cpp(head_dim: int, size: int, monkeypatch) -> None:
     monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
-    assert key_rotation_size(head_dim) == size
+    assert rotation_size(head_dim) == size
     for setting, rotated in (("1", False), (" 2x", False), ("0", True), ("off", True)):  # C's atoi
         monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", setting)
-        assert key_rotation_size(head_dim) == (size if rotated else 0)
+        assert rotation_size(head_dim) == (size if rotated else 0)
 
 
 def test_q8_0_quantization_equals_llama_cpps_own() -> None:
@@ -79,15 +79,28 @@ def _state_prefix(blob: bytes, cells: int, count: int) -> bytes:
                      *[np.int32(k).tobytes() + np.uint64(r.shape[1]).tobytes() + r[:count].tobytes() for k, r in (*state.keys, *state.values)]])
 
 
+def _rotated_q8_0(rows: np.ndarray, dtype, cells: int = 4) -> np.ndarray:
+    floats = rows.view(dtype).astype(np.float32)
+    return quantize_q8_0((floats.reshape(cells, 2, 64) @ hadamard(64).T).reshape(cells, 128))
+
+
 @pytest.mark.parametrize(("key_type", "dtype"), [(0, np.float32), (1, np.float16)])
 def test_moved_keys_are_rotated_then_quantized_and_values_kept(key_type: int, dtype) -> None:
     state = SequenceState.parse(_state(4, width=128, key_type=key_type))
-    moved = state.with_q8_0_keys(head_dim=64)
-    keys = state.keys[0][1].view(dtype).astype(np.float32)
-    rotated = (keys.reshape(4, 2, 64) @ hadamard(64).T).reshape(4, 128)
-    assert moved.keys[0][0] == 8 and np.array_equal(moved.keys[0][1], quantize_q8_0(rotated))
+    moved = state.to_q8_0(head_dim=64)
+    assert moved.keys[0][0] == 8 and np.array_equal(moved.keys[0][1], _rotated_q8_0(state.keys[0][1], dtype))
     assert all(np.array_equal(a[1], b[1]) for a, b in zip(moved.values, state.values))
     assert SequenceState.parse(moved.to_buffer()).keys[1][1].shape == (4, 4 * 34)
+
+
+def test_moved_values_for_a_q8_0_value_cache_are_rotated_then_quantized_too() -> None:
+    state = SequenceState.parse(_state(4, width=128, key_type=1))
+    moved = state.to_q8_0(head_dim=64, values=True)
+    for (kind, rows), (_, before) in zip(moved.values, state.values):
+        assert kind == 8 and np.array_equal(rows, _rotated_q8_0(before, np.float16))
+    assert np.array_equal(moved.keys[1][1], state.to_q8_0(head_dim=64).keys[1][1])
+    written = SequenceState.parse(moved.to_buffer())
+    assert written.values[1][1].shape == (4, 4 * 34) and written.values[1][0] == 8
 
 
 @pytest.mark.parametrize(("blob", "message"), [
@@ -103,4 +116,4 @@ def test_a_state_of_another_layout_is_refused_clearly(blob: bytes, message: str)
 def test_keys_of_another_type_are_refused_clearly() -> None:
     state = SequenceState.parse(_state(3, key_type=8))
     with pytest.raises(MoaspecError, match="f32 or f16 keys"):
-        state.with_q8_0_keys(head_dim=64)
+        state.to_q8_0(head_dim=64)

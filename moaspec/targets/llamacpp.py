@@ -55,12 +55,14 @@ verified tokens or a tree pass them (`_grow`): its cells move to the larger one 
 sequence state, the same bits in cells 0.. in position order.
 
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) of models without sliding-window layers (whose
-sequence state holds a second cache: Gemma-3), with the f16 value cache, are prefilled in a second context, the prompt
+sequence state holds a second cache: Gemma-3) are prefilled in a second context, the prompt
 context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
-the move costs). Its cells are then moved into the verified context through llama.cpp's
-sequence state (llamacpp_cells.py: keys Hadamard-rotated and quantized as a q8_0 key cache holds
-them; values copied). Trees stay exact: they and one-token decoding read the same moved cells.
+the move costs; against a q8_0 value cache on the Xeon: 17 % at 384 tokens, 42 % at 1,000). Its
+cells are then moved into the verified context through llama.cpp's sequence state
+(llamacpp_cells.py: keys Hadamard-rotated and quantized as a q8_0 key cache holds them; values
+copied, or rotated and quantized likewise for a q8_0 value cache). Trees stay exact: they and
+one-token decoding read the same moved cells.
 The tiled kernel is not batch-invariant, so the prompt context decodes in PROMPT_CHUNK chunks
 aligned to position 0 and reuses only whole chunks of a previous prompt, and a prompt never
 reuses cells the other path computed (a short prompt after a long one starts afresh; a long one
@@ -116,7 +118,7 @@ TREE_HEADROOM = MAX_TREE_NODES
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
 PARKED = MAX_LEAVES + 1  # the sequence of parked cells (see the module docstring)
 KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0
-PROMPT_KEY_CACHE_TYPE = 1  # ggml_type of the prompt context's keys: f16 (module docstring)
+PROMPT_CACHE_TYPE = 1  # ggml_type of the prompt context's keys and values: f16 (module docstring)
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
@@ -187,8 +189,8 @@ class LlamaCppTarget:
     @property
     def uses_prompt_context(self) -> bool:
         """Whether long prompts are prefilled in the prompt context (module docstring): not for
-        sliding-window models, nor with q8_0 values (its faster kernel needs f16 keys and values)."""
-        return not self.weights.sliding_window and self.value_cache_name == "f16"
+        sliding-window models."""
+        return not self.weights.sliding_window
 
     @property
     def ctx(self):
@@ -205,7 +207,9 @@ class LlamaCppTarget:
         """The verified context, made on first need (with the eval callback when keys/values
         are captured)."""
         if self._ctx is None:
-            self._ctx = self._new_llama_context(self._allocated + TREE_HEADROOM, KEY_CACHE_TYPE, PARKED + 1, MAX_BATCH)
+            self._ctx = self._new_llama_context(
+                self._allocated + TREE_HEADROOM, KEY_CACHE_TYPE, self.value_cache_type, PARKED + 1, MAX_BATCH
+            )
             self._memory = self.lib.llama_get_memory(self._ctx)
             self._embeddings_on[self._ctx] = False
         return self._ctx
@@ -222,16 +226,16 @@ class LlamaCppTarget:
     def new_measuring_context(self, cells: int, value_type: int):
         """A one-sequence context with q8_0 keys and `value_type` values and no eval callback, for
         a measurement (llamacpp_value_cache.py); free it with free_measuring_context."""
-        return self._new_llama_context(cells, KEY_CACHE_TYPE, 1, MAX_BATCH, value_type=value_type)
+        return self._new_llama_context(cells, KEY_CACHE_TYPE, value_type, 1, MAX_BATCH, capture=False)
 
     def free_measuring_context(self, ctx) -> None:
         """Free a context new_measuring_context made."""
         self._free_llama_context(ctx)
 
-    def _new_llama_context(self, cells: int, key_type: int, sequences: int, batch: int, value_type: int | None = None):
-        """A flash-attention llama_context on the weights, decoding up to `batch` tokens at once
-        (its compute buffers are sized by it), with the eval callback when keys/values are captured;
-        `value_type` given: those values and no callback (a measurement's context)."""
+    def _new_llama_context(self, cells: int, key_type: int, value_type: int, sequences: int, batch: int, capture: bool = True):
+        """A flash-attention llama_context on the weights with a cache of those ggml types, decoding
+        up to `batch` tokens at once (its compute buffers are sized by it), with the eval callback
+        when keys/values are captured (unless not `capture`: a measurement's context)."""
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = cells
@@ -240,9 +244,9 @@ class LlamaCppTarget:
         params.n_threads = params.n_threads_batch = self.threads
         params.kv_unified = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.type_k, params.type_v = key_type, self.value_cache_type if value_type is None else value_type
+        params.type_k, params.type_v = key_type, value_type
         params.no_perf = True
-        if self.capture is not None and value_type is None:
+        if self.capture is not None and capture:
             params.cb_eval = self.capture.callback
         ctx = None
         try:
@@ -256,13 +260,13 @@ class LlamaCppTarget:
         return ctx
 
     def _prompt_context(self, length: int):
-        """The prompt context (f16 keys, one sequence), grown to hold `length` tokens; growing
-        makes a new one, empty."""
+        """The prompt context (f16 keys and values, one sequence), grown to hold `length` tokens;
+        growing makes a new one, empty."""
         if self._prompt_ctx is not None and length <= self._prompt_capacity:
             return self._prompt_ctx
         self._free_prompt_context()
         cells = _cells_for(length, PROMPT_CELLS_MIN, self.cells)
-        self._prompt_ctx = self._new_llama_context(cells, PROMPT_KEY_CACHE_TYPE, 1, PROMPT_CHUNK)
+        self._prompt_ctx = self._new_llama_context(cells, PROMPT_CACHE_TYPE, PROMPT_CACHE_TYPE, 1, PROMPT_CHUNK)
         self._prompt_capacity = cells
         self._embeddings_on[self._prompt_ctx] = False
         self._prompt_tokens = []
@@ -774,8 +778,10 @@ class LlamaCppTarget:
 
     def _move_prompt_cells(self, count: int) -> None:
         """Copy the prompt context's first `count` cells into the verified context's empty
-        sequence 0 (llamacpp_cells.py): rotated, q8_0 keys; the same values."""
-        self._load_cells(self.ctx, self._prompt_cells(count).with_q8_0_keys(self._head_dim))
+        sequence 0 (llamacpp_cells.py): rotated, q8_0 keys; values rotated and q8_0 for a q8_0
+        value cache, else the same."""
+        cells = self._prompt_cells(count).to_q8_0(self._head_dim, values=self.value_cache_name == "q8_0")
+        self._load_cells(self.ctx, cells)
         self._moved = count
 
     def _decode(self, ctx=None) -> None:

@@ -1,6 +1,7 @@
-"""Moving a prompt's cells from the prompt context (f16 keys) into the verified context (q8_0 keys).
+"""Moving a prompt's cells from the prompt context (f16 keys and values) into the verified
+context (q8_0 keys; f16 or q8_0 values).
 
-llama.cpp prefills a long prompt faster with an f16 key cache (its tiled attention kernel) than
+llama.cpp prefills a long prompt faster with an f16 / f16 cache (its tiled attention kernel) than
 with the q8_0 keys that keep tree verification exact (bench/llamacpp_probes.py items 2 and 5), so
 the llama.cpp runtime prefills long prompts in a second context and moves the cells over through
 llama.cpp's sequence state:
@@ -10,10 +11,11 @@ llama.cpp's sequence state:
     [v_trans u32][layers u32]
     per layer: [key type i32][row bytes u64][cells rows]   then the values likewise
 
-A quantized key cache holds each head's keys multiplied by a normalised Walsh-Hadamard matrix
-(llama.cpp rotates queries and keys alike before attention, `attn_rot_k`), so the keys are
-rotated, then quantized to q8_0 with llama.cpp's reference rounding. Values (f16 in both
-contexts) are copied as they are.
+A quantized cache does not hold the keys and values themselves: llama.cpp multiplies each head's
+queries and keys by a normalised Walsh-Hadamard matrix (`attn_rot_k`), and each head's values by
+one, rotating the attention's output back (`attn_rot_v`), wherever that cache is quantized. So the
+moved keys (and values, for a q8_0 value cache) are rotated (rotation_size), then quantized to
+q8_0 with llama.cpp's reference rounding; f16 values are copied as they are.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 from moaspec.errors import MoaspecError
 
-FLOAT_KEY_TYPES = {0: np.float32, 1: np.float16}  # ggml types f32, f16
+FLOAT_CACHE_TYPES = {0: np.float32, 1: np.float16}  # ggml types f32, f16
 GGML_TYPE_Q8_0 = 8
 Q8_0_BLOCK = 32  # values per q8_0 block: an f16 scale and 32 int8
 STATE_HEADER = 8  # magic and sequence id
@@ -40,8 +42,9 @@ def hadamard(size: int) -> np.ndarray:
     return (matrix / np.sqrt(size)).astype(np.float32)
 
 
-def key_rotation_size(head_dim: int) -> int:
-    """Size of the Hadamard blocks llama.cpp rotates quantized keys by (0: not rotated): the largest
+def rotation_size(head_dim: int) -> int:
+    """Size of the Hadamard blocks llama.cpp rotates a quantized cache's keys or values by (0: not
+    rotated), for heads of `head_dim`: the largest
     power of two from 64 up that divides the head size, unless LLAMA_ATTN_ROT_DISABLE is set."""
     setting = re.match(r"\s*[+-]?\d+", os.environ.get("LLAMA_ATTN_ROT_DISABLE", ""))  # read as C's atoi
     if (setting is not None and int(setting.group())) or head_dim % 64:
@@ -131,19 +134,27 @@ class SequenceState:
             [(kind, rows[:count]) for kind, rows in self.keys], [(kind, rows[:count]) for kind, rows in self.values],
         )
 
-    def with_q8_0_keys(self, head_dim: int) -> SequenceState:
-        """The same cells for a q8_0-key context: float keys rotated (key_rotation_size), quantized."""
-        rotation = key_rotation_size(head_dim)
+    def to_q8_0(self, head_dim: int, values: bool = False) -> SequenceState:
+        """The same cells for a context with q8_0 keys, and q8_0 values where `values` (else the
+        values are kept): float rows rotated (rotation_size), quantized."""
+        return SequenceState(
+            self.header, self.metas, self._rotated_q8_0(self.keys, head_dim, "keys"),
+            self._rotated_q8_0(self.values, head_dim, "values") if values else self.values,
+        )
+
+    def _rotated_q8_0(self, tables: list[tuple[int, np.ndarray]], head_dim: int, role: str) -> list[tuple[int, np.ndarray]]:
+        """Per layer: float rows [cells, row bytes] -> q8_0 rows of the rotated floats."""
+        rotation = rotation_size(head_dim)
         rotate = hadamard(rotation) if rotation else None
-        keys = []
-        for kind, rows in self.keys:
-            if kind not in FLOAT_KEY_TYPES:
-                raise MoaspecError("moving cells needs f32 or f16 keys in the prompt context")
-            values = rows.view(FLOAT_KEY_TYPES[kind]).astype(np.float32)
+        quantized = []
+        for kind, rows in tables:
+            if kind not in FLOAT_CACHE_TYPES:
+                raise MoaspecError(f"moving cells needs f32 or f16 {role} in the prompt context")
+            floats = rows.view(FLOAT_CACHE_TYPES[kind]).astype(np.float32)
             if rotate is not None:
-                values = (values.reshape(self.cells, -1, rotation) @ rotate.T).reshape(self.cells, -1)
-            keys.append((GGML_TYPE_Q8_0, quantize_q8_0(values)))
-        return SequenceState(self.header, self.metas, keys, self.values)
+                floats = (floats.reshape(self.cells, -1, rotation) @ rotate.T).reshape(self.cells, -1)
+            quantized.append((GGML_TYPE_Q8_0, quantize_q8_0(floats)))
+        return quantized
 
     def to_buffer(self) -> bytearray:
         """The state for llama_state_seq_set_data, written once into one buffer."""

@@ -1,0 +1,104 @@
+"""What the llama.cpp runtime's prompt context saves on a prompt's prefill, its move included, by
+value cache and prompt length: the measurement behind PROMPT_CONTEXT_MIN_TOKENS (README, *Target
+runtimes*, *Long prompts*).
+
+    .venv/bin/python bench/prompt_context_gain.py [--lengths 64,128,256,384,512,1000] [--rounds 3]
+        [--value-caches f16,q8_0] [--out FILE.json]
+
+Times the runtime's own `set_context` of a prompt through the prompt context (f16 / f16, tiled
+kernel, then the move) and in the verified context (the per-query kernel), on one target per value
+cache (2 threads), every case interleaved per round after a warm-up round; each call gets tokens
+sharing no start with the one before, so nothing is reused. Prints the medians in ms and their
+ratio (above 1: the prompt context is faster). Run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from moaspec.bench.script_args import help_description, output_file, positive_int, positive_ints, run_script
+
+VALUE_CACHES = ("f16", "q8_0")
+PATHS = ("verified context", "prompt context")
+
+
+def value_cache_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in VALUE_CACHES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"value caches are {', '.join(VALUE_CACHES)}, got {text!r}")
+    return names
+
+
+def set_context_ms(target, length: int, through_prompt_context: bool, generator: random.Random) -> float:
+    """One `set_context` of `length` random tokens on the path asked for, in ms."""
+    import torch
+
+    import moaspec.targets.llamacpp as llamacpp
+
+    ids = torch.tensor([generator.randrange(100, 20_000) for _ in range(length)])
+    threshold = llamacpp.PROMPT_CONTEXT_MIN_TOKENS
+    llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if through_prompt_context else length + 1
+    try:
+        started = time.perf_counter()
+        target.set_context(ids)
+        return (time.perf_counter() - started) * 1000
+    finally:
+        llamacpp.PROMPT_CONTEXT_MIN_TOKENS = threshold
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser.add_argument("--lengths", type=positive_ints, default="64,128,256,384,512,1000")
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--value-caches", type=value_cache_list, default="f16,q8_0")
+    parser.add_argument("--out", type=output_file, help="also write the medians here as JSON")
+    args = parser.parse_args()
+    import torch
+
+    from moaspec.api import load_target
+    from moaspec.calibration.machine import cpu_description
+    from moaspec.targets.llamacpp import LlamaCppTarget
+    from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_TYPES
+
+    torch.set_num_threads(2)
+    loaded = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+    if max(args.lengths) > loaded.max_positions:
+        parser.error(f"--lengths: at most {loaded.max_positions} tokens")
+    targets = {
+        name: LlamaCppTarget(loaded.weights, loaded.tokenizer, loaded.config, loaded.name, threads=2,
+                             value_cache=VALUE_CACHE_TYPES[name])
+        for name in args.value_caches
+    }
+    generator = random.Random(0)
+    times: dict[tuple[str, int, str], list[float]] = {}
+    for round_index in range(args.rounds + 1):  # round 0 warms up
+        for length in args.lengths:
+            for name, target in targets.items():
+                for path in PATHS:
+                    spent = set_context_ms(target, length, path == "prompt context", generator)
+                    if round_index:
+                        times.setdefault((name, length, path), []).append(spent)
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    print(f"CPU: {cpu_description()}; 2 threads; medians of {args.rounds} rounds, ms")
+    print("| value cache | prompt tokens | verified context | prompt context | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    rows = []
+    for name in args.value_caches:
+        for length in args.lengths:
+            verified, prompt = medians[(name, length, PATHS[0])], medians[(name, length, PATHS[1])]
+            print(f"| {name} | {length} | {verified:.0f} | {prompt:.0f} | {verified / prompt:.2f} |")
+            rows.append({"value_cache": name, "prompt_tokens": length, "verified_context_ms": round(verified, 1),
+                         "prompt_context_ms": round(prompt, 1), "ratio": round(verified / prompt, 3)})
+    if args.out is not None:
+        record = {"cpu": cpu_description(), "threads": 2, "rounds": args.rounds, "rows": rows}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_script(main)

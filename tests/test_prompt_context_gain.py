@@ -1,0 +1,32 @@
+"""bench/prompt_context_gain.py: each case takes the path it names, nothing is reused between
+calls, the runtime's threshold is left as it was, and a bad --value-caches is a usage error."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+from conftest import load_bench_script
+
+
+def test_each_case_times_the_path_it_names_and_restores_the_threshold() -> None:
+    from moaspec.api import load_target
+    from moaspec.targets import llamacpp
+
+    script = load_bench_script("prompt_context_gain")
+    target = load_target("smollm2-135m", runtime="llama.cpp", threads=2).new_session()
+    threshold, generator = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, random.Random(0)
+    assert script.set_context_ms(target, 40, True, generator) > 0
+    assert target._moved == 40 and len(target._prompt_tokens) == 40
+    assert script.set_context_ms(target, 40, False, generator) > 0
+    assert target._moved == 0 and target.num_cached == 40
+    assert llamacpp.PROMPT_CONTEXT_MIN_TOKENS == threshold
+
+
+def test_value_caches_are_checked_with_a_usage_message() -> None:
+    script = load_bench_script("prompt_context_gain")
+    assert script.value_cache_list("q8_0, f16") == ["q8_0", "f16"]
+    for text in ("q4_0", ","):
+        with pytest.raises(argparse.ArgumentTypeError, match="value caches are f16, q8_0"):
+            script.value_cache_list(text)
