@@ -825,20 +825,27 @@ def test_a_gpu_target_gets_the_same_default_drafter_as_a_cpu_target(monkeypatch)
     assert default_methods("smollm2-135m", "transformers") == "none,hf,hf-pld,ngram,moa,moa-tli1,eagle,moa+ngram,default"
 
 
-@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (121, 8)])
-def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differently(
-    llama_target, monkeypatch, rounds_from: int, exact: int
-) -> None:
-    """exact_tree_nodes_here gives the largest tree on this machine's kernels (the other tests
-    hold it to that) and, where batches of `rounds_from` tokens or more move a logit by one
-    rounding step (K-quant GGUFs: 4 on the AVX-512 EPYC), the longest chain below that, up to 8
-    (16: only the 64-node tree sees it, as a 16-row matrix path would; 121: only the largest,
-    filled up to 128 nodes, the most a tree may have);
-    trees are then refused beyond it, and branching ones altogether."""
+def test_the_exactness_check_finds_the_largest_tree_on_this_machines_kernels(llama_target) -> None:
+    """exact_tree_nodes_here gives the largest tree where the kernels keep every tree exact (the
+    other tests hold this machine to that)."""
     from moaspec.targets import llamacpp
 
     require_exact_trees(llama_target)
     assert llamacpp.exact_tree_nodes_here(llama_target) == MAX_TREE_NODES
+
+
+@pytest.mark.parametrize(("rounds_from", "exact"), [(2, 1), (4, 3), (8, 7), (16, 8), (121, 8)])
+def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differently(
+    llama_target, monkeypatch, rounds_from: int, exact: int
+) -> None:
+    """Where batches of `rounds_from` tokens or more move a logit by one rounding step (K-quant
+    GGUFs: 4 on the AVX-512 EPYC), exact_tree_nodes_here gives the longest chain below that, up
+    to 8 (16: only the 64-node tree sees it, as a 16-row matrix path would; 121: only the largest,
+    filled up to 128 nodes, the most a tree may have); trees are then refused beyond it, and
+    branching ones altogether."""
+    from moaspec.targets import llamacpp
+
+    require_exact_trees(llama_target)
     verify = LlamaCppTarget.verify
 
     def rounded_differently(self, tree, hidden_layers=()):
@@ -1200,8 +1207,8 @@ def test_a_sessions_context_is_its_reservation_rounded_up_to_a_power_of_two(llam
 def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, category_prompts, monkeypatch, length) -> None:
     """The verified context starts at SESSION_CELLS_MIN positions (its cache is allocated and
     cleared up front: ~150 MB for 8,192) and doubles when verified tokens or a tree pass them,
-    its cells moved through llama.cpp's sequence state. Started at 256 here, trees with parked
-    cells carry the prompt past 256 and 512 positions: every accepted node's logits equal plain
+    its cells moved through llama.cpp's sequence state. Started at 256 here, the prompt takes it
+    past 256 positions and trees with parked cells past 512: every accepted node's logits equal plain
     decoding's in a context made large at once, with the final hidden states still output after
     each move; an engine with a keys/values-reading drafter gives plain decoding's tokens across
     the moves."""
@@ -1213,7 +1220,8 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
     assert len(prompt) == length
     fresh = llama_target.new_session()
     assert fresh.lib.llama_n_ctx(fresh.ctx) == 1280 and fresh.max_positions == llama_target.max_positions  # 1,024 + 128
-    tokens, logits = plain_decode(llama_target, prompt, 340)
+    decoded = 512 - length + 48  # verified tokens that take the context well past 512 positions
+    tokens, logits = plain_decode(llama_target, prompt, decoded + 10)
     monkeypatch.setattr(llamacpp, "SESSION_CELLS_MIN", 256)
     target = llama_target.new_session()
     assert target.lib.llama_n_ctx(target.ctx) == 512  # 256 + TREE_HEADROOM, as llama.cpp rounds it up
@@ -1221,7 +1229,7 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
     last = (target.num_layers,)
     target.prefill(torch.tensor(prompt), last)
     done = 0
-    while done < 330:
+    while done < decoded:
         tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size, decoys=3)
         out = target.verify(tree, last)
         assert out.hidden is not None and out.hidden.shape == (tree.num_nodes, 1, target.hidden_size)
