@@ -39,7 +39,8 @@ def test_q8_0_quantization_equals_llama_cpps_own() -> None:
     generator = np.random.default_rng(0)
     values = (generator.standard_normal((6, 192)) * generator.uniform(0.01, 30, (6, 1))).astype(np.float32)
     values[0, :32] = 0.0  # an all-zero block
-    values[1, :32] = np.arange(32) - 15.5  # scale 16.5 / 127: ties at halves
+    values[1, :32] = np.arange(32) - 15.5  # scale 16.5 / 127
+    values[2, :32] = np.concatenate([[127.0], np.arange(31) - 15.5])  # scale 1: exact halves, rounded away from zero
     ours = quantize_q8_0(values)
     theirs = np.empty_like(ours)
     ggml.ggml_quantize_chunk(8, values.ctypes.data, theirs.ctypes.data, 0, 6, 192, None)

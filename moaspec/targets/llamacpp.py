@@ -30,8 +30,8 @@ computes. Measured on SmolLM2-135M (Q4_1, AVX-512, 2 threads):
   1,000 tokens 42 % faster. So the value cache is chosen per machine (llamacpp_value_cache.py:
   measured once where the calibration is on, or fixed by MOASPEC_LLAMA_VALUE_CACHE=f16|q8_0); both
   stay exact (the same per-query kernel) but round differently, so plain decoding's tokens are
-  those of the chosen cache. With q8_0 values there is no prompt context (below: its faster kernel
-  needs f16 keys and values), every prompt is decoded in the verified context;
+  those of the chosen cache. Long prompts take the prompt context (below) with either: for q8_0
+  values the move rotates and quantizes them as it does the keys;
 - that kernel visits cells in cell order, so verified tokens must stay in cells in position order.
   llama.cpp refills freed cells from the lowest one, so a rejected node placed *before* the last
   accepted one is parked (moved to sequence PARKED, never attended) instead of freed. Parked cells

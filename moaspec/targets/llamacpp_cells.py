@@ -58,14 +58,16 @@ def rotation_size(head_dim: int) -> int:
 def quantize_q8_0(values: np.ndarray) -> np.ndarray:
     """llama.cpp's reference q8_0 quantization (`quantize_row_q8_0_ref`): values [..., n] (n a
     multiple of 32) -> bytes [..., n // 32 * 34] (per block: f16 scale, 32 int8)."""
-    blocks = values.reshape(-1, Q8_0_BLOCK).astype(np.float32)
+    blocks = values.reshape(-1, Q8_0_BLOCK).astype(np.float32, copy=False)
     scale = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
     inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
-    scaled = (blocks * inverse).astype(np.float64)  # roundf: halves away from zero
-    quantized = (np.sign(scaled) * np.floor(np.abs(scaled) + 0.5)).astype(np.int8)
+    scaled = blocks * inverse
+    rounded = np.rint(scaled)  # halves to even; roundf takes them away from zero (both exact in float32)
+    ties = np.abs(scaled - rounded) == np.float32(0.5)
+    rounded[ties] = scaled[ties] + np.copysign(np.float32(0.5), scaled[ties])
     packed = np.empty((blocks.shape[0], 2 + Q8_0_BLOCK), dtype=np.uint8)
     packed[:, :2] = scale.astype(np.float16).view(np.uint8)
-    packed[:, 2:] = quantized.view(np.uint8)
+    packed[:, 2:] = rounded.astype(np.int8).view(np.uint8)
     return packed.reshape(*values.shape[:-1], values.shape[-1] // Q8_0_BLOCK * (2 + Q8_0_BLOCK))
 
 
