@@ -27,6 +27,7 @@ PATHS = ("verified context", "prompt context")
 
 
 def value_cache_list(text: str) -> list[str]:
+    """--value-caches: names of VALUE_CACHES, comma-separated."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in VALUE_CACHES]
     if unknown or not names:

@@ -58,7 +58,7 @@ Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more) of models without sliding-windo
 sequence state holds a second cache: Gemma-3) are prefilled in a second context, the prompt
 context, with llama.cpp's default f16 / f16 cache and its tiled attention kernel, 16-25 %
 faster than the per-query one over 512-1,000 tokens (AVX2 EPYC; ~4 % at 128 tokens, about what
-the move costs; against a q8_0 value cache on the Xeon: 17 % at 384 tokens, 42 % at 1,000). Its
+the move costs; against a q8_0 value cache on the Xeon: 11 % at 384 tokens, 37 % at 1,000). Its
 cells are then moved into the verified context through llama.cpp's sequence state
 (llamacpp_cells.py: keys Hadamard-rotated and quantized as a q8_0 key cache holds them; values
 copied, or rotated and quantized likewise for a q8_0 value cache). Trees stay exact: they and
@@ -232,7 +232,9 @@ class LlamaCppTarget:
         """Free a context new_measuring_context made."""
         self._free_llama_context(ctx)
 
-    def _new_llama_context(self, cells: int, key_type: int, value_type: int, sequences: int, batch: int, capture: bool = True):
+    def _new_llama_context(
+        self, cells: int, key_type: int, value_type: int, sequences: int, batch: int, capture: bool = True
+    ):
         """A flash-attention llama_context on the weights with a cache of those ggml types, decoding
         up to `batch` tokens at once (its compute buffers are sized by it), with the eval callback
         when keys/values are captured (unless not `capture`: a measurement's context)."""

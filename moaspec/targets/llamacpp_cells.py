@@ -43,9 +43,9 @@ def hadamard(size: int) -> np.ndarray:
 
 
 def rotation_size(head_dim: int) -> int:
-    """Size of the Hadamard blocks llama.cpp rotates a quantized cache's keys or values by (0: not
-    rotated), for heads of `head_dim`: the largest
-    power of two from 64 up that divides the head size, unless LLAMA_ATTN_ROT_DISABLE is set."""
+    """Size of the Hadamard blocks llama.cpp rotates a quantized cache's keys or values by, for
+    heads of `head_dim` (0: not rotated): the largest power of two from 64 up that divides the head
+    size, unless LLAMA_ATTN_ROT_DISABLE is set."""
     setting = re.match(r"\s*[+-]?\d+", os.environ.get("LLAMA_ATTN_ROT_DISABLE", ""))  # read as C's atoi
     if (setting is not None and int(setting.group())) or head_dim % 64:
         return 0
