@@ -20,7 +20,14 @@ import random
 import statistics
 import time
 
-from moaspec.bench.script_args import help_description, output_file, positive_int, positive_ints, run_script
+from moaspec.bench.script_args import (
+    help_description,
+    known_names,
+    output_file,
+    positive_int,
+    positive_ints,
+    run_script,
+)
 
 VALUE_CACHES = ("f16", "q8_0")
 PATHS = ("verified context", "prompt context")
@@ -28,11 +35,7 @@ PATHS = ("verified context", "prompt context")
 
 def value_cache_list(text: str) -> list[str]:
     """--value-caches: names of VALUE_CACHES, comma-separated."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in VALUE_CACHES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"value caches are {', '.join(VALUE_CACHES)}, got {text!r}")
-    return names
+    return known_names(text, VALUE_CACHES, "value cache")
 
 
 def set_context_ms(target, length: int, through_prompt_context: bool, generator: random.Random) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -49,15 +49,20 @@ def category_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def known_names(text: str, known: Sequence[str], what: str) -> list[str]:
+    """Comma-separated names, each one of `known` ("a,b"); `what` names one in the error."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none)'} (known: {', '.join(known)})")
+    return names
+
+
 def dtype_list(text: str) -> list[str]:
     """Target precisions by name, as `--dtype` takes them ("float32,bfloat16")."""
     from moaspec.targets.options import DTYPES
 
-    names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in DTYPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown precision {', '.join(unknown) or '(none)'} (known: {', '.join(DTYPES)})")
-    return names
+    return known_names(text, DTYPES, "precision")
 
 
 def existing_file(text: str) -> Path:
