@@ -260,26 +260,29 @@ def _generate(args: argparse.Namespace) -> int:
         return generate_remote(args, api_key, overrides, options)
 
     from moaspec.api import load
+    from moaspec.text_stream import TextPrinter, TokenCollector
 
     lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, light_tokenizer=True, **options)
-    streamer = None
-    if not args.json:
-        from moaspec.text_stream import TextPrinter
-
-        streamer = TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = lm.generate(
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        raw=args.raw,
-        streamer=streamer,
-    )
+    streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    head = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name}
+    try:
+        out = lm.generate(
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            raw=args.raw,
+            streamer=streamer,
+        )
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: --json still prints the tokens verified before it
+        if args.json:
+            text = lm.tokenizer.decode(streamer.token_ids, skip_special_tokens=True)
+            print(json.dumps({**head, "text": text, "token_ids": streamer.token_ids, "stop_reason": "interrupted"}))
+        raise
     if args.json:
-        record = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name, **out.to_dict()}
-        print(json.dumps(record))
+        print(json.dumps({**head, **out.to_dict()}))
     else:
         sys.stdout.flush()
         print(

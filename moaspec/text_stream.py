@@ -1,4 +1,5 @@
-"""Printing generated text as it is verified, whole words at a time (the CLI's stdout).
+"""Printing generated text as it is verified, whole words at a time (the CLI's stdout), and
+keeping the verified token ids (what `--json` prints if the generation is interrupted).
 
 The same rules as transformers' `TextStreamer` (what the CLI used before): the token ids so far
 are decoded together; text is printed up to the last space, or all of it after a newline or a
@@ -66,6 +67,26 @@ class TextPrinter:
 
     def _print(self, text: str, end: str = "") -> None:
         print(text, flush=True, end=end, file=self.out if self.out is not None else sys.stdout)
+
+
+class TokenCollector:
+    """A streamer (`put(ids)`, `end()`) keeping the new token ids; the first `put` (the prompt)
+    is dropped, as TextPrinter's skip_prompt does."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        ids = value.tolist() if hasattr(value, "tolist") else list(value)
+        if ids and isinstance(ids[0], list):  # [1, n]
+            ids = ids[0]
+        if self._prompt_seen:
+            self.token_ids.extend(ids)
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
 
 def _is_cjk(code: int) -> bool:

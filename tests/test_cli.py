@@ -335,3 +335,35 @@ def test_a_bad_prompt_on_stdin_is_one_line(stdin: bytes, message: str, tmp_path:
     assert proc.returncode == EXIT_USAGE and proc.stdout == b""
     assert proc.stderr.decode() == PREFIX + message + "\n"
 
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_an_interrupted_json_generation_prints_the_tokens_verified_before(terminated: bool, monkeypatch, capsys) -> None:
+    """Bug: Ctrl-C (or SIGTERM) during `generate --json` printed nothing: the tokens verified
+    before it were lost. Now one JSON object with them and stop_reason `interrupted`, then the
+    usual exit status."""
+    import json
+    from types import SimpleNamespace
+
+    import moaspec.api
+    import moaspec.cli as cli
+    import moaspec.model_store
+
+    class InterruptedLM:
+        target = SimpleNamespace(name="smollm2-135m", runtime="llama.cpp")
+        drafter_name = "ngram"
+        tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+
+        def generate(self, prompt, streamer=None, **settings):
+            streamer.put([[1, 2, 3]])  # the prompt
+            streamer.put([7, 8])
+            streamer.put([9])
+            raise cli.Terminated if terminated else KeyboardInterrupt
+
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("smollm2-135m", None))  # no conversion
+    monkeypatch.setattr(moaspec.api, "load", lambda **options: InterruptedLM())
+    assert cli.main(["generate", "--prompt", "hi", "--json", "--drafter", "ngram"]) == (143 if terminated else 130)
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"target": "smollm2-135m", "runtime": "llama.cpp", "drafter": "ngram",
+                                        "text": "7 8 9", "token_ids": [7, 8, 9], "stop_reason": "interrupted"}
+    assert captured.err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"
