@@ -266,7 +266,7 @@ def main() -> int:
         result["layer_kv_relative_error"] = relative
 
     if "5" in wanted:
-        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, VALUE_CACHE_TYPES["f16"])  # only f16 values have the prompt context
+        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, VALUE_CACHE_TYPES["f16"])  # item 5 moves keys only: f16 values
         rounds = [moved_prefill(weights, prompt_path_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
         moved = {key: round(statistics.median(r[i] for r in rounds), 1)
                  for i, key in enumerate(("f32_f16_prefill_ms", "move_ms", "runtime_prefill_ms"))}

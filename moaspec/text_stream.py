@@ -35,9 +35,7 @@ class TextPrinter:
         self.any_tokens = False  # since the prompt
 
     def put(self, value) -> None:
-        ids = value.tolist() if hasattr(value, "tolist") else list(value)
-        if ids and isinstance(ids[0], list):  # [1, n]
-            ids = ids[0]
+        ids = _token_list(value)
         if self.skip_prompt and self.next_tokens_are_prompt:
             self.next_tokens_are_prompt = False
             return
@@ -78,15 +76,18 @@ class TokenCollector:
         self._prompt_seen = False
 
     def put(self, value) -> None:
-        ids = value.tolist() if hasattr(value, "tolist") else list(value)
-        if ids and isinstance(ids[0], list):  # [1, n]
-            ids = ids[0]
         if self._prompt_seen:
-            self.token_ids.extend(ids)
+            self.token_ids.extend(_token_list(value))
         self._prompt_seen = True
 
     def end(self) -> None:
         pass
+
+
+def _token_list(value) -> list[int]:
+    """A streamer's `put` argument (a tensor or list, [n] or [1, n]) as a list of ids."""
+    ids = value.tolist() if hasattr(value, "tolist") else list(value)
+    return ids[0] if ids and isinstance(ids[0], list) else ids
 
 
 def _is_cjk(code: int) -> bool:

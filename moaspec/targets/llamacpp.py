@@ -105,7 +105,7 @@ from moaspec.targets.llamacpp_cells import SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
-from moaspec.targets.llamacpp_value_cache import fixed_value_cache_type, value_cache_type
+from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 DEFAULT_CELLS = 8192  # positions the verified context holds at most (q8_0 keys + f16 values: ~17 KB a cell on SmolLM2-135M)
@@ -122,7 +122,6 @@ PROMPT_CACHE_TYPE = 1  # ggml_type of the prompt context's keys and values: f16 
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
-GGML_TYPE_NAMES = {0: "f32", 1: "f16", 8: "q8_0"}
 COMPACT_CHUNK = 32  # tokens per decode when re-decoding or appending verified tokens (per-row kernels up to 40 measured)
 
 
@@ -184,7 +183,7 @@ class LlamaCppTarget:
     @property
     def value_cache_name(self) -> str:
         """The value cache type's name (f16 or q8_0)."""
-        return GGML_TYPE_NAMES.get(self.value_cache_type, str(self.value_cache_type))
+        return VALUE_CACHE_NAMES.get(self.value_cache_type, str(self.value_cache_type))
 
     @property
     def uses_prompt_context(self) -> bool:

@@ -31,6 +31,7 @@ from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_mea
 
 VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"
 VALUE_CACHE_TYPES = {"f16": 1, "q8_0": 8}  # ggml types: the value caches the per-query kernel keeps exact
+VALUE_CACHE_NAMES = {kind: name for name, kind in VALUE_CACHE_TYPES.items()}
 DEFAULT_VALUE_CACHE = "f16"
 MEASURE_VERSION = 1
 MEASURE_CONTEXT = 256  # tokens before the timed decodes
