@@ -120,3 +120,51 @@ def test_a_tls_file_that_cannot_be_loaded_is_named_in_one_line(tmp_path) -> None
         message = str(info.value)
         assert f"cannot load the TLS certificate {certfile} / key {not_pem}" in message
         assert detail in message and "\n" not in message
+
+
+@pytest.mark.parametrize("terminated", [False, True])
+def test_an_interrupted_split_json_generation_prints_the_tokens_verified_before(terminated: bool, monkeypatch, capsys) -> None:
+    """Bug: Ctrl-C (or SIGTERM) during `generate --server URL --json` printed nothing: the tokens
+    the server had verified were lost (local generation prints them since session 33). Now one JSON
+    object with them, stop_reason `interrupted` and the link's counts, then the usual exit status."""
+    import json
+    from types import SimpleNamespace
+
+    import moaspec.api
+    import moaspec.cli as cli
+    import moaspec.drafters
+    import moaspec.split.client
+    import moaspec.split.generator
+
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+
+    class InterruptedGenerator:
+        info = {"runtime": "llama.cpp"}
+
+        def __init__(self, client, drafter, options) -> None:
+            pass
+
+        def stream(self, prompt_ids, sampling, generation, stop_ids, result):
+            for ids in ([7, 8], [9]):
+                result.token_ids.extend(ids)
+                yield SimpleNamespace(kind="verified", token_ids=ids)
+            raise cli.Terminated if terminated else KeyboardInterrupt
+
+    monkeypatch.setenv("MOASPEC_API_KEY", "k" * 16)
+    monkeypatch.setattr(moaspec.api, "load_target",
+                        lambda target, **kwargs: SimpleNamespace(name="smollm2-135m", stop_ids=frozenset()))
+    monkeypatch.setattr(moaspec.drafters, "make_drafter", lambda name, target, overrides: SimpleNamespace(accept_context=None))
+    monkeypatch.setattr(moaspec.api, "SpeculativeLM",
+                        lambda target, drafter: SimpleNamespace(tokenizer=tokenizer, encode_prompt=lambda prompt, raw: [1, 2]))
+    monkeypatch.setattr(moaspec.split.client, "SplitClient", lambda *args, **kwargs: SimpleNamespace(
+        stats=SimpleNamespace(calls=2, bytes_sent=300, bytes_received=100)))
+    monkeypatch.setattr(moaspec.split.generator, "SplitGenerator", InterruptedGenerator)
+    argv = ["generate", "--prompt", "hi", "--json", "--drafter", "ngram", "--server", "http://127.0.0.1:9"]
+    assert cli.main(argv) == (143 if terminated else 130)
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert {key: record[key] for key in ("target", "runtime", "drafter", "text", "token_ids", "stop_reason")} == {
+        "target": "smollm2-135m", "runtime": "llama.cpp", "drafter": "ngram",
+        "text": "7 8 9", "token_ids": [7, 8, 9], "stop_reason": "interrupted"}
+    assert (record["split"]["server_calls"], record["split"]["bytes_per_token"]) == (2, round(400 / 3, 1))
+    assert captured.err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"

@@ -184,10 +184,17 @@ def generate_remote(
     result = SplitResult()
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    head = {"target": target.name, "runtime": generator.info.get("runtime"), "drafter": args.drafter}
     try:
         for event in generator.stream(prompt_ids, sampling, generation, target.stop_ids, result):
             if streamer is not None and event.kind in ("verified", "confirm", "kept") and event.token_ids:
                 streamer.put(torch.tensor(event.token_ids))
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: --json still prints the tokens verified before it
+        if args.json:
+            text = lm.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            print(json.dumps({**head, "text": text, "token_ids": result.token_ids, "stop_reason": "interrupted",
+                              "split": result.split_dict(client)}))
+        raise
     finally:
         if streamer is not None:
             streamer.end()
@@ -195,8 +202,7 @@ def generate_remote(
     if args.json:
         # the fields of a local generation's --json (runtime: the server's; calibration: none runs
         # here, the client drafts with the drafter as configured), then the split's own
-        record = {"target": target.name, "runtime": generator.info.get("runtime"), "drafter": args.drafter,
-                  "text": text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+        record = {**head, "text": text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
                   **result.stats.to_dict(), "calibration": None, "split": result.split_dict(client)}
         print(json.dumps(record))
     else:
