@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from inspect import signature
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, make_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.none import NoDrafter
-from moaspec.engine import Engine, GenerationResult
+from moaspec.engine import Engine, GenerationResult, check_prompt_length
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.model_store import DEFAULT_TARGET
@@ -73,10 +74,7 @@ class SpeculativeLM:
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of `prompt`, through the chat template unless `raw`."""
-        check_prompt_text(prompt)
-        if raw:
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return encode_chat_prompt(self.tokenizer, prompt)
+        return prompt_token_ids(self.target, prompt, raw)
 
     def generate(
         self,
@@ -98,7 +96,7 @@ class SpeculativeLM:
         """
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
-        prompt_ids = _token_ids(prompt, self.target.vocab_size) if isinstance(prompt, list) else self.encode_prompt(prompt, raw)
+        prompt_ids = prompt_token_ids(self.target, prompt, raw)
         result = GenerationResult()
         with self._generating:
             # stream() checks the prompt before returning, so a refused request never reaches the
@@ -174,14 +172,21 @@ def load(
     load_target), threads, gpu_layers and light_tokenizer (llama.cpp);
     n_gpu_layers: llama.cpp's name for gpu_layers (the CLI's --n-gpu-layers), either may be given.
     """
+    gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
+    _check_drafter_request(drafter, tree_overrides)
+    loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
+    return speculative_lm(loaded, drafter, tree_overrides, calibrate)
+
+
+def speculative_lm(
+    loaded: Target, drafter: str | None = None, tree_overrides: dict | None = None, calibrate: bool = True
+) -> SpeculativeLM:
+    """load()'s second half: the drafter for a loaded target (drafter, tree_overrides, calibrate:
+    as load() takes them). Callers with a prompt in hand check it between the two halves, before
+    a first calibration's ~20 s."""
     from moaspec.calibration.plan import drafter_for
 
-    gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
-    if drafter is not None:
-        check_drafter_spec(drafter)
-        if drafter in MODEL_FREE and tree_overrides and any(v is not None for v in tree_overrides.values()):
-            raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
-    loaded = load_target(target, dtype, attn_implementation, runtime, device, threads, gpu_layers, light_tokenizer)
+    _check_drafter_request(drafter, tree_overrides)
     default = default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
@@ -211,12 +216,39 @@ def generate(
     """One-shot convenience: `load(target, drafter, ...)` with the keywords that say where and how
     the target and drafter run, then `.generate(prompt, **kwargs)` (max_new_tokens, temperature,
     top_p, top_k, seed, raw, streamer). Loads every call: keep the `SpeculativeLM` from `load()`
-    to generate repeatedly."""
-    lm = load(
-        target, drafter, dtype=dtype, tree_overrides=tree_overrides, calibrate=calibrate, runtime=runtime,
-        device=device, threads=threads, gpu_layers=gpu_layers, n_gpu_layers=n_gpu_layers,
-    )
-    return lm.generate(prompt, **kwargs)
+    to generate repeatedly. The keywords and settings are checked before anything loads, the
+    prompt before the drafter's calibration."""
+    signature(SpeculativeLM.generate).bind(None, prompt, **kwargs)  # TypeError for an unknown keyword
+    settings = {**{name: p.default for name, p in signature(SpeculativeLM.generate).parameters.items()}, **kwargs}
+    SamplingConfig(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"])
+    GenerationConfig(max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
+    gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
+    _check_drafter_request(drafter, tree_overrides)
+    loaded = load_target(target, dtype, runtime=runtime, device=device, threads=threads, gpu_layers=gpu_layers)
+    prompt_ids = prompt_token_ids(loaded, prompt, settings["raw"])
+    check_prompt_length(len(prompt_ids), loaded)
+    return speculative_lm(loaded, drafter, tree_overrides, calibrate).generate(prompt_ids, **kwargs)
+
+
+def prompt_token_ids(target: Target, prompt: str | list[int], raw: bool = False) -> list[int]:
+    """A prompt's token ids: text through the target's chat template unless `raw`; token ids
+    checked to be integers in [0, vocab_size)."""
+    if isinstance(prompt, list):
+        return _token_ids(prompt, target.vocab_size)
+    check_prompt_text(prompt)
+    if target.tokenizer is None:
+        raise MoaspecError("the target has no tokenizer: give the prompt as token ids")
+    if raw:
+        return list(target.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return encode_chat_prompt(target.tokenizer, prompt)
+
+
+def _check_drafter_request(drafter: str | None, tree_overrides: dict | None) -> None:
+    """A drafter name or path and tree overrides that can go together (nothing loaded)."""
+    if drafter is not None:
+        check_drafter_spec(drafter)
+        if drafter in MODEL_FREE and tree_overrides and any(v is not None for v in tree_overrides.values()):
+            raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
 
 
 def _token_ids(prompt: list, vocab_size: int) -> list[int]:

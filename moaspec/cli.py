@@ -225,7 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.server is None:
         _refuse_split_flags(args)
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
-    from moaspec.model_store import resolve_target
+    from moaspec.model_store import check_target_exists, resolve_target
     from moaspec.tuned import tree_overrides
 
     if args.drafter is not None:
@@ -245,8 +245,9 @@ def _generate(args: argparse.Namespace) -> int:
         api_key = read_api_keys(args.api_key_file)[0]
     from moaspec.targets.options import runtime_options
 
+    check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
     options = runtime_options(args, args.target)
-    target_name, _ = resolve_target(args.target)  # unknown name / bad path: fail before torch loads
+    target_name, _ = resolve_target(args.target)  # converts a GGUF target the first time (~30 s)
     named = args.drafter or default_drafter(target_name)
     if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
@@ -259,21 +260,24 @@ def _generate(args: argparse.Namespace) -> int:
         args.drafter = named
         return generate_remote(args, api_key, overrides, options)
 
-    from moaspec.api import load
+    from moaspec.api import load_target, prompt_token_ids, speculative_lm
+    from moaspec.engine import check_prompt_length
     from moaspec.text_stream import TextPrinter, TokenCollector
 
-    lm = load(target=args.target, drafter=args.drafter, tree_overrides=overrides, light_tokenizer=True, **options)
+    target = load_target(args.target, light_tokenizer=True, **options)
+    prompt_ids = prompt_token_ids(target, args.prompt, args.raw)
+    check_prompt_length(len(prompt_ids), target)  # a refused prompt before a first calibration's ~20 s
+    lm = speculative_lm(target, args.drafter, overrides)
     streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     head = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name}
     try:
         out = lm.generate(
-            args.prompt,
+            prompt_ids,
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
             top_k=args.top_k,
             seed=args.seed,
-            raw=args.raw,
             streamer=streamer,
         )
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: --json still prints the tokens verified before it

@@ -46,6 +46,18 @@ class GenerationResult:
     stop_reason: str = "length"  # "stop_token" | "length" | "context"
 
 
+def check_prompt_length(num_tokens: int, target: Target) -> None:
+    """MoaspecError unless a prompt of num_tokens leaves the target's context room for the answer's
+    first token (checked before a generation starts: nothing is streamed for a refused prompt)."""
+    if num_tokens == 0:
+        raise MoaspecError("the prompt is empty")
+    if num_tokens >= target.max_positions:
+        raise MoaspecError(
+            f"the prompt has {num_tokens} tokens but the target's context holds "
+            f"{target.max_positions}, the answer's first token included: at most {target.max_positions - 1}"
+        )
+
+
 class Engine:
     """Speculative generation with one target and one drafter (batch size 1), one generation at
     a time (module docstring)."""
@@ -85,13 +97,7 @@ class Engine:
         first step; Target.cancellable); between steps the caller simply stops iterating.
         """
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-        if prompt.numel() == 0:
-            raise MoaspecError("the prompt is empty")
-        if prompt.numel() >= self.target.max_positions:
-            raise MoaspecError(
-                f"the prompt has {prompt.numel()} tokens but the target's context holds "
-                f"{self.target.max_positions}, the answer's first token included: at most {self.target.max_positions - 1}"
-            )
+        check_prompt_length(prompt.numel(), self.target)
         result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
         return self._one_at_a_time.run(self._run(prompt, sampling, generation, stop_ids, result, cancel))

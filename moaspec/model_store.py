@@ -67,28 +67,42 @@ def check_target_spec(spec: object) -> None:
         raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
 
 
+def check_target_exists(spec: object) -> None:
+    """MoaspecError unless `spec` names a target: a built-in name, a .gguf file or a model directory
+    with a config.json. Nothing is converted or read, so the runtime flags are checked after it and
+    before a first conversion (~30 s): an unknown target is named as such, not as a flag it does
+    not take."""
+    check_target_spec(spec)
+    if spec in BUILTIN_TARGETS:
+        return
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise MoaspecError(f"target directory {path} has no config.json")
+        return
+    if path.exists():
+        raise MoaspecError(f"target {spec} is neither a model directory nor a .gguf file")
+    known = ", ".join(sorted(BUILTIN_TARGETS))
+    raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
+
+
 def resolve_target(spec: str) -> tuple[str, Path]:
     """Map a target name or path to (display name, local HF directory), converting GGUF once.
 
     Raises MoaspecError for an unknown name or a missing / unusable path.
     """
-    check_target_spec(spec)
+    check_target_exists(spec)
     if spec in BUILTIN_TARGETS:
         return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
     path = Path(spec).expanduser()
-    builtin = _builtin_at(path) if path.exists() else None
+    builtin = _builtin_at(path)
     if builtin is not None:  # its name, so that its shipped drafters apply (they were refused)
         return resolve_target(builtin)
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file():
         return path.name, ensure_converted(path.resolve(), label=path.name)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise MoaspecError(f"target directory {path} has no config.json")
-        return path.name, path
-    if path.exists():
-        raise MoaspecError(f"target {spec} is neither a model directory nor a .gguf file")
-    known = ", ".join(sorted(BUILTIN_TARGETS))
-    raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
+    return path.name, path
 
 
 def _builtin_at(path: Path) -> str | None:

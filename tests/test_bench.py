@@ -292,6 +292,8 @@ def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
         (["--ignore-eos", "--client-server"], "--ignore-eos applies to the single-device bench"),
         (["--tree-depth", "0"], "--tree-depth must be in [1, 32], got 0"),
         (["--tree-budget", "100000"], "--tree-budget must be in [1, 256], got 100000"),
+        # bug: ignored without a word when no method has a tree (generate refuses them there)
+        (["--methods", "ngram", "--tree-depth", "3"], "--tree-* settings apply to model-drafter methods"),
         (["--out", ""], "--out is empty"),
         (["--client-server", "--network", ""], "--network is empty"),
     ],

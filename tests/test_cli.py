@@ -49,6 +49,10 @@ BAD_INPUTS: dict[str, Case] = {
     "unknown target name": (lambda tmp: _gen("--target", "no-such-model"), "unknown target 'no-such-model'"),
     "missing path": (lambda tmp: _gen("--target", str(tmp / "missing" / "model")), "unknown target"),
     "dir without config.json": (lambda tmp: _gen("--target", str(tmp)), "has no config.json"),
+    # bug: the runtime flags were checked first, against the default runtime of a name it did not know
+    "unknown target with --threads": (lambda tmp: _gen("--target", "no-such-model", "--threads", "1"), "unknown target"),
+    "dir without config.json with --threads": (lambda tmp: _gen("--target", str(tmp), "--threads", "1"),
+                                                "has no config.json"),
     "file that is not a model": (_plain_file, "neither a model directory nor a .gguf file"),
     ".gguf without GGUF magic": (_not_gguf, "not a GGUF file"),
     "empty prompt": (lambda tmp: ["generate", "--prompt", ""], "the prompt is empty"),
@@ -349,8 +353,10 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
     import moaspec.cli as cli
     import moaspec.model_store
 
+    loaded = SimpleNamespace(name="smollm2-135m", runtime="llama.cpp", max_positions=8192)
+
     class InterruptedLM:
-        target = SimpleNamespace(name="smollm2-135m", runtime="llama.cpp")
+        target = loaded
         drafter_name = "ngram"
         tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
 
@@ -361,9 +367,41 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
             raise cli.Terminated if terminated else KeyboardInterrupt
 
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("smollm2-135m", None))  # no conversion
-    monkeypatch.setattr(moaspec.api, "load", lambda **options: InterruptedLM())
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, **options: loaded)
+    monkeypatch.setattr(moaspec.api, "prompt_token_ids", lambda target, prompt, raw: [1, 2, 3])
+    monkeypatch.setattr(moaspec.api, "speculative_lm", lambda target, drafter, overrides: InterruptedLM())
     assert cli.main(["generate", "--prompt", "hi", "--json", "--drafter", "ngram"]) == (143 if terminated else 130)
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"target": "smollm2-135m", "runtime": "llama.cpp", "drafter": "ngram",
                                         "text": "7 8 9", "token_ids": [7, 8, 9], "stop_reason": "interrupted"}
     assert captured.err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_the_calibration(tiny_llama, monkeypatch, capsys) -> None:
+    """Bug (a user's audit): `generate` with a prompt longer than the context calibrated the
+    machine first (205 s on a busy transformers runtime), then refused it. Now the prompt is
+    checked as soon as the target is loaded, by the CLI and by the one-shot library call."""
+    from test_bench import char_tokenizer
+
+    import moaspec
+    import moaspec.api
+    import moaspec.calibration.plan
+    import moaspec.cli as cli
+    import moaspec.model_store
+
+    def calibrated(*args, **kwargs):
+        raise AssertionError("the calibration ran")
+
+    tiny_llama.tokenizer = char_tokenizer()
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("tiny", None))  # no conversion
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *args, **kwargs: tiny_llama)
+    monkeypatch.setattr(moaspec.calibration.plan, "drafter_for", calibrated)
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    too_long = "x" * tiny_llama.max_positions
+    assert cli.main(["generate", "--prompt", too_long, "--raw", "--runtime", "transformers"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"moaspec: error: the prompt has {len(too_long)} tokens") and err.count("\n") == 1
+    with pytest.raises(moaspec.MoaspecError, match=f"the prompt has {len(too_long)} tokens"):
+        moaspec.generate(too_long, target="tiny", raw=True)
+    with pytest.raises(TypeError):  # before anything loads
+        moaspec.generate("hi", target="no-such-model", bogus=1)

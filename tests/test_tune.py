@@ -156,6 +156,16 @@ def test_tune_saves_a_choice_that_generation_then_uses(tiny_with_checkpoint, mon
     assert plain.tree_config == TreeConfig(depth=2, top_k=1, budget=2) and plain.tree_source == "checkpoint"
 
 
+def test_a_context_beyond_half_the_targets_is_said_to_be_capped(tiny_with_checkpoint, capsys) -> None:
+    """Bug (a user's audit): `tune --context 100000` measured at half the target's context without
+    a word."""
+    target, checkpoint = tiny_with_checkpoint
+    args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--repeats", "1", "--context", "100000",
+            "--calibration-prompts", "0", "--dry-run"]
+    assert main(args) == 0
+    assert "context 512 (--context 100000: at most half the target's 1024)" in capsys.readouterr().err
+
+
 def test_saved_choice_depends_on_the_checkpoint_and_survives_a_damaged_file(tiny_with_checkpoint) -> None:
     from moaspec.drafters import make_drafter
     from moaspec.tuned import save_tuned_tree, tuned_path

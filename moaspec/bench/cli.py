@@ -73,7 +73,7 @@ def add_bench_parser(commands, default_target: str) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
-    from moaspec.bench.methods import check_available, default_methods, parse_methods
+    from moaspec.bench.methods import check_available, check_tree_flags, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
     from moaspec.bench.report import render_markdown
@@ -109,6 +109,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_client_server_bench(args, categories, sampling, out, target_name, options)
     runtime = options["runtime"]
     specs = parse_methods(args.methods if args.methods is not None else default_methods(target_name, runtime))
+    check_tree_flags(specs, overrides)
     check_available(specs, target_name)
     prompts = load_prompts(categories, args.limit)
 
@@ -299,8 +300,9 @@ def run_tune(args: argparse.Namespace) -> int:
     context_len = min(args.context, target.max_positions // 2)
     prompts = [encode_chat_prompt(target.tokenizer, text) for text in CALIBRATION_PROMPTS[: args.calibration_prompts]]
     drafters = {spec: make_drafter(spec, target) for spec in specs}  # a drafter of another target fails here
+    capped = f" (--context {args.context}: at most half the target's {target.max_positions})" if context_len < args.context else ""
     print(
-        f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len})...",
+        f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len}{capped})...",
         file=sys.stderr,
     )
     verify_s = measure_verify(target, context_len, args.repeats)

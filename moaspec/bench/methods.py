@@ -77,6 +77,11 @@ class MethodSpec:
         """The drafter spec of an engine method, None for another library's generation."""
         return None if self.source in EXTERNAL_METHODS else self.source
 
+    @property
+    def takes_tree_flags(self) -> bool:
+        """Whether --tree-* fix this method's tree: a model drafter's, unless @ref fixes it."""
+        return self.drafter not in (None, DEFAULT_METHOD, *MODEL_FREE) and not self.reference_tree
+
 
 def parse_methods(value: str) -> tuple[MethodSpec, ...]:
     """`--methods a,b,...` -> specs (checked cheaply; `none` is put first when missing)."""
@@ -116,6 +121,15 @@ def default_methods(target_name: str, runtime: str = "transformers") -> str:
     external = HF_METHODS if runtime == "transformers" else LLAMA_CPP_METHODS
     methods = ["none", *external, "ngram", *shipped]
     return ",".join(dict.fromkeys([*methods, default_drafter(target_name), DEFAULT_METHOD]))
+
+
+def check_tree_flags(specs: tuple[MethodSpec, ...], tree_overrides: dict | None) -> None:
+    """Refuse --tree-* when no method of the run has a tree they fix (as `generate` refuses them
+    with a model-free drafter), instead of ignoring them."""
+    given = tree_overrides is not None and any(v is not None for v in tree_overrides.values())
+    if given and not any(spec.takes_tree_flags for spec in specs):
+        named = ", ".join(spec.described for spec in specs)
+        raise MoaspecError(f"--tree-* settings apply to model-drafter methods; --methods names none ({named})")
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
@@ -205,7 +219,7 @@ def drafter_tree(spec: MethodSpec, tree_overrides: dict | None) -> dict | None:
     the --tree-* values for the other model drafters, none for the model-free ones."""
     if spec.reference_tree:
         return REFERENCE_TREE
-    return None if spec.drafter in MODEL_FREE else tree_overrides
+    return tree_overrides if spec.takes_tree_flags else None
 
 
 class EngineMethod:

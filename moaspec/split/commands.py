@@ -104,7 +104,7 @@ def build_server(args: argparse.Namespace, keys: list[str]):
     capture keys/values (llama.cpp's capture slows every decode)."""
     from moaspec.api import load_target
     from moaspec.calibration.plan import drafter_for
-    from moaspec.drafters import default_drafter, make_drafter
+    from moaspec.drafters import MODEL_FREE, default_drafter, make_drafter
     from moaspec.openai_api.cli import openai_limits_from_args
     from moaspec.serving.identity import drafter_form
     from moaspec.split.serve_flags import server_limits_from_args
@@ -128,7 +128,8 @@ def build_server(args: argparse.Namespace, keys: list[str]):
         openai = (decoding_target, decoding_drafter)
         decoding = calibration.chosen.drafter if calibration is not None else drafter_form(decoding_drafter)
     server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai)
-    return server, f"{target.name} + {split_form} context encoder (OpenAI API: {decoding})"
+    encoder = "" if split_form in MODEL_FREE else " context encoder"  # n-gram clients draft alone
+    return server, f"{target.name} + {split_form}{encoder} (OpenAI API: {decoding})"
 
 
 def _within_runtime(limits: ServerLimits, target: Target, args: argparse.Namespace) -> ServerLimits:

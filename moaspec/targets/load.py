@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from moaspec.errors import MoaspecError, first_line
-from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, resolve_target
+from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, check_target_exists, resolve_target
 from moaspec.nn.file_rows import FileRows, RowEmbedding
 from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import Target
@@ -59,6 +59,7 @@ def load_target(
     llama.cpp: `threads` (default: the cores torch uses), `gpu_layers` (layers offloaded by a GPU
     build of llama.cpp) and `light_tokenizer` (tokenizer.py: no transformers import; the CLI's choice).
     """
+    check_target_exists(target)  # an unknown target is named before its runtime's settings are checked
     runtime = check_runtime(runtime, target)
     dtype = torch_dtype(dtype)
     check_placement(runtime, device, str(dtype).removeprefix("torch."), threads, gpu_layers)
