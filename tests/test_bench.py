@@ -84,6 +84,9 @@ def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, ca
     assert hf_row["tau"] == pytest.approx(1.0) and hf_row["time_s"] is None
     markdown = (out / "results.md").read_text()
     assert "## mt_bench" in markdown and "## Mean over categories" in markdown and "| ngram |" in markdown
+    # the runtime the target ran on, its setting beside it (llama.cpp: its threads; the header said
+    # only torch's, a user's audit found)
+    assert results["config"]["threads"] is None and "Target `tiny-llama` on transformers (float32), " in markdown
     assert "Fastest per category" in markdown and "## Relative to `hf`" in markdown
     for name in ("speedup.png", "tau.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -267,6 +270,9 @@ def test_the_report_says_when_the_target_verified_only_short_chains() -> None:
     assert "Trees: the target verifies no drafted token exactly here" in render_markdown(results)
     results["config"]["tree_limit"] = {"max_nodes": 128, "chains_only": False}
     assert "Trees:" not in render_markdown(results)
+    assert render_markdown(results).splitlines()[2].startswith("Target `t`, greedy")  # written before runtimes were
+    results["config"].update(runtime="llama.cpp", dtype=None, threads=1)
+    assert render_markdown(results).splitlines()[2].startswith("Target `t` on llama.cpp (1 thread), greedy")
 
 
 def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:

@@ -116,7 +116,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # 2. load and run
     load_library_held()
     import moaspec.api
-    from moaspec.bench.methods import build_method, needs_hf_copy
+    from moaspec.bench.methods import build_method, llama_cpp_threads, needs_hf_copy
     from moaspec.bench.runner import run_benchmark
 
     target = moaspec.api.load_target(args.target, **options)
@@ -139,6 +139,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "target": target.name,
         "runtime": target.runtime,
         "dtype": options["dtype"] if target.runtime == "transformers" else None,  # --dtype
+        "threads": llama_cpp_threads(target) if target.runtime == "llama.cpp" else None,  # --threads or the default
         "categories": list(categories),
         "limit": args.limit,
         "methods": [spec.label for spec in specs],

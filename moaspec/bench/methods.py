@@ -203,15 +203,17 @@ def _llama_cpp_method(spec: MethodSpec, target: Target, stop_ids: frozenset[int]
         raise MoaspecError(f"method '{spec.label}' needs a GGUF target; '{target.name}' is not one")
     if not llama_cpp_available():
         raise MoaspecError(f"method '{spec.label}' needs llama-cpp-python: pip install llama-cpp-python==0.3.36")
-    threads = getattr(target, "threads", None) or _torch_threads()
+    threads = llama_cpp_threads(target)
     lookup = LLAMA_CPP_PLD_TOKENS if spec.source == "llama.cpp-pld" else None
     return LlamaCppGenerateMethod(spec.label, gguf, threads, target.max_positions, stop_ids, lookup)
 
 
-def _torch_threads() -> int:
+def llama_cpp_threads(target: Target) -> int:
+    """The threads llama.cpp decodes with for `target`: its own setting, else the cores torch uses
+    (the llama.cpp runtime's default)."""
     import torch
 
-    return torch.get_num_threads()
+    return getattr(target, "threads", None) or torch.get_num_threads()
 
 
 def drafter_tree(spec: MethodSpec, tree_overrides: dict | None) -> dict | None:

@@ -193,7 +193,7 @@ def render_markdown(results: dict) -> str:
         "# moaspec bench",
         "",
         (
-            f"Target `{config['target']}`, {decoding}, {_length_phrase(config)}, "
+            f"Target `{config['target']}`{_runtime_phrase(config)}, {decoding}, {_length_phrase(config)}, "
             f"seed {config['seed']}; methods interleaved prompt by prompt, warm-up excluded."
         ),
         f"Machine: {results['machine']['description']}. Command: `{results['command']}`.",
@@ -236,6 +236,17 @@ def render_markdown(results: dict) -> str:
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"
+
+
+def _runtime_phrase(config: dict) -> str:
+    """' on llama.cpp (2 threads)' / ' on transformers (float32)'; nothing for results written
+    before the runtime was recorded."""
+    runtime = config.get("runtime")
+    if runtime is None:
+        return ""
+    threads = config.get("threads")
+    setting = f"{threads} thread{'s' * (threads != 1)}" if threads else config.get("dtype")
+    return f" on {runtime}" + (f" ({setting})" if setting else "")
 
 
 def _length_phrase(config: dict) -> str:
