@@ -224,7 +224,7 @@ def generate(
     GenerationConfig(max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
     gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
     _check_drafter_request(drafter, tree_overrides)
-    loaded = load_target(target, dtype, runtime=runtime, device=device, threads=threads, gpu_layers=gpu_layers)
+    loaded = load_target(target, dtype, DEFAULT_ATTN_IMPLEMENTATION, runtime, device, threads, gpu_layers)
     prompt_ids = prompt_token_ids(loaded, prompt, settings["raw"])
     check_prompt_length(len(prompt_ids), loaded)
     return speculative_lm(loaded, drafter, tree_overrides, calibrate).generate(prompt_ids, **kwargs)
