@@ -557,6 +557,28 @@ def test_feature_cache_stores_only_what_the_drafter_reads(tmp_path) -> None:
         moa.check(data, "fp", 0, (1, 2))
 
 
+def test_the_readmes_three_runs_share_one_all_layer_cache(tmp_path) -> None:
+    """Bug (a user's audit): the README trains MoA TLI 0, MoA TLI 1 and EAGLE-2 on one
+    --feature-cache, but the cache MoA TLI 0 built held no TLI stream and refused the second run.
+    An all-layer cache now keeps the stream entering the last layer too; a smaller cache still
+    refuses what it lacks, saying what to do."""
+    from moaspec.train.run import open_feature_cache
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    data = samples(2, 3)
+    all_layers = (0, 1, 2)
+    cache = open_feature_cache(target, data, tmp_path / "shared", 0, all_layers)  # MoA TLI 0 builds it
+    assert cache.tli_max == 1
+    online = OnlineFeatures(target).features(data[0], 1, all_layers)
+    for tli, kv_layers in ((1, all_layers), (0, ())):  # MoA TLI 1, then EAGLE-2, from the same cache
+        got = open_feature_cache(target, data, tmp_path / "shared", tli, kv_layers).features(data[0], tli, kv_layers)
+        torch.testing.assert_close(got.final_hidden, online.final_hidden, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(cache.features(data[0], 1, all_layers).tli_hidden, online.tli_hidden, rtol=2e-3, atol=2e-3)
+    open_feature_cache(target, data, tmp_path / "eagle", 0, ())  # EAGLE-2's alone: one hidden state a token
+    with pytest.raises(MoaspecError, match=r"holds TLI depths up to 0, not 1; use another --feature-cache"):
+        open_feature_cache(target, data, tmp_path / "eagle", 1, ())
+
+
 @pytest.mark.parametrize("method, tli", [("moa", 1), ("eagle", 0)])
 def test_training_from_the_feature_cache_follows_online_training(tmp_path, method: str, tli: int) -> None:
     """Same seeds, cached vs online features: the loss curves agree to fp16 feature precision."""

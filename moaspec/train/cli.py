@@ -105,7 +105,7 @@ def add_train_parser(commands, default_target: str) -> None:
         "--feature-cache", default=None,
         help="directory of memory-mapped fp16 target features, built on first use and shared by runs on the same data "
         "reading the same features (about 2x faster training; per SmolLM2 token 1.2 KB for EAGLE-2, 4.2 KB for MoA "
-        "with --memory-layers 4, 24 KB with all layers); default: run the target online",
+        "with --memory-layers 4, 25 KB with all layers); default: run the target online",
     )
     train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
     train.add_argument(

@@ -5,10 +5,11 @@ computing the features online costs about half of every training step (12 s of 2
 tokens: the target's prefill plus its full-vocabulary LM head for the teacher). A data set is
 trained on for several epochs and by three drafters (MoA TLI 0, MoA TLI k, EAGLE-2), so running
 the target once per token and reading fp16 features back from the page cache is the better deal.
-A cache holds what its drafter reads and no more (`kv_layers`, `tli_max`): per token
-(Lk * kv_dim + (k_max + 1) * D) * 2 + 8 bytes. SmolLM2: EAGLE-2 (Lk = 0, k_max = 0) 1.2 KB,
-MoA reading the last 4 layers 4.2 KB, the paper's all-layer MoA (Lk = 30) 24 KB; so 3 M tokens
-take 3.5 / 12.6 / 72 GB. Never committed.
+A cache holds what its drafter reads and no more (`kv_layers`, `tli_max`), except that an
+all-layer cache also keeps TLI 1's stream (ALL_LAYER_CACHE_TLI), so MoA TLI 0 / 1 and EAGLE-2
+share it: per token (Lk * kv_dim + (k_max + 1) * D) * 2 + 8 bytes. SmolLM2: EAGLE-2 (Lk = 0,
+k_max = 0) 1.2 KB, MoA reading the last 4 layers 4.2 KB, the paper's all-layer MoA (Lk = 30,
+k_max = 1) 25 KB; so 3 M tokens take 3.5 / 12.6 / 76 GB. Never committed.
 
 Layout of a cache directory (one data set, one target):
   layer_kv.npy   [N, Lk, kv_dim] float16  per-layer [k_h, v_h] (post-RoPE keys) of the target
@@ -42,6 +43,9 @@ CACHE_VERSION = 2
 INDEX = "index.json"
 ARRAYS = ("layer_kv", "hidden", "lse", "argmax")
 SAVE_EVERY = 16  # sequences between progress saves while building
+# an all-layer cache keeps the residual stream entering the last layer as well (TLI 1): SmolLM2,
+# 1.2 KB a token beside the layers' 23 KB
+ALL_LAYER_CACHE_TLI = 1
 
 
 def data_key(samples: list[TrainSample]) -> str:
@@ -84,7 +88,10 @@ class FeatureCache:
         if self.index["target_fingerprint"] != fingerprint:
             raise MoaspecError(f"feature cache {self.directory} was built for another target")
         if tli_layers > self.tli_max:
-            raise MoaspecError(f"feature cache {self.directory} holds TLI depths up to {self.tli_max}, not {tli_layers}")
+            raise MoaspecError(
+                f"feature cache {self.directory} holds TLI depths up to {self.tli_max}, not {tli_layers}; "
+                "use another --feature-cache"
+            )
         missing = sorted((set(kv_layers) | set(tli_kv_layers(self.num_layers, tli_layers))) - set(self.kv_layers))
         if missing:
             raise MoaspecError(
@@ -115,6 +122,14 @@ class FeatureCache:
 
     def batch_features(self, samples: list[TrainSample], tli_layers: int, kv_layers: tuple[int, ...]) -> list[TargetFeatures]:
         return [self.features(sample, tli_layers, kv_layers) for sample in samples]
+
+
+def cached_tli_depth(num_layers: int, tli_layers: int, kv_layers: tuple[int, ...]) -> int:
+    """The TLI depth a new cache stores for a run of TLI depth `tli_layers` reading `kv_layers`:
+    that depth, or ALL_LAYER_CACHE_TLI for a cache of every layer's keys/values, so that MoA TLI 0,
+    MoA TLI 1 and EAGLE-2 share it in any order (the README's training steps)."""
+    every_layer = set(kv_layers) >= set(range(num_layers))
+    return max(tli_layers, ALL_LAYER_CACHE_TLI) if every_layer else tli_layers
 
 
 def tli_kv_layers(num_layers: int, tli_layers: int) -> list[int]:
@@ -160,13 +175,16 @@ def build_feature_cache(
             )
         if previous.get("complete"):
             return FeatureCache(directory)
-        compared = ("version", "data_key", "target_fingerprint", "tli_max", "kv_layers")
-        same = {name: previous.get(name) for name in compared}
-        if same != {name: index[name] for name in same}:
+        compared = ("version", "data_key", "target_fingerprint")
+        same = {name: previous.get(name) for name in compared} == {name: index[name] for name in compared}
+        # a partial build holding more than asked (an all-layer cache's TLI stream) is finished as it was begun
+        covers = previous.get("tli_max", -1) >= tli_max and set(previous.get("kv_layers", ())) >= set(stored)
+        if not (same and covers):
             raise MoaspecError(
                 f"{directory} holds a feature cache of other data, target, layers or TLI depth; use another directory"
             )
         index = previous
+        tli_max, stored = index["tli_max"], index["kv_layers"]
     else:
         directory.mkdir(parents=True, exist_ok=True)
     shapes = {

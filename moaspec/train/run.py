@@ -220,10 +220,11 @@ def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_
     """The FeatureCache of `samples` in `directory`, built (or finished) first when needed, sized
     to what this drafter reads: the keys/values of `kv_layers` and TLI depth `tli_layers`."""
     from moaspec.nn.checkpoint import target_fingerprint
-    from moaspec.train.feature_cache import build_feature_cache
+    from moaspec.train.feature_cache import build_feature_cache, cached_tli_depth
 
     fingerprint = target_fingerprint(target)
-    cache = build_feature_cache(target, samples, directory, fingerprint, tli_max=tli_layers, kv_layers=kv_layers)
+    tli_max = cached_tli_depth(target.num_layers, tli_layers, kv_layers)
+    cache = build_feature_cache(target, samples, directory, fingerprint, tli_max=tli_max, kv_layers=kv_layers)
     cache.check(samples, fingerprint, tli_layers, kv_layers)
     return cache
 
