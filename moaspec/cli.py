@@ -310,10 +310,19 @@ def _stop_on_sigterm() -> None:
 
 
 def check_arguments(argv: list[str]) -> int:
-    """Parse a command line without running it: 0, or 2 after the one-line error (the scripts
-    check the flags they pass through before their long first steps)."""
+    """Parse a command line without running it, and check `train`'s and `tune`'s settings: 0, or 2
+    after the one-line error (the scripts check the flags they pass through before their long
+    first steps)."""
     try:
-        _build_parser().parse_args(argv)
+        args = _build_parser().parse_args(argv)
+        if args.command == "train":
+            from moaspec.train.cli import check_train_arguments
+
+            check_train_arguments(args)
+        elif args.command == "tune":
+            from moaspec.bench.cli import check_tune_values
+
+            check_tune_values(args)
     except MoaspecError as exc:
         print(f"moaspec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

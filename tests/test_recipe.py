@@ -62,6 +62,11 @@ def test_recipe_needs_an_output_directory() -> None:
         (["--bogus-flag"], {}, "unrecognized arguments: --bogus-flag"),
         (["--steps", "x"], {}, "argument --steps: invalid int value"),
         ([], {"TUNE_ARGS": "--no-such-tune-flag"}, "unrecognized arguments: --no-such-tune-flag"),
+        # bug (a user's audit): values were checked only after the distillation
+        ([], {"STEPS": "0"}, "--steps must be >= 1"),
+        (["--lr", "-1"], {}, "--lr > 0"),
+        (["--device", "cuda:7"], {}, "--device cuda:7"),
+        ([], {"TUNE_ARGS": "--repeats 0"}, "--repeats and --calibration-tokens must be >= 1"),
     ],
 )
 def test_recipe_checks_the_flags_it_passes_on_before_distilling(tmp_path: Path, argv, env, message) -> None:

@@ -254,27 +254,33 @@ def add_tune_parser(commands, default_target: str) -> None:
     tune.add_argument("--dry-run", action="store_true", help="print the ranking, save nothing")
 
 
-def run_tune(args: argparse.Namespace) -> int:
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, run_directory_hint, split_lookup
-    from moaspec.model_store import resolve_target
+def check_tune_values(args: argparse.Namespace) -> None:
+    """`tune`'s settings checked without the target or drafters (MoaspecError naming the flag);
+    also run by `check_arguments` (scripts/recipe, before its distillation)."""
+    from moaspec.bench.tune import CALIBRATION_PROMPTS
     from moaspec.targets.options import check_device
 
-    # 1. cheap checks before torch loads
     if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
         raise MoaspecError(
             "--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0"
         )
     if args.top1_rate is not None and not 0.0 < args.top1_rate < 1.0:
         raise MoaspecError("--top1-rate must be in (0, 1)")
-    from moaspec.bench.tune import CALIBRATION_PROMPTS
-
     if args.calibration_prompts > len(CALIBRATION_PROMPTS):
         raise MoaspecError(f"--calibration-prompts is at most {len(CALIBRATION_PROMPTS)}")
+    check_device(args.device)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, run_directory_hint, split_lookup
+    from moaspec.model_store import resolve_target
+
+    # 1. cheap checks before torch loads
+    check_tune_values(args)
     specs = list(dict.fromkeys(part.strip() for part in args.drafters.split(",") if part.strip()))
     if not specs:
         raise MoaspecError("--drafters is empty")
     target_name, _ = resolve_target(args.target)
-    check_device(args.device)
     for spec in specs:
         check_drafter_spec(spec)
         if spec in MODEL_FREE:
@@ -290,7 +296,7 @@ def run_tune(args: argparse.Namespace) -> int:
     load_library_held()
     import moaspec.api
     from moaspec.bench.output import timestamp
-    from moaspec.bench.tune import tune_drafter
+    from moaspec.bench.tune import CALIBRATION_PROMPTS, tune_drafter
     from moaspec.calibration.costs import measure_verify
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter

@@ -125,13 +125,14 @@ def add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--tree-budget", type=int, default=tree.budget, help=f"default drafted nodes (default {tree.budget})")
 
 
-def run_train(args: argparse.Namespace) -> int:
+def check_train_values(args: argparse.Namespace):
+    """`train`'s settings checked without data, target or output (MoaspecError naming the flag)
+    -> (TrainConfig, TreeConfig). Also run by `check_arguments`, so scripts/recipe refuses them
+    before its half-hour distillation."""
     from moaspec.config import TreeConfig
+    from moaspec.targets.options import check_device
     from moaspec.train.config import TrainConfig
-    from moaspec.train.distill import shard_files
 
-    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
-    _inherit_architecture(args, init_from)
     for name in ("steps", "batch_size", "micro_batch", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
@@ -151,14 +152,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise MoaspecError("--anchor-every needs 1 <= MIN <= MAX")
     if not (args.ce_weight >= 0 and args.feature_weight >= 0 and args.ce_weight + args.feature_weight > 0):
         raise MoaspecError("--ce-weight and --feature-weight must be >= 0, not both 0")
-    data = tuple(Path(directory).expanduser() for directory in args.data)
-    for directory in data:
-        if not directory.is_dir() or not shard_files(directory):
-            raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
     if args.time_limit_min is not None and not args.time_limit_min > 0:
         raise MoaspecError("--time-limit-min must be > 0")
-    out = output_dir(args.out)
-    feature_cache = None if args.feature_cache is None else output_dir(args.feature_cache, "--feature-cache")
     try:
         config = TrainConfig(
             method=args.method, tli_layers=args.tli_layers, steps=args.steps, batch_size=args.batch_size,
@@ -173,9 +168,29 @@ def run_train(args: argparse.Namespace) -> int:
         tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
-    from moaspec.targets.options import check_device
-
     check_device(args.device)
+    return config, tree
+
+
+def check_train_arguments(args: argparse.Namespace) -> None:
+    """`check_arguments`' part for `train`: check_train_values with the architecture flags not
+    given at their defaults (what --init-from's checkpoint gives is checked when the run starts)."""
+    _inherit_architecture(args, None)
+    check_train_values(args)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from moaspec.train.distill import shard_files
+
+    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
+    _inherit_architecture(args, init_from)
+    config, tree = check_train_values(args)
+    data = tuple(Path(directory).expanduser() for directory in args.data)
+    for directory in data:
+        if not directory.is_dir() or not shard_files(directory):
+            raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+    out = output_dir(args.out)
+    feature_cache = None if args.feature_cache is None else output_dir(args.feature_cache, "--feature-cache")
     from moaspec.model_store import resolve_target
 
     _check_against_target(args, resolve_target(args.target)[1])
