@@ -17,14 +17,14 @@ compared with the data's next token; their points are not comparable).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, output_file, run_script
+from moaspec.bench.script_args import help_description, output_file, read_json, run_script
+from moaspec.errors import MoaspecError
 
 DEPTHS = (1, 2, 3)
 
@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     json_path, png_path = Path(f"{args.out}.json"), Path(f"{args.out}.png")  # --out a.v2: a.v2.json, not a.json
     if args.merge and json_path.is_file():
         names = {curve["name"] for curve in curves}
-        kept = [curve for curve in json.loads(json_path.read_text()) if curve["name"] not in names]
+        merged = read_json(json_path)
+        if not isinstance(merged, list) or not all(isinstance(curve, dict) and "name" in curve for curve in merged):
+            raise MoaspecError(f"{json_path} holds no learning curves to merge with")
+        kept = [curve for curve in merged if curve["name"] not in names]
         curves = kept + curves
     write_json(json_path, curves)
     plot(curves, png_path)

@@ -232,7 +232,7 @@ def _lookup_summary(counts: dict) -> tuple[dict, dict]:
 def check_drafters(parser: argparse.ArgumentParser, drafters: str) -> None:
     """Every NAME or LABEL=DIR of --drafters names a drafter (argparse's error otherwise), before
     the features are computed (minutes)."""
-    from moaspec.drafters import check_drafter_spec
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec
 
     for item in drafters.split(","):
         spec = item.partition("=")[2] if "=" in item else item
@@ -240,6 +240,8 @@ def check_drafters(parser: argparse.ArgumentParser, drafters: str) -> None:
             check_drafter_spec(spec)
         except MoaspecError as exc:
             parser.error(str(exc))
+        if spec in MODEL_FREE:  # no net to score (`moa+ngram` scores the lookup beside one)
+            parser.error(f"--drafters: '{spec}' is not a model drafter (moa, eagle, X+ngram or a checkpoint)")
 
 
 def feature_cache_dir(given: str | None) -> Path:

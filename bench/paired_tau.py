@@ -13,12 +13,11 @@ the rounds, with the share of rounds in which it is positive.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import numpy as np
 
-from moaspec.bench.script_args import existing_file, positive_int, run_script
+from moaspec.bench.script_args import existing_file, positive_int, read_json, run_script
+from moaspec.errors import MoaspecError
 
 
 def per_generation(runs: list[dict], method: str) -> dict[tuple, tuple[int, int]]:
@@ -49,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("methods", nargs="+")
     parser.add_argument("--rounds", type=positive_int, default=10000)
     args = parser.parse_args(argv)
-    runs = json.loads(Path(args.results).read_text())["runs"]
+    results = read_json(args.results)
+    if not isinstance(results, dict) or not isinstance(results.get("runs"), list):
+        raise MoaspecError(f"{args.results} is not a `moaspec bench` results.json (no list of runs)")
+    runs = results["runs"]
     baseline = per_generation(runs, args.baseline)
     base_tau = sum(n for n, _ in baseline.values()) / sum(f for _, f in baseline.values())
     print(f"{args.baseline}: tau {base_tau:.3f} over {len(baseline)} generations")

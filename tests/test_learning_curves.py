@@ -32,6 +32,14 @@ def test_moa_draft_depth_is_the_trainers_next_depth_and_merge_keeps_other_runs(t
     assert [curve["name"] for curve in merged] == ["old-run", "moa-a"] and "stale" not in merged[1]
     assert script.main(["--out", str(out), str(tmp_path / "runs" / "eagle-a")]) == 0
     assert [curve["name"] for curve in json.loads(out.with_suffix(".json").read_text())] == ["eagle-a"]
+    # bug (a user's audit): a damaged file to merge with gave a traceback
+    import pytest
+
+    from moaspec.errors import MoaspecError
+
+    out.with_suffix(".json").write_text("[{")
+    with pytest.raises(MoaspecError, match="is not a readable JSON file"):
+        script.main(["--out", str(out), "--merge", str(tmp_path / "runs" / "moa-a")])
 
 
 def test_runs_are_named_by_label_and_one_name_twice_is_refused(tmp_path, monkeypatch) -> None:

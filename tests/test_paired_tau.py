@@ -35,3 +35,10 @@ def test_pairs_generations_and_reports_the_difference(tmp_path, capsys) -> None:
     assert "positive in 100% of 500 rounds" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no runs of method 'c'"):
         script.main([str(results), "a", "c"])
+    # bug (a user's audit): a file that is not a results.json gave a traceback
+    from moaspec.errors import MoaspecError
+
+    for text, message in (("", "not a readable JSON file"), ("[1, 2]", "not a `moaspec bench` results.json")):
+        results.write_text(text)
+        with pytest.raises(MoaspecError, match=message):
+            script.main([str(results), "a", "b"])

@@ -72,6 +72,17 @@ def existing_file(text: str) -> Path:
     return path
 
 
+def read_json(path: Path):
+    """A JSON document a script reads (a results.json, a curves file): MoaspecError, one line
+    through run_script, when it cannot be read or is not JSON."""
+    import json
+
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise MoaspecError(f"{path} is not a readable JSON file ({str(exc).splitlines()[0]})") from None
+
+
 def output_file(text: str) -> Path:
     """--out FILE: not a directory, in a folder that exists or can be made (checked before the
     run, so its work is not lost to an unwritable path at the end)."""
