@@ -401,6 +401,8 @@ def test_the_client_server_bench_serves_moa_from_the_default_runtime(tmp_path, c
     assert main(argv) == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["runtime"] == "llama.cpp" and results["mismatches"] == []
+    threads = results["config"]["threads"]  # recorded and named, as the single-device bench does
+    assert threads >= 1 and f"on the llama.cpp runtime ({threads} thread" in (out / "results.md").read_text()
     split = [row for row in results["client_server"] if row["method"] == "moa" and row["mode"] == "split"]
     assert len(split) == 1 and split[0]["new_tokens"] == 6 and split[0]["tau"] >= 1.0
 

@@ -153,7 +153,7 @@ def run_client_server_bench(
     if target.tokenizer is None:
         raise MoaspecError(f"target {args.target} has no tokenizer")
     prompts, skipped = conversations(target, items)
-    from moaspec.bench.methods import drafter_tree
+    from moaspec.bench.methods import drafter_tree, llama_cpp_threads
     from moaspec.tuned import tree_overrides
 
     overrides = tree_overrides(args)
@@ -164,6 +164,7 @@ def run_client_server_bench(
     }
     config = _config(args, target.name, target.runtime, categories, specs, profiles)
     config["dtype"] = runtime["dtype"] if target.runtime == "transformers" else None  # --dtype
+    config["threads"] = llama_cpp_threads(target) if target.runtime == "llama.cpp" else None  # --threads or the default
     data = run_client_server(
         target, drafters, prompts, profiles, sampling, args.max_new_tokens, args.seed, progress=not args.no_progress,
         adaptive=bool(args.adaptive),
@@ -242,8 +243,14 @@ def _config(
 
 
 def _runtime_phrase(config: dict) -> str:
-    """' on the <runtime> runtime', or nothing for results written before the runtime was recorded."""
-    return f" on the {config['runtime']} runtime" if config.get("runtime") else ""
+    """' on the <runtime> runtime' (with llama.cpp's threads), or nothing for results written
+    before the runtime was recorded."""
+    from moaspec.bench.report import threads_phrase
+
+    if not config.get("runtime"):
+        return ""
+    threads = threads_phrase(config.get("threads"))
+    return f" on the {config['runtime']} runtime" + (f" ({threads})" if threads else "")
 
 
 def _turns_phrase(config: dict) -> str:

@@ -244,9 +244,13 @@ def _runtime_phrase(config: dict) -> str:
     runtime = config.get("runtime")
     if runtime is None:
         return ""
-    threads = config.get("threads")
-    setting = f"{threads} thread{'s' * (threads != 1)}" if threads else config.get("dtype")
+    setting = threads_phrase(config.get("threads")) or config.get("dtype")
     return f" on {runtime}" + (f" ({setting})" if setting else "")
+
+
+def threads_phrase(threads: int | None) -> str:
+    """'2 threads' / '1 thread' (llama.cpp's, config.threads), '' when not recorded."""
+    return f"{threads} thread{'s' * (threads != 1)}" if threads else ""
 
 
 def _length_phrase(config: dict) -> str:
