@@ -405,3 +405,34 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_the_calibration(tin
         moaspec.generate(too_long, target="tiny", raw=True)
     with pytest.raises(TypeError):  # before anything loads
         moaspec.generate("hi", target="no-such-model", bogus=1)
+
+
+def test_train_refuses_doubled_data_and_directories_of_other_files(tmp_path, capsys) -> None:
+    """Bugs (a user's audit): `--data D D` trained on every record twice, `--out` and
+    `--feature-cache` wrote into folders of other files (a data directory, notes), and an unfinished
+    distillation was trained on without a word."""
+    from moaspec.cli import main
+    from moaspec.train import feature_cache
+    from moaspec.train.cli import FEATURE_CACHE_FILES
+
+    assert set(FEATURE_CACHE_FILES) == {feature_cache.INDEX, *(f"{name}.npy" for name in feature_cache.ARRAYS)}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text("{}\n")
+    (data / "manifest.json").write_text('{"complete": false}')
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    base = ["train", "--method", "eagle", "--data", str(data)]
+    cases = [
+        ([*base, str(data), "--out", str(tmp_path / "run")], f"--data names {data} twice"),
+        ([*base, "--out", str(data)], "holds other files (manifest.json, shard-00000.jsonl), not a `moaspec train` run"),
+        ([*base, "--out", str(tmp_path / "run"), "--feature-cache", str(notes)], "holds other files (notes.txt), not a feature cache"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines[-1].startswith("moaspec: error: ") and message in lines[-1], lines
+        assert lines[:-1] == [f"moaspec: note: {data} is not complete yet (`moaspec data stats {data}`): "
+                              "training on the records it holds now"]
+    assert (notes / "notes.txt").read_text() == "mine" and sorted(p.name for p in notes.iterdir()) == ["notes.txt"]

@@ -172,6 +172,40 @@ def check_train_values(args: argparse.Namespace):
     return config, tree
 
 
+# what a run directory holds (train_state.pt, checkpoint/, runs.jsonl: moaspec/train/run.py), and a
+# feature cache (feature_cache.INDEX and ARRAYS; named here so that no torch loads before the checks)
+RUN_FILES = ("train_state.pt", "checkpoint", "runs.jsonl")
+FEATURE_CACHE_FILES = ("index.json", "layer_kv.npy", "hidden.npy", "lse.npy", "argmax.npy")
+
+
+def _checked_data(directories: list[str]) -> tuple[Path, ...]:
+    """--data: directories of shards, each named once; one still being distilled is said."""
+    from moaspec.train.distill import read_manifest, shard_files
+
+    data = tuple(Path(directory).expanduser() for directory in directories)
+    seen: set[Path] = set()
+    for directory in data:
+        if not directory.is_dir() or not shard_files(directory):
+            raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
+        if directory.resolve() in seen:
+            raise MoaspecError(f"--data names {directory} twice (its records would count double)")
+        seen.add(directory.resolve())
+        if read_manifest(directory).get("complete") is False:
+            print(f"moaspec: note: {directory} is not complete yet (`moaspec data stats {directory}`): "
+                  "training on the records it holds now", file=sys.stderr)
+    return data
+
+
+def _own_directory(directory: Path, flag: str, own: tuple[str, ...], what: str) -> Path:
+    """`directory`, unless it holds files of something else (none of `own`, hidden ones aside):
+    a run or cache is not written in among another's files."""
+    entries = [entry.name for entry in directory.iterdir() if not entry.name.startswith(".")] if directory.is_dir() else []
+    if entries and not any(name in entries for name in own):
+        shown = ", ".join(sorted(entries)[:3]) + (", ..." if len(entries) > 3 else "")
+        raise MoaspecError(f"{flag} {directory} holds other files ({shown}), not {what}; use a new or empty directory")
+    return directory
+
+
 def check_train_arguments(args: argparse.Namespace) -> None:
     """`check_arguments`' part for `train`: check_train_values with the architecture flags not
     given at their defaults (what --init-from's checkpoint gives is checked when the run starts)."""
@@ -180,17 +214,15 @@ def check_train_arguments(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from moaspec.train.distill import shard_files
-
     init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
     _inherit_architecture(args, init_from)
     config, tree = check_train_values(args)
-    data = tuple(Path(directory).expanduser() for directory in args.data)
-    for directory in data:
-        if not directory.is_dir() or not shard_files(directory):
-            raise MoaspecError(f"{directory} is not a directory with shard-*.jsonl files (see `moaspec data distill`)")
-    out = output_dir(args.out)
-    feature_cache = None if args.feature_cache is None else output_dir(args.feature_cache, "--feature-cache")
+    data = _checked_data(args.data)
+    out = _own_directory(output_dir(args.out), "--out", RUN_FILES, "a `moaspec train` run")
+    feature_cache = None
+    if args.feature_cache is not None:
+        feature_cache = _own_directory(output_dir(args.feature_cache, "--feature-cache"), "--feature-cache",
+                                       FEATURE_CACHE_FILES, "a feature cache")
     from moaspec.model_store import resolve_target
 
     _check_against_target(args, resolve_target(args.target)[1])
