@@ -256,6 +256,10 @@ def test_disconnection_scores_answers_against_references(monkeypatch) -> None:
     assert row.first_token_agreement == float(offline[0] == own[0])
     unscored = run_disconnection(target, drafters, prompts[1:], 2, len(offline))[0]
     assert unscored.num_scored == 0 and unscored.task_f1 is None and unscored.target_task_f1 is None
+    # bug (a user's audit): nothing drafted alone was reported as agreement 0.00, not as no figure
+    monkeypatch.setattr(client_server_runner, "_offline_continuation", lambda *args: ([], []))
+    silent = run_disconnection(target, drafters, prompts[1:], 2, len(offline))[0]
+    assert (silent.num_offline, silent.agreement, silent.first_token_agreement) == (0, None, 0.0)
 
 
 def test_stream_case_reconnects_after_the_server_closed_an_idle_connection() -> None:

@@ -373,14 +373,14 @@ def _disconnection_section(rows: list[dict], config: dict) -> list[str]:
     for row in rows:
         out.append(
             f"| {row['drafter']} | {row['num_generations']} | {row['num_offline']} | {row['num_agreeing']} "
-            f"| {row['agreement']:.2f} | {row['first_token_agreement']:.2f} | {row['num_scored']} "
+            f"| {_optional(row['agreement'], 2)} | {row['first_token_agreement']:.2f} | {row['num_scored']} "
             f"| {_optional(row['task_f1'])} | {_optional(row['target_task_f1'])} |"
         )
     return [*out, ""]
 
 
-def _optional(value: float | None) -> str:
-    return "–" if value is None else f"{value:.3f}"
+def _optional(value: float | None, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def _greedy_check(results: dict) -> str:

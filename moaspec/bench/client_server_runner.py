@@ -129,7 +129,7 @@ class DisconnectionRow:
     num_generations: int
     num_offline: int  # tokens the drafter produced alone (fewer than M when it ran out of ideas)
     num_agreeing: int  # leading offline tokens equal to the target's own continuation
-    agreement: float  # num_agreeing / num_offline
+    agreement: float | None  # num_agreeing / num_offline (None: nothing was drafted alone)
     first_token_agreement: float  # share of generations whose first offline token is the target's
     num_scored: int  # generations whose prompt has reference answers
     task_f1: float | None  # mean token F1 of verified + offline text (None when num_scored is 0)
@@ -329,7 +329,7 @@ def run_disconnection(
             rows.append(
                 DisconnectionRow(
                     method, cut_after, offline_tokens, len(prompts), num_offline, num_agreeing,
-                    agreement=round(num_agreeing / num_offline, 4) if num_offline else 0.0,
+                    agreement=round(num_agreeing / num_offline, 4) if num_offline else None,
                     first_token_agreement=round(num_first / len(prompts), 4) if prompts else 0.0,
                     num_scored=len(scores),
                     task_f1=_mean([offline for offline, _ in scores]),

@@ -174,7 +174,7 @@ CLIENT_SERVER_SCHEMA = {
             "num_generations": int,
             "num_offline": int,
             "num_agreeing": int,
-            "agreement": NUMBER,
+            "agreement": NULLABLE_NUMBER,  # null: nothing was drafted alone
             "first_token_agreement": NUMBER,
             "num_scored": int,
             "task_f1": NULLABLE_NUMBER,
