@@ -203,27 +203,27 @@ def build_feature_cache(
     hidden_layers = tuple(range(num_layers - tli_max, num_layers + 1))
     started, wall_before = time.perf_counter(), index.get("build_wall_s", 0.0)
     bar = tqdm(total=offsets[-1], initial=offsets[index["done"]], unit="tok", desc="target features", disable=not progress)
-    for position in range(index["done"], len(samples)):
-        ids = samples[position].input_ids
-        start, end = offsets[position], offsets[position + 1]
-        target.reset()
-        out = target.prefill(ids, hidden_layers)
-        hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
-        if stored:
-            arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
-        arrays["hidden"][start:end] = hidden.numpy()
-        lse, argmax = teacher_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
-        arrays["lse"][start:end] = lse.cpu().numpy()
-        arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
-        bar.update(end - start)
-        if (position + 1) % SAVE_EVERY == 0 or position + 1 == len(samples):
-            for array in arrays.values():
-                array.flush()
-            index["done"] = position + 1
-            index["complete"] = position + 1 == len(samples)
-            index["build_wall_s"] = round(wall_before + time.perf_counter() - started, 1)
-            write_file_atomically(index_path, json.dumps(index) + "\n")
+    with bar:  # closed on an interrupt too, so the CLI's last line starts on a line of its own
+        for position in range(index["done"], len(samples)):
+            ids = samples[position].input_ids
+            start, end = offsets[position], offsets[position + 1]
+            target.reset()
+            out = target.prefill(ids, hidden_layers)
+            hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
+            if stored:
+                arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
+            arrays["hidden"][start:end] = hidden.numpy()
+            lse, argmax = teacher_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
+            arrays["lse"][start:end] = lse.cpu().numpy()
+            arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
+            bar.update(end - start)
+            if (position + 1) % SAVE_EVERY == 0 or position + 1 == len(samples):
+                for array in arrays.values():
+                    array.flush()
+                index["done"] = position + 1
+                index["complete"] = position + 1 == len(samples)
+                index["build_wall_s"] = round(wall_before + time.perf_counter() - started, 1)
+                write_file_atomically(index_path, json.dumps(index) + "\n")
     target.reset()
-    bar.close()
     del arrays
     return FeatureCache(directory)
