@@ -35,7 +35,14 @@ from tqdm import tqdm
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
 from moaspec.bench.prompts import CATEGORIES, load_prompts
-from moaspec.bench.script_args import category_list, help_description, output_file, positive_int, run_script
+from moaspec.bench.script_args import (
+    category_list,
+    help_description,
+    int_at_least,
+    output_file,
+    positive_int,
+    run_script,
+)
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.costs_store import measure_verify_costs
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -106,12 +113,10 @@ def main() -> int:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--runtime", default=None, help="llama.cpp or transformers (default: the target's)")
     parser.add_argument("--categories", type=category_list, default=",".join(CATEGORIES))
-    parser.add_argument("--limit", type=int, default=10, help="prompts per category, drawn as the bench draws them")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
+    parser.add_argument("--limit", type=positive_int, default=10, help="prompts per category, drawn as the bench draws them")
+    parser.add_argument("--max-new-tokens", type=int_at_least(2), default=96, help="at least 2: one leaves nothing to look up")
     parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args = parser.parse_args()
-    if args.limit < 1 or args.max_new_tokens < 2:
-        parser.error("--limit must be >= 1 and --max-new-tokens >= 2")
 
     target = load_target(args.target, runtime=args.runtime)
     verify_costs = measure_verify_costs(target, ("row",), lambda text: print(f"measuring {text}", file=sys.stderr))["row"]

@@ -17,6 +17,11 @@ def positive_int(text: str) -> int:
     return _at_least(text, 1)
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    """The argparse type of an integer >= low."""
+    return lambda text: _at_least(text, low)
+
+
 def non_negative_int(text: str) -> int:
     """An integer >= 0."""
     return _at_least(text, 0)
