@@ -188,6 +188,8 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "moa", "--data", "d", "--out", "run", "--staircase-fraction", "2"], "--staircase-fraction must be within"),
         (["--method", "moa", "--data", "d", "--out", "run", "--min-lr", "1"], "--min-lr must be in (0, --lr = 0.0005]"),
         (["--method", "moa", "--data", "d", "--out", "run", "--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--lr", "-1"], "--lr must be > 0, got -1"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--tli-layers", "-1"], "--tli-layers must be >= 0"),
     ],
 )
 def test_train_bad_input(flags: list[str], message: str, capsys) -> None:

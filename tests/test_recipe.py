@@ -64,7 +64,7 @@ def test_recipe_needs_an_output_directory() -> None:
         ([], {"TUNE_ARGS": "--no-such-tune-flag"}, "unrecognized arguments: --no-such-tune-flag"),
         # bug (a user's audit): values were checked only after the distillation
         ([], {"STEPS": "0"}, "--steps must be >= 1"),
-        (["--lr", "-1"], {}, "--lr > 0"),
+        (["--lr", "-1"], {}, "--lr must be > 0, got -1"),
         (["--device", "cuda:7"], {}, "--device cuda:7"),
         ([], {"TUNE_ARGS": "--repeats 0"}, "--repeats and --calibration-tokens must be >= 1"),
     ],

@@ -136,8 +136,11 @@ def check_train_values(args: argparse.Namespace):
     for name in ("steps", "batch_size", "micro_batch", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.draft_vocab < 0 or args.tli_layers < 0 or not args.lr > 0:
-        raise MoaspecError("--draft-vocab and --tli-layers must be >= 0 and --lr > 0")
+    for name in ("draft_vocab", "tli_layers"):
+        if getattr(args, name) < 0:
+            raise MoaspecError(f"--{name.replace('_', '-')} must be >= 0")
+    if not args.lr > 0:
+        raise MoaspecError(f"--lr must be > 0, got {args.lr:g}")
     if not 0 < args.min_lr <= args.lr:
         raise MoaspecError(f"--min-lr must be in (0, --lr = {args.lr:g}] (the rate decays to it), got {args.min_lr:g}")
     if args.warmup_steps < 0:
