@@ -21,13 +21,13 @@ Acceptance does not depend on the machine, so these are measured once and commit
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from moaspec.api import load_target
+from moaspec.bench.output import write_json
 from moaspec.bench.script_args import help_description, positive_int, run_script
 from moaspec.bench.tune import CALIBRATION_PROMPTS, calibrate
 from moaspec.calibration.profile import PROFILE_FILE, LookupSequence, sequences_to_json, weights_digest
@@ -132,7 +132,7 @@ def main() -> int:
 
 
 def _write(path: Path, record: dict) -> None:
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_json(path, record)
     print(f"wrote {path}", flush=True)
 
 

@@ -29,6 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mtbench_top1  # noqa: E402
 
+from moaspec.atomic_files import write_file_atomically
+from moaspec.bench.output import write_json
 from moaspec.bench.script_args import help_description, non_negative_ints, output_directory, run_script
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["bench/draft_vocab_size.py", *(sys.argv[1:] if argv is None else argv)])
     record = {"command": command, "threads": torch.get_num_threads(), "rows": rows}
-    (out / "vocab.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_json(out / "vocab.json", record)
     threads = torch.get_num_threads()
     lines = [
         f"Larger draft vocabularies without retraining (80 MT-bench questions x 2 turns, {threads} threads)",
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{row[f'depth{d}']:.3f}" if f"depth{d}" in row else "–" for d in range(1, 6)]
         lines.append(f"| {row['drafter']} | {row['size']} | {row['inside']:.3f} | " + " | ".join(cells)
                      + f" | {row['head_ms_1']:.2f} | {row['head_ms_4']:.2f} |")
-    (out / "vocab.md").write_text("\n".join(lines) + "\n")
+    write_file_atomically(out / "vocab.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -17,12 +17,13 @@ compared with the data's next token; their points are not comparable).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 import torch
 
-from moaspec.bench.output import write_json
+from moaspec.atomic_files import write_files_atomically
 from moaspec.bench.script_args import help_description, output_file, read_json, run_script
 from moaspec.errors import MoaspecError
 
@@ -64,7 +65,10 @@ def named_runs(runs: list[str]) -> list[tuple[str, Path]]:
     return named
 
 
-def plot(curves: list[dict], path: Path) -> None:
+def plot(curves: list[dict]) -> bytes:
+    """The curves' PNG: one panel per quantity, one line per run."""
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,8 +93,10 @@ def plot(curves: list[dict], path: Path) -> None:
     handles, labels = axes[0].get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncol=6, fontsize=7, frameon=False)
     figure.tight_layout(rect=(0, 0.22 * legend_rows / (3.4 + 0.22 * legend_rows), 1, 1))
-    figure.savefig(path, dpi=110)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
     plt.close(figure)
+    return buffer.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             raise MoaspecError(f"{json_path} holds no learning curves to merge with")
         kept = [curve for curve in merged if curve["name"] not in names]
         curves = kept + curves
-    write_json(json_path, curves)
-    plot(curves, png_path)
+    # both or neither: the figure is drawn before either file is written
+    write_files_atomically(json_path.parent, {json_path.name: json.dumps(curves, indent=1) + "\n", png_path.name: plot(curves)})
     print(f"learning_curves: {png_path}", file=sys.stderr)
     return 0
 

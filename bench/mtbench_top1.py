@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from moaspec.atomic_files import write_file_atomically
+from moaspec.bench.output import write_json
 from moaspec.bench.script_args import help_description, output_directory, positive_int, run_script
 from moaspec.errors import MoaspecError
 
@@ -95,7 +97,7 @@ def conversations(target, max_new_tokens: int) -> list[dict]:
          "max_new_tokens": max_new_tokens}
         for p, a in zip(prompts, answers)
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    write_file_atomically(path, "".join(json.dumps(r) + "\n" for r in records))  # read back by later runs
     return records
 
 
@@ -287,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     learned = sum(end - start for s in samples for start, end in s.spans())
     command = " ".join(["bench/mtbench_top1.py", *(sys.argv[1:] if argv is None else argv)])
-    (out / "top1.json").write_text(json.dumps({"target": target.name, "command": command, "answer_tokens": learned,
-                                               "conversations": len(samples), "drafters": results}, indent=1) + "\n")
+    write_json(out / "top1.json", {"target": target.name, "command": command, "answer_tokens": learned,
+                                   "conversations": len(samples), "drafters": results})
     shuffled = ", drafters' input features shuffled across positions" if args.shuffle_memory else ""
     title = f"Teacher-forced top-1 vs the target's argmax, 80 MT-bench questions x 2 turns ({learned} answer tokens)"
     lines = [title + shuffled,
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             rate = share["hit_rate_when_answered"]
             lines.append(f"\n`{result['label']}`: the lookup guessed at {share['answered']:.3f} of the depth-1 positions"
                          + (f", right {rate:.3f} of those times" if rate is not None else ""))
-    (out / "top1.md").write_text("\n".join(lines) + "\n")
+    write_file_atomically(out / "top1.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -26,6 +26,8 @@ import argparse
 import json
 from pathlib import Path
 
+from moaspec.atomic_files import write_file_atomically
+from moaspec.bench.output import write_json
 from moaspec.bench.script_args import category_list, non_negative_int, output_directory, positive_int, run_script
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -129,7 +131,7 @@ def main() -> None:
         parser.error(f"--skip {args.skip} leaves none of the --limit {args.limit} prompts of each category")
     if args.report_only:
         results = json.loads((out / "results.json").read_text())
-        (out / "results.md").write_text("\n".join(report(results)) + "\n")
+        write_file_atomically(out / "results.md", "\n".join(report(results)) + "\n")
         return
 
     import torch
@@ -154,9 +156,9 @@ def main() -> None:
         results["drafters"][spec] = {"generations": generations, "stopping": table, "conditional_precision": precision}
         print(f"{spec}: {len(generations)} generations", flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results) + "\n")
+    write_json(out / "results.json", results, indent=None)
     lines = report(results)
-    (out / "results.md").write_text("\n".join(lines) + "\n")
+    write_file_atomically(out / "results.md", "\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moaspec.bench.output import write_json
 from moaspec.bench.prompts import load_prompts  # noqa: E402
 from moaspec.bench.script_args import output_file, run_script
 
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, python {platform.python_version()}",
     }
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(Path(args.out), result)
     print(json.dumps(result))
     return 0
 

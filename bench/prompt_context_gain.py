@@ -15,11 +15,11 @@ ratio (above 1: the prompt context is faster). Run it on an idle machine.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 
+from moaspec.bench.output import write_json
 from moaspec.bench.script_args import (
     help_description,
     known_names,
@@ -100,7 +100,7 @@ def main() -> int:
                          "prompt_context_ms": round(prompt, 1), "ratio": round(verified / prompt, 3)})
     if args.out is not None:
         record = {"cpu": cpu_description(), "threads": 2, "rounds": args.rounds, "rows": rows}
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        write_json(args.out, record)
     return 0
 
 

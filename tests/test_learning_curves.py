@@ -20,7 +20,7 @@ def fake_run(directory: Path, method: str, accuracy: float) -> Path:
 
 def test_moa_draft_depth_is_the_trainers_next_depth_and_merge_keeps_other_runs(tmp_path, monkeypatch) -> None:
     script = load_bench_script("learning_curves")
-    monkeypatch.setattr(script, "plot", lambda curves, path: path.write_bytes(b"png"))
+    monkeypatch.setattr(script, "plot", lambda curves: b"png")
     moa = script.run_curve(fake_run(tmp_path / "runs" / "moa-a", "moa", 0.4))
     eagle = script.run_curve(fake_run(tmp_path / "runs" / "eagle-a", "eagle", 0.4))
     assert moa["steps"] == [50] and moa["depth1"] == [0.65] and eagle["depth1"] == [0.525]
@@ -47,7 +47,7 @@ def test_runs_are_named_by_label_and_one_name_twice_is_refused(tmp_path, monkeyp
     import pytest
 
     script = load_bench_script("learning_curves")
-    monkeypatch.setattr(script, "plot", lambda curves, path: path.write_bytes(b"png"))
+    monkeypatch.setattr(script, "plot", lambda curves: b"png")
     first = fake_run(tmp_path / "a" / "moa", "moa", 0.4)
     second = fake_run(tmp_path / "b" / "moa", "moa", 0.5)
     out = tmp_path / "curves"

@@ -35,6 +35,6 @@ def write_results(
     return paths
 
 
-def write_json(path: Path, record: dict | list, indent: int = 1) -> Path:
+def write_json(path: Path, record: dict | list, indent: int | None = 1) -> Path:
     """One JSON file (a bench script's --out), written atomically; its folder is created if needed."""
     return write_file_atomically(path, json.dumps(record, indent=indent) + "\n")
