@@ -324,7 +324,7 @@ def add_data_parser(commands, default_target: str) -> None:
     )
     distill.add_argument("--shard-size", type=int, default=1000, help="records per jsonl shard (default 1000)")
     distill.add_argument(
-        "--device", default="cpu", help="where the target generates: cpu or cuda[:N] (sampled rows differ by device)"
+        "--device", default="cpu", help="where the target generates: cpu or cuda[:N] (sampled rows differ by device; default cpu)"
     )
     distill.add_argument(
         "--seed", type=int, default=0, help="prompt shuffle, batch modes and sampling seeds (default 0)"
