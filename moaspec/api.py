@@ -218,16 +218,40 @@ def generate(
     top_p, top_k, seed, raw, streamer). Loads every call: keep the `SpeculativeLM` from `load()`
     to generate repeatedly. The keywords and settings are checked before anything loads, the
     prompt before the drafter's calibration."""
-    signature(SpeculativeLM.generate).bind(None, prompt, **kwargs)  # TypeError for an unknown keyword
-    settings = {**{name: p.default for name, p in signature(SpeculativeLM.generate).parameters.items()}, **kwargs}
+    generate_signature = signature(SpeculativeLM.generate)
+    generate_signature.bind(None, prompt, **kwargs)  # TypeError for an unknown keyword
+    settings = {**{name: p.default for name, p in generate_signature.parameters.items()}, **kwargs}
     SamplingConfig(temperature=settings["temperature"], top_k=settings["top_k"], top_p=settings["top_p"])
     GenerationConfig(max_new_tokens=settings["max_new_tokens"], seed=settings["seed"])
-    gpu_layers = _gpu_layers(gpu_layers, n_gpu_layers)
+    lm, prompt_ids = load_for_prompt(
+        prompt, settings["raw"], target, drafter, tree_overrides, calibrate, dtype, runtime, device, threads,
+        _gpu_layers(gpu_layers, n_gpu_layers),
+    )
+    return lm.generate(prompt_ids, **kwargs)
+
+
+def load_for_prompt(
+    prompt: str | list[int],
+    raw: bool = False,
+    target: str = DEFAULT_TARGET,
+    drafter: str | None = None,
+    tree_overrides: dict | None = None,
+    calibrate: bool = True,
+    dtype: torch.dtype | str = torch.float32,
+    runtime: str | None = None,
+    device: str = "cpu",
+    threads: int | None = None,
+    gpu_layers: int = 0,
+    light_tokenizer: bool = False,
+) -> tuple[SpeculativeLM, list[int]]:
+    """load() for one prompt (the CLI's and the one-shot generate()'s): the target loads, the
+    prompt is encoded and checked against its context, and only then is the drafter chosen, so a
+    refused prompt costs no calibration (~20 s the first time) -> (the model, the prompt's ids)."""
     _check_drafter_request(drafter, tree_overrides)
-    loaded = load_target(target, dtype, DEFAULT_ATTN_IMPLEMENTATION, runtime, device, threads, gpu_layers)
-    prompt_ids = prompt_token_ids(loaded, prompt, settings["raw"])
+    loaded = load_target(target, dtype, DEFAULT_ATTN_IMPLEMENTATION, runtime, device, threads, gpu_layers, light_tokenizer)
+    prompt_ids = prompt_token_ids(loaded, prompt, raw)
     check_prompt_length(len(prompt_ids), loaded)
-    return speculative_lm(loaded, drafter, tree_overrides, calibrate).generate(prompt_ids, **kwargs)
+    return speculative_lm(loaded, drafter, tree_overrides, calibrate), prompt_ids
 
 
 def prompt_token_ids(target: Target, prompt: str | list[int], raw: bool = False) -> list[int]:

@@ -260,14 +260,12 @@ def _generate(args: argparse.Namespace) -> int:
         args.drafter = named
         return generate_remote(args, api_key, overrides, options)
 
-    from moaspec.api import load_target, prompt_token_ids, speculative_lm
-    from moaspec.engine import check_prompt_length
+    from moaspec.api import load_for_prompt
     from moaspec.text_stream import TextPrinter, TokenCollector
 
-    target = load_target(args.target, light_tokenizer=True, **options)
-    prompt_ids = prompt_token_ids(target, args.prompt, args.raw)
-    check_prompt_length(len(prompt_ids), target)  # a refused prompt before a first calibration's ~20 s
-    lm = speculative_lm(target, args.drafter, overrides)
+    lm, prompt_ids = load_for_prompt(
+        args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, **options
+    )
     streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     head = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name}
     try:

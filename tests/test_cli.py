@@ -369,9 +369,9 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
             raise cli.Terminated if terminated else KeyboardInterrupt
 
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("smollm2-135m", None))  # no conversion
-    monkeypatch.setattr(moaspec.api, "load_target", lambda name, **options: loaded)
+    monkeypatch.setattr(moaspec.api, "load_target", lambda *args, **options: loaded)
     monkeypatch.setattr(moaspec.api, "prompt_token_ids", lambda target, prompt, raw: [1, 2, 3])
-    monkeypatch.setattr(moaspec.api, "speculative_lm", lambda target, drafter, overrides: InterruptedLM())
+    monkeypatch.setattr(moaspec.api, "speculative_lm", lambda *args: InterruptedLM())
     assert cli.main(["generate", "--prompt", "hi", "--json", "--drafter", "ngram"]) == (143 if terminated else 130)
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"target": "smollm2-135m", "runtime": "llama.cpp", "drafter": "ngram",
