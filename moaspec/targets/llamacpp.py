@@ -72,6 +72,16 @@ a chat's next turn equals a fresh prefill bit for bit on either path. Verified t
 after a prompt (`prefill`: a split session resumed after a cut rebuilds prompt and answer) are
 decoded in this context in batches one-token decoding agrees with, never as part of a prompt.
 
+Where this machine prefills faster in float32 torch (llamacpp_prefill.py: measured once, or
+MOASPEC_LLAMA_PREFILL), a prompt of FLOAT_PREFILL_MIN_TOKENS or more of a Llama-architecture
+model takes the float path instead (float_prefill.py): every token but the last goes through
+float32 products over the GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0
+(whole chunks of the previous such prompt kept), its keys and values are moved in as the prompt
+context's are, and the last token is decoded here (its logits, as every token's, come from
+llama.cpp). A prompt's cells are again a function of its tokens, and trees read the moved cells
+with the per-query kernel: exact. The drafters' keys/values and hidden states of the moved
+positions come from the float forward.
+
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
 embeddings output); per-layer keys/values through the eval callback (llamacpp_features.py) for
 the layers a drafter asks for (`keep_layer_kv`). Other intermediate hidden states and the torch
@@ -101,10 +111,12 @@ from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput
-from moaspec.targets.llamacpp_cells import SequenceState
+from moaspec.targets.float_prefill import FloatPrefillCache, SharedFloatLlama
+from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
+from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, prefill_path
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
 
@@ -122,6 +134,7 @@ PROMPT_CACHE_TYPE = 1  # ggml_type of the prompt context's keys and values: f16 
 PROMPT_CONTEXT_MIN_TOKENS = 384  # prompts this long or longer are prefilled in the prompt context
 PROMPT_CHUNK = 256  # tokens per decode there, aligned to position 0 (what a reused prefix keeps)
 PROMPT_CELLS_MIN = 512  # the prompt context's smallest size (it doubles to fit longer prompts)
+FLOAT_CHUNK = 256  # tokens per chunk of the float path's forward, aligned to position 0 (what a reused prefix keeps)
 COMPACT_CHUNK = 32  # tokens per decode when re-decoding or appending verified tokens (per-row kernels up to 40 measured)
 
 
@@ -143,6 +156,8 @@ class LlamaCppTarget:
         parts_loader=None,
         parts: dict[int, TargetParts] | None = None,
         value_cache: int | None = None,
+        float_llama: SharedFloatLlama | None = None,
+        float_prefill: bool | None = None,
     ) -> None:
         self.weights = model
         self.tokenizer = tokenizer
@@ -153,6 +168,9 @@ class LlamaCppTarget:
         self._value_cache_type = value_cache if value_cache is not None else fixed_value_cache_type()
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
+        self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
+        self._float_chosen = float_prefill  # whether this machine prefills in float (None: decided on first need)
+        self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
         self.cells = cells  # the most positions the verified context holds
         # positions it is made with (`_grow` doubles them); whole for a sliding-window model, whose
@@ -190,6 +208,20 @@ class LlamaCppTarget:
         """Whether long prompts are prefilled in the prompt context (module docstring): not for
         sliding-window models."""
         return not self.weights.sliding_window
+
+    @property
+    def uses_float_prefill(self) -> bool:
+        """Whether prompts of FLOAT_PREFILL_MIN_TOKENS or more are prefilled in float32 torch (module
+        docstring): a model the float forward supports, no sliding window, no GPU layers (llama.cpp
+        prefills faster there), and this machine's choice (llamacpp_prefill.py). Never in the
+        exactness probe, which checks llama.cpp's own kernels."""
+        if self._float is None or self._float.unsupported or self.weights.sliding_window or self.weights.gpu_layers:
+            return False
+        if self._probing_exactness:
+            return False
+        if self._float_chosen is None:
+            self._float_chosen = prefill_path(self) == "float"
+        return self._float_chosen
 
     @property
     def ctx(self):
@@ -230,6 +262,22 @@ class LlamaCppTarget:
     def free_measuring_context(self, ctx) -> None:
         """Free a context new_measuring_context made."""
         self._free_llama_context(ctx)
+
+    def clear_measuring_context(self, ctx) -> None:
+        """Empty a context new_measuring_context made."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
+
+    def measure_prefill(self, ctx, prompt: list[int], through_float: bool) -> None:
+        """Prefill `prompt` into the empty measuring context `ctx` as set_context would: in one
+        llama.cpp decode, or `through_float` (a fresh float forward, the move, the last token decoded)."""
+        first = 0
+        if through_float:
+            cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
+            cache.prefill(prompt[:-1])
+            self._load_cells(ctx, self._float_cells(ctx, cache, len(prompt) - 1))
+            first = len(prompt) - 1
+        self._fill(prompt[first:], range(first, len(prompt)), [[0]] * (len(prompt) - first), [len(prompt) - first - 1])
+        self._decode(ctx)
 
     def _new_llama_context(
         self, cells: int, key_type: int, value_type: int, sequences: int, batch: int, capture: bool = True
@@ -426,6 +474,7 @@ class LlamaCppTarget:
             self.weights, self.tokenizer, self.config, self.name,
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
             value_cache=self.value_cache_type,  # the same tokens as this one's
+            float_llama=self._float, float_prefill=self._float_chosen,  # prompts prefilled as this one's
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)
@@ -438,6 +487,8 @@ class LlamaCppTarget:
         if self._prompt_ctx is not None:
             self.lib.llama_memory_clear(self.lib.llama_get_memory(self._prompt_ctx), True)
         self._prompt_tokens: list[int] = []  # the tokens the prompt context holds (positions 0...)
+        if self._float_cache is not None:
+            self._float_cache.reset()
         self._moved = 0  # leading verified positions whose cells and rows came from the prompt context
         self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
@@ -463,6 +514,8 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._check_hidden(hidden_layers)
         self._drop_pending()
+        if len(ids) >= FLOAT_PREFILL_MIN_TOKENS and self.uses_float_prefill:
+            return self._prefill_in_float(ids, hidden_layers)
         if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and self.uses_prompt_context:
             return self._prefill_in_prompt_context(ids, hidden_layers)
         keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
@@ -508,6 +561,48 @@ class LlamaCppTarget:
         self._tokens = list(ids)
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
         return TargetOutput(out.logits, hidden)
+
+    def _prefill_in_float(self, ids: list[int], hidden_layers: tuple[int, ...]) -> TargetOutput:
+        """Prefill all but the last token of a prompt in float32 torch (float_prefill.py: FLOAT_CHUNK
+        chunks from position 0, whole chunks of the last such prompt kept), move their keys and
+        values into the verified context, and decode the last token here (its logits, as every
+        token's, come from llama.cpp)."""
+        body = ids[:-1]
+        if self._ctx is not None:  # emptied first: an interruption leaves an empty context, not a stale one
+            self.lib.llama_memory_clear(self._memory, True)
+        self._tokens, self._moved, self._parked = [], 0, 0
+        if len(ids) > self._allocated:
+            self._grow(len(ids))  # empty: a larger context, nothing to move
+        if self._float_cache is None:
+            self._float_cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
+        cache = self._float_cache
+        cache.prefill(body, cancelled=lambda: self._cancel is not None and self._cancel.is_set())
+        if len(cache.tokens) < len(body):
+            self.reset()
+            raise PrefillCancelled
+        self._load_cells(self.ctx, self._float_cells(self.ctx, cache, len(body)))
+        self._moved = len(body)
+        self._tokens = list(body)
+        self._kv.truncate(0)
+        self._hidden.truncate(0)
+        if self.capture is not None:
+            self._kv.write(0, cache.layer_rows(self.capture.layers, len(body)))
+        if hidden_layers:
+            self._hidden.write(0, cache.hidden[: len(body)])
+        out = self._decode_in_chunks(self.ctx, ids[-1:], len(body), 1, hidden_layers, self._tokens)
+        hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
+        return TargetOutput(out.logits, hidden)
+
+    def _float_cells(self, ctx, cache: FloatPrefillCache, count: int) -> SequenceState:
+        """The float path's first `count` held tokens as cells for `ctx` (empty): keys in llama.cpp's
+        per-head order (llamacpp_features.py), rotated and q8_0 as its key cache holds them; values
+        likewise for a q8_0 value cache, else float16."""
+        header = bytes(self._sequence_state(ctx))[:STATE_HEADER]  # an empty sequence's state: its header
+        to_llama = torch.cat([torch.arange(0, self._head_dim, 2), torch.arange(1, self._head_dim, 2)]).argsort()
+        keys = cache.keys[:, :count][..., to_llama].flatten(2).numpy()  # [L, T, n_kv * head_dim]
+        values = cache.values[:, :count].flatten(2).numpy()
+        cells = SequenceState.of_floats(header, list(keys), list(values))
+        return cells.to_q8_0(self._head_dim, values=self.value_cache_name == "q8_0")
 
     @contextmanager
     def cancellable(self, cancel: threading.Event) -> Iterator[None]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from moaspec.errors import MoaspecError
 
 FLOAT_CACHE_TYPES = {0: np.float32, 1: np.float16}  # ggml types f32, f16
+GGML_FLOAT_TYPES = {np.dtype(dtype): kind for kind, dtype in FLOAT_CACHE_TYPES.items()}
 GGML_TYPE_Q8_0 = 8
 Q8_0_BLOCK = 32  # values per q8_0 block: an f16 scale and 32 int8
 STATE_HEADER = 8  # magic and sequence id
@@ -122,6 +124,19 @@ class SequenceState:
         if reader.offset != len(state):
             raise MoaspecError("llama.cpp's sequence state has a layout this version of moaspec does not know")
         return cls(header, metas, tables[:layers], tables[layers:])
+
+    @classmethod
+    def of_floats(cls, header: bytes, keys: list[np.ndarray], values: list[np.ndarray]) -> SequenceState:
+        """Cells 0..T-1 of one sequence holding per layer float keys and values [T, row] (float32
+        or float16, llama.cpp's layout); `header` is the first STATE_HEADER bytes of a state saved
+        from the context they go to (an empty one's will do)."""
+        count = keys[0].shape[0]
+        metas = [struct.pack("<iIi", position, 1, 0) for position in range(count)]  # one sequence id: 0
+
+        def table(rows: np.ndarray) -> tuple[int, np.ndarray]:
+            return GGML_FLOAT_TYPES[rows.dtype], np.ascontiguousarray(rows).view(np.uint8).reshape(count, -1)
+
+        return cls(header[:STATE_HEADER], metas, [table(rows) for rows in keys], [table(rows) for rows in values])
 
     @property
     def cells(self) -> int:

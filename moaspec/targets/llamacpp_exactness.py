@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,10 +47,13 @@ def saved_exact_tree_nodes(target) -> int | None:
     return _read_saved(_record_path(target), "exact_tree_nodes")
 
 
-def saved_or_measured_record(path: Path, field: str, target, measure: Callable[[], int]) -> int:
-    """The positive int `field` of the record at `path`, else `measure()`'s answer, saved there
-    (a cache that cannot be written costs a measurement next time, not an error)."""
-    saved = _read_saved(path, field)
+def saved_or_measured_record(
+    path: Path, field: str, target, measure: Callable[[], Any], valid: Callable[[Any], bool] | None = None
+) -> Any:
+    """The `field` of the record at `path` where `valid` (default: a positive int), else
+    `measure()`'s answer, saved there (a cache that cannot be written costs a measurement next
+    time, not an error)."""
+    saved = _read_saved(path, field, valid)
     if saved is not None:
         return saved
     answer = measure()
@@ -61,12 +65,16 @@ def saved_or_measured_record(path: Path, field: str, target, measure: Callable[[
     return answer
 
 
-def _read_saved(path: Path, field: str) -> int | None:
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _read_saved(path: Path, field: str, valid: Callable[[Any], bool] | None = None) -> Any:
     try:
         saved = json.loads(path.read_text()).get(field)
     except (OSError, ValueError, AttributeError):
         return None
-    return saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 1 else None
+    return saved if (valid or _positive_int)(saved) else None
 
 
 def machine_record_path(target, kind: str, *parts: str) -> Path:

@@ -125,6 +125,7 @@ def load_causal_lm(model_dir, dtype: torch.dtype, attn_implementation: str = DEF
 
 
 def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_tokenizer: bool) -> Target:
+    from moaspec.targets.float_prefill import SharedFloatLlama
     from moaspec.targets.llamacpp import LlamaCppTarget
     from moaspec.targets.llamacpp_model import LlamaCppModel
 
@@ -140,6 +141,7 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
     return LlamaCppTarget(
         model, tokenizer, config, name, threads=threads or torch.get_num_threads(),
         parts_loader=lambda tli_layers: _torch_parts(model_dir, config, tli_layers),
+        float_llama=SharedFloatLlama(model_dir, config),
     )
 
 

@@ -1,0 +1,203 @@
+"""A llama-architecture target's prompt prefill in float32 torch, for the llama.cpp runtime.
+
+llama.cpp's Q4_1 weight products reuse no weights across a batch's tokens: on 2 cores a prompt
+costs ~3.7 ms a token there (SmolLM2-135M, Intel Xeon), ~40 % of one-token decoding, while
+float32 matrix products over the same weights (the GGUF's converted copy, dequantized once)
+prefill it 3× faster through MKL. So the llama.cpp runtime can prefill prompts here and move the
+keys and values into its cache as it moves the prompt context's (llamacpp_cells.py): trees and
+one-token decoding then read the same moved cells, and stay exact (llamacpp.py).
+
+The forward is transformers' Llama decoder written out (RMSNorm, rotary embedding of halves,
+grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts.
+Weights are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB) and widened to
+float32 one layer at a time; activations are float32. Keys and values are rounded to float16 as
+they are computed, as llama.cpp's f16 cache stores them, and attention reads them from there: a
+prompt prefilled in chunks then gives the same bits whether an earlier chunk was computed now or
+kept from an earlier prompt (`FloatPrefillCache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+LAYER_MATRICES = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+
+
+def float_prefill_unsupported(config) -> str | None:
+    """Why a target of this configuration (config.json's fields) cannot be prefilled here, or None."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biases"
+    rope = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None)
+    if rope.get("rope_type", "default") != "default" or (scaling and scaling.get("rope_type", "default") != "default"):
+        return "scaled rotary embedding"
+    return None
+
+
+def _rope_theta(config) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+@dataclass
+class _Layer:
+    matrices: list[torch.Tensor]  # LAYER_MATRICES, float16 [out, in]
+    input_norm: torch.Tensor  # [D] float32
+    post_attention_norm: torch.Tensor  # [D]
+
+
+class FloatLlama:
+    """A Llama decoder's weights (float16) and its float32 forward over prompt chunks."""
+
+    def __init__(self, model_dir: Path, config) -> None:
+        from moaspec.targets.load import SafetensorsWeights
+
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        self.inv_freq = 1.0 / (_rope_theta(config) ** half)  # [head_dim / 2]
+        with SafetensorsWeights(model_dir) as weights:
+            self.embedding = weights.rows("model.embed_tokens.weight")
+            self.layers = [
+                _Layer(
+                    [weights.get_tensor(f"model.layers.{i}.{name}.weight").to(torch.float16) for name in LAYER_MATRICES],
+                    weights.get_tensor(f"model.layers.{i}.input_layernorm.weight").float(),
+                    weights.get_tensor(f"model.layers.{i}.post_attention_layernorm.weight").float(),
+                )
+                for i in range(self.num_layers)
+            ]
+            self.final_norm = weights.get_tensor("model.norm.weight").float()
+        # one float32 buffer per matrix of a layer, refilled layer by layer (fresh tensors of this
+        # size would each be mapped and zeroed by the allocator: twice the widening's own time)
+        self._widened = [torch.empty(matrix.shape) for matrix in self.layers[0].matrices]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by halves (transformers' rotate_half) at cos/sin [T, 1, head_dim]."""
+        first, second = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    @torch.inference_mode()
+    def chunk(
+        self, ids: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill ids [T] at positions P..P+T-1 after past keys/values [L, P, n_kv, head_dim]
+        (float16, rotated), writing the chunk's into keys/values [L, T, n_kv, head_dim] (float16).
+        -> the final-normed hidden states [T, D] (float32)."""
+        count, past = ids.shape[0], past_keys.shape[1]
+        angles = torch.arange(past, past + count, dtype=torch.float32)[:, None] * self.inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [T, 1, head_dim]
+        cos, sin = angles.cos(), angles.sin()
+        mask = torch.ones(count, past + count, dtype=torch.bool).tril(past)  # query t sees positions <= past + t
+        x = self.embedding.rows(ids)  # [T, D]
+        for index, layer in enumerate(self.layers):
+            q_proj, k_proj, v_proj, o_proj, gate, up, down = (
+                wide.copy_(matrix) for wide, matrix in zip(self._widened, layer.matrices)
+            )
+            h = self._norm(x, layer.input_norm)
+            q = self._rotate(F.linear(h, q_proj).view(count, self.num_heads, self.head_dim), cos, sin)
+            keys[index] = self._rotate(F.linear(h, k_proj).view(count, self.num_kv_heads, self.head_dim), cos, sin)
+            values[index] = F.linear(h, v_proj).view(count, self.num_kv_heads, self.head_dim)
+            all_keys = torch.cat([past_keys[index], keys[index]]).float().transpose(0, 1)  # [n_kv, P + T, head_dim]
+            all_values = torch.cat([past_values[index], values[index]]).float().transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                q.transpose(0, 1), all_keys, all_values, attn_mask=mask, enable_gqa=True
+            )  # [heads, T, head_dim]
+            x = x + F.linear(attended.transpose(0, 1).reshape(count, -1), o_proj)
+            h = self._norm(x, layer.post_attention_norm)
+            x = x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        return self._norm(x, self.final_norm)
+
+
+class SharedFloatLlama:
+    """A target's FloatLlama, loaded on first use and shared by all its contexts."""
+
+    def __init__(self, model_dir: Path, config) -> None:
+        self.model_dir, self.config = Path(model_dir), config
+        self.unsupported = float_prefill_unsupported(config)  # None: this forward computes it
+        self._model: FloatLlama | None = None
+
+    @property
+    def model(self) -> FloatLlama:
+        if self._model is None:
+            self._model = FloatLlama(self.model_dir, self.config)
+        return self._model
+
+
+class FloatPrefillCache:
+    """One context's prompt keys/values from `FloatLlama`, chunk by chunk from position 0.
+
+    Chunks are `chunk_size` tokens aligned to position 0; a later prompt keeps the whole chunks it
+    shares with the one held (a chunk's products depend on its row count, so a partial one is
+    computed again), and so gets the bits a fresh prefill would."""
+
+    def __init__(self, model: FloatLlama, chunk_size: int) -> None:
+        self.model, self.chunk_size = model, chunk_size
+        self.tokens: list[int] = []
+        shape = (model.num_layers, 0, model.num_kv_heads, model.head_dim)
+        self.keys = torch.empty(shape, dtype=torch.float16)  # [L, capacity, n_kv, head_dim]
+        self.values = torch.empty(shape, dtype=torch.float16)
+        self.hidden = torch.empty(0, model.final_norm.shape[0])  # [capacity, D] final-normed hidden states
+
+    def prefill(self, ids: list[int], cancelled=lambda: False) -> int:
+        """Make `ids` the held prompt; -> how many leading tokens were kept from the one held.
+        `cancelled()` is asked before each chunk (True: stop, the held prompt cut where it stopped)."""
+        shared = 0
+        for held, new in zip(self.tokens, ids):
+            if held != new:
+                break
+            shared += 1
+        keep = shared // self.chunk_size * self.chunk_size
+        del self.tokens[keep:]
+        self._reserve(len(ids))
+        for start in range(keep, len(ids), self.chunk_size):
+            if cancelled():
+                return keep
+            end = min(start + self.chunk_size, len(ids))
+            self.hidden[start:end] = self.model.chunk(
+                torch.tensor(ids[start:end]), self.keys[:, :start], self.values[:, :start],
+                self.keys[:, start:end], self.values[:, start:end],
+            )
+            self.tokens.extend(ids[start:end])
+        return keep
+
+    def _reserve(self, length: int) -> None:
+        capacity = self.keys.shape[1]
+        if length <= capacity:
+            return
+        grown = max(length, 2 * capacity)
+        held = len(self.tokens)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty((old.shape[0], grown, *old.shape[2:]), dtype=old.dtype)
+            new[:, :held] = old[:, :held]
+            setattr(self, name, new)
+        hidden = torch.empty(grown, self.model.final_norm.shape[0])
+        hidden[:held] = self.hidden[:held]
+        self.hidden = hidden
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def layer_rows(self, layers: tuple[int, ...], count: int) -> torch.Tensor:
+        """Keys and values of the first `count` held tokens in the transformers runtime's layout:
+        [count, len(layers), n_kv * 2 * head_dim], per KV head [k, v] (float32)."""
+        index = torch.tensor(layers)
+        keys, values = self.keys[index, :count], self.values[index, :count]  # [L', T, n_kv, head_dim]
+        return torch.stack([keys, values], dim=3).permute(1, 0, 2, 3, 4).flatten(2).float()

@@ -1,0 +1,223 @@
+"""The llama.cpp runtime's float32 prompt prefill (moaspec/targets/float_prefill.py, llamacpp.py) on
+the real SmolLM2-135M GGUF: trees stay exact over the moved cells, greedy output with every drafter
+equals plain decoding, what drafters read stays close to llama.cpp's own, and the choice of path is
+measured once per machine (llamacpp_prefill.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from moaspec.bench.prompts import CATEGORIES, load_prompts
+from moaspec.chat import encode_chat_prompt
+from moaspec.config import GenerationConfig, SamplingConfig
+from moaspec.drafters import make_drafter
+from moaspec.engine import Engine
+from moaspec.errors import MoaspecError
+from moaspec.targets.llamacpp import FLOAT_CHUNK, MAX_TREE_NODES, LlamaCppTarget
+from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, PREFILL_ENV
+from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
+from moaspec.tree import DraftTree
+from moaspec.verify import verify_greedy
+
+
+@pytest.fixture(scope="module")
+def llama_target():
+    from moaspec.api import load_target
+
+    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def category_prompts(llama_target) -> dict[str, list[int]]:
+    """The first prompt of every benchmark category, through the chat template."""
+    prompts = load_prompts(CATEGORIES, 1)
+    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
+
+
+def sibling(target: LlamaCppTarget, **settings) -> LlamaCppTarget:
+    """A target of its own on the same weights, as new_session() makes them (the float weights shared)."""
+    return LlamaCppTarget(
+        target.weights, target.tokenizer, target.config, target.name, threads=2, parts_loader=target._parts_loader,
+        parts=target._parts, float_llama=target._float, **settings,
+    )
+
+
+def plain_decode(target, prompt: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
+    """One-token greedy decoding: tokens and the logits after each (the first from the prefill)."""
+    target.reset()
+    logits = [target.set_context(torch.tensor(prompt)).logits[0]]
+    tokens = [int(logits[0].argmax())]
+    while len(tokens) < count:
+        out = target.verify(DraftTree(torch.tensor([tokens[-1]]), torch.tensor([-1])))
+        target.commit([0])
+        logits.append(out.logits[0])
+        tokens.append(int(out.logits[0].argmax()))
+    return tokens, logits
+
+
+def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: int) -> DraftTree:
+    """The true continuation among random siblings (some before it in batch order: parked cells)."""
+    ids, parents, node = [root], [-1], 0
+    for true_id in truth:
+        siblings = [true_id] + [generator.randrange(vocab) for _ in range(generator.randrange(3))]
+        generator.shuffle(siblings)
+        for token in siblings:
+            ids.append(token)
+            parents.append(node)
+        node = len(ids) - len(siblings) + siblings.index(true_id)
+    return DraftTree(torch.tensor(ids), torch.tensor(parents))
+
+
+def require_exact_trees(target) -> None:
+    if target.exact_tree_nodes < MAX_TREE_NODES:
+        pytest.skip("llama.cpp's kernels round differently by batch size on this CPU (test_llamacpp.py checks the refusal)")
+
+
+@pytest.mark.parametrize("values", ["f16", "q8_0"])
+def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts, monkeypatch, values) -> None:
+    """MOASPEC_LLAMA_PREFILL=float: a prompt of FLOAT_PREFILL_MIN_TOKENS or more is prefilled in
+    float32 torch, all but its last token moved in (keys, and q8_0 values, rotated and quantized as
+    llama.cpp holds them); decoding after it stays close to llama.cpp's own prefill, and the
+    accepted nodes of random trees have one-token decoding's logits bit for bit."""
+    monkeypatch.setenv(VALUE_CACHE_ENV, values)
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    target = sibling(llama_target)
+    require_exact_trees(target)
+    prompt = category_prompts["summarization"]
+    assert len(prompt) >= FLOAT_PREFILL_MIN_TOKENS and target.uses_float_prefill
+    tokens, logits = plain_decode(target, prompt, 40)
+    assert target._moved == len(prompt) - 1 and target._prompt_ctx is None
+    monkeypatch.setenv(PREFILL_ENV, "llama.cpp")
+    in_llama = sibling(llama_target)
+    _, llama_logits = plain_decode(in_llama, prompt, 9)
+    assert in_llama._moved == 0
+    # both valid numerics (llama.cpp's 8-bit activations or float32): 0.5-1.1 apart on this target;
+    # keys moved in transformers' per-head order, or values left unrotated, put them far apart
+    assert max(float((a - b).abs().max()) for a, b in zip(logits[:9], llama_logits)) < 3.0
+    target.set_context(torch.tensor(prompt))
+    generator, done = random.Random(8), 0
+    while done < 32:
+        tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size)
+        out = target.verify(tree)
+        accepted = verify_greedy(tree, out.logits)
+        for k, node in enumerate(accepted.path_node_idx):
+            assert torch.equal(out.logits[node], logits[done + k + 1]), (done, k)
+        target.commit(accepted.path_node_idx)
+        done += accepted.num_accepted + 1
+
+
+def test_greedy_output_with_drafters_equals_plain_decoding_after_a_float_prefill(
+    llama_target, category_prompts, monkeypatch
+) -> None:
+    """Every category's prompt (those of FLOAT_PREFILL_MIN_TOKENS or more through the float path),
+    every kind of drafter input: lookup, captured keys/values (MoA), hidden states (EAGLE-2)."""
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    target = sibling(llama_target)
+    require_exact_trees(target)
+    assert any(len(prompt) >= FLOAT_PREFILL_MIN_TOKENS for prompt in category_prompts.values())
+    plain = Engine(target, make_drafter("none", target))
+    generation = GenerationConfig(max_new_tokens=40)
+    expected = {name: plain.generate(prompt, SamplingConfig(), generation).token_ids for name, prompt in category_prompts.items()}
+    for drafter in ("ngram", "moa+ngram", "eagle"):
+        engine = Engine(target, make_drafter(drafter, target))
+        for name, prompt in category_prompts.items():
+            assert engine.generate(prompt, SamplingConfig(), generation).token_ids == expected[name], (drafter, name)
+
+
+def test_what_drafters_read_of_a_float_prefilled_prompt_is_close_to_llama_cpps(
+    llama_target, category_prompts, monkeypatch
+) -> None:
+    """The keys/values a drafter captures (transformers' layout) and the final hidden states of a
+    float-prefilled prompt are within llama.cpp's own activation rounding of its prefill's."""
+    prompt = torch.tensor(category_prompts["summarization"])
+    hidden_layers = (llama_target.num_layers,)
+    rows = {}
+    for path in ("float", "llama.cpp"):
+        monkeypatch.setenv(PREFILL_ENV, path)
+        target = sibling(llama_target)
+        target.keep_layer_kv(range(26, 30))
+        out = target.set_context(prompt, hidden_layers)
+        rows[path] = (target.layer_kv(0, len(prompt)), out.hidden[:, 0])
+        assert target._moved == (len(prompt) - 1 if path == "float" else 0)
+    for got, want in zip(rows["float"], rows["llama.cpp"]):
+        assert got.shape == want.shape
+        assert float((got - want).norm() / want.norm()) < 0.05  # keys with halves interleaved: ~1.0
+
+
+def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_target, category_prompts, monkeypatch) -> None:
+    """A follow-up sharing a long prompt's start keeps the float path's whole chunks and gives a
+    fresh context's logits bit for bit; an interrupted float prefill leaves an empty context."""
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    warm, fresh = sibling(llama_target), sibling(llama_target)
+    require_exact_trees(warm)
+    warm.keep_layer_kv(range(26, 30))
+    fresh.keep_layer_kv(range(26, 30))
+    first = category_prompts["qa"]
+    assert len(first) > FLOAT_CHUNK + 1
+    answer = Engine(warm, make_drafter("moa", warm)).generate(first, generation=GenerationConfig(max_new_tokens=16)).token_ids
+    follow_up = first + answer + [2, 198, 1, 4093, 198, 11, 12, 13]
+    got = warm.set_context(torch.tensor(follow_up))
+    assert warm._float_cache.tokens[:FLOAT_CHUNK] == first[:FLOAT_CHUNK]
+    assert torch.equal(got.logits, fresh.set_context(torch.tensor(follow_up)).logits)
+    assert torch.equal(warm.layer_kv(0, len(follow_up)), fresh.layer_kv(0, len(follow_up)))
+
+    calls = []
+    original = warm._float_cache.model.chunk
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    monkeypatch.setattr(warm._float_cache.model, "chunk", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        warm.set_context(torch.tensor(first[:100] + follow_up))  # nothing kept: two chunks computed
+    monkeypatch.undo()
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    assert warm.num_cached == 0
+    assert torch.equal(warm.set_context(torch.tensor(follow_up)).logits, fresh.set_context(torch.tensor(follow_up)).logits)
+
+
+def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_on(
+    llama_target, category_prompts, tmp_path, monkeypatch
+) -> None:
+    """With the calibration on, the first prompt long enough is preceded by timing both paths; the
+    answer is saved and read by later targets. The variable fixes it, the calibration off means
+    llama.cpp unmeasured, a bad name is one line, and the exactness probe never takes the float path."""
+    from moaspec.targets import llamacpp_prefill
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    monkeypatch.setenv(VALUE_CACHE_ENV, "f16")
+    measured = []
+    measure = llamacpp_prefill.measure_float_prefill
+    monkeypatch.setattr(llamacpp_prefill, "measure_float_prefill", lambda target: measured.append(1) or measure(target))
+    first = sibling(llama_target)
+    first.set_context(torch.tensor(category_prompts["mt_bench"][: FLOAT_PREFILL_MIN_TOKENS - 1]))
+    assert not measured  # a short prompt: nothing to decide
+    first.set_context(torch.tensor(category_prompts["summarization"]))
+    assert len(measured) == 1
+    [record] = (tmp_path / "cache" / "calibration" / llama_target.name).glob("prefill-*.json")
+    chosen = json.loads(record.read_text())["prefill_path"]
+    assert chosen in ("float", "llama.cpp") and first._moved == (len(category_prompts["summarization"]) - 1) * (chosen == "float")
+    assert sibling(llama_target).uses_float_prefill == (chosen == "float") and len(measured) == 1  # read, not measured
+    for setting, uses_float in (("float", True), ("llama.cpp", False)):
+        monkeypatch.setenv(PREFILL_ENV, setting)
+        assert sibling(llama_target).uses_float_prefill == uses_float
+    monkeypatch.delenv(PREFILL_ENV)
+    monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
+    assert not sibling(llama_target).uses_float_prefill and len(measured) == 1
+    monkeypatch.setenv(PREFILL_ENV, "torch")
+    with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_PREFILL must be float or llama.cpp, not 'torch'"):
+        sibling(llama_target).uses_float_prefill
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    probe = sibling(llama_target)
+    probe._probing_exactness = True
+    assert not probe.uses_float_prefill
+    assert llamacpp_prefill.faster_path(1.0, 0.89) and not llamacpp_prefill.faster_path(1.0, 0.95)
