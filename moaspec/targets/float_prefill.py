@@ -9,8 +9,9 @@ one-token decoding then read the same moved cells, and stay exact (llamacpp.py).
 
 The forward is transformers' Llama decoder written out (RMSNorm, rotary embedding of halves,
 grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts.
-Weights are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB) and widened to
-float32 one layer at a time; activations are float32. Keys and values are rounded to float16 as
+Weights are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB), read without
+mapping the file (a mapped float32 file's pages count in the process's peak RSS: +425 MB at
+load), and widened to float32 one layer at a time; activations are float32. Keys and values are rounded to float16 as
 they are computed, as llama.cpp's f16 cache stores them, and attention reads them from there: a
 prompt prefilled in chunks then gives the same bits whether an earlier chunk was computed now or
 kept from an earlier prompt (`FloatPrefillCache`).
@@ -74,7 +75,7 @@ class FloatLlama:
             self.embedding = weights.rows("model.embed_tokens.weight")
             self.layers = [
                 _Layer(
-                    [weights.get_tensor(f"model.layers.{i}.{name}.weight").to(torch.float16) for name in LAYER_MATRICES],
+                    [weights.rows(f"model.layers.{i}.{name}.weight", torch.float16).full() for name in LAYER_MATRICES],
                     weights.get_tensor(f"model.layers.{i}.input_layernorm.weight").float(),
                     weights.get_tensor(f"model.layers.{i}.post_attention_layernorm.weight").float(),
                 )

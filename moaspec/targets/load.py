@@ -215,9 +215,9 @@ class SafetensorsWeights:
             self._open[file] = self._stack.enter_context(safe_open(self.model_dir / file, framework="pt"))
         return self._open[file].get_tensor(name)
 
-    def rows(self, name: str) -> FileRows:
-        """A 2-D tensor as float32 rows read on demand (nn/file_rows.py: never memory-mapped)."""
-        return FileRows(self.model_dir / self._file_of(name), name)
+    def rows(self, name: str, dtype: torch.dtype = torch.float32) -> FileRows:
+        """A 2-D tensor as `dtype` rows read on demand (nn/file_rows.py: never memory-mapped)."""
+        return FileRows(self.model_dir / self._file_of(name), name, dtype)
 
     def _file_of(self, name: str) -> str:
         file = "model.safetensors" if self.shard_of is None else self.shard_of.get(name)
