@@ -1,15 +1,17 @@
-"""What the llama.cpp runtime's prompt context saves on a prompt's prefill, its move included, by
-value cache and prompt length: the measurement behind PROMPT_CONTEXT_MIN_TOKENS (README, *Target
-runtimes*, *Long prompts*).
+"""What the llama.cpp runtime's prompt context and its float32 prefill save on a prompt's prefill,
+their moves included, by value cache and prompt length: the measurements behind
+PROMPT_CONTEXT_MIN_TOKENS and FLOAT_PREFILL_MIN_TOKENS (README, *Target runtimes*, *Long prompts*
+and *Prompts prefilled in float32*).
 
     .venv/bin/python bench/prompt_context_gain.py [--lengths 64,128,256,384,512,1000] [--rounds 3]
         [--value-caches f16,q8_0] [--out FILE.json]
 
-Times the runtime's own `set_context` of a prompt through the prompt context (f16 / f16, tiled
-kernel, then the move) and in the verified context (the per-query kernel), on one target per value
-cache (2 threads), every case interleaved per round after a warm-up round; each call gets tokens
-sharing no start with the one before, so nothing is reused. Prints the medians in ms and their
-ratio (above 1: the prompt context is faster). Run it on an idle machine.
+Times the runtime's own `set_context` of a prompt in the verified context (the per-query kernel),
+through the prompt context (f16 / f16, tiled kernel, then the move) and through float32 torch (the
+forward, the move, the last token decoded), on one target per value cache (2 threads), every case
+interleaved per round after a warm-up round; each call gets tokens sharing no start with the one
+before, so nothing is reused. Prints the medians in ms and their ratios to the verified context's
+(above 1: faster than it). Run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from moaspec.bench.script_args import (
 )
 
 VALUE_CACHES = ("f16", "q8_0")
-PATHS = ("verified context", "prompt context")
+PATHS = ("verified context", "prompt context", "float32 torch")
 
 
 def value_cache_list(text: str) -> list[str]:
@@ -38,21 +40,23 @@ def value_cache_list(text: str) -> list[str]:
     return known_names(text, VALUE_CACHES, "value cache")
 
 
-def set_context_ms(target, length: int, through_prompt_context: bool, generator: random.Random) -> float:
-    """One `set_context` of `length` random tokens on the path asked for, in ms."""
+def set_context_ms(target, length: int, path: str, generator: random.Random) -> float:
+    """One `set_context` of `length` random tokens on `path` (one of PATHS), in ms."""
     import torch
 
     import moaspec.targets.llamacpp as llamacpp
 
     ids = torch.tensor([generator.randrange(100, 20_000) for _ in range(length)])
-    threshold = llamacpp.PROMPT_CONTEXT_MIN_TOKENS
-    llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if through_prompt_context else length + 1
+    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_chosen
+    llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if path == "prompt context" else length + 1
+    llamacpp.FLOAT_PREFILL_MIN_TOKENS = 2  # the float path needs a token besides the last
+    target._float_chosen = path == "float32 torch"
     try:
         started = time.perf_counter()
         target.set_context(ids)
         return (time.perf_counter() - started) * 1000
     finally:
-        llamacpp.PROMPT_CONTEXT_MIN_TOKENS = threshold
+        llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_chosen = thresholds
 
 
 def main() -> int:
@@ -75,7 +79,7 @@ def main() -> int:
         parser.error(f"--lengths: at most {loaded.max_positions} tokens")
     targets = {
         name: LlamaCppTarget(loaded.weights, loaded.tokenizer, loaded.config, loaded.name, threads=2,
-                             value_cache=VALUE_CACHE_TYPES[name])
+                             value_cache=VALUE_CACHE_TYPES[name], float_llama=loaded._float)
         for name in args.value_caches
     }
     generator = random.Random(0)
@@ -84,20 +88,22 @@ def main() -> int:
         for length in args.lengths:
             for name, target in targets.items():
                 for path in PATHS:
-                    spent = set_context_ms(target, length, path == "prompt context", generator)
+                    spent = set_context_ms(target, length, path, generator)
                     if round_index:
                         times.setdefault((name, length, path), []).append(spent)
     medians = {key: statistics.median(values) for key, values in times.items()}
     print(f"CPU: {cpu_description()}; 2 threads; medians of {args.rounds} rounds, ms")
-    print("| value cache | prompt tokens | verified context | prompt context | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print("| value cache | prompt tokens | verified context | prompt context | ratio | float32 torch | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in args.value_caches:
         for length in args.lengths:
-            verified, prompt = medians[(name, length, PATHS[0])], medians[(name, length, PATHS[1])]
-            print(f"| {name} | {length} | {verified:.0f} | {prompt:.0f} | {verified / prompt:.2f} |")
+            verified, prompt, floats = (medians[(name, length, path)] for path in PATHS)
+            print(f"| {name} | {length} | {verified:.0f} | {prompt:.0f} | {verified / prompt:.2f} "
+                  f"| {floats:.0f} | {verified / floats:.2f} |")
             rows.append({"value_cache": name, "prompt_tokens": length, "verified_context_ms": round(verified, 1),
-                         "prompt_context_ms": round(prompt, 1), "ratio": round(verified / prompt, 3)})
+                         "prompt_context_ms": round(prompt, 1), "ratio": round(verified / prompt, 3),
+                         "float_ms": round(floats, 1), "float_ratio": round(verified / floats, 3)})
     if args.out is not None:
         record = {"cpu": cpu_description(), "threads": 2, "rounds": args.rounds, "rows": rows}
         write_json(args.out, record)

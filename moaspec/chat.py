@@ -33,3 +33,21 @@ def encode_chat_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     return list(encoded["input_ids"])
+
+
+def generation_prompt_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens the chat template appends to a conversation for the assistant's answer (SmolLM2:
+    `<|im_start|>assistant\n`); empty without a template or where they are not a plain suffix."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return ()
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        with_prompt, without = (
+            list(tokenizer.apply_chat_template(messages, add_generation_prompt=flag, tokenize=True, return_dict=True)["input_ids"])
+            for flag in (True, False)
+        )
+    except Exception:  # noqa: BLE001  a template that needs more than one user turn: no suffix to find
+        return ()
+    if len(with_prompt) <= len(without) or with_prompt[: len(without)] != without:
+        return ()
+    return tuple(with_prompt[len(without) :])

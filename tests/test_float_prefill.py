@@ -112,3 +112,14 @@ def test_float_cells_are_a_sequence_state_llama_cpp_reads() -> None:
     assert [kind for kind, _ in state.keys] == [0, 0] and [kind for kind, _ in state.values] == [1, 1]
     assert np.array_equal(state.keys[1][1].view(np.float32), keys[1])
     assert np.array_equal(state.values[0][1].view(np.float16), values[0])
+
+
+def test_a_prompts_first_turn_ends_after_the_first_generation_prompt() -> None:
+    from moaspec.chat import generation_prompt_ids
+    from moaspec.targets.llamacpp import _end_of_first
+
+    assert _end_of_first((7, 8), [1, 7, 8, 2, 7, 8]) == 3
+    assert _end_of_first((7, 8), [1, 7, 2, 8]) == 4  # none: the whole prompt
+    assert _end_of_first((), [1, 2, 3]) == 3
+    assert generation_prompt_ids(None) == ()
+    assert generation_prompt_ids(SimpleNamespace(chat_template=None)) == ()

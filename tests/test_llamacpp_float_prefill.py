@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moaspec.bench.prompts import CATEGORIES, load_prompts
-from moaspec.chat import encode_chat_prompt
+from moaspec.chat import encode_chat_messages, encode_chat_prompt, generation_prompt_ids
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
@@ -181,6 +181,49 @@ def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_ta
     monkeypatch.setenv(PREFILL_ENV, "float")
     assert warm.num_cached == 0
     assert torch.equal(warm.set_context(torch.tensor(follow_up)).logits, fresh.set_context(torch.tensor(follow_up)).logits)
+
+
+def test_a_conversation_keeps_its_float_prefilled_first_turn(llama_target, category_prompts, monkeypatch) -> None:
+    """The float path covers a prompt's first turn only (through the chat template's first
+    generation prompt), so a chat's next turn keeps the cells held (first turn, answer) and decodes
+    only the new tokens, and equals a fresh prefill of the whole conversation bit for bit; a
+    conversation whose first turn is short takes no float path at all."""
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    warm, fresh = sibling(llama_target), sibling(llama_target)
+    require_exact_trees(warm)
+    tokenizer = llama_target.tokenizer
+    assert tokenizer.decode(list(generation_prompt_ids(tokenizer))) == "<|im_start|>assistant\n"
+    question = load_prompts(("summarization",), 1)["summarization"][0].turns[0]
+    first = encode_chat_prompt(tokenizer, question)
+    answer = Engine(warm, make_drafter("ngram", warm)).generate(first, generation=GenerationConfig(max_new_tokens=20)).token_ids
+    history = [{"role": "user", "content": question}, {"role": "assistant", "content": tokenizer.decode(answer)}]
+    second = encode_chat_messages(tokenizer, [*history, {"role": "user", "content": "Shorter, please."}])
+    assert second[: len(first)] == first and warm._moved == len(first) - 1
+    warm.set_context(torch.tensor(first + answer))  # the conversation as generation left it
+    def prefilled_again(*args):
+        raise AssertionError("the first turn was prefilled again in float")
+
+    kept = _shared_start_of(warm._tokens, second)
+    with monkeypatch.context() as patch:
+        patch.setattr(warm._float_cache.model, "chunk", prefilled_again)
+        got = warm.set_context(torch.tensor(second))
+    assert warm._moved == len(first) - 1 and kept > len(first)
+    want = fresh.set_context(torch.tensor(second))
+    assert fresh._moved == len(first) - 1 and torch.equal(got.logits, want.logits)
+    short_first = encode_chat_messages(tokenizer, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                                                   {"role": "user", "content": question}])
+    assert len(short_first) >= FLOAT_PREFILL_MIN_TOKENS
+    fresh.set_context(torch.tensor(short_first))
+    assert fresh._moved == 0  # its first turn is under FLOAT_PREFILL_MIN_TOKENS: llama.cpp prefills it all
+
+
+def _shared_start_of(held: list[int], ids: list[int]) -> int:
+    count = 0
+    for old, new in zip(held, ids):
+        if old != new:
+            break
+        count += 1
+    return count
 
 
 def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_on(

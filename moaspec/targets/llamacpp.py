@@ -106,6 +106,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from moaspec.chat import generation_prompt_ids
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import check_layout
 from moaspec.nn.target_parts import TargetParts
@@ -170,6 +171,7 @@ class LlamaCppTarget:
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
         self._float_chosen = float_prefill  # whether this machine prefills in float (None: decided on first need)
+        self._generation_prompt: tuple[int, ...] | None = None  # the chat template's (_float_boundary)
         self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
         self.cells = cells  # the most positions the verified context holds
@@ -489,7 +491,8 @@ class LlamaCppTarget:
         self._prompt_tokens: list[int] = []  # the tokens the prompt context holds (positions 0...)
         if self._float_cache is not None:
             self._float_cache.reset()
-        self._moved = 0  # leading verified positions whose cells and rows came from the prompt context
+        self._moved = 0  # leading verified positions whose cells and rows came from another computation:
+        self._moved_from: str | None = None  # "prompt context" or "float" (float32 torch)
         self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
@@ -502,8 +505,10 @@ class LlamaCppTarget:
         """Make input_ids [T] the verified context. -> logits [1, V] after the last token, hidden
         [T, 1, D] when asked.
 
-        A prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context and
-        moved in (`_prefill_in_prompt_context`; not for sliding-window models); a shorter one is
+        Where this machine prefills in float32 (`uses_float_prefill`), a prompt whose first turn
+        has FLOAT_PREFILL_MIN_TOKENS or more has that turn prefilled so (`_prefill_in_float`).
+        Otherwise a prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context
+        and moved in (`_prefill_in_prompt_context`; not for sliding-window models). What is left is
         decoded here, keeping the part of the context it shares with the one held (a chat's next
         turn) where the products do not change with the batch size (`exact_tree_nodes`). Either
         way the result is the same bits a fresh context would give (module docstring)."""
@@ -514,17 +519,20 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._check_hidden(hidden_layers)
         self._drop_pending()
-        if len(ids) >= FLOAT_PREFILL_MIN_TOKENS and self.uses_float_prefill:
-            return self._prefill_in_float(ids, hidden_layers)
-        if len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and self.uses_prompt_context:
+        boundary = self._float_boundary(ids)
+        if boundary is None and len(ids) >= PROMPT_CONTEXT_MIN_TOKENS and self.uses_prompt_context:
             return self._prefill_in_prompt_context(ids, hidden_layers)
-        keep = 0 if self._moved else _shared_start(self._tokens, ids)  # moved cells are not what this path computes
+        # moved cells are kept only where this prompt's own path moves the same ones in
+        same_start = self._moved == 0 if boundary is None else (self._moved, self._moved_from) == (boundary, "float")
+        keep = _shared_start(self._tokens, ids) if same_start else 0
         if keep and self.exact_tree_nodes < MAX_TREE_NODES:
             keep = 0  # kernels that change with the batch size: kept cells would differ from a fresh prefill's
         if self.capture is not None:
             keep = min(keep, self._kv.valid)
         if hidden_layers:
             keep = min(keep, self._hidden.valid)
+        if boundary is not None and keep < boundary:
+            return self._prefill_in_float(ids, boundary, hidden_layers)
         if keep == 0:
             self.reset()
         else:
@@ -539,7 +547,7 @@ class LlamaCppTarget:
         attention), in PROMPT_CHUNK-aligned chunks from position 0, reusing whole chunks the
         prompt context still holds, then move every cell into the verified context."""
         ctx = self._prompt_context(len(ids))
-        common = min(_shared_start(self._prompt_tokens, ids), self._moved)
+        common = min(_shared_start(self._prompt_tokens, ids), self._moved if self._moved_from == "prompt context" else 0)
         if self.capture is not None:
             common = min(common, self._kv.valid)
         if hidden_layers:
@@ -562,12 +570,25 @@ class LlamaCppTarget:
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
         return TargetOutput(out.logits, hidden)
 
-    def _prefill_in_float(self, ids: list[int], hidden_layers: tuple[int, ...]) -> TargetOutput:
-        """Prefill all but the last token of a prompt in float32 torch (float_prefill.py: FLOAT_CHUNK
-        chunks from position 0, whole chunks of the last such prompt kept), move their keys and
-        values into the verified context, and decode the last token here (its logits, as every
-        token's, come from llama.cpp)."""
-        body = ids[:-1]
+    def _float_boundary(self, ids: list[int]) -> int | None:
+        """How many leading tokens of a prompt the float path prefills: its first turn but the
+        turn's last token (through the first generation prompt of the chat template; the whole
+        prompt but its last token where there is none), or None: no float path here, or fewer than
+        FLOAT_PREFILL_MIN_TOKENS - 1 such tokens. A function of the tokens alone, and the same
+        for a conversation and its next turns, which keep the cells (module docstring)."""
+        if len(ids) < FLOAT_PREFILL_MIN_TOKENS or not self.uses_float_prefill:
+            return None
+        if self._generation_prompt is None:
+            self._generation_prompt = generation_prompt_ids(self.tokenizer)
+        boundary = _end_of_first(self._generation_prompt, ids) - 1
+        return boundary if boundary >= FLOAT_PREFILL_MIN_TOKENS - 1 else None
+
+    def _prefill_in_float(self, ids: list[int], boundary: int, hidden_layers: tuple[int, ...]) -> TargetOutput:
+        """Prefill ids[:boundary] in float32 torch (float_prefill.py: FLOAT_CHUNK chunks from
+        position 0, whole chunks of the last such prompt kept), move their keys and values into
+        the verified context, and decode the rest here (its logits, as every token's, come from
+        llama.cpp)."""
+        body = ids[:boundary]
         if self._ctx is not None:  # emptied first: an interruption leaves an empty context, not a stale one
             self.lib.llama_memory_clear(self._memory, True)
         self._tokens, self._moved, self._parked = [], 0, 0
@@ -581,7 +602,7 @@ class LlamaCppTarget:
             self.reset()
             raise PrefillCancelled
         self._load_cells(self.ctx, self._float_cells(self.ctx, cache, len(body)))
-        self._moved = len(body)
+        self._moved, self._moved_from = len(body), "float"
         self._tokens = list(body)
         self._kv.truncate(0)
         self._hidden.truncate(0)
@@ -589,7 +610,7 @@ class LlamaCppTarget:
             self._kv.write(0, cache.layer_rows(self.capture.layers, len(body)))
         if hidden_layers:
             self._hidden.write(0, cache.hidden[: len(body)])
-        out = self._decode_in_chunks(self.ctx, ids[-1:], len(body), 1, hidden_layers, self._tokens)
+        out = self._decode_in_chunks(self.ctx, ids[boundary:], boundary, MAX_BATCH, hidden_layers, self._tokens)
         hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
         return TargetOutput(out.logits, hidden)
 
@@ -878,7 +899,7 @@ class LlamaCppTarget:
         value cache, else the same."""
         cells = self._prompt_cells(count).to_q8_0(self._head_dim, values=self.value_cache_name == "q8_0")
         self._load_cells(self.ctx, cells)
-        self._moved = count
+        self._moved, self._moved_from = count, "prompt context"
 
     def _decode(self, ctx=None) -> None:
         # Python runs in a capturing decode's eval callback: a signal there would stop the graph
@@ -905,6 +926,17 @@ class LlamaCppTarget:
 def _cells_for(positions: int, at_least: int, at_most: int) -> int:
     """A context's size for `positions`: rounded up to a power of two, within the bounds."""
     return min(at_most, max(at_least, 1 << (positions - 1).bit_length()))
+
+
+def _end_of_first(pattern: Sequence[int], ids: list[int]) -> int:
+    """The index after the first occurrence of `pattern` in `ids`; len(ids) where there is none
+    (or `pattern` is empty)."""
+    if pattern:
+        first, size = pattern[0], len(pattern)
+        for start in range(len(ids) - size + 1):
+            if ids[start] == first and tuple(ids[start : start + size]) == tuple(pattern):
+                return start + size
+    return len(ids)
 
 
 def _shared_start(held: list[int], ids: list[int]) -> int:
