@@ -73,13 +73,16 @@ after a prompt (`prefill`: a split session resumed after a cut rebuilds prompt a
 decoded in this context in batches one-token decoding agrees with, never as part of a prompt.
 
 Where this machine prefills faster in float32 torch (llamacpp_prefill.py: measured once, or
-MOASPEC_LLAMA_PREFILL), a prompt of FLOAT_PREFILL_MIN_TOKENS or more of a Llama-architecture
-model takes the float path instead (float_prefill.py): every token but the last goes through
-float32 products over the GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0
-(whole chunks of the previous such prompt kept), its keys and values are moved in as the prompt
-context's are, and the last token is decoded here (its logits, as every token's, come from
-llama.cpp). A prompt's cells are again a function of its tokens, and trees read the moved cells
-with the per-query kernel: exact. The drafters' keys/values and hidden states of the moved
+MOASPEC_LLAMA_PREFILL), a Llama-architecture model's prompt takes the float path instead
+(float_prefill.py) for its first turn: the tokens up to the chat template's first generation
+prompt (the whole prompt without one), but the last of them, when there are at least
+FLOAT_PREFILL_MIN_TOKENS - 1. They go through float32 products over the GGUF's converted weights,
+in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of the previous such prompt kept), their
+keys and values are moved in as the prompt context's are, and the rest is decoded here (every
+logit comes from llama.cpp). Where the turn ends is a function of the tokens and the same for a
+conversation and its next turns, so a chat's next turn keeps the moved cells and the answer and
+decodes only its new tokens, and still equals a fresh prefill bit for bit; trees read the moved
+cells with the per-query kernel: exact. The drafters' keys/values and hidden states of the moved
 positions come from the float forward.
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
@@ -213,10 +216,10 @@ class LlamaCppTarget:
 
     @property
     def uses_float_prefill(self) -> bool:
-        """Whether prompts of FLOAT_PREFILL_MIN_TOKENS or more are prefilled in float32 torch (module
-        docstring): a model the float forward supports, no sliding window, no GPU layers (llama.cpp
-        prefills faster there), and this machine's choice (llamacpp_prefill.py). Never in the
-        exactness probe, which checks llama.cpp's own kernels."""
+        """Whether prompts' first turns of FLOAT_PREFILL_MIN_TOKENS or more are prefilled in float32
+        torch (module docstring): a model the float forward supports, no sliding window, no GPU
+        layers (llama.cpp prefills faster there), and this machine's choice (llamacpp_prefill.py).
+        Never in the exactness probe, which checks llama.cpp's own kernels."""
         if self._float is None or self._float.unsupported or self.weights.sliding_window or self.weights.gpu_layers:
             return False
         if self._probing_exactness:
