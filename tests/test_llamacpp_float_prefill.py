@@ -6,10 +6,10 @@ measured once per machine (llamacpp_prefill.py)."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
+from llamacpp_helpers import check_oracle_trees, plain_decode, require_exact_trees
 
 from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.chat import encode_chat_messages, encode_chat_prompt, generation_prompt_ids
@@ -17,11 +17,9 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.targets.llamacpp import FLOAT_CHUNK, MAX_TREE_NODES, LlamaCppTarget
+from moaspec.targets.llamacpp import FLOAT_CHUNK, LlamaCppTarget
 from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, PREFILL_ENV
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
-from moaspec.tree import DraftTree
-from moaspec.verify import verify_greedy
 
 
 @pytest.fixture(scope="module")
@@ -46,37 +44,6 @@ def sibling(target: LlamaCppTarget, **settings) -> LlamaCppTarget:
     )
 
 
-def plain_decode(target, prompt: list[int], count: int) -> tuple[list[int], list[torch.Tensor]]:
-    """One-token greedy decoding: tokens and the logits after each (the first from the prefill)."""
-    target.reset()
-    logits = [target.set_context(torch.tensor(prompt)).logits[0]]
-    tokens = [int(logits[0].argmax())]
-    while len(tokens) < count:
-        out = target.verify(DraftTree(torch.tensor([tokens[-1]]), torch.tensor([-1])))
-        target.commit([0])
-        logits.append(out.logits[0])
-        tokens.append(int(out.logits[0].argmax()))
-    return tokens, logits
-
-
-def oracle_tree(generator: random.Random, root: int, truth: list[int], vocab: int) -> DraftTree:
-    """The true continuation among random siblings (some before it in batch order: parked cells)."""
-    ids, parents, node = [root], [-1], 0
-    for true_id in truth:
-        siblings = [true_id] + [generator.randrange(vocab) for _ in range(generator.randrange(3))]
-        generator.shuffle(siblings)
-        for token in siblings:
-            ids.append(token)
-            parents.append(node)
-        node = len(ids) - len(siblings) + siblings.index(true_id)
-    return DraftTree(torch.tensor(ids), torch.tensor(parents))
-
-
-def require_exact_trees(target) -> None:
-    if target.exact_tree_nodes < MAX_TREE_NODES:
-        pytest.skip("llama.cpp's kernels round differently by batch size on this CPU (test_llamacpp.py checks the refusal)")
-
-
 @pytest.mark.parametrize("values", ["f16", "q8_0"])
 def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts, monkeypatch, values) -> None:
     """MOASPEC_LLAMA_PREFILL=float: a prompt of FLOAT_PREFILL_MIN_TOKENS or more is prefilled in
@@ -99,15 +66,7 @@ def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts
     # keys moved in transformers' per-head order, or values left unrotated, put them far apart
     assert max(float((a - b).abs().max()) for a, b in zip(logits[:9], llama_logits)) < 3.0
     target.set_context(torch.tensor(prompt))
-    generator, done = random.Random(8), 0
-    while done < 32:
-        tree = oracle_tree(generator, tokens[done], tokens[done + 1 : done + 5], target.vocab_size)
-        out = target.verify(tree)
-        accepted = verify_greedy(tree, out.logits)
-        for k, node in enumerate(accepted.path_node_idx):
-            assert torch.equal(out.logits[node], logits[done + k + 1]), (done, k)
-        target.commit(accepted.path_node_idx)
-        done += accepted.num_accepted + 1
+    check_oracle_trees(target, tokens, logits)
 
 
 def test_greedy_output_with_drafters_equals_plain_decoding_after_a_float_prefill(
