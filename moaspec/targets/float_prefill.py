@@ -3,7 +3,7 @@
 llama.cpp's Q4_1 weight products reuse no weights across a batch's tokens: on 2 cores a prompt
 costs ~3.7 ms a token there (SmolLM2-135M, Intel Xeon), ~40 % of one-token decoding, while
 float32 matrix products over the same weights (the GGUF's converted copy, dequantized once)
-prefill it 3× faster through MKL. So the llama.cpp runtime can prefill prompts here and move the
+prefill it 2.5-3× faster through MKL. So the llama.cpp runtime can prefill prompts here and move the
 keys and values into its cache as it moves the prompt context's (llamacpp_cells.py): trees and
 one-token decoding then read the same moved cells, and stay exact (llamacpp.py).
 
@@ -11,10 +11,10 @@ The forward is transformers' Llama decoder written out (RMSNorm, rotary embeddin
 grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts.
 Weights are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB), read without
 mapping the file (a mapped float32 file's pages count in the process's peak RSS: +425 MB at
-load), and widened to float32 one layer at a time; activations are float32. Keys and values are rounded to float16 as
-they are computed, as llama.cpp's f16 cache stores them, and attention reads them from there: a
-prompt prefilled in chunks then gives the same bits whether an earlier chunk was computed now or
-kept from an earlier prompt (`FloatPrefillCache`).
+load), and widened to float32 one layer at a time; activations are float32. Keys and values are
+rounded to float16 as they are computed, as llama.cpp's f16 cache stores them, and attention reads
+them from there: a prompt prefilled in chunks then gives the same bits whether an earlier chunk
+was computed now or kept from an earlier prompt (`FloatPrefillCache`).
 """
 
 from __future__ import annotations

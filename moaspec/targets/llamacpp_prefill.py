@@ -2,9 +2,9 @@
 with the keys and values moved into llama.cpp's cache (float_prefill.py).
 
 Which is faster depends on the CPU and the GGUF: llama.cpp's quantized products against MKL's
-float32 ones over the dequantized weights (3× faster for a 130-token prompt on an Intel Xeon with
+float32 ones over the dequantized weights (2.5× faster for a 128-token prompt on an Intel Xeon with
 SmolLM2-135M Q4_1; README, *Target runtimes*). So where the machine calibration is on, the first
-prompt of FLOAT_PREFILL_MIN_TOKENS or more is preceded by a measurement (~1 s on 2 cores): a
+prompt of FLOAT_PREFILL_MIN_TOKENS or more is preceded by a measurement (~1.5 s on 2 cores): a
 prompt of that length prefilled both ways, taking turns over MEASURE_ROUNDS rounds, medians (in
 llama.cpp: one decode in a context with the target's caches; in torch: the forward, the move of
 its keys and values into such a context and the decode of the last token, as `set_context` does);
