@@ -36,11 +36,11 @@ def category_prompts(llama_target) -> dict[str, list[int]]:
     return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
 
 
-def sibling(target: LlamaCppTarget, **settings) -> LlamaCppTarget:
+def sibling(target: LlamaCppTarget) -> LlamaCppTarget:
     """A target of its own on the same weights, as new_session() makes them (the float weights shared)."""
     return LlamaCppTarget(
         target.weights, target.tokenizer, target.config, target.name, threads=2, parts_loader=target._parts_loader,
-        parts=target._parts, float_llama=target._float, **settings,
+        parts=target._parts, float_llama=target._float,
     )
 
 
