@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moaspec.nn.layers import RMSNorm, apply_rope
+
 LAYER_MATRICES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
@@ -54,8 +56,8 @@ def _rope_theta(config) -> float:
 @dataclass
 class _Layer:
     matrices: list[torch.Tensor]  # LAYER_MATRICES, float16 [out, in]
-    input_norm: torch.Tensor  # [D] float32
-    post_attention_norm: torch.Tensor  # [D]
+    input_norm: RMSNorm
+    post_attention_norm: RMSNorm
 
 
 class FloatLlama:
@@ -68,31 +70,30 @@ class FloatLlama:
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.hidden_size = int(config.hidden_size)
         half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         self.inv_freq = 1.0 / (_rope_theta(config) ** half)  # [head_dim / 2]
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+
+        def norm(weights, name: str) -> RMSNorm:
+            module = RMSNorm(self.hidden_size, eps).requires_grad_(False)
+            module.weight.copy_(weights.get_tensor(name).float())
+            return module
+
         with SafetensorsWeights(model_dir) as weights:
             self.embedding = weights.rows("model.embed_tokens.weight")
             self.layers = [
                 _Layer(
                     [weights.rows(f"model.layers.{i}.{name}.weight", torch.float16).full() for name in LAYER_MATRICES],
-                    weights.get_tensor(f"model.layers.{i}.input_layernorm.weight").float(),
-                    weights.get_tensor(f"model.layers.{i}.post_attention_layernorm.weight").float(),
+                    norm(weights, f"model.layers.{i}.input_layernorm.weight"),
+                    norm(weights, f"model.layers.{i}.post_attention_layernorm.weight"),
                 )
                 for i in range(self.num_layers)
             ]
-            self.final_norm = weights.get_tensor("model.norm.weight").float()
+            self.final_norm = norm(weights, "model.norm.weight")
         # one float32 buffer per matrix of a layer, refilled layer by layer (fresh tensors of this
         # size would each be mapped and zeroed by the allocator: twice the widening's own time)
         self._widened = [torch.empty(matrix.shape) for matrix in self.layers[0].matrices]
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by halves (transformers' rotate_half) at cos/sin [T, 1, head_dim]."""
-        first, second = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-second, first], dim=-1) * sin
 
     @torch.inference_mode()
     def chunk(
@@ -102,8 +103,10 @@ class FloatLlama:
         (float16, rotated), writing the chunk's into keys/values [L, T, n_kv, head_dim] (float16).
         -> the final-normed hidden states [T, D] (float32)."""
         count, past = ids.shape[0], past_keys.shape[1]
+        # angles as transformers computes them for a Llama (inverse frequencies in float32; the
+        # drafters' rope_cos_sin takes them in float64, which rounds differently)
         angles = torch.arange(past, past + count, dtype=torch.float32)[:, None] * self.inv_freq[None]
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # [T, 1, head_dim]
+        angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
         cos, sin = angles.cos(), angles.sin()
         mask = torch.ones(count, past + count, dtype=torch.bool).tril(past)  # query t sees positions <= past + t
         x = self.embedding.rows(ids)  # [T, D]
@@ -111,19 +114,18 @@ class FloatLlama:
             q_proj, k_proj, v_proj, o_proj, gate, up, down = (
                 wide.copy_(matrix) for wide, matrix in zip(self._widened, layer.matrices)
             )
-            h = self._norm(x, layer.input_norm)
-            q = self._rotate(F.linear(h, q_proj).view(count, self.num_heads, self.head_dim), cos, sin)
-            keys[index] = self._rotate(F.linear(h, k_proj).view(count, self.num_kv_heads, self.head_dim), cos, sin)
+            h = layer.input_norm(x)
+            q = apply_rope(F.linear(h, q_proj).view(count, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
+            k = apply_rope(F.linear(h, k_proj).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+            keys[index] = k.transpose(0, 1)
             values[index] = F.linear(h, v_proj).view(count, self.num_kv_heads, self.head_dim)
             all_keys = torch.cat([past_keys[index], keys[index]]).float().transpose(0, 1)  # [n_kv, P + T, head_dim]
             all_values = torch.cat([past_values[index], values[index]]).float().transpose(0, 1)
-            attended = F.scaled_dot_product_attention(
-                q.transpose(0, 1), all_keys, all_values, attn_mask=mask, enable_gqa=True
-            )  # [heads, T, head_dim]
+            attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, enable_gqa=True)  # [heads, T, d]
             x = x + F.linear(attended.transpose(0, 1).reshape(count, -1), o_proj)
-            h = self._norm(x, layer.post_attention_norm)
+            h = layer.post_attention_norm(x)
             x = x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
-        return self._norm(x, self.final_norm)
+        return self.final_norm(x)
 
 
 class SharedFloatLlama:
@@ -154,7 +156,7 @@ class FloatPrefillCache:
         shape = (model.num_layers, 0, model.num_kv_heads, model.head_dim)
         self.keys = torch.empty(shape, dtype=torch.float16)  # [L, capacity, n_kv, head_dim]
         self.values = torch.empty(shape, dtype=torch.float16)
-        self.hidden = torch.empty(0, model.final_norm.shape[0])  # [capacity, D] final-normed hidden states
+        self.hidden = torch.empty(0, model.hidden_size)  # [capacity, D] final-normed hidden states
 
     def prefill(self, ids: list[int], cancelled=lambda: False) -> int:
         """Make `ids` the held prompt; -> how many leading tokens were kept from the one held.
@@ -189,7 +191,7 @@ class FloatPrefillCache:
             new = torch.empty((old.shape[0], grown, *old.shape[2:]), dtype=old.dtype)
             new[:, :held] = old[:, :held]
             setattr(self, name, new)
-        hidden = torch.empty(grown, self.model.final_norm.shape[0])
+        hidden = torch.empty(grown, self.model.hidden_size)
         hidden[:held] = self.hidden[:held]
         self.hidden = hidden
 

@@ -118,7 +118,7 @@ from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.float_prefill import FloatPrefillCache, SharedFloatLlama
 from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
-from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows
+from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows, transformers_head_order
 from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, prefill_path
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
@@ -622,7 +622,7 @@ class LlamaCppTarget:
         per-head order (llamacpp_features.py), rotated and q8_0 as its key cache holds them; values
         likewise for a q8_0 value cache, else float16."""
         header = bytes(self._sequence_state(ctx))[:STATE_HEADER]  # an empty sequence's state: its header
-        to_llama = torch.cat([torch.arange(0, self._head_dim, 2), torch.arange(1, self._head_dim, 2)]).argsort()
+        to_llama = transformers_head_order(self._head_dim).argsort()
         keys = cache.keys[:, :count][..., to_llama].flatten(2).numpy()  # [L, T, n_kv * head_dim]
         values = cache.values[:, :count].flatten(2).numpy()
         cells = SequenceState.of_floats(header, list(keys), list(values))

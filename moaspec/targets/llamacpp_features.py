@@ -67,6 +67,12 @@ def _ggml(llama_cpp):
     return library
 
 
+def transformers_head_order(head_dim: int) -> torch.Tensor:
+    """[head_dim]: transformers' dimension j of a key head is llama.cpp's dimension order[j]
+    (0, 2, 4, ..., 1, 3, 5, ...: the module docstring's layout); `.argsort()` goes the other way."""
+    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+
+
 class CapturedKV:
     """The eval callback of one context: keeps the keys/values of `layers` from the last decode."""
 
@@ -77,9 +83,7 @@ class CapturedKV:
         self.names = {f"{kind}cur-{layer}".encode(): (kind, i) for i, layer in enumerate(self.layers) for kind in "KV"}
         self.current: dict[tuple[str, int], np.ndarray] = {}
         self.failure: BaseException | None = None  # raised in the callback, re-raised after the decode
-        half = head_dim // 2
-        # transformers' dimension j of a head is llama.cpp's interleaved[j]: 0, 2, 4, ..., 1, 3, 5, ...
-        self.unpermute = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)]) if half else None
+        self.unpermute = transformers_head_order(head_dim)
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_tensor)  # kept alive here
 
     def _on_tensor(self, tensor: int, ask: bool, user_data) -> bool:
