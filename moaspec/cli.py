@@ -20,7 +20,7 @@
                   [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [--categories ...] [--limit N] ...
     moaspec tune --drafters moa,eagle,DIR [--target NAME|PATH] [--repeats R] [--top1-rate P] [--device cpu|cuda[:N]] [--dry-run]
     moaspec train --method moa|eagle --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
-                  [--memory-hidden] [--no-layer-attention] [--no-cross-attention] [--anchor-every MIN MAX]
+                  [--memory-hidden] [--no-layer-attention] [--no-cross-attention] [--intermediate-size N] [--anchor-every MIN MAX]
                   [--anchor-loss-weight W] [--draft-vocab N] [--ce-weight W] [--feature-weight W]
                   [--steps S] [--batch-size B] [--micro-batch M] [--lr LR] [--time-limit-min M] ...
 

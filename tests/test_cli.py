@@ -190,6 +190,8 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "moa", "--data", "d", "--out", "run", "--warmup-steps", "-1"], "--warmup-steps must be >= 0"),
         (["--method", "moa", "--data", "d", "--out", "run", "--lr", "-1"], "--lr must be > 0, got -1"),
         (["--method", "moa", "--data", "d", "--out", "run", "--tli-layers", "-1"], "--tli-layers must be >= 0"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--intermediate-size", "-1"], "--intermediate-size must be >= 0"),
+        (["--method", "eagle", "--data", "d", "--out", "run", "--intermediate-size", "1728"], "--method moa only"),
     ],
 )
 def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
@@ -235,8 +237,10 @@ def test_train_init_from_takes_the_checkpoints_architecture_unless_named(tmp_pat
     assert main(["train", "--method", "moa", *flags, "--init-from", "moa", "--memory-layers", "0", "--no-cross-attention"]) == 0
     assert main(["train", "--method", "moa", *flags]) == 0
     assert main(["train", "--method", "eagle", *flags, "--init-from", "moa"]) == 0  # another method's: the defaults
-    shapes = [(c.memory_layers, c.tli_layers, c.cross_attention) for c in configs]
-    assert shapes == [(4, 0, True), (4, 1, True), (0, 0, False), (0, 0, True), (0, 0, True)]
+    assert main(["train", "--method", "moa", *flags, "--init-from", "moa", "--intermediate-size", "1728"]) == 0
+    shapes = [(c.memory_layers, c.tli_layers, c.cross_attention, c.intermediate_size) for c in configs]
+    assert shapes == [(4, 0, True, 0), (4, 1, True, 0), (0, 0, False, 0), (0, 0, True, 0), (0, 0, True, 0), (4, 0, True, 1728)]
+
 
 
 @pytest.mark.parametrize(

@@ -272,6 +272,46 @@ def test_init_from_copies_the_weights_and_refuses_another_architecture(tmp_path)
         load_initial_weights(build_net("eagle", target, 0, None), checkpoint, target, TrainConfig(method="eagle"))
 
 
+def test_init_from_widens_moas_feed_forward_layers_keeping_its_function(tmp_path) -> None:
+    """A wider --intermediate-size starts from a narrower MoA checkpoint: its units kept, the new
+    ones' output weights at zero, so both feed-forward layers compute what they did; the width
+    not given is the checkpoint's, and a narrower one is refused."""
+    from moaspec.train.run import initial_feed_forward_width, load_initial_weights
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    vocab = torch.arange(0, 97, 3)
+    torch.manual_seed(0)
+    narrow = build_net("moa", target, 0, vocab)
+    width = narrow.config.intermediate_size
+    checkpoint = narrow.save_pretrained(tmp_path / "narrow", target, training={"step": 3})
+    narrow = build_net("moa", target, 0, vocab)
+    load_initial_weights(narrow, checkpoint, target, TrainConfig())  # the float16-rounded weights, as saved
+    config = TrainConfig(intermediate_size=2 * width)
+    torch.manual_seed(1)
+    wide = build_net("moa", target, 0, vocab, intermediate_size=initial_feed_forward_width(config, checkpoint))
+    assert wide.config.intermediate_size == 2 * width
+    load_initial_weights(wide, checkpoint, target, config)
+    x = torch.randn(5, narrow.config.hidden_size)
+    for module in ("ca_mlp", "self_attention.mlp"):
+        before, after = narrow.get_submodule(module), wide.get_submodule(module)
+        torch.testing.assert_close(after(x), before(x), rtol=1e-6, atol=1e-6, msg=module)
+        assert torch.count_nonzero(after.gate_proj.weight[width:]) > 0  # the new units learn from their first step
+        assert torch.count_nonzero(after.down_proj.weight[:, width:]) == 0
+    narrow_state = narrow.state_dict()
+    for name, value in wide.state_dict().items():
+        if not name.startswith(("ca_mlp.", "self_attention.mlp.")):
+            torch.testing.assert_close(value, narrow_state[name], rtol=0, atol=0, msg=name)
+    wide_checkpoint = wide.save_pretrained(tmp_path / "wide", target, training={"step": 4})
+    assert initial_feed_forward_width(TrainConfig(), wide_checkpoint) == 2 * width  # continues the wide shape
+    assert initial_feed_forward_width(TrainConfig(intermediate_size=3 * width), wide_checkpoint) == 3 * width
+    assert initial_feed_forward_width(TrainConfig(), None) == 0
+    assert initial_feed_forward_width(TrainConfig(method="eagle"), wide_checkpoint) == 0
+    with pytest.raises(MoaspecError, match=f"intermediate_size {2 * width} vs {width}"):
+        load_initial_weights(build_net("moa", target, 0, vocab), wide_checkpoint, target, TrainConfig())
+    with pytest.raises(ValueError, match="apply to the moa method only"):
+        TrainConfig(method="eagle", intermediate_size=64)
+
+
 def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tmp_path, monkeypatch) -> None:
     """Both record kinds train together (the draft vocabulary comes from learned tokens only), and
     an all-layer MoA checkpoint starts a last-layer MoA: the layer mix keeps that layer's weight."""

@@ -98,7 +98,9 @@ class MoAConfig:
         memory_hidden: bool = False,
         layer_attention: bool = True,
         cross_attention: bool = True,
+        intermediate_size: int = 0,
     ) -> MoAConfig:
+        """`intermediate_size` 0: the feed-forward width 3/2 x the target's hidden size."""
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
@@ -111,7 +113,7 @@ class MoAConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=3 * hidden // 2,
+            intermediate_size=intermediate_size or 3 * hidden // 2,
             kv_dim=kv_dim,
             num_target_layers=target_config.num_hidden_layers,
             lsa_num_heads=lsa_heads,

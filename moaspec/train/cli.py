@@ -54,6 +54,11 @@ def add_train_parser(commands, default_target: str) -> None:
         "(default: --init-from's, else off)",
     )
     train.add_argument(
+        "--intermediate-size", type=int, default=0, metavar="N",
+        help="width of MoA's two feed-forward layers (default: --init-from's, else 3/2 x the target's hidden size); "
+        "with --init-from, a wider N widens its layers, the new units' output weights at zero (the same function)",
+    )
+    train.add_argument(
         "--ce-weight", type=float, default=defaults.ce_weight,
         help=f"weight of the soft cross-entropy with the target's distribution (default {defaults.ce_weight}, the paper's)",
     )
@@ -136,7 +141,7 @@ def check_train_values(args: argparse.Namespace):
     for name in ("steps", "batch_size", "micro_batch", "val_conversations", "val_every", "ckpt_every", "max_seq_len"):
         if getattr(args, name) < 1:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("draft_vocab", "tli_layers"):
+    for name in ("draft_vocab", "tli_layers", "intermediate_size"):
         if getattr(args, name) < 0:
             raise MoaspecError(f"--{name.replace('_', '-')} must be >= 0")
     if not args.lr > 0:
@@ -149,8 +154,12 @@ def check_train_values(args: argparse.Namespace):
         raise MoaspecError("--staircase-fraction must be within [0, 1]")
     if args.method == "eagle" and args.tli_layers:
         raise MoaspecError("--tli-layers applies to --method moa only")
-    if args.method == "eagle" and (args.memory_layers or args.memory_hidden or args.no_layer_attention or args.no_cross_attention):
-        raise MoaspecError("--memory-layers, --memory-hidden, --no-layer-attention and --no-cross-attention apply to --method moa only")
+    moa_only = args.memory_layers or args.memory_hidden or args.no_layer_attention or args.no_cross_attention or args.intermediate_size
+    if args.method == "eagle" and moa_only:
+        raise MoaspecError(
+            "--memory-layers, --memory-hidden, --no-layer-attention, --no-cross-attention and --intermediate-size "
+            "apply to --method moa only"
+        )
     if not 1 <= args.anchor_every[0] <= args.anchor_every[1]:
         raise MoaspecError("--anchor-every needs 1 <= MIN <= MAX")
     if not (args.ce_weight >= 0 and args.feature_weight >= 0 and args.ce_weight + args.feature_weight > 0):
@@ -164,7 +173,7 @@ def check_train_values(args: argparse.Namespace):
             staircase_fraction=args.staircase_fraction, tli_rms_scaled=not args.tli_raw_feature_loss,
             val_every=args.val_every, ckpt_every=args.ckpt_every, seed=args.seed,
             memory_layers=args.memory_layers, memory_hidden=args.memory_hidden, layer_attention=not args.no_layer_attention,
-            cross_attention=not args.no_cross_attention,
+            cross_attention=not args.no_cross_attention, intermediate_size=args.intermediate_size,
             ce_weight=args.ce_weight, feature_weight=args.feature_weight,
             anchor_min=args.anchor_every[0], anchor_max=args.anchor_every[1], anchor_loss_weight=args.anchor_loss_weight,
         )

@@ -13,6 +13,7 @@ class TrainConfig:
     memory_hidden: bool = False  # MoA: the memory also reads the target's last hidden state (no loss at anchors)
     layer_attention: bool = True  # MoA: the LSA over layers; False pools the raw keys/values (ablation)
     cross_attention: bool = True  # MoA: the CA over the memory; False leaves the target unread (ablation)
+    intermediate_size: int = 0  # MoA: width of its two feed-forward layers, 0 = 3/2 x the target's hidden size
     tli_rms_scaled: bool = True  # pre-TLI feature term relative to the stream's RMS (losses.py)
     ce_weight: float = 0.1  # weight of the soft cross-entropy with the target's distribution (the paper's)
     feature_weight: float = 1.0  # weight of the SmoothL1 feature term (the paper's)
@@ -45,10 +46,17 @@ class TrainConfig:
             raise ValueError("ce_weight and feature_weight must be >= 0, not both 0")
         if self.memory_layers < 0:
             raise ValueError("memory_layers must be >= 0")
+        if self.intermediate_size < 0:
+            raise ValueError("intermediate_size must be >= 0")
         if not 0 < self.min_lr <= self.lr:
             raise ValueError(f"the final learning rate must be in (0, lr = {self.lr:g}], got {self.min_lr:g}")
         if self.warmup_steps < 0:
             raise ValueError(f"warm-up steps must be >= 0, got {self.warmup_steps}")
-        moa_only = self.memory_layers or self.memory_hidden or not self.layer_attention or not self.cross_attention
+        moa_only = (
+            self.memory_layers or self.memory_hidden or not self.layer_attention or not self.cross_attention
+            or self.intermediate_size
+        )
         if self.method != "moa" and moa_only:
-            raise ValueError("memory_layers, memory_hidden, layer_attention and cross_attention apply to the moa method only")
+            raise ValueError(
+                "memory_layers, memory_hidden, layer_attention, cross_attention and intermediate_size apply to the moa method only"
+            )

@@ -1,7 +1,7 @@
 """`moaspec train`: load the training data, build the drafter, train, write the checkpoint.
 
     moaspec train --method moa --data DIR [DIR ...] --out RUN [--tli-layers K] [--memory-layers N]
-                  [--memory-hidden] [--draft-vocab N] [--steps S] [--batch-size B] [--micro-batch M] [--lr LR]
+                  [--memory-hidden] [--intermediate-size N] [--draft-vocab N] [--steps S] [--batch-size B] [--micro-batch M] [--lr LR]
                   [--val-conversations V]
                   [--time-limit-min M] [--feature-cache DIR] [--init-from CHECKPOINT] [--device D] ...
 
@@ -96,8 +96,10 @@ def build_net(
     memory_hidden: bool = False,
     layer_attention: bool = True,
     cross_attention: bool = True,
+    intermediate_size: int = 0,
 ):
-    """A freshly initialised drafter for `target` (float32 master weights)."""
+    """A freshly initialised drafter for `target` (float32 master weights); MoA's
+    `intermediate_size` 0 is 3/2 x the target's hidden size."""
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
     if method == "moa":
         from moaspec.nn.moa import MoAConfig, MoADrafterNet
@@ -105,6 +107,7 @@ def build_net(
         config = MoAConfig.for_target(
             target.config, tli_layers=tli_layers, draft_vocab_size=size, memory_layers=memory_layers,
             memory_hidden=memory_hidden, layer_attention=layer_attention, cross_attention=cross_attention,
+            intermediate_size=intermediate_size,
         )
         net = MoADrafterNet(config)
     else:
@@ -125,12 +128,34 @@ def check_data_target(data_dirs: tuple[Path, ...], target_name: str) -> None:
             raise MoaspecError(f"{directory} was made by target '{made_by}', not '{target_name}' (--target)")
 
 
+def checkpoint_net_config(directory: Path) -> dict:
+    """The drafter config a checkpoint records (its sizes and switches, config.json's "config")."""
+    try:
+        config = json.loads((directory / "config.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json)") from exc
+    if not isinstance(config, dict):
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json)")
+    return config
+
+
 def checkpoint_vocab_size(directory: Path) -> int:
     """The draft vocabulary size a drafter checkpoint records (0: the full vocabulary)."""
     try:
-        return int(json.loads((directory / "config.json").read_text())["config"].get("draft_vocab_size", 0))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return int(checkpoint_net_config(directory).get("draft_vocab_size", 0))
+    except (TypeError, ValueError) as exc:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json)") from exc
+
+
+def initial_feed_forward_width(config: TrainConfig, init_from: Path | None) -> int:
+    """MoA's feed-forward width for a run: `config.intermediate_size`, else that of the --init-from
+    checkpoint of the same method, else 0 (3/2 x the target's hidden size, MoAConfig.for_target)."""
+    if config.intermediate_size or config.method != "moa" or init_from is None:
+        return config.intermediate_size
+    try:
+        return int(checkpoint_net_config(init_from).get("intermediate_size") or 0)
+    except (TypeError, ValueError):
+        return 0  # the checkpoint's config is checked when its weights load (load_initial_weights)
 
 
 def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
@@ -141,7 +166,9 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
     target layers than this net (`memory_layers`): the layer mix keeps those layers' weights; one
     without `memory_hidden` starts a net with it (its hidden-state map at zero: the same function),
     and any one a net without the layer attention (its LSA weights dropped) or without the
-    cross-attention (its weights kept, unused): the ablations. A MoA of another TLI depth starts
+    cross-attention (its weights kept, unused): the ablations. A MoA with narrower feed-forward
+    layers starts a wider one (`intermediate_size`; the new units' output weights at zero: the
+    same function, _widen_feed_forward). A MoA of another TLI depth starts
     this one (TLI borrows the target's frozen layers and adds no weights: the same weights, their
     output now entering the target's last k layers, a fine-tuning start).
     MoaspecError when its method, vocabulary size or other sizes differ."""
@@ -167,6 +194,9 @@ def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: 
         differing.discard("layer_attention")
     if "cross_attention" in differing and not wanted["cross_attention"]:
         differing.discard("cross_attention")
+    if "intermediate_size" in differing and wanted["intermediate_size"] > recorded["intermediate_size"]:
+        weights = _widen_feed_forward(weights, net, recorded["intermediate_size"])
+        differing.discard("intermediate_size")
     differing.discard("tli_layers")
     if differing:
         detail = ", ".join(f"{key} {recorded[key]} vs {wanted[key]}" for key in sorted(differing))
@@ -187,6 +217,25 @@ def _narrow_layer_mix(weights: dict, recorded_ids: tuple[int, ...], wanted_ids: 
         return weights
     rows = torch.tensor([recorded_ids.index(layer) for layer in wanted_ids])
     return {**weights, "layer_mix_raw": weights["layer_mix_raw"][rows]}
+
+
+MOA_FEED_FORWARDS = ("self_attention.mlp.", "ca_mlp.")  # MoA's layers of width intermediate_size
+
+
+def _widen_feed_forward(weights: dict, net: torch.nn.Module, width: int) -> dict:
+    """A MoA state dict whose feed-forward layers are `width` wide, widened to `net`'s: the units
+    it has keep their weights, the new ones take `net`'s fresh input weights and zero output
+    weights, so the widened drafter computes what the narrow one did."""
+    widened = dict(weights)
+    fresh = net.state_dict()
+    for prefix in MOA_FEED_FORWARDS:
+        for name in ("gate_proj.weight", "up_proj.weight"):  # [I, H]: new rows are new units
+            key = prefix + name
+            widened[key] = torch.cat([weights[key].to(fresh[key].dtype), fresh[key][width:]], dim=0)
+        key = prefix + "down_proj.weight"  # [H, I]: new columns at zero
+        new_columns = torch.zeros_like(fresh[key][:, width:])
+        widened[key] = torch.cat([weights[key].to(fresh[key].dtype), new_columns], dim=1)
+    return widened
 
 
 def split_validation(samples: list[TrainSample], count: int) -> tuple[list[TrainSample], list[TrainSample]]:
@@ -245,6 +294,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     check_same_validation(spec.out_dir, val_indices)
     vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
+    width = initial_feed_forward_width(config, spec.init_from)
     if spec.init_from is not None:  # its draft vocabulary comes with its weights (load_initial_weights)
         size = checkpoint_vocab_size(spec.init_from)
         vocab_ids = torch.zeros(size, dtype=torch.long) if size else None
@@ -252,7 +302,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
     net = build_net(
         config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden,
-        config.layer_attention, config.cross_attention,
+        config.layer_attention, config.cross_attention, width,
     )
     initial = None
     if spec.init_from is not None:
