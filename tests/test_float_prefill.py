@@ -74,17 +74,38 @@ def test_a_kept_chunk_gives_a_fresh_prefills_bits(tmp_path) -> None:
 
 
 @torch.inference_mode()
-def test_a_cancelled_prefill_holds_only_whole_chunks(tmp_path) -> None:
+def test_chunks_computed_together_give_the_bits_of_chunks_computed_one_by_one(tmp_path) -> None:
+    """The forward runs every chunk through a layer before the next layer (its weights widened
+    once); each chunk gets the bits it gets computed alone after the chunks before it."""
+    _, config = saved_tiny_llama(tmp_path)
+    model = FloatLlama(tmp_path, config)
+    ids = list(range(3, 43))
+    one_by_one = FloatPrefillCache(model, chunk_size=16)
+    assert [one_by_one.prefill(ids[:end]) for end in (16, 32, 40)] == [0, 16, 32]  # each call computes one chunk
+    together = FloatPrefillCache(model, chunk_size=16)
+    assert together.prefill(ids) == 0
+    assert torch.equal(one_by_one.keys[:, :40], together.keys[:, :40])
+    assert torch.equal(one_by_one.values[:, :40], together.values[:, :40])
+    assert torch.equal(one_by_one.hidden[:40], together.hidden[:40])
+
+
+@torch.inference_mode()
+def test_a_cancelled_prefill_holds_only_the_chunks_it_kept(tmp_path) -> None:
     _, config = saved_tiny_llama(tmp_path)
     cache = FloatPrefillCache(FloatLlama(tmp_path, config), chunk_size=8)
+    cache.prefill(list(range(20)))
     asked = []
 
     def cancelled() -> bool:
         asked.append(1)
-        return len(asked) == 3
+        return len(asked) == 2  # before the second layer
 
-    cache.prefill(list(range(30)), cancelled)
-    assert cache.tokens == list(range(16))
+    assert cache.prefill([*range(18), 90, 91, 92, 93], cancelled) == 16
+    assert cache.tokens == list(range(16)) and len(asked) == 2
+    cache.prefill([*range(18), 90, 91, 92, 93])
+    fresh = FloatPrefillCache(cache.model, chunk_size=8)
+    fresh.prefill([*range(18), 90, 91, 92, 93])
+    assert torch.equal(cache.keys[:, :22], fresh.keys[:, :22]) and torch.equal(cache.hidden[:22], fresh.hidden[:22])
 
 
 @pytest.mark.parametrize(

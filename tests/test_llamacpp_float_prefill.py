@@ -125,7 +125,7 @@ def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_ta
     assert torch.equal(warm.layer_kv(0, len(follow_up)), fresh.layer_kv(0, len(follow_up)))
 
     calls = []
-    original = warm._float_cache.model.chunk
+    original = warm._float_cache.model._layer
 
     def interrupted(*args):
         calls.append(1)
@@ -133,9 +133,9 @@ def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_ta
             raise KeyboardInterrupt
         return original(*args)
 
-    monkeypatch.setattr(warm._float_cache.model, "chunk", interrupted)
+    monkeypatch.setattr(warm._float_cache.model, "_layer", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        warm.set_context(torch.tensor(first[:100] + follow_up))  # nothing kept: two chunks computed
+        warm.set_context(torch.tensor(first[:100] + follow_up))  # nothing kept: stopped inside the forward
     monkeypatch.undo()
     monkeypatch.setenv(PREFILL_ENV, "float")
     assert warm.num_cached == 0
@@ -164,7 +164,7 @@ def test_a_conversation_keeps_its_float_prefilled_first_turn(llama_target, categ
 
     kept = _shared_start_of(warm._tokens, second)
     with monkeypatch.context() as patch:
-        patch.setattr(warm._float_cache.model, "chunk", prefilled_again)
+        patch.setattr(warm._float_cache.model, "forward", prefilled_again)
         got = warm.set_context(torch.tensor(second))
     assert warm._moved == len(first) - 1 and kept > len(first)
     want = fresh.set_context(torch.tensor(second))

@@ -96,36 +96,58 @@ class FloatLlama:
         self._widened = [torch.empty(matrix.shape) for matrix in self.layers[0].matrices]
 
     @torch.inference_mode()
-    def chunk(
-        self, ids: torch.Tensor, past_keys: torch.Tensor, past_values: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """Prefill ids [T] at positions P..P+T-1 after past keys/values [L, P, n_kv, head_dim]
-        (float16, rotated), writing the chunk's into keys/values [L, T, n_kv, head_dim] (float16).
-        -> the final-normed hidden states [T, D] (float32)."""
-        count, past = ids.shape[0], past_keys.shape[1]
+    def forward(
+        self, ids: torch.Tensor, start: int, chunk_size: int, keys: torch.Tensor, values: torch.Tensor,
+        cancelled=lambda: False,
+    ) -> torch.Tensor | None:
+        """Prefill ids [T] at positions start..start+T-1 (start a multiple of chunk_size) after the
+        keys/values in keys/values[:, :start] ([L, >= start + T, n_kv, head_dim], float16, rotated),
+        writing theirs into keys/values[:, start:start + T].
+
+        Chunk by chunk (chunk_size rows aligned to position 0) within each layer, layer by layer:
+        a layer's weights are widened once for all the chunks, and each chunk computes what it
+        would alone after the chunks before it. -> the final-normed hidden states [T, D]
+        (float32), or None when `cancelled()`, asked before each layer, says stop."""
+        end = start + ids.shape[0]
+        bounds = [(first, min(first + chunk_size, end)) for first in range(start, end, chunk_size)]
         # angles as transformers computes them for a Llama (inverse frequencies in float32; the
         # drafters' rope_cos_sin takes them in float64, which rounds differently)
-        angles = torch.arange(past, past + count, dtype=torch.float32)[:, None] * self.inv_freq[None]
+        angles = torch.arange(start, end, dtype=torch.float32)[:, None] * self.inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
         cos, sin = angles.cos(), angles.sin()
-        mask = torch.ones(count, past + count, dtype=torch.bool).tril(past)  # query t sees positions <= past + t
-        x = self.embedding.rows(ids)  # [T, D]
+        xs = [self.embedding.rows(ids[first - start : last - start]) for first, last in bounds]  # [c, D] each
         for index, layer in enumerate(self.layers):
-            q_proj, k_proj, v_proj, o_proj, gate, up, down = (
-                wide.copy_(matrix) for wide, matrix in zip(self._widened, layer.matrices)
-            )
-            h = layer.input_norm(x)
-            q = apply_rope(F.linear(h, q_proj).view(count, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
-            k = apply_rope(F.linear(h, k_proj).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-            keys[index] = k.transpose(0, 1)
-            values[index] = F.linear(h, v_proj).view(count, self.num_kv_heads, self.head_dim)
-            all_keys = torch.cat([past_keys[index], keys[index]]).float().transpose(0, 1)  # [n_kv, P + T, head_dim]
-            all_values = torch.cat([past_values[index], values[index]]).float().transpose(0, 1)
-            attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, enable_gqa=True)  # [heads, T, d]
-            x = x + F.linear(attended.transpose(0, 1).reshape(count, -1), o_proj)
-            h = layer.post_attention_norm(x)
-            x = x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
-        return self.final_norm(x)
+            if cancelled():
+                return None
+            weights = [wide.copy_(matrix) for wide, matrix in zip(self._widened, layer.matrices)]
+            for number, (first, last) in enumerate(bounds):
+                rows = slice(first - start, last - start)
+                xs[number] = self._layer(
+                    xs[number], layer, weights, cos[rows], sin[rows], keys[index, :last], values[index, :last], first
+                )
+        return torch.cat([self.final_norm(x) for x in xs])
+
+    def _layer(
+        self, x: torch.Tensor, layer: _Layer, weights: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+        keys: torch.Tensor, values: torch.Tensor, past: int,
+    ) -> torch.Tensor:
+        """One decoder layer over a chunk x [c, D] at positions past..past+c-1, writing its keys and
+        values into keys/values[past:] ([past + c, n_kv, head_dim], float16) and attending over all
+        of them. -> x after the layer [c, D]."""
+        count = x.shape[0]
+        q_proj, k_proj, v_proj, o_proj, gate, up, down = weights
+        mask = torch.ones(count, past + count, dtype=torch.bool).tril(past)  # query t sees positions <= past + t
+        h = layer.input_norm(x)
+        q = apply_rope(F.linear(h, q_proj).view(count, self.num_heads, self.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(F.linear(h, k_proj).view(count, self.num_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+        keys[past:] = k.transpose(0, 1)
+        values[past:] = F.linear(h, v_proj).view(count, self.num_kv_heads, self.head_dim)
+        all_keys = keys.float().transpose(0, 1)  # [n_kv, past + c, head_dim]
+        all_values = values.float().transpose(0, 1)
+        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, enable_gqa=True)  # [heads, c, d]
+        x = x + F.linear(attended.transpose(0, 1).reshape(count, -1), o_proj)
+        h = layer.post_attention_norm(x)
+        return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
 
 
 class SharedFloatLlama:
@@ -160,7 +182,7 @@ class FloatPrefillCache:
 
     def prefill(self, ids: list[int], cancelled=lambda: False) -> int:
         """Make `ids` the held prompt; -> how many leading tokens were kept from the one held.
-        `cancelled()` is asked before each chunk (True: stop, the held prompt cut where it stopped)."""
+        `cancelled()` is asked before each layer (True: stop, the held prompt cut to those kept)."""
         shared = 0
         for held, new in zip(self.tokens, ids):
             if held != new:
@@ -169,15 +191,14 @@ class FloatPrefillCache:
         keep = shared // self.chunk_size * self.chunk_size
         del self.tokens[keep:]
         self._reserve(len(ids))
-        for start in range(keep, len(ids), self.chunk_size):
-            if cancelled():
-                return keep
-            end = min(start + self.chunk_size, len(ids))
-            self.hidden[start:end] = self.model.chunk(
-                torch.tensor(ids[start:end]), self.keys[:, :start], self.values[:, :start],
-                self.keys[:, start:end], self.values[:, start:end],
-            )
-            self.tokens.extend(ids[start:end])
+        if keep == len(ids):
+            return keep
+        hidden = self.model.forward(
+            torch.tensor(ids[keep:]), keep, self.chunk_size, self.keys[:, : len(ids)], self.values[:, : len(ids)], cancelled
+        )
+        if hidden is not None:
+            self.hidden[keep : len(ids)] = hidden
+            self.tokens.extend(ids[keep:])
         return keep
 
     def _reserve(self, length: int) -> None:
