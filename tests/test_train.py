@@ -295,7 +295,7 @@ def test_init_from_widens_moas_feed_forward_layers_keeping_its_function(tmp_path
     for module in ("ca_mlp", "self_attention.mlp"):
         before, after = narrow.get_submodule(module), wide.get_submodule(module)
         torch.testing.assert_close(after(x), before(x), rtol=1e-6, atol=1e-6, msg=module)
-        assert torch.count_nonzero(after.gate_proj.weight[width:]) > 0  # the new units learn from their first step
+        assert torch.count_nonzero(after.gate_proj.weight[width:]) > 0  # active new units: their output weights learn at once
         assert torch.count_nonzero(after.down_proj.weight[:, width:]) == 0
     narrow_state = narrow.state_dict()
     for name, value in wide.state_dict().items():
