@@ -206,9 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 2), help="torch threads in-process (default 2)")
     parser.add_argument("--out", type=output_file, default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
-    client_counts = [int(n) for n in args.clients.split(",")]
+    try:
+        client_counts = [int(n) for n in args.clients.split(",")]
+    except ValueError:
+        parser.error(f"--clients takes comma-separated counts, got {args.clients!r}")
     if args.requests < 1 or args.max_tokens < 1 or min(client_counts) < 1:
         parser.error("--requests, --max-tokens and --clients must be >= 1")
+    if not args.url:  # named before the table's header, not after it
+        from moaspec.drafters import check_drafter_spec
+        from moaspec.errors import MoaspecError
+
+        for spec in args.drafters.split(","):
+            try:
+                check_drafter_spec(spec)
+            except MoaspecError as exc:
+                parser.error(str(exc))
 
     print("| drafter | clients | requests | errors | req/s | tok/s | latency p50 / p90 / p99 s | TTFT p50 / p99 s | mean τ |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,5 +104,6 @@ def load_bench_script(name: str):
     """A script of bench/ (not a package) as a module, e.g. load_bench_script("mtbench_top1")."""
     spec = importlib.util.spec_from_file_location(name, BENCH_SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module

@@ -312,7 +312,7 @@ def test_init_from_widens_moas_feed_forward_layers_keeping_its_function(tmp_path
         TrainConfig(method="eagle", intermediate_size=64)
 
 
-def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tmp_path, monkeypatch) -> None:
+def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tmp_path, monkeypatch, capsys) -> None:
     """Both record kinds train together (the draft vocabulary comes from learned tokens only), and
     an all-layer MoA checkpoint starts a last-layer MoA: the layer mix keeps that layer's weight."""
     import json
@@ -349,6 +349,8 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
                    time_limit_s=None, command="moaspec train ...", micro_batch=2)
     all_layers = run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
     record, weights = read_checkpoint(all_layers, target)
+    size = weights["draft_vocab_ids"].numel()
+    assert size < 70 and f"--draft-vocab 70 is more than the {size} tokens" in capsys.readouterr().err  # said, not silent
     assert set(record["training"]["last"]) >= {"acc_depth1", "val_tau"}
     vocab = set(weights["draft_vocab_ids"].tolist())
     assert not vocab & set(range(60, 97)) - set(rows[0]["input_ids"][:5]) or vocab <= set(range(60))

@@ -300,6 +300,12 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
         vocab_ids = torch.zeros(size, dtype=torch.long) if size else None
     elif spec.draft_vocab:
         vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
+        if vocab_ids.numel() < spec.draft_vocab:
+            print(
+                f"moaspec: note: --draft-vocab {spec.draft_vocab} is more than the {vocab_ids.numel()} tokens the training "
+                f"answers hold (with the stop tokens): the draft vocabulary has those {vocab_ids.numel()}",
+                file=sys.stderr,
+            )
     net = build_net(
         config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden,
         config.layer_attention, config.cross_attention, width,
