@@ -84,3 +84,13 @@ def test_recipe_checks_the_flags_it_passes_on_before_distilling(tmp_path: Path, 
 def test_scripts_print_what_they_do_for_help(script: str) -> None:
     proc = subprocess.run([str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and f"scripts/{script}" in proc.stdout and len(proc.stdout.splitlines()) > 5
+
+
+def test_gpu_campaign_refuses_an_unknown_run_before_writing(tmp_path) -> None:
+    out = tmp_path / "runs"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_campaign"), "300", str(out)], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, RUNS="moa bogus"),
+    )
+    assert proc.returncode == 2 and "RUNS names 'bogus'; the runs are moa, moa-wide and eagle" in proc.stderr
+    assert not out.exists()
