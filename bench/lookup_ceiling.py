@@ -5,12 +5,14 @@
 
 Plain greedy decoding runs through the engine on every prompt (first turns, with the set's
 fixed history such as QA's document; on the runtime's default, llama.cpp for the built-in
-target), timing its prefill, and the target's verify costs
-for 1-16 nodes are measured as the machine calibration measures them. From the target's own
-greedy tokens (lossless speculation emits exactly these) each category's time is then predicted,
-prefill as measured plus one verify cost per cycle:
+target), timing its prefill, and the target's verify costs for 1-16 nodes and of a plain step
+are measured as the machine calibration measures them. From the target's own greedy tokens
+(lossless speculation emits exactly these) each category's time is then predicted, prefill as
+measured plus one forward's cost per cycle:
 
-- `plain`: one node per token (the model; the JSON holds it beside the measured decode time);
+- `plain`: one plain step per token (the model; the JSON holds it beside the measured decode
+  time); a cycle of n nodes below costs a tree's verify and its penalty on the plain steps
+  after it (costs.py's tree_s);
 - `lookup`: every trie the calibration weighs (calibration/predict.py's `lookup_configs`, with
   and without the gate built from these costs), replayed exactly (profile.simulate_lookup); the
   best one per category in hindsight;
@@ -81,23 +83,24 @@ def longest_copies(sequence: LookupSequence) -> list[int]:
     return found
 
 
-def cheapest_decode_s(num_tokens: int, longest: list[int], verify_s) -> float:
+def cheapest_decode_s(num_tokens: int, longest: list[int], costs: CycleCosts) -> float:
     """Least seconds to emit generated tokens 1..num_tokens-1 (token 0 comes from the prefill)
-    when the cycle rooted at token i may draft any 0..longest[i] tokens as a chain, all accepted."""
+    when the cycle rooted at token i may draft any 0..longest[i] tokens as a chain, all accepted
+    (a cycle of n nodes costs costs.tree_s(n): a chain's penalty on the plain steps after it included)."""
     best = [0.0] * num_tokens
     for i in range(num_tokens - 2, -1, -1):
         reach = min(longest[i], num_tokens - 2 - i)
-        best[i] = min(verify_s(1 + drafted) + best[i + 1 + drafted] for drafted in range(reach + 1))
+        best[i] = min(costs.tree_s(1 + drafted) + best[i + 1 + drafted] for drafted in range(reach + 1))
     return best[0] if num_tokens > 1 else 0.0
 
 
-def replayed_decode_s(sequences: list[LookupSequence], config, gate, verify_s) -> tuple[float, float]:
+def replayed_decode_s(sequences: list[LookupSequence], config, gate, costs: CycleCosts) -> tuple[float, float]:
     """(seconds, tau) of greedy decoding with lookup `config` (and `gate`) over the sequences."""
     seconds = 0.0
 
     def add(num_nodes: int, emitted: int) -> None:
         nonlocal seconds
-        seconds += verify_s(num_nodes)
+        seconds += costs.tree_s(num_nodes)
 
     stats = simulate_lookup(sequences, config, gate, on_cycle=add)
     return seconds, (stats.tokens / stats.cycles if stats.cycles else 1.0)
@@ -120,8 +123,8 @@ def main() -> int:
 
     target = load_target(args.target, runtime=args.runtime)
     verify_costs = measure_verify_costs(target, ("row",), lambda text: print(f"measuring {text}", file=sys.stderr))["row"]
-    costs = CycleCosts(verify_costs, {}, (0.0, 0.0))
-    gate = LookupGate.from_verify_costs(costs.verify, max(c.max_nodes for c in lookup_configs()))
+    costs = CycleCosts(verify_costs.verify_s, {}, (0.0, 0.0), verify_costs.plain_step_s, verify_costs.tree_penalty_s)
+    gate = LookupGate.from_cycle_costs(costs.tree_s, max(c.max_nodes for c in lookup_configs()))
     engine = Engine(target, make_drafter("none", target))
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens)
 
@@ -142,18 +145,18 @@ def main() -> int:
             raise MoaspecError(
                 f"no {category} prompt fits the context ({target.max_positions}) with --max-new-tokens {args.max_new_tokens}"
             )
-        plain_s = prefill_s + sum(max(0, len(s.generated_ids) - 1) for s in sequences) * costs.verify(1)
+        plain_s = prefill_s + sum(max(0, len(s.generated_ids) - 1) for s in sequences) * costs.plain_step()
         lookups = []
         for config in lookup_configs():
             for gated in (False, True):
-                seconds, tau = replayed_decode_s(sequences, config, gate if gated else None, costs.verify)
+                seconds, tau = replayed_decode_s(sequences, config, gate if gated else None, costs)
                 lookups.append((prefill_s + seconds, tau, describe(config, gated)))
         best_s, best_tau, best_name = min(lookups)
         oracle_s = prefill_s + sum(
-            cheapest_decode_s(len(s.generated_ids), longest_copies(s), costs.verify) for s in sequences
+            cheapest_decode_s(len(s.generated_ids), longest_copies(s), costs) for s in sequences
         )
         perfect_s = prefill_s + sum(
-            cheapest_decode_s(len(s.generated_ids), [MAX_CHAIN] * len(s.generated_ids), costs.verify)
+            cheapest_decode_s(len(s.generated_ids), [MAX_CHAIN] * len(s.generated_ids), costs)
             for s in sequences
         )
         categories[category] = {
@@ -171,7 +174,9 @@ def main() -> int:
         "command": " ".join(["bench/lookup_ceiling.py", *sys.argv[1:]]),
         "cpu": cpu_description(),
         "runtime": runtime_description(target),
-        "verify_s": {str(n): round(s, 6) for n, s in sorted(verify_costs.items())},
+        "verify_s": {str(n): round(s, 6) for n, s in sorted(verify_costs.verify_s.items())},
+        "plain_step_s": round(verify_costs.plain_step_s, 6),
+        "tree_penalty_s": round(verify_costs.tree_penalty_s, 6),
         "categories": categories,
     }
     print(f"{record['cpu']}, {record['runtime']}")

@@ -1,6 +1,9 @@
 """Verify-cost curves of both target runtimes: seconds to verify (and commit) a tree of N nodes
-after a fixed context, relative to one node, measured in one process with the runtimes
-alternating block by block (calibration/costs.py's measure_verify: binary trees, medians).
+after a fixed context, relative to a plain decoding step (a one-node forward among many; one
+right after a tree can cost more: llama.cpp rebuilds its compute graph), measured in
+one process with the runtimes alternating block by block (calibration/costs.py's
+measure_verify: binary trees, medians), and the tree penalty: what the plain steps after a tree
+cost beyond steady ones, in all.
 
     .venv/bin/python bench/verify_curves.py --out bench/results/verify-curves.json [--dtypes float32,bfloat16]
 
@@ -44,11 +47,15 @@ def main() -> int:
         for dtype in args.dtypes
     }
     targets["llama.cpp"] = load_target(args.target, runtime="llama.cpp")
-    samples: dict[str, dict[int, list[float]]] = {r: {n: [] for n in NODE_COUNTS} for r in targets}
+    samples: dict[str, dict[int | str, list[float]]] = {
+        r: {"plain": [], "penalty": [], **{n: [] for n in NODE_COUNTS}} for r in targets
+    }
     for block in range(args.blocks):
         for runtime, target in targets.items():
             costs = measure_verify(target, args.context, args.repeats, NODE_COUNTS)
-            for n, seconds in costs.items():
+            samples[runtime]["plain"].append(costs.plain_step_s)
+            samples[runtime]["penalty"].append(costs.tree_penalty_s)
+            for n, seconds in costs.verify_s.items():
                 samples[runtime][n].append(seconds)
         print(f"block {block + 1}/{args.blocks} done", file=sys.stderr)
     medians = {r: {n: statistics.median(v) for n, v in per.items()} for r, per in samples.items()}
@@ -60,12 +67,17 @@ def main() -> int:
         "context": args.context,
         "runtimes": {r: runtime_description(targets[r]) for r in targets},
         "seconds": {r: {str(n): round(s, 6) for n, s in per.items()} for r, per in medians.items()},
-        "relative_to_one_node": {r: {str(n): round(s / per[1], 3) for n, s in per.items()} for r, per in medians.items()},
+        "relative_to_plain_step": {
+            r: {str(n): round(s / per["plain"], 3) for n, s in per.items()} for r, per in medians.items()
+        },
     }
-    header = "| runtime | 1 node | " + " | ".join(f"{n} nodes" for n in NODE_COUNTS[1:]) + " |"
-    lines = [header, "|---|" + "---:|" * len(NODE_COUNTS)]
+    header = (
+        "| runtime | plain step | tree penalty | 1 node after a tree | "
+        + " | ".join(f"{n} nodes" for n in NODE_COUNTS[1:]) + " |"
+    )
+    lines = [header, "|---|" + "---:|" * (len(NODE_COUNTS) + 2)]
     for runtime, per in medians.items():
-        cells = [f"{per[1] * 1000:.1f} ms"] + [f"{per[n] / per[1]:.2f}x" for n in NODE_COUNTS[1:]]
+        cells = [f"{per['plain'] * 1000:.1f} ms"] + [f"{per[n] / per['plain']:.2f}x" for n in ("penalty", *NODE_COUNTS)]
         lines.append(f"| {runtime} | " + " | ".join(cells) + " |")
     print("\n".join(lines))
     if args.out is not None:

@@ -8,6 +8,7 @@ the CPU that runs them.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,8 @@ from conftest import make_random_drafter_net, make_tiny_target
 
 import moaspec.calibration.plan as plan
 from moaspec.calibration import costs_store
-from moaspec.calibration.costs import CycleCosts
-from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option
+from moaspec.calibration.costs import CycleCosts, VerifyCosts
+from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option, plain_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
 from moaspec.config import GenerationConfig, TreeConfig
 from moaspec.drafters.lookup_gate import LookupGate
@@ -90,6 +91,20 @@ def test_lookup_prediction_is_tokens_over_seconds() -> None:
     # 10 matched cycles of a 4-node tree (80 ms) + 60 plain steps (50 ms): 100 tokens in 3.8 s
     assert option.tokens_per_s == pytest.approx(100 / 3.8)
     assert option.expected_tau == pytest.approx(100 / 70)
+
+
+def test_plain_steps_cost_the_steady_step_and_trees_their_penalty() -> None:
+    """Where a plain step costs 40 ms and the plain steps after a tree 5 ms more per node beyond
+    its root (llama.cpp rebuilding its graph and settling), plain decoding runs at 25 tok/s, and
+    the lookup's 10 4-node trees cost 80 + 15 ms each and its 60 plain steps 40 ms: 100 tokens in
+    0.95 + 2.4 s. Unmeasured, both are the one-node forward's 50 ms and nothing (3.8 s)."""
+    costs = replace(_costs({1: 50, 2: 60, 4: 80, 8: 120}), plain_step_s=0.040, tree_penalty_s=0.005)
+    assert plain_option("row", costs).tokens_per_s == pytest.approx(25.0)
+    stats = LookupStats(matched_cycles=10, matched_tokens=40, matched_nodes=40, unmatched_cycles=60)
+    option = lookup_option("row", costs, NgramConfig(), stats, lookup_s=0.0)
+    assert option.tokens_per_s == pytest.approx(100 / (0.95 + 2.4))
+    unmeasured = _costs({1: 50, 2: 60, 4: 80, 8: 120})
+    assert lookup_option("row", unmeasured, NgramConfig(), stats, 0.0).tokens_per_s == pytest.approx(100 / 3.8)
 
 
 def test_speculation_must_beat_plain_decoding_by_the_margin() -> None:
@@ -166,12 +181,25 @@ def tiny_default(tmp_path, monkeypatch):
     monkeypatch.setattr(plan, "default_drafter", lambda target_name: f"{checkpoint}+ngram")
     calls = []
 
-    def set_costs(verify_ms: dict[int, float], column_factor: float = 1.0) -> None:
+    def set_costs(
+        verify_ms: dict[int, float], column_factor: float = 1.0, plain_ms: float | None = None, penalty_ms: float = 0.0
+    ) -> None:
+        """Measured costs: verify_ms per node count, a plain step of plain_ms (None: verify_ms[1])
+        and a tree penalty of penalty_ms."""
+        plain = verify_ms[1] if plain_ms is None else plain_ms
+
         def measure_verify_costs(target, layouts, say):
             calls.append("verify")
             say("target verify costs")
             factors = {"row": 1.0, "column": column_factor}
-            return {layout: {n: ms * factors[layout] / 1000 for n, ms in verify_ms.items()} for layout in layouts}
+            return {
+                layout: VerifyCosts(
+                    {n: ms * factors[layout] / 1000 for n, ms in verify_ms.items()},
+                    plain * factors[layout] / 1000,
+                    penalty_ms * factors[layout] / 1000,
+                )
+                for layout in layouts
+            }
 
         def measure_drafter_costs(drafter, target, layouts, shapes, say):
             calls.append("drafter")
@@ -201,6 +229,26 @@ def test_default_is_plain_decoding_where_trees_cost_too_much(tiny_default, monke
     assert cheap.chosen.drafter == f"{checkpoint}+ngram" and cheap.chosen.tree is not None
     assert drafter.lookup is not None and drafter.tree_config == cheap.chosen.tree
     assert drafter.tree_source == "calibrated" and cheap.to_dict()["predicted_speedup"] >= MIN_GAIN
+
+
+def test_cheap_plain_steps_and_the_penalty_after_trees_keep_plain_decoding(tiny_default) -> None:
+    """Regression (issue 21, an Intel Xeon): in engine generations llama.cpp's plain steps took
+    7.3 ms (it reuses its compute graph between them), one-node forwards timed among trees 9-10
+    ms, and the plain steps after a 4-node tree ~6 ms more in all. Priced at one-node forwards
+    among trees, the default's lookup was predicted at 1.14x plain decoding and ran at
+    0.94-1.02x. With verify costs where the lookup pays at that price, the default speculates;
+    with the same costs, plain steps of 7 ms and a penalty of 2 ms per node, it decodes plainly."""
+    target, _, set_costs, _ = tiny_default
+    lookup_pays = {n: 10.0 + 4 * (n - 1) for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)}
+    set_costs(lookup_pays)
+    _, dearer = plan.calibrated_drafter(target, None)
+    assert dearer.chosen.drafter != "none" and dearer.chosen.tokens_per_s >= MIN_GAIN * dearer.plain.tokens_per_s
+    set_costs(lookup_pays, plain_ms=7.0, penalty_ms=2.0)
+    plan_cache = costs_store.cache_dir(target.name)
+    for path in plan_cache.glob("verify-*.json"):
+        path.unlink()  # measured again, as on a new machine
+    drafter, steady = plan.calibrated_drafter(target, None)
+    assert steady.chosen.drafter == "none" and steady.plain.tokens_per_s == pytest.approx(1000 / 7.0)
 
 
 def test_layout_follows_the_measured_costs_and_is_applied(tiny_default) -> None:
@@ -442,10 +490,48 @@ def test_verify_costs_are_measured_on_the_trees_the_target_takes_up_to_its_large
     monkeypatch.setattr(HFTarget, "verify", recording)
     assert 7 not in VERIFY_NODE_COUNTS
     costs = measure_verify(target, 16, 1, VERIFY_NODE_COUNTS)
-    assert sorted(costs) == [1, 2, 3, 4, 5, 6, 7]
+    assert sorted(costs.verify_s) == [1, 2, 3, 4, 5, 6, 7]
     assert all(parents == list(range(-1, len(parents) - 1)) for parents in shapes)  # chains only
     target.max_tree_nodes, target.max_tree_leaves = None, None
-    assert sorted(measure_verify(target, 16, 1, VERIFY_NODE_COUNTS)) == list(VERIFY_NODE_COUNTS)
+    assert sorted(measure_verify(target, 16, 1, VERIFY_NODE_COUNTS).verify_s) == list(VERIFY_NODE_COUNTS)
+
+
+def test_plain_steps_trees_and_the_penalty_after_trees_are_timed_apart(monkeypatch) -> None:
+    """A target whose forward costs a second per node, half a second more when the batch has
+    another size than the one before (llama.cpp rebuilding its compute graph), and a quarter of a
+    second per node of the last tree more on the second plain step after it (settling): the
+    plain step is measured at 1.0 s, a tree of n nodes at n + 0.5 s (1.5 s for the one-node
+    forward after a tree) and the penalty at (0.5 + 0.25 n) / (n - 1) per node beyond the root,
+    whose median over the trees timed (2, 4, 8 nodes: 1.0, 0.5, 0.36) is 0.5 s. Timed among
+    trees, as before, plain decoding would have been priced at 1.5 s and the settling missed."""
+    import moaspec.calibration.costs as costs_module
+    from moaspec.calibration.costs import measure_verify
+    from moaspec.targets.hf import HFTarget
+
+    clock = {"now": 0.0, "last": 0, "streak": 0, "tree": 1}
+    verify = HFTarget.verify
+
+    def priced(self, tree, hidden_layers=()):
+        nodes = tree.num_nodes
+        clock["streak"] = clock["streak"] + 1 if nodes == clock["last"] else 0
+        settling = 0.25 * clock["tree"] if nodes == 1 and clock["streak"] == 1 and clock["tree"] > 1 else 0.0
+        clock["now"] += nodes + (0.5 if clock["streak"] == 0 else settling)
+        clock["last"] = nodes
+        if nodes > 1:
+            clock["tree"] = nodes
+        return verify(self, tree, hidden_layers)
+
+    monkeypatch.setattr(HFTarget, "verify", priced)
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock["now"])
+    target = make_tiny_target("llama")
+    target.reuses_graphs = True  # as llama.cpp
+    measured = measure_verify(target, 16, 3, (1, 2, 4, 8))
+    assert measured.plain_step_s == pytest.approx(1.0)
+    assert measured.verify_s == pytest.approx({1: 1.5, 2: 2.5, 4: 4.5, 8: 8.5})
+    assert measured.tree_penalty_s == pytest.approx(0.5)
+    target.reuses_graphs = False  # a runtime without the effect: neither timed apart
+    unreused = measure_verify(target, 16, 3, (1, 2, 4, 8))
+    assert (unreused.plain_step_s, unreused.tree_penalty_s) == (unreused.verify_s[1], 0.0)
 
 
 X86_CPUINFO = """processor\t: 0

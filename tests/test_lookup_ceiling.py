@@ -7,6 +7,7 @@ import itertools
 import pytest
 from conftest import load_bench_script
 
+from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.profile import LookupSequence
 
 
@@ -26,7 +27,7 @@ def test_copies_never_read_tokens_not_yet_verified() -> None:
     assert script.longest_copies(LookupSequence([5], [5, 5, 5, 5, 5])) == [1, 2, 2, 1, 0]
 
 
-def brute_force_s(num_tokens: int, longest: list[int], verify_s) -> float:
+def brute_force_s(num_tokens: int, longest: list[int], costs: CycleCosts) -> float:
     """Every way of cutting tokens 1..num_tokens-1 into cycles, each within the copy at its root."""
     best = float("inf")
     for cuts in itertools.product((False, True), repeat=max(0, num_tokens - 2)):
@@ -37,17 +38,35 @@ def brute_force_s(num_tokens: int, longest: list[int], verify_s) -> float:
                 if drafted > longest[root]:
                     ok = False
                     break
-                seconds += verify_s(1 + drafted)
+                seconds += costs.tree_s(1 + drafted)
                 root = position
         if ok:
             best = min(best, seconds)
     return best
 
 
-@pytest.mark.parametrize("longest", [[2, 0, 0, 0, 0], [0, 3, 1, 0, 2], [4, 4, 4, 4, 4], [0, 0, 0, 0, 0]])
+def costs_of(verify_s: dict[int, float], plain_step_s: float | None = None, tree_penalty_s: float = 0.0) -> CycleCosts:
+    return CycleCosts(verify_s, {}, (0.0, 0.0), plain_step_s, tree_penalty_s)
+
+
+@pytest.mark.parametrize("longest", [[2, 0, 0, 0, 0], [0, 3, 1, 0, 2], [4, 4, 4, 4, 4], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0]])
 def test_cheapest_schedule_is_the_brute_force_optimum(longest: list[int]) -> None:
+    """Without a tree penalty and with one (the plain steps after a chain cost 0.2 more per
+    drafted node, as on llama.cpp)."""
     script = load_bench_script("lookup_ceiling")
-    concave = {1: 1.0, 2: 1.7, 3: 2.1, 4: 2.4, 5: 3.1}.__getitem__
-    assert script.cheapest_decode_s(5, longest, concave) == pytest.approx(brute_force_s(5, longest, concave))
-    linear = float  # a node costs a step: no schedule beats plain decoding
+    concave = {1: 1.0, 2: 1.7, 3: 2.1, 4: 2.4, 5: 3.1}
+    for costs in (costs_of(concave), costs_of(concave, tree_penalty_s=0.2)):
+        assert script.cheapest_decode_s(5, longest, costs) == pytest.approx(brute_force_s(5, longest, costs))
+    linear = costs_of({n: float(n) for n in range(1, 6)})  # a node costs a step: no schedule beats plain decoding
     assert script.cheapest_decode_s(5, longest, linear) == pytest.approx(4.0)
+
+
+def test_a_chain_pays_only_with_its_penalty_on_the_plain_steps_after_it_counted() -> None:
+    """Tokens 1-3 with a 1-token copy at root 1: the 2-node chain (1.7) beats two plain steps
+    (2.0) without a penalty, not with one of 0.5 per drafted node; a plain step among many costs
+    0.8 where it is measured apart from the one-node forward among trees (1.0)."""
+    script = load_bench_script("lookup_ceiling")
+    longest = [0, 1, 0, 0]
+    assert script.cheapest_decode_s(4, longest, costs_of({1: 1.0, 2: 1.7})) == pytest.approx(1.0 + 1.7)
+    assert script.cheapest_decode_s(4, longest, costs_of({1: 1.0, 2: 1.7}, tree_penalty_s=0.5)) == pytest.approx(3.0)
+    assert script.cheapest_decode_s(4, longest, costs_of({1: 1.0, 2: 1.7}, plain_step_s=0.8)) == pytest.approx(2.4)

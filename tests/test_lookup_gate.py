@@ -36,7 +36,7 @@ def test_the_mean_gain_decides_and_a_new_generation_starts_closed() -> None:
     gate.reset()
     assert not gate.is_open and gate.score == 0.0
     costs = {1: 10.0, 2: 18.0, 3: 25.0}
-    assert LookupGate.from_verify_costs(costs.__getitem__, 3).extra_cost == pytest.approx((0.0, 0.0, 0.8, 1.5))
+    assert LookupGate.from_cycle_costs(costs.__getitem__, 3).extra_cost == pytest.approx((0.0, 0.0, 0.8, 1.5))
 
 
 def test_matches_are_verified_while_they_pay_and_scored_in_the_shadow_otherwise() -> None:

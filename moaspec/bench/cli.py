@@ -312,11 +312,11 @@ def run_tune(args: argparse.Namespace) -> int:
         f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len}{capped})...",
         file=sys.stderr,
     )
-    verify_s = measure_verify(target, context_len, args.repeats)
+    verify = measure_verify(target, context_len, args.repeats)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
         result = tune_drafter(
-            drafters[spec], target, verify_s, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
+            drafters[spec], target, verify, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
         )
         print(_tune_table(spec, result))
         if result.best.tokens_per_s < result.plain_tokens_per_s:
@@ -346,7 +346,7 @@ def _tune_table(spec: str, result) -> str:
     lines = [
         f"## {spec}: target token among the drafter's top {'/'.join(str(k) for k in range(1, len(hits) + 1))}: "
         f"{' / '.join(hits)} ({result.rates_source})",
-        f"plain decoding {result.plain_tokens_per_s:.2f} tok/s (one-node forward {1000 * result.costs.verify(1):.1f} ms)",
+        f"plain decoding {result.plain_tokens_per_s:.2f} tok/s (one-node forward {1000 * result.costs.plain_step():.1f} ms)",
         "",
         "| depth | top-k | budget | nodes | expected τ | cycle ms | expected tok/s | vs plain |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",

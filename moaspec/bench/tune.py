@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moaspec.calibration.costs import CycleCosts
+from moaspec.calibration.costs import CycleCosts, VerifyCosts
 from moaspec.calibration.tree_ranking import (
     DEPTHS,
     TOP_KS,
@@ -41,8 +41,8 @@ CALIBRATION_PROMPTS = (  # written for calibration; not from any benchmark set
 
 
 def plain_tokens_per_s(costs: CycleCosts) -> float:
-    """Plain decoding: one token per one-node forward."""
-    return 1.0 / costs.verify(1)
+    """Plain decoding: one token per plain step (calibration/costs.py)."""
+    return 1.0 / costs.plain_step()
 
 
 # -- the measurement run ------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) ->
 def tune_drafter(
     drafter,
     target,
-    verify_s: dict[int, float],
+    verify: VerifyCosts,
     context_len: int,
     repeats: int,
     top1: float | None,
@@ -110,7 +110,7 @@ def tune_drafter(
 
     shapes = [(depth, top_k) for depth in DEPTHS for top_k in TOP_KS]
     propose_s, accept_s = measure_drafter(drafter, target, context_len, repeats, shapes)
-    costs = CycleCosts(verify_s, propose_s, accept_s)
+    costs = CycleCosts(verify.verify_s, propose_s, accept_s, verify.plain_step_s, verify.tree_penalty_s)
     calibration = None
     if top1 is not None:
         rates, source = geometric_rates(top1), "given"

@@ -1,9 +1,9 @@
 """Measured costs per machine, runtime, target and drafter checkpoint, cached as JSON.
 
 Two files under `<cache root>/calibration/<target name>/` (cache root as in model_store.py):
-- `verify-<key>.json`: the target's verify seconds for VERIFY_NODE_COUNTS tree nodes, per weight
-  layout, and the prompt lookup's own seconds per cycle; key = CPU + runtime + target + the
-  layouts measured;
+- `verify-<key>.json`: the target's verify seconds for VERIFY_NODE_COUNTS tree nodes and of a
+  plain step and the tree penalty (costs.py), per weight layout, and the prompt lookup's own seconds per cycle; key =
+  CPU + runtime + target + the layouts measured;
 - `drafter-<key>.json`: a model drafter's propose seconds per tree shape and accept seconds, per
   layout; key = the same + the checkpoint (tuned.checkpoint_key: config, weights size and mtime).
 A change of any of them is a new key, hence a new measurement. Unreadable files are measured
@@ -17,18 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moaspec.atomic_files import write_file_atomically
-from moaspec.calibration.costs import CycleCosts, measure_drafter, measure_verify
+from moaspec.calibration.costs import CycleCosts, VerifyCosts, measure_drafter, measure_verify
 from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the plain step measured apart (costs.py)
 CONTEXT_LEN = 128  # a chat prompt's length; the verify cost of this model moves little with it
 REPEATS = 3
 VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_DEPTHS = tuple(range(1, 7))
 DRAFT_TOP_KS = (1, 2, 3, 4)
-LOOKUP_REPLAY_VERSION = 2  # bumped when the drafter's or the gate's rules change what a replay counts
+LOOKUP_REPLAY_VERSION = 3  # bumped when the drafter's or the gate's rules, or what a replay counts, change
 
 
 def context_len(target) -> int:
@@ -40,11 +40,18 @@ def cache_dir(target_name: str) -> Path:
     return cache_root() / "calibration" / target_name
 
 
-def load_verify_costs(path: Path, layouts: tuple[str, ...]) -> tuple[dict[str, dict[int, float]], float] | None:
-    """-> (verify seconds per node count, per layout; lookup seconds per cycle), or None."""
+def load_verify_costs(path: Path, layouts: tuple[str, ...]) -> tuple[dict[str, VerifyCosts], float] | None:
+    """-> (verify costs per layout; lookup seconds per cycle), or None."""
     record = _read(path)
     try:
-        verify = {layout: {int(n): float(s) for n, s in record["verify_s"][layout].items()} for layout in layouts}
+        verify = {
+            layout: VerifyCosts(
+                {int(n): float(s) for n, s in record["verify_s"][layout].items()},
+                float(record["plain_step_s"][layout]),
+                float(record["tree_penalty_s"][layout]),
+            )
+            for layout in layouts
+        }
         return verify, float(record["lookup_s"])
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
@@ -75,8 +82,8 @@ def _weights(target, layout: str) -> str:
     return f"{target.runtime} (drafter weights {layout}-major)"
 
 
-def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], None]) -> dict[str, dict[int, float]]:
-    """Verify seconds per node count in each layout (the target is left in the last layout)."""
+def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], None]) -> dict[str, VerifyCosts]:
+    """Verify costs in each layout (the target is left in the last layout)."""
     found = {}
     for layout in layouts:
         say(f"target verify costs, {_weights(target, layout)}")
@@ -121,10 +128,12 @@ def read_field(path: Path, key: str):
     return _read(path).get(key)
 
 
-def verify_record(costs: dict[str, dict[int, float]], lookup_s: float, identity: dict) -> dict:
+def verify_record(costs: dict[str, VerifyCosts], lookup_s: float, identity: dict) -> dict:
     return {
         **identity,
-        "verify_s": {layout: {str(n): s for n, s in per.items()} for layout, per in costs.items()},
+        "verify_s": {layout: {str(n): s for n, s in per.verify_s.items()} for layout, per in costs.items()},
+        "plain_step_s": {layout: per.plain_step_s for layout, per in costs.items()},
+        "tree_penalty_s": {layout: per.tree_penalty_s for layout, per in costs.items()},
         "lookup_s": lookup_s,
     }
 
@@ -137,9 +146,9 @@ def drafter_record(costs: dict[str, tuple[dict, tuple[float, float]]], identity:
     }
 
 
-def cycle_costs(verify_s: dict[int, float], drafter: tuple[dict, tuple[float, float]] | None) -> CycleCosts:
+def cycle_costs(verify: VerifyCosts, drafter: tuple[dict, tuple[float, float]] | None) -> CycleCosts:
     propose_s, accept_s = drafter if drafter is not None else ({}, (0.0, 0.0))
-    return CycleCosts(verify_s, propose_s, accept_s)
+    return CycleCosts(verify.verify_s, propose_s, accept_s, verify.plain_step_s, verify.tree_penalty_s)
 
 
 def _shape(key: str) -> tuple[int, int]:

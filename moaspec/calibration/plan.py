@@ -195,7 +195,7 @@ def calibrated_drafter(
             trees = _tree_candidates(model, costs, rates, limit) if trees is None else _recost(trees, costs)
         gated = []  # the lookup tries of the `ngram` form, behind the gate
         if sequences and (requested == DEFAULT or base == "ngram"):
-            gates[layout] = LookupGate.from_verify_costs(costs.verify, LOOKUP_MAX_NODES)
+            gates[layout] = LookupGate.from_cycle_costs(costs.tree_s, LOOKUP_MAX_NODES)
             gated = costs_store.simulated_lookups(
                 target.name, sequences, limit.lookups(), simulate_lookup, gates[layout]
             )

@@ -1,11 +1,11 @@
 """Predicted tokens/s of each drafter form, from measured costs and stored acceptance.
 
 Forms (what `--drafter` would name):
-- `none`: one token per one-node target forward: 1 / verify(1).
+- `none`: one token per plain step (costs.py: a one-node forward among many): 1 / plain.
 - `ngram` with lookup configuration c: replaying greedy lookup decoding over the profile's
   sequences (profile.simulate_lookup) gives M matched cycles emitting T_m tokens over N_m tree
-  nodes in all, and U unmatched cycles (plain steps). Seconds = M * (lookup + verify(N_m / M))
-  + U * (lookup + verify(1)); tokens = T_m + U.
+  nodes in all, and U unmatched cycles (plain steps). Seconds = M * (lookup + tree(N_m / M))
+  + U * (lookup + plain); tokens = T_m + U (tree: verify and penalty, costs.tree_s).
 - `X+ngram` (lookup first, model drafter X otherwise) with lookup c and tree t: the matched
   cycles as above (plus the drafter's accept of their tokens); the U tokens the lookup could not
   cover are drafted by X at tau_t tokens per cycle (rank model, tree_ranking.py), U / tau_t cycles
@@ -86,14 +86,14 @@ class Option:
 
 
 def plain_option(layout: str, verify: CycleCosts) -> Option:
-    return Option("none", layout, 1.0 / verify.verify(1))
+    return Option("none", layout, 1.0 / verify.plain_step())
 
 
 def lookup_option(layout: str, verify: CycleCosts, config: NgramConfig, stats: LookupStats, lookup_s: float) -> Option:
     """`ngram` with lookup `config` (stats: its replay on the profile; lookup_s: its seconds per cycle)."""
-    seconds = stats.unmatched_cycles * (lookup_s + verify.verify(1))
+    seconds = stats.unmatched_cycles * (lookup_s + verify.plain_step())
     if stats.matched_cycles:
-        seconds += stats.matched_cycles * (lookup_s + verify.verify(stats.matched_nodes / stats.matched_cycles))
+        seconds += stats.matched_cycles * (lookup_s + verify.tree_s(stats.matched_nodes / stats.matched_cycles))
     tau = stats.tokens / stats.cycles if stats.cycles else 1.0
     return Option("ngram", layout, stats.tokens / seconds if seconds > 0 else 0.0, lookup=config, expected_tau=tau)
 
@@ -111,7 +111,7 @@ def lookup_first_option(
     fixed, per_token = costs.accept_s
     seconds = 0.0
     if stats.matched_cycles:
-        seconds += stats.matched_cycles * (lookup_s + costs.verify(stats.matched_nodes / stats.matched_cycles) + fixed)
+        seconds += stats.matched_cycles * (lookup_s + costs.tree_s(stats.matched_nodes / stats.matched_cycles) + fixed)
         seconds += per_token * stats.matched_tokens
     model_cycles = stats.unmatched_cycles / candidate.expected_tau
     seconds += model_cycles * (lookup_s + candidate.cycle_s)

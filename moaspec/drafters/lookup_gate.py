@@ -1,8 +1,9 @@
 """Speculate with prompt lookup only while it pays in the current generation.
 
 Verifying a lookup trie of n nodes costs `extra_cost[n]` plain decoding steps more than a plain
-step (the machine calibration measures it: on llama.cpp with 2 cores one extra node costs ~0.85
-of a step) and gains the drafts the target accepts. So a trie pays exactly when its accepted
+step, what it costs the plain steps after it included (the machine calibration measures it: on
+llama.cpp with 2 cores one extra node costs 0.7-1.0 of a step) and gains the drafts the target
+accepts. So a trie pays exactly when its accepted
 drafts outnumber its extra cost. How often that holds depends on the text: translations and
 summaries copy their prompt, arithmetic repeats numbers that the next line changes.
 
@@ -35,10 +36,12 @@ class LookupGate:
     score: float = 0.0
 
     @classmethod
-    def from_verify_costs(cls, verify_s: Callable[[int], float], max_nodes: int) -> LookupGate:
-        """From the measured seconds of verifying n nodes (calibration.costs.CycleCosts.verify)."""
-        step = verify_s(1)
-        return cls(tuple(0.0 if n == 0 else verify_s(n) / step - 1.0 for n in range(max_nodes + 1)))
+    def from_cycle_costs(cls, cycle_s: Callable[[int], float], max_nodes: int) -> LookupGate:
+        """From the measured seconds of a cycle verifying n nodes, n = 1 a plain step
+        (calibration.costs.CycleCosts.tree_s: a tree's verify and its penalty on the plain
+        steps after it)."""
+        step = cycle_s(1)
+        return cls(tuple(0.0 if n == 0 else cycle_s(n) / step - 1.0 for n in range(max_nodes + 1)))
 
     @property
     def is_open(self) -> bool:

@@ -65,6 +65,9 @@ class Target(Protocol):
     # instead of making a new one
     keeps_shared_start: bool
     max_tree_nodes: int | None  # the most nodes `verify` takes in one tree (None: no limit of its own)
+    # a forward whose batch has the shape of the one before costs less (llama.cpp reuses its
+    # compute graph): the calibration times plain steps and the penalty of a tree apart
+    reuses_graphs: bool
     max_tree_leaves: int | None  # ... and leaves
     tokenizer: Any  # a transformers fast tokenizer, or None
     config: Any  # the transformers config of the architecture (shapes, rope, model_type)

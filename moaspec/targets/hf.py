@@ -59,6 +59,7 @@ class HFTarget:
     runtime = "transformers"
     keeps_shared_start = False  # transformers' batched kernels round differently from one-token steps
     max_tree_nodes = max_tree_leaves = None
+    reuses_graphs = False  # eager torch: every forward costs what its shape costs
 
     def __init__(
         self,

@@ -147,6 +147,7 @@ class LlamaCppTarget:
 
     runtime = "llama.cpp"
     keeps_shared_start = True  # set_context keeps a shared start where that is bit for bit (module docstring)
+    reuses_graphs = True  # llama.cpp rebuilds its compute graph only when a batch changes shape
 
     def __init__(
         self,
