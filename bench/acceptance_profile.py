@@ -20,7 +20,6 @@ Acceptance does not depend on the machine, so these are measured once and commit
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, positive_int, run_script
+from moaspec.bench.script_args import positive_int, run_script, script_parser
 from moaspec.bench.tune import CALIBRATION_PROMPTS, calibrate
 from moaspec.calibration.profile import PROFILE_FILE, LookupSequence, sequences_to_json, weights_digest
 from moaspec.chat import encode_chat_prompt
@@ -73,7 +72,7 @@ def sharegpt_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(

@@ -12,7 +12,6 @@ measured too, so expected speedups can be read off: tau / (verify_ratio + draft_
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -23,7 +22,7 @@ import torch
 
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import non_negative_int, output_file, positive_int, run_script
+from moaspec.bench.script_args import non_negative_int, output_file, positive_int, run_script, script_parser
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
@@ -66,7 +65,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--rounds", type=positive_int, default=15)
     parser.add_argument("--depth", type=positive_int, default=TreeConfig.depth)
     parser.add_argument("--top-k", type=positive_int, default=TreeConfig.top_k)

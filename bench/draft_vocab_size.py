@@ -16,7 +16,6 @@ Writes `<out>/vocab.json` and `<out>/vocab.md`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import statistics
@@ -31,7 +30,7 @@ import mtbench_top1  # noqa: E402
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, non_negative_ints, output_directory, run_script
+from moaspec.bench.script_args import non_negative_ints, output_directory, run_script, script_parser
 
 
 def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
@@ -46,7 +45,7 @@ def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_directory, required=True, help="output directory")
     parser.add_argument("--drafters", default="eagle,moa", help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--sizes", type=non_negative_ints, default="8192,16384,32768,0", help="vocabulary sizes, 0 = full")

@@ -16,7 +16,6 @@ compared with the data's next token; their points are not comparable).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moaspec.atomic_files import write_files_atomically
-from moaspec.bench.script_args import help_description, output_file, read_json, run_script
+from moaspec.bench.script_args import output_file, read_json, run_script, script_parser
 from moaspec.errors import MoaspecError
 
 DEPTHS = (1, 2, 3)
@@ -100,7 +99,7 @@ def plot(curves: list[dict]) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_file, required=True, help="output path without extension (.png and .json are written)")
     parser.add_argument("--merge", action="store_true", help="keep the other runs already in <out>.json")
     parser.add_argument("runs", nargs="+", help="run directories of `moaspec train`, each RUN_DIR or LABEL=RUN_DIR")

@@ -27,7 +27,6 @@ f16 for prompts only, in fixed chunks: targets/llamacpp.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -37,7 +36,7 @@ import time
 import torch
 
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, output_file, positive_int, run_script
+from moaspec.bench.script_args import output_file, positive_int, run_script, script_parser
 from moaspec.targets.llamacpp import MAX_BATCH
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_TYPES
 
@@ -186,7 +185,7 @@ def reclaim_ms(target, ids: list[int], verified: int, sliding_window: int) -> fl
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--prompts", type=positive_int, default=3, help="bench prompts per category for item 1 (default 3)")
     parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds for items 2-3 (default 4)")

@@ -29,7 +29,6 @@ Speedups are against `plain`; against llama-cpp-python's own generation multiply
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from tqdm import tqdm
@@ -37,14 +36,7 @@ from tqdm import tqdm
 from moaspec.api import load_target
 from moaspec.bench.output import write_json
 from moaspec.bench.prompts import CATEGORIES, load_prompts
-from moaspec.bench.script_args import (
-    category_list,
-    help_description,
-    int_at_least,
-    output_file,
-    positive_int,
-    run_script,
-)
+from moaspec.bench.script_args import category_list, int_at_least, output_file, positive_int, run_script, script_parser
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.costs_store import measure_verify_costs
 from moaspec.calibration.machine import cpu_description, runtime_description
@@ -112,7 +104,7 @@ def describe(config, gated: bool) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--runtime", default=None, help="llama.cpp or transformers (default: the target's)")
     parser.add_argument("--categories", type=category_list, default=",".join(CATEGORIES))

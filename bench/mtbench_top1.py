@@ -38,7 +38,7 @@ import torch
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, output_directory, positive_int, run_script
+from moaspec.bench.script_args import output_directory, positive_int, run_script, script_parser
 from moaspec.errors import MoaspecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -254,7 +254,7 @@ def feature_cache_dir(given: str | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_directory, required=True, help="output directory")
     parser.add_argument("--drafters", required=True, help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--target", default="smollm2-135m")

@@ -22,13 +22,19 @@ write different amounts); `--report-only` rewrites results.md from results.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import category_list, non_negative_int, output_directory, positive_int, run_script
+from moaspec.bench.script_args import (
+    category_list,
+    non_negative_int,
+    output_directory,
+    positive_int,
+    run_script,
+    script_parser,
+)
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 FINE_THRESHOLDS = tuple(i / 200 for i in range(201))  # agreeing_at's sweep
@@ -114,7 +120,7 @@ def conditional_precision(generations: list[list[dict]]) -> dict[str, list[int]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_directory, required=True)
     parser.add_argument("--categories", type=category_list, default="mt_bench,humaneval")
     parser.add_argument("--limit", type=positive_int, default=25)

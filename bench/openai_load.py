@@ -35,7 +35,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moaspec.bench.output import write_json
 from moaspec.bench.prompts import load_prompts  # noqa: E402
-from moaspec.bench.script_args import output_file, run_script
+from moaspec.bench.script_args import output_file, run_script, script_parser
 
 PROMPT_CATEGORIES = ("mt_bench", "translation", "summarization", "math")
 
@@ -193,7 +193,7 @@ def _row(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--url", default=None, help="a running `moaspec serve` (default: start in-process servers)")
     parser.add_argument("--api-key-file", default=None, help="key for --url (default $MOASPEC_API_KEY)")
     parser.add_argument("--target", default="smollm2-135m", help="in-process target: built-in name or HF directory (default smollm2-135m)")

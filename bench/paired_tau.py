@@ -12,11 +12,9 @@ the rounds, with the share of rounds in which it is positive.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 
-from moaspec.bench.script_args import existing_file, positive_int, read_json, run_script
+from moaspec.bench.script_args import existing_file, positive_int, read_json, run_script, script_parser
 from moaspec.errors import MoaspecError
 
 
@@ -42,7 +40,7 @@ def paired_differences(baseline: dict, other: dict, rounds: int, seed: int = 0) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("results", type=existing_file, help="a moaspec bench results.json")
     parser.add_argument("baseline")
     parser.add_argument("methods", nargs="+")

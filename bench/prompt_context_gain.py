@@ -16,20 +16,12 @@ before, so nothing is reused. Prints the medians in ms and their ratios to the v
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
 
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import (
-    help_description,
-    known_names,
-    output_file,
-    positive_int,
-    positive_ints,
-    run_script,
-)
+from moaspec.bench.script_args import known_names, output_file, positive_int, positive_ints, run_script, script_parser
 
 VALUE_CACHES = ("f16", "q8_0")
 PATHS = ("verified context", "prompt context", "float32 torch")
@@ -60,7 +52,7 @@ def set_context_ms(target, length: int, path: str, generator: random.Random) -> 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--lengths", type=positive_ints, default="64,128,256,384,512,1000")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--value-caches", type=value_cache_list, default="f16,q8_0")

@@ -11,13 +11,12 @@ before attending: its tiled kernel) in chunks of 64-512. Run it on an idle machi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 from llamacpp_probes import CONTEXT, PROBE_CELLS, _context
 
-from moaspec.bench.script_args import positive_int, positive_ints, run_script
+from moaspec.bench.script_args import positive_int, positive_ints, run_script, script_parser
 
 CASES = {  # label -> (ggml key type, ggml value type, tokens per llama_decode)
     "q8_0/f16, 512": (8, 1, 512),
@@ -46,7 +45,7 @@ def prefill_ms(weights, key_type: int, value_type: int, length: int, chunk: int)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--lengths", type=positive_ints, default="128,256,512,1000")
     parser.add_argument("--rounds", type=positive_int, default=3)
     args = parser.parse_args()

@@ -13,18 +13,17 @@ plain decoding.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
 import torch
 
 from moaspec.bench.runner import first_divergence
-from moaspec.bench.script_args import category_list, dtype_list, help_description, output_file, positive_int, run_script
+from moaspec.bench.script_args import category_list, dtype_list, output_file, positive_int, run_script, script_parser
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument(
         "--dtypes", type=dtype_list, default="float32,bfloat16", help="comma-separated; float32 first (the reference)"

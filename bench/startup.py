@@ -9,7 +9,6 @@ Run it on an idle machine: every process competes for the same cores. Prints a m
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -19,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from moaspec.bench.script_args import help_description, output_file, run_script
+from moaspec.bench.script_args import output_file, run_script, script_parser
 
 PROMPT = "Name three colours."
 CASES = {  # label -> extra arguments of `moaspec generate`
@@ -52,7 +51,7 @@ def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, f
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the cases (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per run (default 8)")
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))

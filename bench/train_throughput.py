@@ -17,7 +17,6 @@ goes (loading the target is in it too, on the CPU side).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import tempfile
@@ -29,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.machine import machine_info
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import help_description, output_file, run_script
+from moaspec.bench.script_args import output_file, run_script, script_parser
 from moaspec.cli import main as moaspec_main
 
 OWN_FLAGS = ("--out", "--steps", "--micro-batch", "--val-every")
@@ -57,7 +56,7 @@ def write_profile(path: Path, profiler: profile, train_args: list[str], sizes: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__), usage="%(prog)s [options] -- TRAIN_FLAGS")
+    parser = script_parser(__doc__, usage="%(prog)s [options] -- TRAIN_FLAGS")
     parser.add_argument("--micro-batches", default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
     parser.add_argument("--steps", type=int, default=5, help="steps per run, the first not counted (default 5)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the sizes (default 2)")

@@ -12,20 +12,19 @@ Prints a markdown table (the one in the README's *Target runtimes* section).
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
 
 import torch
 
-from moaspec.bench.script_args import dtype_list, help_description, output_file, positive_int, run_script
+from moaspec.bench.script_args import dtype_list, output_file, positive_int, run_script, script_parser
 
 NODE_COUNTS = (1, 2, 4, 8, 16)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=help_description(__doc__))
+    parser = script_parser(__doc__)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--context", type=positive_int, default=256, help="verified tokens before the tree (default 256)")
     parser.add_argument("--blocks", type=positive_int, default=4, help="alternating blocks per runtime (default 4)")

@@ -18,6 +18,7 @@ from moaspec.bench.script_args import (
     positive_int,
     positive_ints,
     run_script,
+    script_parser,
 )
 from moaspec.errors import MoaspecError
 
@@ -71,3 +72,24 @@ def test_library_errors_end_a_script_in_one_line(capsys, monkeypatch) -> None:
     assert exit_info.value.code == 0
     doc = "First line of a sentence\nthat goes on.\n\nDetails."
     assert help_description(doc) == "First line of a sentence that goes on."
+
+
+def test_a_bad_argument_ends_a_script_in_one_line_without_the_usage(capsys, monkeypatch) -> None:
+    """Bug (sessions 34-36's notes): the bench scripts printed argparse's usage dump above the
+    error, unlike the moaspec command; every script builds its parser with script_parser."""
+    from pathlib import Path
+
+    monkeypatch.setattr("sys.argv", ["draft_cost.py", "--rounds", "0"])
+
+    def main() -> int:
+        parser = script_parser("Time the drafters.\n\nDetails.")
+        parser.add_argument("--rounds", type=positive_int, default=15)
+        parser.parse_args()
+        return 0
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_script(main)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "draft_cost.py: error: argument --rounds: must be >= 1, got 0\n"
+    scripts = sorted(Path(__file__).parents[1].joinpath("bench").glob("*.py"))
+    assert scripts and all("argparse.ArgumentParser(" not in script.read_text() for script in scripts)

@@ -1,4 +1,4 @@
-"""argparse types for the measurement scripts under bench/: a bad value is argparse's one-line
+"""argparse types and parser for the measurement scripts under bench/: a bad value is a one-line
 usage error (exit status 2) before anything loads, not a traceback after minutes of work."""
 
 from __future__ import annotations
@@ -120,6 +120,19 @@ def _at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, `SCRIPT: error: ...` with status 2, as the
+    moaspec command's are: no usage dump."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def script_parser(doc: str | None, **kwargs) -> ScriptParser:
+    """A bench script's parser, its --help description from its docstring (help_description)."""
+    return ScriptParser(description=help_description(doc), **kwargs)
 
 
 def help_description(doc: str | None) -> str:
