@@ -71,7 +71,7 @@ def main() -> int:
         },
     }
     header = (
-        "| runtime | plain step | tree penalty | 1 node after a tree | "
+        "| runtime | plain step | tree penalty per node | 1 node after a tree | "
         + " | ".join(f"{n} nodes" for n in NODE_COUNTS[1:]) + " |"
     )
     lines = [header, "|---|" + "---:|" * (len(NODE_COUNTS) + 2)]

@@ -1,9 +1,9 @@
 """Measured costs per machine, runtime, target and drafter checkpoint, cached as JSON.
 
 Two files under `<cache root>/calibration/<target name>/` (cache root as in model_store.py):
-- `verify-<key>.json`: the target's verify seconds for VERIFY_NODE_COUNTS tree nodes and of a
-  plain step and the tree penalty (costs.py), per weight layout, and the prompt lookup's own seconds per cycle; key =
-  CPU + runtime + target + the layouts measured;
+- `verify-<key>.json`: the target's verify seconds for VERIFY_NODE_COUNTS tree nodes, its plain
+  step and tree penalty (costs.py), per weight layout, and the prompt lookup's own seconds per
+  cycle; key = CPU + runtime + target + the layouts measured;
 - `drafter-<key>.json`: a model drafter's propose seconds per tree shape and accept seconds, per
   layout; key = the same + the checkpoint (tuned.checkpoint_key: config, weights size and mtime).
 A change of any of them is a new key, hence a new measurement. Unreadable files are measured
@@ -22,13 +22,13 @@ from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 
-FORMAT_VERSION = 2  # 2: the plain step measured apart (costs.py)
+FORMAT_VERSION = 2  # 2: the plain step and the tree penalty (costs.py)
 CONTEXT_LEN = 128  # a chat prompt's length; the verify cost of this model moves little with it
 REPEATS = 3
 VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_DEPTHS = tuple(range(1, 7))
 DRAFT_TOP_KS = (1, 2, 3, 4)
-LOOKUP_REPLAY_VERSION = 3  # bumped when the drafter's or the gate's rules, or what a replay counts, change
+LOOKUP_REPLAY_VERSION = 2  # bumped when the drafter's or the gate's rules change what a replay counts
 
 
 def context_len(target) -> int:
