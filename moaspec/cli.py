@@ -266,6 +266,7 @@ def _generate(args: argparse.Namespace) -> int:
     lm, prompt_ids = load_for_prompt(
         args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, **options
     )
+    _note_capped_budget(overrides.get("budget"), lm)
     streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     head = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name}
     try:
@@ -293,6 +294,21 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _note_capped_budget(budget: int | None, lm) -> None:
+    """Say on stderr when --tree-budget asks for more drafted nodes than the target verifies in one
+    tree (llama.cpp: MAX_TREE_NODES, or fewer where only those are exact): the engine cuts every
+    tree to that (decode_step.limit_nodes), whatever the calibration's record repeats."""
+    limit = getattr(lm.target, "max_tree_nodes", None)
+    tree = getattr(lm.drafter, "tree_config", None)
+    if budget is None or tree is None or limit is None or budget + 1 <= limit:
+        return
+    print(
+        f"moaspec: note: --tree-budget {budget} is more than the {lm.target.runtime} runtime verifies in one tree "
+        f"here ({limit} nodes, the root included): trees are cut to {limit - 1} drafted nodes",
+        file=sys.stderr,
+    )
 
 
 def _stop_on_sigterm() -> None:

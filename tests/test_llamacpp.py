@@ -383,6 +383,21 @@ def test_a_split_generation_prints_the_json_fields_of_a_local_one(llama_target, 
     assert split["runtime"] == local["runtime"] == "llama.cpp" and split["token_ids"] == local["token_ids"]
 
 
+def test_a_budget_above_what_llama_cpp_verifies_is_said_to_be_cut(capsys) -> None:
+    """Sessions 34-36's notes: `--tree-budget 200` on llama.cpp, which verifies at most
+    MAX_TREE_NODES nodes in one tree, drafted trees cut to that without a word; a budget within
+    the limit gets no note."""
+    from moaspec.cli import main
+
+    common = ["generate", "--prompt", "Name three colours.", "--drafter", "moa", "--max-new-tokens", "4", "--json"]
+    assert main([*common, "--tree-depth", "8", "--tree-top-k", "8", "--tree-budget", "200"]) == 0
+    err = capsys.readouterr().err
+    assert "--tree-budget 200 is more than the llama.cpp runtime verifies in one tree" in err
+    assert "trees are cut to" in err and "drafted nodes" in err
+    assert main([*common, "--tree-depth", "2", "--tree-top-k", "2", "--tree-budget", "4"]) == 0
+    assert "--tree-budget" not in capsys.readouterr().err
+
+
 def test_a_split_client_drafts_the_tree_its_flags_ask_for(llama_target, capsys, monkeypatch) -> None:
     """Bug: `generate --server` dropped --tree-depth/--tree-top-k/--tree-budget (the client drafts
     the trees, so they are its to size): a one-node tree and a wide one drafted the same."""
