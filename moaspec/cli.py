@@ -300,9 +300,11 @@ def _note_capped_budget(budget: int | None, lm) -> None:
     """Say on stderr when --tree-budget asks for more drafted nodes than the target verifies in one
     tree (llama.cpp: MAX_TREE_NODES, or fewer where only those are exact): the engine cuts every
     tree to that (decode_step.limit_nodes), whatever the calibration's record repeats."""
+    if budget is None:
+        return
     limit = getattr(lm.target, "max_tree_nodes", None)
-    tree = getattr(lm.drafter, "tree_config", None)
-    if budget is None or tree is None or limit is None or budget + 1 <= limit:
+    tree = getattr(getattr(lm, "drafter", None), "tree_config", None)
+    if tree is None or limit is None or budget + 1 <= limit:
         return
     print(
         f"moaspec: note: --tree-budget {budget} is more than the {lm.target.runtime} runtime verifies in one tree "
