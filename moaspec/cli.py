@@ -234,10 +234,11 @@ def _generate(args: argparse.Namespace) -> int:
     api_key = None
     if args.server is not None:  # before resolve_target, which may convert the target first (~30 s)
         from moaspec.extras import SPLIT_CLIENT_MODULES, require_modules
+        from moaspec.split.address import server_address
         from moaspec.split.commands import read_api_keys
 
         require_modules("serve", SPLIT_CLIENT_MODULES, "a split client (generate --server)")
-
+        server_address(args.server)
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")
         if not args.offline_deadline_s >= 0:

@@ -184,10 +184,11 @@ def test_a_shorter_keep_alive_time_out_does_not_cut_a_request_being_sent() -> No
         started.stop()
 
 
-def test_connections_over_the_cap_get_503_and_room_comes_back() -> None:
+def test_connections_over_the_cap_get_503_and_room_comes_back(caplog) -> None:
     """Bug: nothing bounded open connections. Not flaky: the held connections are counted by the
     server before the extra one is made (polled with a deadline), and the header time-out (10 s
-    default) is far longer than the test."""
+    default) is far longer than the test. The refusal is logged, as every other one (it was not)."""
+    caplog.set_level(logging.INFO)
     started = start_server("ngram", limits=ServerLimits(max_connections=3))
     try:
         port = started.port
@@ -195,6 +196,7 @@ def test_connections_over_the_cap_get_503_and_room_comes_back() -> None:
         assert wait_until(lambda: started.server.connections.num_open == 3)
         error = assert_our_error(*request(port, "GET", "/health"), 503)
         assert error["code"] == "too_many_connections" and "3 open connections" in error["message"]
+        assert "refused GET /health: 503 too_many_connections" in [r.getMessage() for r in caplog.records]
         for sock in held:
             sock.close()
         assert wait_until(lambda: started.server.connections.num_open == 0)
@@ -268,6 +270,18 @@ def test_bad_json_is_a_400_with_our_message_on_every_route(server, name: str, ca
     refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
     assert "refused POST /v1/split/sessions: 400 bad_request" in refusals
     assert all(f"refused POST {path}: 400 " in "\n".join(refusals) for path in OPENAI_ROUTES)
+
+
+def test_a_method_a_route_does_not_take_is_a_405_that_names_those_it_does(server) -> None:
+    """Bug: the 405 carried no Allow header (RFC 9110 requires it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
+    try:
+        conn.request("DELETE", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        response = conn.getresponse()
+        assert_our_error(response.status, response.read(), 405)
+        assert response.getheader("Allow") is not None and "GET" in response.getheader("Allow")
+    finally:
+        conn.close()
 
 
 def test_an_oversized_header_is_refused_in_our_shape_and_never_logged(server, caplog) -> None:

@@ -145,6 +145,24 @@ def test_seeded_sampling_split_equals_in_process(pair: SplitPair) -> None:
         assert result.token_ids == expected
 
 
+@pytest.mark.parametrize("pair", [("moa+ngram", TreeConfig(depth=2, top_k=2, budget=4))], indirect=True)
+def test_seeded_sampling_split_equals_in_process_with_prompt_lookup(pair: SplitPair, monkeypatch) -> None:
+    """The same with prompt lookup first and a branching model tree (an audit found a local
+    `moaspec generate` different: its calibration had chosen another lookup trie, docs/protocol.md).
+    The repeating prompt makes the lookup propose (counted: the test would not see it otherwise)."""
+    proposals = []
+    lookup_proposal = pair.client_drafter._lookup_proposal
+    monkeypatch.setattr(
+        pair.client_drafter, "_lookup_proposal", lambda *args: proposals.append(lookup_proposal(*args)) or proposals[-1]
+    )
+    sampling, prompt = SamplingConfig(temperature=0.9, top_p=0.95), [5, 17, 33, 2, 71] * 4
+    for seed in (7, -3, 11):
+        generation = GenerationConfig(max_new_tokens=24, seed=seed)
+        expected = pair.reference(sampling, generation, prompt)
+        assert pair.generator(context_dtype="f32").generate(prompt, sampling, generation).token_ids == expected
+    assert sum(tree is not None for tree in proposals) > 0
+
+
 @pytest.mark.parametrize("pair", [("moa", TreeConfig(depth=3, top_k=2, budget=5, sampled=True))], indirect=True)
 def test_the_server_verifies_sampled_trees_with_the_clients_laws(pair: SplitPair, monkeypatch) -> None:
     """A sampled tree reaches the verifier with the rows its drafter drew from, exactly (a server

@@ -19,6 +19,12 @@ from moaspec.errors import MoaspecError
         (["serve", "--max-connections", "0"], "--max-connections must be > 0"),
         (["serve", "--header-timeout-s", "-1"], "--header-timeout-s must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9"], "an API key is required"),
+        # bugs: a port out of range, not a number or 0 (taken as 80), and a broken IPv6 URL ended in a traceback
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:99999"], "a port of 1-65535"),
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:abc"], "a port of 1-65535"),
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:0"], "a port of 1-65535"),
+        (["generate", "--prompt", "hi", "--server", "http://[::1"], "--server must be an http:// or https:// URL"),
+        (["generate", "--prompt", "hi", "--server", "ftp://127.0.0.1:9"], "--server must be an http:// or https:// URL"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--timeout", "0"], "--timeout must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-deadline-s", "-1"],
          "--offline-deadline-s must be >= 0"),
@@ -32,6 +38,15 @@ def test_split_cli_bad_input(argv: list[str], message: str, capsys, monkeypatch,
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moaspec: error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_the_url_a_server_announces_is_one_a_client_takes(host: str) -> None:
+    """Bug: `serve --host ::1` announced http://::1:PORT, which `generate --server` refuses."""
+    from moaspec.split.address import server_address, server_url
+
+    assert server_address(server_url("http", host, 18707)) == ("http", host, 18707)
+    assert server_address(server_url("https", host, 443)) == ("https", host, 443)
 
 
 def test_a_server_that_is_down_is_announced_and_given_up_on_at_the_deadline(capsys, monkeypatch) -> None:

@@ -128,6 +128,8 @@ def test_offline_output_can_be_taken_as_final(pair: SplitPair) -> None:
     assert result.token_ids[: len(before_cut)] == before_cut and len(result.token_ids) == len(before_cut) + 6
     assert [e.token_ids for e in events if e.kind == "kept"] == [result.token_ids[len(before_cut):]]
     assert result.num_confirmed == 0 and not any(e.kind == "confirm" for e in events)
+    # the count `generate --server --accept-offline` reports (text mode had said nothing of it)
+    assert result.num_unverified == 6
 
 
 @pytest.mark.parametrize("pair", ["moa"], indirect=True)
@@ -707,6 +709,7 @@ def test_offline_drafting_stops_at_a_stop_token(pair: SplitPair) -> None:
     result, before_cut = cut_for_good(pair, PROMPT, cut_after=5, max_new_tokens=30, stop_ids=frozenset({stop}))
     assert drafted == [drafted[0], stop] and result.num_provisional == 2
     assert result.stop_reason == "offline" and result.token_ids == [*before_cut, *drafted]
+    assert result.num_unverified == 2
 
 
 def test_a_session_the_server_refuses_to_close_counts_as_closed() -> None:

@@ -110,7 +110,7 @@ class OpenAIRoutes:
     # -- middleware ---------------------------------------------------------------------------------
     @web.middleware
     async def _count(self, request: web.Request, handler) -> web.StreamResponse:
-        """Counts every final status; logs each refusal (4xx) in one line: method, route, status
+        """Counts every final status; logs each refusal (4xx, 503) in one line: method, route, status
         and code, never the request's content."""
         started, status, code = time.perf_counter(), 500, None
         try:
@@ -129,7 +129,7 @@ class OpenAIRoutes:
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
             if status == CLIENT_CLOSED:
                 logger.info("client left %s %s", request.method, route)
-            elif 400 <= status < 500:
+            elif 400 <= status < 500 or status == 503:  # 503: too many connections, shutting down
                 logger.info("refused %s %s: %d %s", request.method, route, status, code or "")
 
     # -- small routes -----------------------------------------------------------------------------

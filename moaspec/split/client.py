@@ -16,11 +16,11 @@ import socket
 import ssl
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from moaspec.errors import MoaspecError
 from moaspec.serving.api_keys import check_api_key
 from moaspec.split import protocol as wire
+from moaspec.split.address import server_address
 
 
 class LinkDown(MoaspecError):
@@ -53,14 +53,11 @@ class SplitClient:
     def __init__(
         self, url: str, api_key: str, timeout_s: float = 10.0, cafile: str | None = None, content_type: str = wire.MSGPACK
     ) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise MoaspecError(f"--server must be an http:// or https:// URL, got '{url}'")
+        scheme, self.host, self.port = server_address(url)
         if not api_key:
             raise MoaspecError("an API key is required (--api-key-file or MOASPEC_API_KEY)")
-        self.host, self.port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
         try:
-            self.ssl_context = ssl.create_default_context(cafile=cafile) if parts.scheme == "https" else None
+            self.ssl_context = ssl.create_default_context(cafile=cafile) if scheme == "https" else None
         except (OSError, ssl.SSLError) as exc:  # missing, unreadable, or not a certificate
             raise MoaspecError(f"cannot load the CA bundle {cafile}: {getattr(exc, 'strerror', None) or exc}") from exc
         check_api_key(api_key)

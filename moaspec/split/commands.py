@@ -67,12 +67,14 @@ def serve(args: argparse.Namespace, keys: list[str], ssl_context: ssl.SSLContext
     first, requests in flight get --shutdown-timeout-s to finish; a second stops waiting."""
     import asyncio
 
+    from moaspec.split.address import server_url
+
     load_library_held()
     server, described = build_server(args, keys)
     scheme = "https" if ssl_context else "http"
 
     def listening(port: int) -> None:  # said once it listens, with the port chosen for --port 0
-        print(f"[moaspec] serving {described} on {scheme}://{args.host}:{port}", file=sys.stderr)
+        print(f"[moaspec] serving {described} on {server_url(scheme, args.host, port)}", file=sys.stderr)
 
     _log_to_stderr()
     signum = asyncio.run(server.site().run_until_signalled(args.host, args.port, ssl_context, listening))
@@ -213,6 +215,11 @@ def generate_remote(
             f"{split['server_calls']} server calls, {split['bytes_per_token']} bytes/token",
             file=sys.stderr,
         )
+        if result.num_unverified:
+            print(
+                f"[moaspec] the last {result.num_unverified} of those tokens were drafted alone and never verified "
+                "(--accept-offline)", file=sys.stderr,
+            )
     kept = f"{len(result.token_ids)} verified tokens kept"
     if result.stop_reason == "refused":
         raise MoaspecError(f"{result.refusal}; {kept}")

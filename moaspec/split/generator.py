@@ -98,6 +98,7 @@ class SplitResult(GenerationResult):
     num_confirmed: int = 0
     num_retracted: int = 0
     num_reconnects: int = 0
+    num_unverified: int = 0  # the last tokens of the output, kept unverified (stop_reason "offline")
     offline_s: float = 0.0
     first_token_s: float = 0.0
     refusal: str | None = None
@@ -116,6 +117,7 @@ class SplitResult(GenerationResult):
             "num_confirmed": self.num_confirmed,
             "num_retracted": self.num_retracted,
             "num_reconnects": self.num_reconnects,
+            "num_unverified": self.num_unverified,
             "offline_s": round(self.offline_s, 4),
         }
 
@@ -402,7 +404,9 @@ class _Run:
         self.result.offline_s += time.monotonic() - self.offline_since
         if self.options.accept_offline and self.provisional:
             yield SplitEvent("kept", self.provisional)
+            verified = len(self.result.token_ids)
             Engine._emit(self.provisional, self.result, self.stop_ids, self.max_new)
+            self.result.num_unverified = len(self.result.token_ids) - verified
             self.provisional = []
             self.result.stop_reason = "offline"
             return

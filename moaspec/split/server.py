@@ -228,7 +228,10 @@ class SplitServer:
         except ProtocolError as exc:
             return error_response(APIError(400, str(exc), None, "bad_request"))
         except web.HTTPException as exc:
-            return error_response(APIError(exc.status, exc.reason, None, "http"))
+            response = error_response(APIError(exc.status, exc.reason, None, "http"))
+            if "Allow" in exc.headers:  # a 405 names the methods the route takes (RFC 9110)
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
         except ModelFailed:
             return error_response(APIError(500, "the model failed on this request; its session was closed", None, "internal"))
         except Exception:  # a bug must not take the server down; logged with its traceback, no request content
