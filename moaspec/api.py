@@ -94,14 +94,20 @@ class SpeculativeLM:
         `put(prompt_ids)` first, then the new tokens as they are verified, then `end()`.
         Calls from several threads run one after another (one target context, one drafter state).
         """
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
-        prompt_ids = prompt_token_ids(self.target, prompt, raw)
         result = GenerationResult()
         with self._generating:
-            # stream() checks the prompt before returning, so a refused request never reaches the
-            # streamer (whose end() would print).
-            steps = self.engine.stream(prompt_ids, sampling, generation, result=result)
+            # stream() checks the prompt before returning, so a refused request never reaches a
+            # printing streamer (whose end() would print an empty line); an iterator streamer's
+            # consumer, waiting on its queue in another thread, is told that the stream ended
+            try:
+                sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+                generation = GenerationConfig(max_new_tokens=max_new_tokens, seed=seed)
+                prompt_ids = prompt_token_ids(self.target, prompt, raw)
+                steps = self.engine.stream(prompt_ids, sampling, generation, result=result)
+            except BaseException:
+                if hasattr(streamer, "text_queue"):  # TextIteratorStreamer, AsyncTextIteratorStreamer
+                    streamer.end()
+                raise
             if streamer is not None:
                 streamer.put(torch.tensor([prompt_ids]))
             try:

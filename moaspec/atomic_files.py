@@ -21,6 +21,9 @@ def write_files_atomically(out_dir: Path, files: dict[str, bytes | str]) -> list
     leaves no new file behind."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for name in files:  # checked before anything is written: a rename that fails half-way is not all or nothing
+        if (out_dir / name).is_dir():
+            raise IsADirectoryError(21, "Is a directory", str(out_dir / name))
     staged: list[tuple[str, Path]] = []
     try:
         for name, content in files.items():

@@ -18,9 +18,11 @@ from moaspec.errors import MoaspecError
 EXIT_MISMATCH = 1
 
 
-def output_dir(value: str, flag: str = "--out") -> Path:
+def output_dir(value: str, flag: str = "--out", files: tuple[str, ...] = ()) -> Path:
     """A directory that exists or can be created (its parent exists) and can be written: probed
-    by making and removing a hidden directory in it (or in its parent), so nothing is left."""
+    by making and removing a hidden directory in it (or in its parent), so nothing is left.
+    files: the files a run writes there, none of which may be in the way as something else (a
+    directory of that name would fail the run at its end)."""
     if not value.strip():
         raise MoaspecError(f"{flag} is empty (name a directory)")
     out = Path(value).expanduser()
@@ -34,6 +36,9 @@ def output_dir(value: str, flag: str = "--out") -> Path:
         os.rmdir(new_hidden_directory(out if out.is_dir() else parent, "moaspec-write-probe"))
     except OSError as exc:
         raise MoaspecError(f"cannot write {flag} {out}: {exc.strerror or exc}") from exc
+    in_the_way = [name for name in files if (out / name).exists() and not (out / name).is_file()]
+    if in_the_way:
+        raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a file, and this run writes a file there")
     return out
 
 

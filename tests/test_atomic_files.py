@@ -19,6 +19,18 @@ def test_files_appear_together_or_not_at_all(tmp_path) -> None:
     assert (out / "a.json").read_text() == "{}\n" and sorted(p.name for p in out.iterdir()) == ["a.json", "b.bin"]
 
 
+def test_a_directory_in_the_way_of_a_later_file_stops_the_write_before_any_rename(tmp_path) -> None:
+    """An audit's: a directory named like the last file (a bench's speedup.png) failed its rename
+    after the first files were in place, in an error naming the hidden temporary."""
+    out = tmp_path / "out"
+    write_files_atomically(out, {"a.json": "old"})
+    (out / "plot.png").mkdir()
+    with pytest.raises(IsADirectoryError) as raised:
+        write_files_atomically(out, {"a.json": "new", "plot.png": b"png"})
+    assert raised.value.filename == str(out / "plot.png")
+    assert (out / "a.json").read_text() == "old" and sorted(p.name for p in out.iterdir()) == ["a.json", "plot.png"]
+
+
 def test_a_temporary_is_hidden_and_ends_in_tmp(tmp_path, monkeypatch) -> None:
     """What a killed writer leaves (the rename never ran) matches `.NAME.*.tmp`, the pattern that
     readers skip and the data writers sweep (distill.ShardWriter)."""

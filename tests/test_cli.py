@@ -331,6 +331,10 @@ def test_an_output_directory_under_a_file_is_named_as_such(tmp_path: Path) -> No
     with pytest.raises(MoaspecError, match="does not exist"):
         output_dir(str(tmp_path / "nowhere" / "sub"))
     assert output_dir(str(tmp_path / "run")) == tmp_path / "run" and not (tmp_path / "run").exists()
+    (tmp_path / "bench" / "speedup.png").mkdir(parents=True)  # an audit's: found only when the run ended
+    with pytest.raises(MoaspecError, match=r"bench/speedup.png is not a file, and this run writes a file there"):
+        output_dir(str(tmp_path / "bench"), files=("results.json", "speedup.png"))
+    assert output_dir(str(tmp_path / "bench"), files=("results.json",)) == tmp_path / "bench"
 
 
 @pytest.mark.parametrize(("stdin", "message"), [

@@ -553,6 +553,18 @@ def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> No
         ds.check_resume(tmp_path, {**settings, "skip_conversations": 3})
 
 
+def test_data_is_not_written_in_among_other_files(tmp_path) -> None:
+    """An audit's: `data distill` / `data sharegpt --out` into a drafter checkpoint's directory
+    added shards beside its files. Empty, or holding a killed writer's hidden temporaries only, is fine."""
+    settings = {"target": "t", **asdict(ds.DistillConfig(num_conversations=4))}
+    (tmp_path / ".shard-00000.jsonl.1234abcd.tmp").write_text("x")
+    assert ds.check_resume(tmp_path, settings) is None
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(MoaspecError, match=r"holds other files \(config.json, model.safetensors\), not moaspec data"):
+        ds.check_resume(tmp_path, settings)
+
+
 def test_moaspec_data_distill_keeps_freed_memory_too(tmp_path, monkeypatch) -> None:
     """`moaspec data distill` raises the same thresholds before it generates."""
     import moaspec.train.allocator as allocator

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -403,6 +404,16 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
     for tree in ("abc", {"depth": 0, "top_k": 1, "budget": 1}):
         (damaged / "config.json").write_text(json.dumps({**record, "tree": tree}))
         with pytest.raises(MoaspecError, match="config.json: its default tree is not valid"):
+            make_drafter(str(damaged), target)
+    # an audit's: no "config", or a format_version that is not a number, ended in a KeyError / TypeError
+    for broken in ({key: value for key, value in record.items() if key != "config"}, {**record, "format_version": "x"}):
+        (damaged / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(MoaspecError, match="is not a valid drafter config"):
+            make_drafter(str(damaged), target)
+    (damaged / "config.json").write_text(json.dumps({**record, "config": {**record["config"], "num_heads": 0}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and torch's warning about zero-element tensors is not printed on the way
+        with pytest.raises(MoaspecError, match="weights do not match the recorded config"):
             make_drafter(str(damaged), target)
     (damaged / "config.json").write_text("[1, 2]")
     from moaspec.calibration.plan import LazyModelDrafter

@@ -142,6 +142,30 @@ def test_resume_continues_from_the_same_state(tmp_path) -> None:
     assert (tmp_path / "resumed" / "checkpoint" / "config.json").is_file()
 
 
+def test_a_state_that_cannot_be_written_is_one_error_and_leaves_the_run_resumable(tmp_path, monkeypatch) -> None:
+    """An audit's: a full disk ended `moaspec train` in torch's traceback and left
+    train_state.pt.tmp, which made the rerun refuse its own --out ("holds other files")."""
+    import moaspec.train.trainer as trainer
+    from moaspec.errors import MoaspecError
+    from moaspec.train.cli import RUN_FILES, _own_directory
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    config = TrainConfig(method="moa", steps=2, batch_size=2, warmup_steps=1, val_every=1000, ckpt_every=1)
+    save = torch.save
+
+    def full_disk(record, path):
+        save(record, path)  # a part of it written, as a full disk leaves it
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 11008 vs 10912")
+
+    monkeypatch.setattr(trainer.torch, "save", full_disk)
+    with pytest.raises(MoaspecError, match="cannot write the training state into .*unexpected pos"):
+        train(make_net("moa", target), target, samples(4, 1), [], config, tmp_path / "run", progress=False)
+    assert not [path.name for path in (tmp_path / "run").iterdir() if "tmp" in path.name]
+    assert _own_directory(tmp_path / "run", "--out", RUN_FILES, "a run") == tmp_path / "run"
+    monkeypatch.setattr(trainer.torch, "save", save)
+    assert train(make_net("moa", target), target, samples(4, 1), [], config, tmp_path / "run", progress=False).step == 2
+
+
 def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> None:
     """`moaspec train`'s driver: distilled shards in, a loadable checkpoint out, provenance kept."""
     import json

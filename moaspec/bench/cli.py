@@ -98,7 +98,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.tuned import tree_overrides
 
     overrides = tree_overrides(args)
-    out = output_dir(args.out)
+    from moaspec.bench.plots import CLIENT_SERVER_PLOT_FILES, PLOT_FILES
+
+    out = output_dir(args.out, files=("results.json", "results.md", *PLOT_FILES, *CLIENT_SERVER_PLOT_FILES))
     target_name, _ = resolve_target(args.target)
     from moaspec.targets.options import runtime_options
 

@@ -94,10 +94,13 @@ def read_checkpoint(directory: str | Path, target: Target) -> tuple[dict[str, An
         record = json.loads(config_path.read_text())
     except ValueError as exc:
         raise MoaspecError(f"{config_path} is not a valid drafter config: {exc}") from exc
-    missing = [key for key in ("method", "target") if key not in record] if isinstance(record, dict) else ["an object"]
+    missing = [key for key in ("method", "target", "config") if key not in record] if isinstance(record, dict) else ["an object"]
     if missing:
         raise MoaspecError(f"{config_path} is not a valid drafter config: no {', '.join(missing)}")
-    if record.get("format_version", 0) > FORMAT_VERSION:
+    version = record.get("format_version", 0)
+    if not isinstance(record["config"], dict) or isinstance(version, bool) or not isinstance(version, int):
+        raise MoaspecError(f"{config_path} is not a valid drafter config: 'config' must be an object, 'format_version' an integer")
+    if version > FORMAT_VERSION:
         raise MoaspecError(f"{directory} was written by a newer moaspec (format {record['format_version']})")
     check_made_for(record, directory, target)
     try:

@@ -8,6 +8,7 @@ Subclasses (`MoADrafterNet`, `EagleDrafterNet`) set `method` (the checkpoint's m
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,8 +91,10 @@ class DrafterNet(nn.Module):
         if record["method"] != cls.method:
             raise MoaspecError(f"{directory} holds a '{record['method']}' drafter, not '{cls.method}'")
         try:
-            net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
+            with warnings.catch_warnings():  # e.g. zero-element tensors of a damaged config: its error says enough
+                warnings.simplefilter("ignore")
+                net = cls(cls.config_class(**record["config"]))  # type: ignore[call-arg]
             net.load_state_dict(state)  # type: ignore[attr-defined]
-        except (TypeError, ValueError, RuntimeError) as exc:
+        except (TypeError, ValueError, RuntimeError, ZeroDivisionError) as exc:
             raise MoaspecError(f"{directory}: weights do not match the recorded config ({first_line(exc)})") from exc
         return net.to(target.dtype), record  # type: ignore[attr-defined]

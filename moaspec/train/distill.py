@@ -351,6 +351,10 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
     if not path.is_file():
         if shard_files(out_dir):
             raise MoaspecError(f"{out_dir} holds shards but no {MANIFEST}; use an empty --out directory")
+        others = sorted(entry.name for entry in out_dir.iterdir() if not entry.name.startswith("."))
+        if others:  # hidden ones aside: a killed writer's temporaries (atomic_files.py)
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise MoaspecError(f"{out_dir} holds other files ({shown}), not moaspec data; use a new or empty --out directory")
         return None
     try:
         previous = read_manifest(out_dir)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moaspec.config import TreeConfig
+from moaspec.errors import MoaspecError, first_line
 from moaspec.nn.target_layers import check_tli_layers
 from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
@@ -566,22 +567,26 @@ def _check_same_network(saved: dict, net, state_path: Path) -> None:
 
 def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, generator, out_dir: Path, target, tree, provenance) -> None:
     """The resumable state (fp32) and a float16 drafter checkpoint with the full config."""
-    staging = out_dir / (STATE_FILE + ".tmp")
-    torch.save(
-        {
-            "config": asdict(config),
-            "net_config": net.config.to_dict(),  # the network's shape: a resume must build the same
-            "net": net.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "step": state.step,
-            "history": state.history,
-            "train_wall_s": state.train_wall_s,
-            "python_rng": rng.getstate(),
-            "torch_rng": generator.get_state(),
-        },
-        staging,
-    )
-    staging.replace(out_dir / STATE_FILE)
+    staging = out_dir / f".{STATE_FILE}.tmp"  # hidden: a run directory may hold it (--out's check)
+    state_record = {
+        "config": asdict(config),
+        "net_config": net.config.to_dict(),  # the network's shape: a resume must build the same
+        "net": net.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "step": state.step,
+        "history": state.history,
+        "train_wall_s": state.train_wall_s,
+        "python_rng": rng.getstate(),
+        "torch_rng": generator.get_state(),
+    }
+    try:
+        torch.save(state_record, staging)
+        staging.replace(out_dir / STATE_FILE)
+    except (OSError, RuntimeError) as exc:  # a full disk surfaces as torch's RuntimeError ("unexpected pos")
+        staging.unlink(missing_ok=True)
+        raise MoaspecError(
+            f"cannot write the training state into {out_dir} ({first_line(exc)}); the run resumes from its last saved step"
+        ) from None
     training = {
         "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
         "last": state.history[-1] if state.history else {}, **(provenance or {}),
