@@ -252,6 +252,9 @@ def _generate(args: argparse.Namespace) -> int:
     named = args.drafter or default_drafter(target_name)
     if named in MODEL_FREE and any(value is not None for value in overrides.values()):
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
+    if args.drafter is None and args.server is None and any(value is not None for value in overrides.values()):
+        print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
+              file=sys.stderr)
     from moaspec.signals import load_library_held
 
     load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported

@@ -432,6 +432,9 @@ BAD_DATA_INPUTS = {
         lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))], "holds a record that is not training data"
     ),
     "stats of a shard that is not UTF-8": (lambda tmp: ["data", "stats", str(_binary_shard(tmp))], "is not UTF-8 text"),
+    "stats of a shard that is a directory": (  # an audit's: "Is a directory", exit 1
+        lambda tmp: ["data", "stats", str(_directory_shard(tmp))], "cannot read"
+    ),
     "empty --out": (lambda tmp: ["data", "sharegpt", "--out", ""], "--out is empty"),
     "empty --out of distill": (lambda tmp: ["data", "distill", "--out", " "], "--out is empty"),
 }
@@ -440,6 +443,12 @@ BAD_DATA_INPUTS = {
 def _binary_shard(tmp: Path) -> Path:
     directory = _data_dir(tmp)
     (directory / "shard-00000.jsonl").write_bytes(b"\xff\xfe\n")
+    return directory
+
+
+def _directory_shard(tmp: Path) -> Path:
+    directory = tmp / "dirshard"
+    (directory / "shard-00000.jsonl").mkdir(parents=True)
     return directory
 
 

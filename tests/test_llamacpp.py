@@ -396,6 +396,12 @@ def test_a_budget_above_what_llama_cpp_verifies_is_said_to_be_cut(capsys) -> Non
     assert "trees are cut to" in err and "drafted nodes" in err
     assert main([*common, "--tree-depth", "2", "--tree-top-k", "2", "--tree-budget", "4"]) == 0
     assert "--tree-budget" not in capsys.readouterr().err
+    # an audit's: --tree-* without --drafter silently left the calibrated default for moa+ngram
+    assert main([*common[:3], *common[5:], "--tree-depth", "2"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["drafter"] == "moa+ngram"
+    assert "--tree-* name the default model drafter, moa+ngram, rather than the calibrated default" in captured.err
+    assert main(common) == 0 and "default model drafter" not in capsys.readouterr().err
 
 
 def test_a_split_client_drafts_the_tree_its_flags_ask_for(llama_target, capsys, monkeypatch) -> None:
@@ -440,6 +446,19 @@ def test_the_one_shot_generate_takes_the_keywords_that_place_the_target(monkeypa
     assert out.stats.new_tokens == 6 and seen["args"][3:7] == ("llama.cpp", "cpu", 2, 0)
     with pytest.raises(MoaspecError, match="disagree"):
         moaspec.load(drafter="none", gpu_layers=1, n_gpu_layers=2, calibrate=False)
+
+
+def test_gpu_layers_on_a_build_without_gpu_offload_are_said_to_be_ignored(llama_target, capsys) -> None:
+    """An audit's: --n-gpu-layers on a CPU-only llama-cpp-python build was accepted without a word,
+    and as a number of offloaded layers turned the float prefill off and keyed the machine's saved
+    choices apart. On a build that offloads, the layers are kept."""
+    from moaspec.targets.llamacpp_model import LlamaCppModel
+
+    model = LlamaCppModel(llama_target.weights.path, 3)
+    offloads = bool(llama_target.lib.llama_supports_gpu_offload())
+    assert model.gpu_layers == (3 if offloads else 0)
+    note = capsys.readouterr().err
+    assert ("--n-gpu-layers 3 is ignored" in note) != offloads and len(note.splitlines()) == (0 if offloads else 1)
 
 
 def test_hf_methods_run_beside_a_llama_cpp_target(tmp_path, capsys) -> None:

@@ -217,7 +217,7 @@ def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_
     assert not sibling(llama_target).uses_float_prefill and len(measured) == 1
     monkeypatch.setenv(PREFILL_ENV, "torch")
     with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_PREFILL must be float or llama.cpp, not 'torch'"):
-        sibling(llama_target).uses_float_prefill
+        sibling(llama_target)  # when the target is made (an audit's: a short prompt never asked, and ran)
     monkeypatch.setenv(PREFILL_ENV, "float")
     probe = sibling(llama_target)
     probe._probing_exactness = True

@@ -41,7 +41,8 @@ def add_bench_parser(commands, default_target: str) -> None:
         "--methods",
         default=None,
         help="comma-separated: none, hf, hf-pld (transformers runtime), llama.cpp, llama.cpp-pld (GGUF targets), "
-        "ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR; a model drafter ending in @ref drafts with "
+        "ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR, a model drafter + '+ngram' (prompt lookup "
+        "first), default (the calibrated default generate runs); a model drafter ending in @ref drafts with "
         "the reference tree (depth 6, top-k 4, 16 nodes) (default: none, the runtime's own generation, ngram, "
         "the shipped drafters that run on the runtime, the default drafter and default); none is always included",
     )

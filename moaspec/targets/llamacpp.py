@@ -120,7 +120,7 @@ from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows, transformers_head_order
 from moaspec.targets.llamacpp_model import LlamaCppModel
-from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, prefill_path
+from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, fixed_prefill_path, prefill_path
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
 
@@ -174,6 +174,8 @@ class LlamaCppTarget:
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
+        if float_prefill is None and fixed_prefill_path() is not None:  # a bad MOASPEC_LLAMA_PREFILL fails now
+            float_prefill = fixed_prefill_path() == "float"
         self._float_chosen = float_prefill  # whether this machine prefills in float (None: decided on first need)
         self._generation_prompt: tuple[int, ...] | None = None  # the chat template's (_float_boundary)
         self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt

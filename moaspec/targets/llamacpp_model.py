@@ -4,6 +4,7 @@ GGUF file, loaded once and shared by every context (`LlamaCppTarget`, llamacpp.p
 from __future__ import annotations
 
 import ctypes
+import sys
 from pathlib import Path
 
 from moaspec.errors import MoaspecError
@@ -46,6 +47,14 @@ class LlamaCppModel:
         _quiet_logs(lib)
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
+        if n_gpu_layers and not lib.llama_supports_gpu_offload():
+            # a CPU-only build: the layers would stay on the CPU anyway; as 0, the float prefill and
+            # the machine's saved choices (keyed by offloaded layers) stay those of a CPU run
+            print(
+                f"moaspec: note: this llama-cpp-python build cannot offload to a GPU (a CPU-only build); "
+                f"--n-gpu-layers {n_gpu_layers} is ignored", file=sys.stderr,
+            )
+            n_gpu_layers = 0
         params.n_gpu_layers = n_gpu_layers
         self.lib = lib
         self.path = gguf

@@ -209,7 +209,11 @@ def read_shards(out_dir: str | Path) -> list[dict]:
     """All records of a distillation directory, in write order."""
     records = []
     for path in shard_files(Path(out_dir)):
-        with path.open(encoding="utf-8") as handle:
+        try:
+            handle = path.open(encoding="utf-8")
+        except OSError as exc:  # a directory of that name, unreadable
+            raise MoaspecError(f"cannot read {path}: {exc.strerror or exc}") from None
+        with handle:
             number = 0
             try:
                 for number, line in enumerate(handle, 1):
