@@ -14,6 +14,7 @@ from __future__ import annotations
 import filecmp
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -123,6 +124,9 @@ def _builtin_at(path: Path) -> str | None:
     return None
 
 
+SOURCE_FILE = "source.json"  # in a converted copy: the GGUF it was converted from ({"gguf": path})
+
+
 def gguf_key(gguf: Path) -> str:
     """Identify a GGUF file by path (symbolic links resolved: one file reached by two paths is one
     key), size and modification time (cheap, no hashing of 100 MB)."""
@@ -164,6 +168,7 @@ def ensure_converted(gguf: Path, label: str) -> Path:
             raise MoaspecError(
                 f"cannot convert target {gguf.name} (a truncated, corrupt or unsupported GGUF file?): {first_line(exc)}"
             ) from exc
+        (staging / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve())}) + "\n")
         try:
             os.rename(staging, final)
         except OSError:
@@ -171,7 +176,24 @@ def ensure_converted(gguf: Path, label: str) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _remove_stale_copies(final.parent)
     return final
+
+
+def _remove_stale_copies(targets_dir: Path) -> None:
+    """Remove converted copies whose GGUF is gone or changed: each new virtual environment (a
+    package's GGUF at a new path) or edited file gets a copy of its own (~500 MB for SmolLM2-135M),
+    which nothing would read again. Copies that do not record their GGUF (before session 38) stay."""
+    for copy in targets_dir.iterdir():
+        if copy.name.startswith(".") or not (copy / SOURCE_FILE).is_file():
+            continue
+        try:
+            source = Path(json.loads((copy / SOURCE_FILE).read_text())["gguf"])
+            stale = not source.is_file() or converted_path(source).name != copy.name
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable: not ours to judge
+        if stale:
+            shutil.rmtree(copy, ignore_errors=True)
 
 
 def _write_dequantized(gguf: Path, out_dir: Path) -> None:

@@ -150,7 +150,27 @@ def test_changed_gguf_is_converted_again(cache: Path, gguf: Path, monkeypatch: p
     second = ensure_converted(gguf, label="tiny")
     assert first != second
     assert len(fake.out_dirs) == 2
-    assert _leftovers(cache) == sorted([first.name, second.name])
+    assert _leftovers(cache) == [second.name]  # the first one's GGUF changed: nothing reads it again
+
+
+def test_copies_of_ggufs_that_are_gone_are_removed(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An audit's: 29 copies (517 MB each) of the built-in GGUF, one per virtual environment a test
+    clone or reinstall had made, filled 15 GB. A copy whose GGUF is gone goes when another is
+    converted; one of a GGUF still there stays, and so does one that does not say its GGUF."""
+    monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
+    other = gguf.with_name("Other.gguf")
+    other.write_bytes(GGUF_BYTES)
+    kept = ensure_converted(other, label="other")
+    old_venv = gguf.with_name("old-venv.gguf")
+    old_venv.write_bytes(GGUF_BYTES)
+    gone = ensure_converted(old_venv, label="old")
+    unknown = cache / "targets" / "Before-s38-0123456789abcdef"
+    unknown.mkdir()
+    (unknown / "config.json").write_text("{}")
+    old_venv.unlink()
+    assert gone.is_dir()  # nothing is removed until a conversion
+    fresh = ensure_converted(gguf, label="tiny")
+    assert _leftovers(cache) == sorted([kept.name, fresh.name, unknown.name])
 
 
 @pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()])
