@@ -272,8 +272,10 @@ def test_bad_json_is_a_400_with_our_message_on_every_route(server, name: str, ca
     assert all(f"refused POST {path}: 400 " in "\n".join(refusals) for path in OPENAI_ROUTES)
 
 
-def test_a_method_a_route_does_not_take_is_a_405_that_names_those_it_does(server) -> None:
-    """Bug: the 405 carried no Allow header (RFC 9110 requires it)."""
+def test_a_method_a_route_does_not_take_is_a_405_that_names_those_it_does(server, caplog) -> None:
+    """Bug: the 405 carried no Allow header (RFC 9110 requires it), and was logged and counted
+    under the route "other"."""
+    caplog.set_level(logging.INFO)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=SOCKET_TIMEOUT_S)
     try:
         conn.request("DELETE", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
@@ -282,6 +284,10 @@ def test_a_method_a_route_does_not_take_is_a_405_that_names_those_it_does(server
         assert response.getheader("Allow") is not None and "GET" in response.getheader("Allow")
     finally:
         conn.close()
+    status, _ = request(server.port, "DELETE", "/v1/models/anything")
+    assert status == 405
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused DELETE")]
+    assert refusals == ["refused DELETE /v1/models: 405 http", "refused DELETE /v1/models/{model}: 405 http"]
 
 
 def test_an_oversized_header_is_refused_in_our_shape_and_never_logged(server, caplog) -> None:

@@ -123,8 +123,7 @@ class OpenAIRoutes:
             status = exc.status
             raise
         finally:
-            resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else "other"  # bounded label values
+            route = _route_label(request)
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - started)
             if status == CLIENT_CLOSED:
@@ -344,3 +343,17 @@ def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
+
+def _route_label(request: web.Request) -> str:
+    """The route a request was for, as a bounded label: the matched route's path pattern; for a
+    method the route does not take (405, which matches no route), the route of that path;
+    "other" for no route at all."""
+    resource = request.match_info.route.resource
+    if resource is not None:
+        return resource.canonical
+    for candidate in request.app.router.resources():
+        info = candidate.get_info()
+        pattern = info.get("pattern")
+        if info.get("path") == request.path or (pattern is not None and pattern.fullmatch(request.path)):
+            return candidate.canonical
+    return "other"
