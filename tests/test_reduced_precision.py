@@ -110,8 +110,15 @@ def test_dtype_names() -> None:
 
 
 def test_llama_cpp_takes_no_dtype() -> None:
-    with pytest.raises(MoaspecError, match="dtype applies to the transformers runtime"):
+    with pytest.raises(MoaspecError, match="^dtype applies to the transformers runtime"):
         load_target("smollm2-135m", "llama.cpp", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("device, message", [("tpu", "^device must be cpu or cuda"), ("cuda:99", "^device cuda:99: this")])
+def test_library_errors_name_the_keyword_not_the_flag(device: str, message: str) -> None:
+    """An audit's: load(device="tpu") said `--device must be ...`, a flag the library has not."""
+    with pytest.raises(MoaspecError, match=message):
+        load_target("smollm2-135m", "transformers", device=device)
 
 
 def test_the_calibration_keeps_each_precision_apart() -> None:

@@ -97,19 +97,20 @@ def check_placement(
         )
     if runtime == "transformers" and (threads is not None or gpu_layers):
         raise MoaspecError(f"{name['threads']} and {name['gpu_layers']} apply to the llama.cpp runtime")
-    check_device(device)
+    check_device(device, name["device"])
 
 
-def check_device(device: str) -> None:
-    """`--device`: cpu, or a CUDA device this machine has (MoaspecError otherwise)."""
+def check_device(device: str, name: str = "--device") -> None:
+    """`--device` (or the setting `name` spells): cpu, or a CUDA device this machine has
+    (MoaspecError otherwise)."""
     import re
 
     if device == "cpu":
         return
     if not re.fullmatch(r"cuda(:\d+)?", device):
-        raise MoaspecError(f"--device must be cpu or cuda[:N], got '{device}'")
+        raise MoaspecError(f"{name} must be cpu or cuda[:N], got '{device}'")
     index = int(device.partition(":")[2] or 0)
     import torch
 
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise MoaspecError(f"--device {device}: this machine has no such CUDA device")
+        raise MoaspecError(f"{name} {device}: this machine has no such CUDA device")
