@@ -458,7 +458,7 @@ def test_gpu_layers_on_a_build_without_gpu_offload_are_said_to_be_ignored(llama_
     offloads = bool(llama_target.lib.llama_supports_gpu_offload())
     assert model.gpu_layers == (3 if offloads else 0)
     note = capsys.readouterr().err
-    assert ("--n-gpu-layers 3 is ignored" in note) != offloads and len(note.splitlines()) == (0 if offloads else 1)
+    assert ("--n-gpu-layers 3 (gpu_layers) is ignored" in note) != offloads and len(note.splitlines()) == (0 if offloads else 1)
 
 
 def test_hf_methods_run_beside_a_llama_cpp_target(tmp_path, capsys) -> None:

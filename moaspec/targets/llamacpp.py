@@ -174,8 +174,9 @@ class LlamaCppTarget:
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
-        if float_prefill is None and fixed_prefill_path() is not None:  # a bad MOASPEC_LLAMA_PREFILL fails now
-            float_prefill = fixed_prefill_path() == "float"
+        fixed_path = fixed_prefill_path() if float_prefill is None else None  # a bad MOASPEC_LLAMA_PREFILL fails now
+        if fixed_path is not None:
+            float_prefill = fixed_path == "float"
         self._float_chosen = float_prefill  # whether this machine prefills in float (None: decided on first need)
         self._generation_prompt: tuple[int, ...] | None = None  # the chat template's (_float_boundary)
         self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt

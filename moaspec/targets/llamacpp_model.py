@@ -52,7 +52,7 @@ class LlamaCppModel:
             # the machine's saved choices (keyed by offloaded layers) stay those of a CPU run
             print(
                 f"moaspec: note: this llama-cpp-python build cannot offload to a GPU (a CPU-only build); "
-                f"--n-gpu-layers {n_gpu_layers} is ignored", file=sys.stderr,
+                f"--n-gpu-layers {n_gpu_layers} (gpu_layers) is ignored", file=sys.stderr,
             )
             n_gpu_layers = 0
         params.n_gpu_layers = n_gpu_layers
