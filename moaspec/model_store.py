@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,8 @@ def _builtin_at(path: Path) -> str | None:
     return None
 
 
-SOURCE_FILE = "source.json"  # in a converted copy: the GGUF it was converted from ({"gguf": path})
+SOURCE_FILE = "source.json"  # in a converted copy: the GGUF it was converted from ({"gguf": path}); mtime: last use
+STALE_AFTER_S = 24 * 3600  # a copy whose GGUF is gone or changed is removed this long after its last use
 
 
 def gguf_key(gguf: Path) -> str:
@@ -144,6 +146,10 @@ def ensure_converted(gguf: Path, label: str) -> Path:
     """Return the cached safetensors copy of `gguf`, writing it atomically on first use."""
     final = converted_path(gguf)
     if (final / "config.json").is_file():
+        try:
+            os.utime(final / SOURCE_FILE)  # last used now (_remove_stale_copies leaves it a day)
+        except OSError:  # a copy from before session 38 (no such file), or a read-only cache
+            pass
         return final
     with gguf.open("rb") as handle:
         if handle.read(4) != b"GGUF":
@@ -183,11 +189,15 @@ def ensure_converted(gguf: Path, label: str) -> Path:
 def _remove_stale_copies(targets_dir: Path) -> None:
     """Remove converted copies whose GGUF is gone or changed: each new virtual environment (a
     package's GGUF at a new path) or edited file gets a copy of its own (~500 MB for SmolLM2-135M),
-    which nothing would read again. Copies that do not record their GGUF (before session 38) stay."""
+    which nothing would read again. Not before a day after their last use: a process still
+    running on one (a server) reads parts of it on first need. Copies that do not record their
+    GGUF (before session 38) stay."""
     for copy in targets_dir.iterdir():
         if copy.name.startswith(".") or not (copy / SOURCE_FILE).is_file():
             continue
         try:
+            if time.time() - (copy / SOURCE_FILE).stat().st_mtime < STALE_AFTER_S:
+                continue
             source = Path(json.loads((copy / SOURCE_FILE).read_text())["gguf"])
             stale = not source.is_file() or converted_path(source).name != copy.name
         except (OSError, ValueError, KeyError, TypeError):

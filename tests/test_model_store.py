@@ -6,6 +6,8 @@ these tests only exercise the bookkeeping around it: staging, rename, reuse, cle
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,30 +149,52 @@ def test_changed_gguf_is_converted_again(cache: Path, gguf: Path, monkeypatch: p
     monkeypatch.setattr(model_store, "_write_dequantized", fake)
     first = ensure_converted(gguf, label="tiny")
     gguf.write_bytes(GGUF_BYTES + b"more")
+    _last_used_long_ago(first)
     second = ensure_converted(gguf, label="tiny")
     assert first != second
     assert len(fake.out_dirs) == 2
     assert _leftovers(cache) == [second.name]  # the first one's GGUF changed: nothing reads it again
 
 
+def _last_used_long_ago(copy: Path) -> None:
+    """As if the converted copy `copy` was last used a bit more than model_store.STALE_AFTER_S ago."""
+    past = time.time() - model_store.STALE_AFTER_S - 60
+    os.utime(copy / model_store.SOURCE_FILE, (past, past))
+
+
 def test_copies_of_ggufs_that_are_gone_are_removed(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An audit's: 29 copies (517 MB each) of the built-in GGUF, one per virtual environment a test
     clone or reinstall had made, filled 15 GB. A copy whose GGUF is gone goes when another is
-    converted; one of a GGUF still there stays, and so does one that does not say its GGUF."""
+    converted, once a day has passed since its last use (a server may still run on it); one of a
+    GGUF still there stays, and so does one that does not say its GGUF."""
     monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
     other = gguf.with_name("Other.gguf")
     other.write_bytes(GGUF_BYTES)
     kept = ensure_converted(other, label="other")
-    old_venv = gguf.with_name("old-venv.gguf")
-    old_venv.write_bytes(GGUF_BYTES)
-    gone = ensure_converted(old_venv, label="old")
+    paths = {name: gguf.with_name(f"{name}.gguf") for name in ("old-venv", "recent-venv")}
+    copies = {}
+    for name, path in paths.items():
+        path.write_bytes(GGUF_BYTES)
+        copies[name] = ensure_converted(path, label=name)
+    for name, path in paths.items():
+        _last_used_long_ago(copies[name])
+        path.unlink()
+    _last_used_long_ago(kept)  # its GGUF is there: kept however old
+    os.utime(copies["recent-venv"] / model_store.SOURCE_FILE)  # used a moment ago
     unknown = cache / "targets" / "Before-s38-0123456789abcdef"
     unknown.mkdir()
     (unknown / "config.json").write_text("{}")
-    old_venv.unlink()
-    assert gone.is_dir()  # nothing is removed until a conversion
+    assert copies["old-venv"].is_dir()  # nothing is removed until a conversion
     fresh = ensure_converted(gguf, label="tiny")
-    assert _leftovers(cache) == sorted([kept.name, fresh.name, unknown.name])
+    assert _leftovers(cache) == sorted([kept.name, copies["recent-venv"].name, fresh.name, unknown.name])
+
+
+def test_using_a_copy_marks_it_used(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
+    copy = ensure_converted(gguf, label="tiny")
+    _last_used_long_ago(copy)
+    assert ensure_converted(gguf, label="tiny") == copy
+    assert time.time() - (copy / model_store.SOURCE_FILE).stat().st_mtime < 60
 
 
 @pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()])
