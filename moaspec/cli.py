@@ -250,9 +250,10 @@ def _generate(args: argparse.Namespace) -> int:
     options = runtime_options(args, args.target)
     target_name, _ = resolve_target(args.target)  # converts a GGUF target the first time (~30 s)
     named = args.drafter or default_drafter(target_name)
-    if named in MODEL_FREE and any(value is not None for value in overrides.values()):
+    tree_given = any(value is not None for value in overrides.values())
+    if named in MODEL_FREE and tree_given:
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
-    if args.drafter is None and args.server is None and any(value is not None for value in overrides.values()):
+    if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
               file=sys.stderr)
     from moaspec.signals import load_library_held
