@@ -147,3 +147,26 @@ def test_a_second_ctrl_c_exits_at_once_with_130(tmp_path) -> None:
     assert status == 130 and stderr.rstrip().endswith("moaspec: interrupted"), stderr
     assert "Traceback" not in stderr, stderr
     assert took_s < 5, took_s
+
+
+def test_the_running_stream_is_cut_when_the_shutdown_time_out_ends_not_twice_that(tmp_path) -> None:
+    """Bug: aiohttp waits the time-out for a running handler, then cancels only its request's body
+    and waits the time-out again; a stream never reads its body, so it ran for twice
+    --shutdown-timeout-s (10 s of 5 in an audit), past what a service manager sized from the flag
+    allows. Now the handler is cancelled when the time-out ends."""
+    timeout_s = 3.0
+    process, url = start(tmp_path, shutdown_timeout_s=timeout_s)
+    try:
+        running: list = []
+        stream = request_in_background(url, running, 400, stream=True)  # ~20 s of 0.05 s steps
+        wait_for_queue(url, active=1, waiting=0)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        stream.join(timeout=15)
+        cut_s = time.monotonic() - signalled
+        status = process.wait(timeout=15)
+    finally:
+        process.kill()
+    assert status == 143
+    assert len(running) == 1 and "[DONE]" not in running[0][1]
+    assert timeout_s - 0.2 < cut_s < timeout_s + 1.5, cut_s  # the time-out, not twice it

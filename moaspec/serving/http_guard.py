@@ -15,7 +15,10 @@ changes that:
 - malformed HTTP: 431 for an over-long request line or header, 400 otherwise, as OpenAI-shaped
   JSON, with one log line that names the status, never the request's bytes;
 - a refusal sent before the request's body was read closes the connection within LINGER_S
-  (aiohttp lingers 10 s by default).
+  (aiohttp lingers 10 s by default);
+- shutdown: a request still running when the shutdown time-out ends is cancelled then (aiohttp
+  cancels only its body and waits the time-out again, so a handler that does not read its body,
+  a stream or a prefill, ran for twice the time-out).
 Refusals made here, outside the application, are reported through `on_refusal(status)` so the
 metrics count them. `GuardedSite` serves an application through these handlers.
 """
@@ -42,6 +45,9 @@ logger = logging.getLogger("moaspec.serve")
 # what the client still sends is read and dropped for this long before the connection closes
 # (aiohttp's lingering close: closing at once could reset the connection under the response).
 LINGER_S = 1.0
+# A request cancelled at the end of the shutdown time-out gets this long to unwind (its handler's
+# finally blocks) before aiohttp's own shutdown of the connection.
+CANCELLED_GRACE_S = 1.0
 
 
 class ConnectionGuard:
@@ -62,6 +68,19 @@ class GuardedHandler(web.RequestHandler):
         self._between_requests = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self.request_task: asyncio.Task | None = None  # the task running this connection's request, while one runs
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        """The server is stopping: the running request gets `timeout` to finish, then its task is
+        cancelled (aiohttp's own shutdown then finds nothing running)."""
+        task = self.request_task
+        if timeout is not None and task is not None and not task.done():
+            self.close()  # no further request on this connection
+            await asyncio.wait([task], timeout=timeout)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=CANCELLED_GRACE_S)
+        await super().shutdown(timeout)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -160,6 +179,11 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
         if protocol.over_capacity:
             full = f"the server already has {protocol.guard.limits.max_connections} open connections; retry later"
             return error_response(APIError(503, full, None, "too_many_connections", True))
+        protocol.request_task = asyncio.current_task()
+        try:
+            return await handler(request)
+        finally:
+            protocol.request_task = None
     return await handler(request)
 
 
