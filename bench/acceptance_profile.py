@@ -26,9 +26,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from moaspec.api import load_target
+from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
 from moaspec.bench.output import write_json
 from moaspec.bench.script_args import positive_int, run_script, script_parser
-from moaspec.bench.tune import CALIBRATION_PROMPTS, calibrate
+from moaspec.bench.tune import calibrate
 from moaspec.calibration.profile import PROFILE_FILE, LookupSequence, sequences_to_json, weights_digest
 from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig

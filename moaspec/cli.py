@@ -166,13 +166,13 @@ def _serve(args: argparse.Namespace) -> int:
     keys = read_api_keys(args.api_key_file)
     ssl_context = check_tls(args.ssl_certfile, args.ssl_keyfile)
     from moaspec.drafters import check_drafter_spec, default_drafter
-    from moaspec.model_store import resolve_target
+    from moaspec.model_store import target_name
     from moaspec.targets.options import runtime_options
 
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
     else:
-        default_drafter(resolve_target(args.target)[0])  # an unknown target fails here, before loading
+        default_drafter(target_name(args.target))  # an unknown target fails here, before loading
     args.runtime_options = runtime_options(args, args.target)
     return serve(args, keys, ssl_context)
 
@@ -225,7 +225,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.server is None:
         _refuse_split_flags(args)
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
-    from moaspec.model_store import check_target_exists, resolve_target
+    from moaspec.model_store import check_target_exists, target_name
     from moaspec.tuned import tree_overrides
 
     if args.drafter is not None:
@@ -248,8 +248,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
     options = runtime_options(args, args.target)
-    target_name, _ = resolve_target(args.target)  # converts a GGUF target the first time (~30 s)
-    named = args.drafter or default_drafter(target_name)
+    named = args.drafter or default_drafter(target_name(args.target))
     tree_given = any(value is not None for value in overrides.values())
     if named in MODEL_FREE and tree_given:
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")

@@ -94,3 +94,21 @@ class TreeConfig:
             raise MoaspecError(
                 f"tree depth must be in [1, {MAX_TREE_DEPTH}], top-k in [1, {MAX_TREE_TOP_K}] and budget in [1, {MAX_TREE_BUDGET}]"
             )
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    """The n-gram (prompt-lookup) drafter's settings (drafters/ngram.py): min_ngram..max_ngram
+    are the n-gram lengths tried (longest first); the rest bounds the tree."""
+
+    min_ngram: int = 2
+    max_ngram: int = 4
+    max_depth: int = 8
+    max_branches: int = 3
+    max_nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise MoaspecError("need 1 <= min_ngram <= max_ngram")
+        if self.max_depth < 1 or self.max_branches < 1 or self.max_nodes < 2:
+            raise MoaspecError("max_depth and max_branches must be >= 1, max_nodes >= 2")

@@ -69,6 +69,17 @@ def check_target_spec(spec: object) -> None:
         raise MoaspecError(f"the target must be a built-in name, an HF directory or a .gguf file, got {spec!r}")
 
 
+def check_gguf_magic(path: Path) -> None:
+    """MoaspecError unless the file at `path` starts with GGUF's magic bytes."""
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise MoaspecError(f"cannot read target {path}: {exc.strerror or exc}") from exc
+    if magic != b"GGUF":
+        raise MoaspecError(f"target {path} is not a GGUF file (no GGUF magic bytes)")
+
+
 def check_target_exists(spec: object) -> None:
     """MoaspecError unless `spec` names a target: a built-in name, a .gguf file or a model directory
     with a config.json. Nothing is converted or read, so the runtime flags are checked after it and
@@ -79,6 +90,7 @@ def check_target_exists(spec: object) -> None:
         return
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf_magic(path)
         return
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -88,6 +100,17 @@ def check_target_exists(spec: object) -> None:
         raise MoaspecError(f"target {spec} is neither a model directory nor a .gguf file")
     known = ", ".join(sorted(BUILTIN_TARGETS))
     raise MoaspecError(f"unknown target '{spec}': not a built-in name ({known}) nor an existing path")
+
+
+def target_name(spec: str) -> str:
+    """The name `resolve_target` gives `spec` (a built-in name, also for a path holding a built-in
+    target; else the path's last part), without converting anything: for the checks that need only
+    the name (which drafters apply), made before a first conversion (~30 s)."""
+    check_target_exists(spec)
+    if spec in BUILTIN_TARGETS:
+        return spec
+    path = Path(spec).expanduser()
+    return _builtin_at(path) or path.name
 
 
 def resolve_target(spec: str) -> tuple[str, Path]:
@@ -151,9 +174,7 @@ def ensure_converted(gguf: Path, label: str) -> Path:
         except OSError:  # a copy from before session 38 (no such file), or a read-only cache
             pass
         return final
-    with gguf.open("rb") as handle:
-        if handle.read(4) != b"GGUF":
-            raise MoaspecError(f"target {gguf} is not a GGUF file (no GGUF magic bytes)")
+    check_gguf_magic(gguf)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -20,9 +20,9 @@ from moaspec.calibration import costs_store
 from moaspec.calibration.costs import CycleCosts, VerifyCosts
 from moaspec.calibration.predict import MIN_GAIN, Option, choose, lookup_configs, lookup_option, plain_option
 from moaspec.calibration.profile import LookupSequence, LookupStats, accepted_length, simulate_lookup
-from moaspec.config import GenerationConfig, TreeConfig
+from moaspec.config import GenerationConfig, NgramConfig, TreeConfig
 from moaspec.drafters.lookup_gate import LookupGate
-from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import NgramDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 
@@ -441,7 +441,7 @@ def test_reference_tree_methods_look_up_with_the_reference_lookup_not_the_calibr
     """Bug: `moa+ngram@ref` took the machine calibration's prompt lookup (2 deep on the AVX-512
     EPYC), so its τ changed with the CPU it ran on: the fixed lookup is now part of the reference."""
     from moaspec.bench.methods import REFERENCE_LOOKUP, build_method, parse_methods
-    from moaspec.drafters.ngram import NgramConfig
+    from moaspec.config import NgramConfig
 
     target, checkpoint, set_costs, _ = tiny_default
     set_costs(CHEAP_TREES)

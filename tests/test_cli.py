@@ -79,6 +79,13 @@ BAD_INPUTS: dict[str, Case] = {
     "non-float flag value": (lambda tmp: _gen("--temperature", "warm"), "invalid float value: 'warm'"),
     "unknown flag": (lambda tmp: _gen("--beam-width", "4"), "unrecognized arguments"),
     "no subcommand": (lambda tmp: [], "command"),
+    # bug: bench imported torch for its cheap checks (an early Ctrl-C was swallowed), and bench,
+    # tune, generate and serve converted the target (~30 s) before refusing a flag
+    "bench: unknown method": (lambda tmp: ["bench", "--out", str(tmp / "b"), "--methods", "bogus"], "unknown drafter 'bogus'"),
+    "bench: limit 0": (lambda tmp: ["bench", "--out", str(tmp / "b"), "--limit", "0"], "--limit must be >= 1"),
+    "tune: a model-free drafter": (lambda tmp: ["tune", "--drafters", "none"], "'none' has no draft tree to tune"),
+    "tree flags on a model-free drafter": (lambda tmp: _gen("--drafter", "none", "--tree-depth", "2"),
+                                           "--tree-* settings apply to model drafters only"),
     "unknown subcommand": (lambda tmp: ["no-such-command"], "invalid choice"),
 }
 
@@ -158,6 +165,7 @@ def test_errors_are_caught_before_torch_loads(tmp_path: Path) -> None:
     report = json.loads(proc.stdout)
     assert report == {name: [EXIT_USAGE, False, False] for name in BAD_INPUTS}
     assert len(proc.stderr.splitlines()) == len(BAD_INPUTS)
+    assert not (tmp_path / "cache" / "targets").exists()  # no target was converted (~30 s) to refuse them
 
 
 def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,8 +17,8 @@ import torch
 
 from moaspec.bench.prompts import load_prompts
 from moaspec.chat import encode_chat_prompt
-from moaspec.config import GenerationConfig
-from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.config import GenerationConfig, NgramConfig
+from moaspec.drafters.ngram import NgramDrafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError

@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from moaspec.config import GenerationConfig
+from moaspec.config import GenerationConfig, NgramConfig
 from moaspec.drafters.lookup_gate import LookupGate
-from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import NgramDrafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine
 

@@ -73,6 +73,7 @@ def add_bench_parser(commands, default_target: str) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from moaspec import model_store
     from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
     from moaspec.bench.methods import check_available, check_tree_flags, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
@@ -80,7 +81,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.report import render_markdown
     from moaspec.bench.schema import check_validation
     from moaspec.config import GenerationConfig, SamplingConfig
-    from moaspec.model_store import resolve_target
 
     # 1. everything cheap, before torch and the target load (or its first conversion)
     check_validation()
@@ -102,7 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.plots import CLIENT_SERVER_PLOT_FILES, PLOT_FILES
 
     out = output_dir(args.out, files=("results.json", "results.md", *PLOT_FILES, *CLIENT_SERVER_PLOT_FILES))
-    target_name, _ = resolve_target(args.target)
+    target_name = model_store.target_name(args.target)
     from moaspec.targets.options import runtime_options
 
     options = runtime_options(args, args.target)
@@ -260,7 +260,7 @@ def add_tune_parser(commands, default_target: str) -> None:
 def check_tune_values(args: argparse.Namespace) -> None:
     """`tune`'s settings checked without the target or drafters (MoaspecError naming the flag);
     also run by `check_arguments` (scripts/recipe, before its distillation)."""
-    from moaspec.bench.tune import CALIBRATION_PROMPTS
+    from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
     from moaspec.targets.options import check_device
 
     if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
@@ -275,15 +275,15 @@ def check_tune_values(args: argparse.Namespace) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from moaspec import model_store
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, run_directory_hint, split_lookup
-    from moaspec.model_store import resolve_target
 
     # 1. cheap checks before torch loads
     check_tune_values(args)
     specs = list(dict.fromkeys(part.strip() for part in args.drafters.split(",") if part.strip()))
     if not specs:
         raise MoaspecError("--drafters is empty")
-    target_name, _ = resolve_target(args.target)
+    target_name = model_store.target_name(args.target)
     for spec in specs:
         check_drafter_spec(spec)
         if spec in MODEL_FREE:
@@ -298,8 +298,9 @@ def run_tune(args: argparse.Namespace) -> int:
     # 2. measure and choose
     load_library_held()
     import moaspec.api
+    from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
     from moaspec.bench.output import timestamp
-    from moaspec.bench.tune import CALIBRATION_PROMPTS, tune_drafter
+    from moaspec.bench.tune import tune_drafter
     from moaspec.calibration.costs import measure_verify
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter

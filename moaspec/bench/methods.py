@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moaspec.bench.method_run import Method, MethodRun
+from moaspec.config import NgramConfig
 from moaspec.drafters import (
     MODEL_FREE,
     SHIPPED,
@@ -38,7 +39,6 @@ from moaspec.drafters import (
     default_drafter,
     run_directory_hint,
 )
-from moaspec.drafters.ngram import NgramConfig
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 

@@ -5,7 +5,7 @@ tokens/s are in moaspec/calibration/tree_ranking.py; this module settles the rat
 
 The rank rates come, in order: from `--top1-rate` (geometric over ranks,
 h_r = top1 * (1 - top1) ** (r - 1)); else from a short calibration run: the drafter generates
-greedily from CALIBRATION_PROMPTS with a one-level tree of top-k k for each k in TOP_KS, the
+greedily from CALIBRATION_PROMPTS (calibration_prompts.py) with a one-level tree of top-k k for each k in TOP_KS, the
 measured acceptance of each is the hit rate of its top k, and h_r are their differences; else a
 geometric guess from DEFAULT_TOP1. Measured rates are not geometric: for the shipped SmolLM2
 drafters the top-1 hit rate is about 0.25 and the top-4 one about 0.44, and a one-parameter
@@ -30,14 +30,6 @@ from moaspec.calibration.tree_ranking import (
 from moaspec.config import TreeConfig
 
 DEFAULT_TOP1 = 0.6  # a middling EAGLE-2-style top-1 acceptance on chat; used only without calibration
-CALIBRATION_PROMPTS = (  # written for calibration; not from any benchmark set
-    "Explain how a refrigerator keeps food cold, in simple terms.",
-    "Write a short Python function that counts the vowels in a string, with a docstring.",
-    "Give me three tips for learning a new language as an adult.",
-    "Describe a quiet morning in a small coastal town in one paragraph.",
-    "What is the difference between weather and climate?",
-    "List five healthy snacks and say why each one is good for you.",
-)
 
 
 def plain_tokens_per_s(costs: CycleCosts) -> float:

@@ -52,8 +52,7 @@ from moaspec.nn.fast_linear import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
 
 if TYPE_CHECKING:
-    from moaspec.config import TreeConfig
-    from moaspec.drafters.ngram import NgramConfig
+    from moaspec.config import NgramConfig, TreeConfig
     from moaspec.targets.base import Target
 
 DISABLE_ENV = NO_CALIBRATION_ENV

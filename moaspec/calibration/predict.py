@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from moaspec.calibration.costs import CycleCosts
 from moaspec.calibration.profile import LookupStats
 from moaspec.calibration.tree_ranking import Candidate
-from moaspec.config import TreeConfig
-from moaspec.drafters.ngram import NgramConfig
+from moaspec.config import NgramConfig, TreeConfig
 
 MIN_GAIN = 1.05
 LOOKUP_DEPTHS = (1, 2, 3, 4, 6, 8)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from moaspec.config import SamplingConfig
+from moaspec.config import NgramConfig, SamplingConfig
 from moaspec.drafters.lookup_gate import LookupGate
-from moaspec.drafters.ngram import NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import NgramDrafter
 from moaspec.tree import trie_children, walk
 
 PROFILE_FILE = "acceptance.json"

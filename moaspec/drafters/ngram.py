@@ -18,12 +18,11 @@ alone and the match is scored in the shadow against the tokens the target writes
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.config import SamplingConfig
+from moaspec.config import NgramConfig, SamplingConfig
 from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.tree import DraftTree, trie, trie_children, trie_nodes, walk
@@ -43,23 +42,6 @@ LOOKUP_PRECISION = 0.8
 # (11 of 177), so the copy is kept either way; only its reported probability differs.
 LOOKUP_PRECISION_AGREED = 0.92
 LOOKUP_PRECISION_DISPUTED = 0.86
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """min_ngram..max_ngram: n-gram lengths tried (longest first); the rest bounds the tree."""
-
-    min_ngram: int = 2
-    max_ngram: int = 4
-    max_depth: int = 8
-    max_branches: int = 3
-    max_nodes: int = 16
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError("need 1 <= min_ngram <= max_ngram")
-        if self.max_depth < 1 or self.max_branches < 1 or self.max_nodes < 2:
-            raise ValueError("max_depth and max_branches must be >= 1, max_nodes >= 2")
 
 
 class NgramDrafter:

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moaspec.config import SamplingConfig, TreeConfig
+from moaspec.config import NgramConfig, SamplingConfig, TreeConfig
 from moaspec.drafters.base import AloneDraft, Context, ContextEncoder, VerifiedUpdate, pick_alone
 from moaspec.drafters.dynamic_tree import build_dynamic_tree, build_sampled_tree
-from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED, NgramConfig, NgramDrafter
+from moaspec.drafters.ngram import LOOKUP_PRECISION_AGREED, LOOKUP_PRECISION_DISPUTED, NgramDrafter
 from moaspec.drafters.vocab import target_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.nn.drafter_net import DrafterNet
