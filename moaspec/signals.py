@@ -1,10 +1,11 @@
-"""Ctrl-C and SIGTERM held over code that must not be interrupted half-way, delivered after it.
+"""Signals held over code that must not be interrupted half-way, delivered after it: Ctrl-C,
+SIGTERM, and every other signal with a Python handler (an application's SIGALRM time-out, say).
 
-Two places need it: a llama.cpp decode that runs Python in its eval callback (a KeyboardInterrupt
-raised at the callback's entry is swallowed by ctypes, which answers llama.cpp False and stops the
-graph part-way: wrong logits, no error; targets/llamacpp.py), and the first import of the heavy
-libraries (torch, llama-cpp-python), which an interrupt half-way leaves half-imported or swallows
-(the command then went on, or failed with an ImportError traceback).
+Two places need it: a llama.cpp decode that runs Python in its eval callback (an exception raised
+by a signal handler at the callback's entry is swallowed by ctypes, which answers llama.cpp False
+and stops the graph part-way: wrong logits, no error; targets/llamacpp.py), and the first import of
+the heavy libraries (torch, llama-cpp-python), which an interrupt half-way leaves half-imported or
+swallows (the command then went on, or failed with an ImportError traceback).
 
 Also here: `Terminated` (SIGTERM raised where Ctrl-C would be) and the exit statuses the CLI
 gives both.
@@ -27,15 +28,17 @@ class Terminated(KeyboardInterrupt):
 
 
 class DeferredSignals:
-    """Ctrl-C and SIGTERM held for a `with` block, delivered after it (`deliver`).
+    """Signals held for a `with` block, delivered after it (`deliver`).
 
-    On the main thread (where Python runs signal handlers) the two signals only mark themselves
-    for the block's duration; `deliver` then calls the handler that was in place (KeyboardInterrupt,
-    or the CLI's SIGTERM unwinding) as if the signal came then. Elsewhere, while the interpreter
-    shuts down (its handlers are gone) and for a handler not set from Python (it could not be put
-    back) it does nothing."""
+    On the main thread (where Python runs signal handlers) each held signal only marks itself for
+    the block's duration; `deliver` then calls the handler that was in place (KeyboardInterrupt,
+    the CLI's SIGTERM unwinding, an application's handler) as if the signal came then. Held:
+    Ctrl-C and SIGTERM, also under their default action, and every other signal whose handler was
+    set from Python (the C-level default and ignore actions run outside Python: nothing to hold).
+    Elsewhere, while the interpreter shuts down (its handlers are gone) and for a handler not set
+    from Python (it could not be put back) it does nothing."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)  # held even under their default action
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -43,39 +46,45 @@ class DeferredSignals:
 
     def __enter__(self) -> DeferredSignals:
         if threading.current_thread() is threading.main_thread() and not sys.is_finalizing():
-            for number in self.SIGNALS:
-                if signal.getsignal(number) is None:  # not installed from Python: it could not be put back
+            for number in signal.valid_signals():
+                handler = signal.getsignal(number)
+                if handler is None:  # not installed from Python: it could not be put back
                     continue
-                self._previous[number] = signal.signal(number, lambda signum, frame: self.received.append(signum))
+                if callable(handler) or (number in self.SIGNALS and handler == signal.SIG_DFL):
+                    self._previous[number] = signal.signal(number, self._record)
         return self
 
     def __exit__(self, *exc_info) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
 
+    def _record(self, number: int, frame) -> None:
+        self.received.append(number)
+
     def deliver(self) -> None:
-        """Run the handler of the first signal received (after __exit__), as if it came now."""
-        if not self.received:
-            return
-        number = self.received[0]
-        handler = self._previous.get(number)
-        if callable(handler):
-            handler(number, None)
-        elif handler == signal.SIG_DFL:
-            signal.raise_signal(number)
+        """Run the handlers of the signals received (after __exit__), in the order they came, as
+        if they came now (each once: the system merges repeats of a pending signal too); one that
+        raises ends the delivery with its exception."""
+        for number in dict.fromkeys(self.received):
+            handler = self._previous.get(number)
+            if callable(handler):
+                handler(number, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(number)
 
 
 @contextmanager
 def signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM for the block; one that came is delivered when it ends normally."""
+    """Hold signals for the block (DeferredSignals); those that came are delivered when it ends
+    normally."""
     with DeferredSignals() as held:
         yield
     held.deliver()
 
 
 def load_library_held() -> None:
-    """Import torch (~1.4 s, what moaspec's library side loads first) with Ctrl-C and SIGTERM
-    held, so that an interrupt lands before or after it, never half-way; the commands call it
-    once their cheap checks have passed."""
+    """Import torch (~1.4 s, what moaspec's library side loads first) with signals held, so that
+    an interrupt lands before or after it, never half-way; the commands call it once their cheap
+    checks have passed."""
     with signals_held():
         import torch  # noqa: F401

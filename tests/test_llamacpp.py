@@ -1052,6 +1052,37 @@ def test_ctrl_c_arriving_during_a_capturing_decode_is_raised_after_it(llama_targ
     assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
 
 
+def test_an_application_time_out_arriving_during_a_capturing_decode_is_raised_after_it(llama_target, category_prompts) -> None:
+    """Bug: only Ctrl-C and SIGTERM were held over a capturing decode. An application's SIGALRM
+    handler raising TimeoutError (a common way to time-limit a call) ran at the capture callback's
+    entry; ctypes swallowed the exception, the graph stopped part-way and the call returned wrong
+    text (5 of 20 time-limited calls in an audit). Now the handler runs after the decode, its
+    exception reaches the caller and the context is reset. Timed as the Ctrl-C test above."""
+    import signal
+    import threading
+
+    def time_out(number, frame) -> None:
+        raise TimeoutError("the application's time-out")
+
+    prompt = (category_prompts["qa"] * 4)[:350]
+    _, logits = plain_decode(llama_target, prompt, 1)
+    capturing = llama_target.new_session()
+    capturing.keep_layer_kv(list(range(capturing.num_layers)))
+    capturing.set_context(torch.tensor(prompt[:10]))  # the context made now: the signal lands in the decode
+    capturing.reset()
+    previous = signal.signal(signal.SIGALRM, time_out)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGALRM))
+    timer.start()
+    try:
+        with pytest.raises(TimeoutError):
+            capturing.set_context(torch.tensor(prompt))
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGALRM, previous)
+    assert capturing.num_cached == 0
+    assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
+
+
 def test_ctrl_c_while_llama_cpp_logs_is_raised_after_the_call(llama_target, category_prompts) -> None:
     """Bug: llama.cpp logs ~1,300 lines through moaspec's Python log callback while it makes a
     context (and while it loads weights); Ctrl-C landing in one was raised inside the callback and

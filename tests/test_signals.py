@@ -90,3 +90,42 @@ def test_sigterm_with_the_default_handler_is_delivered_after_the_block() -> None
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM and proc.stdout == "block done\n", (proc.returncode, proc.stderr)
+
+
+def test_an_application_signal_handler_runs_after_the_block_in_the_order_signals_came() -> None:
+    """Bug: only Ctrl-C and SIGTERM were held. An application's own handler (a SIGALRM time-out
+    raising TimeoutError) ran inside llama.cpp's eval callback, where ctypes swallowed the
+    exception: the decode stopped part-way and the call returned wrong text without an error."""
+    calls: list[int] = []
+
+    def time_out(number, frame) -> None:
+        calls.append(number)
+        raise TimeoutError("the application's time-out")
+
+    previous = {
+        signal.SIGALRM: signal.signal(signal.SIGALRM, time_out),
+        signal.SIGUSR1: signal.signal(signal.SIGUSR1, lambda number, frame: calls.append(number)),
+    }
+    try:
+        reached_the_end = False
+        with pytest.raises(TimeoutError):
+            with signals_held():
+                signal.raise_signal(signal.SIGUSR1)
+                signal.raise_signal(signal.SIGALRM)
+                signal.raise_signal(signal.SIGUSR1)
+                reached_the_end = True  # not interrupted here
+        assert reached_the_end and calls == [signal.SIGUSR1, signal.SIGALRM]
+        assert signal.getsignal(signal.SIGALRM) is time_out
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def test_signals_under_their_c_level_actions_are_left_alone() -> None:
+    previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    try:
+        with signals_held():
+            assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGUSR2)  # ignored by the system, now as later
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
