@@ -45,6 +45,7 @@ def tiny_bench(monkeypatch):
     target = make_tiny_target("llama", max_position_embeddings=2048)
     target.tokenizer = char_tokenizer()
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", Path("unused")))
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda spec: "tiny-llama")
     monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None, **kwargs: target)
     return target
 

@@ -385,6 +385,7 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
             raise cli.Terminated if terminated else KeyboardInterrupt
 
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("smollm2-135m", None))  # no conversion
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda name: "smollm2-135m")
     monkeypatch.setattr(moaspec.api, "load_target", lambda *args, **options: loaded)
     monkeypatch.setattr(moaspec.api, "prompt_token_ids", lambda target, prompt, raw: [1, 2, 3])
     monkeypatch.setattr(moaspec.api, "speculative_lm", lambda *args: InterruptedLM())
@@ -412,6 +413,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_the_calibration(tin
 
     tiny_llama.tokenizer = char_tokenizer()
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("tiny", None))  # no conversion
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda name: "tiny")
     monkeypatch.setattr(moaspec.api, "load_target", lambda *args, **kwargs: tiny_llama)
     monkeypatch.setattr(moaspec.calibration.plan, "drafter_for", calibrated)
     monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)

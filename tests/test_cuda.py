@@ -148,6 +148,7 @@ def test_tune_on_the_gpu_saves_a_choice_that_gpu_targets_use(tmp_path, monkeypat
     checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 2, "top_k": 1, "budget": 2})
     gpu_target = on_gpu(target)
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", tmp_path))
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda spec: "tiny-llama")
     monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None, **kwargs: gpu_target)
     args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--device", "cuda", "--repeats", "1",
             "--context", "32", "--calibration-prompts", "1", "--calibration-tokens", "8"]

@@ -94,6 +94,19 @@ def test_choice_follows_the_costs() -> None:
     assert [c.tokens_per_s for c in ranked] == sorted((c.tokens_per_s for c in ranked), reverse=True)
 
 
+def test_no_candidate_has_fewer_nodes_than_levels() -> None:
+    """Bug (a researcher's audit): `--tree-depth 2` alone got depth 2, top-k 1, budget 1 from the
+    calibration: one drafted node, recorded as a depth-2 tree, drafted two levels deep for it. A
+    budget below the depth never reaches the last level (the same tree as a shallower one, at
+    more drafting cost), so such trees are not candidates; with the depth fixed at 2 the best
+    tree now drafts two levels."""
+    steep = synthetic_costs({1: 75, 2: 80, 3: 85, 4: 90, 5: 150, 9: 300, 17: 600, 33: 1200}, level_ms=5)
+    ranked = candidates(steep, geometric_rates(0.3))
+    assert ranked and all(c.tree.budget >= c.tree.depth for c in ranked)
+    fixed_depth = [c for c in ranked if c.tree.depth == 2]
+    assert fixed_depth[0].num_nodes >= 2
+
+
 @pytest.fixture
 def tiny_with_checkpoint(tmp_path, monkeypatch):
     from test_bench import char_tokenizer
@@ -108,6 +121,7 @@ def tiny_with_checkpoint(tmp_path, monkeypatch):
     target = make_tiny_target("llama", max_position_embeddings=1024, dtype=torch.float32)
     target.tokenizer = char_tokenizer()
     monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda spec: ("tiny-llama", Path("unused")))
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda spec: "tiny-llama")
     monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, attn_implementation=None, **kwargs: target)
     net = make_random_drafter_net(MoADrafterNet, MoAConfig.for_target(target.config), target)
     checkpoint = save_checkpoint(tmp_path / "moa-ckpt", "moa", net, target, {"depth": 2, "top_k": 1, "budget": 2})

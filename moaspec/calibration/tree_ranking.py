@@ -137,7 +137,9 @@ def candidates(costs: CycleCosts, rates: tuple[float, ...]) -> list[Candidate]:
         for top_k in TOP_KS:
             if (depth, top_k) not in costs.propose_s:
                 continue
-            budgets = tuple(b for b in BUDGETS if b >= top_k)
+            # fewer nodes than levels never reach the last level: the same tree as a shallower
+            # one, drafted at more cost (and recorded with a depth it never drafts)
+            budgets = tuple(b for b in BUDGETS if b >= max(top_k, depth))
             for budget, (tau, nodes) in expected_taus_by_budget(depth, top_k, budgets, rates).items():
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
