@@ -3,11 +3,12 @@
 On the llama.cpp runtime the plain steps after a tree cost more than steady ones for ~10 steps
 (the calibration's tree penalty, calibration/costs.py). This script tells the candidate causes
 apart: each interruption below runs between SETTLED plain steps (timed, after as many untimed)
-and SETTLED more (timed); its penalty is what those after cost beyond those before, in all.
-Interruptions take turns within every round; medians over rounds.
+and SETTLED more (timed) at the same positions (the context rolled back to where the timed steps
+before began); its penalty is what those after cost beyond the median step before, in all and at
+each position. Interruptions take turns within every round; medians over rounds.
 
-- `tree N`: a binary tree of N nodes verified in the target's context (the rejected nodes rolled
-  back), as the engine's gated lookup does between plain steps;
+- `tree N`: a binary tree of N nodes verified in the target's context (its nodes rolled back), as
+  the engine's gated lookup does between plain steps;
 - `tree N elsewhere`: the same tree in a second context on the same weights (the first context's
   cache, graph and cells untouched);
 - `plain K elsewhere`: K plain steps in that second context (the same kernels as the timed ones);
@@ -65,9 +66,10 @@ def main() -> int:
         t.commit([0])
 
     def verify_tree(t, tree) -> None:
+        length = t.num_cached
         t.verify(tree)
         t.commit([0])
-        t.rollback(args.context)
+        t.rollback(length)
 
     def plain_elsewhere(count: int) -> None:
         for _ in range(count):
@@ -111,11 +113,12 @@ def main() -> int:
             started = time.perf_counter()
             interruptions[name]()
             own[name].append(time.perf_counter() - started)
+            target.rollback(args.context + SETTLED)  # the steps after run where those before ran
             after = [timed_step() for _ in range(SETTLED)]
             target.rollback(args.context)
             level = statistics.median(before)
             steady.extend(before)
-            totals[name].append(sum(after) - sum(before))
+            totals[name].append(sum(after) - SETTLED * level)
             for position, seconds in enumerate(after):
                 positions[name][position].append(seconds - level)
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
