@@ -82,7 +82,7 @@ def stopping_table(generations: list[list[dict]], thresholds: tuple[float, ...] 
                 prefix_right = prefix_right and row["right"]
                 agreeing += prefix_right
         table.append({"min_prob": threshold, "written": written, "agreeing": agreeing,
-                      "agreement": round(agreeing / written, 4) if written else 0.0})
+                      "agreement": round(agreeing / written, 4) if written else None})  # None: nothing written
     return table
 
 
@@ -182,7 +182,11 @@ def report(results: dict) -> list[str]:
         by_source = f": {by_source}" if by_source else ""
         lines += [f"## {spec} ({len(measured['generations'])} generations; right when the prefix agreed: {right} of {drafted}{by_source})", "",
                   "| min prob | written | agreeing | agreement |", "|---:|---:|---:|---:|"]
-        lines += [f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | {r['agreement']:.2f} |" for r in measured["stopping"]]
+        lines += [
+            f"| {r['min_prob']:g} | {r['written']} | {r['agreeing']} | "
+            f"{'n/a' if r['agreement'] is None else format(r['agreement'], '.2f')} |"
+            for r in measured["stopping"]
+        ]
         lines.append("")
     first = next(iter(drafters))
     totals = list(dict.fromkeys(row["written"] for row in drafters[first]["stopping"] if row["min_prob"] in EQUAL_OUTPUT_AT and row["written"]))

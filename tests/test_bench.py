@@ -93,7 +93,9 @@ def test_tiny_end_to_end_writes_valid_results_and_plots(tmp_path, tiny_bench, ca
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md", "speedup.png", "tau.png"]
     assert "| none |" in capsys.readouterr().out
-    # a rerun without plots leaves none of the old ones beside its results
+    # a rerun without plots leaves none of the old ones beside its results, nor the other kind of
+    # bench's (an audit found a --client-server run's plot kept beside a single-device run's results)
+    (out / "client_server.png").write_bytes(b"\x89PNG\r\n\x1a\n")
     assert main(bench_args(out, "--categories", "translation", "--methods", "none", "--no-plots")) == 0
     assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]
 
@@ -300,7 +302,7 @@ def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
         (["--tree-depth", "0"], "--tree-depth must be in [1, 32], got 0"),
         (["--tree-budget", "100000"], "--tree-budget must be in [1, 256], got 100000"),
         # bug: ignored without a word when no method has a tree (generate refuses them there)
-        (["--methods", "ngram", "--tree-depth", "3"], "--tree-* settings apply to model-drafter methods"),
+        (["--methods", "ngram", "--tree-depth", "3"], "--tree-* settings set the tree of model-drafter methods"),
         (["--out", ""], "--out is empty"),
         (["--client-server", "--network", ""], "--network is empty"),
     ],

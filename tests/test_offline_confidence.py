@@ -22,6 +22,8 @@ def test_stopping_follows_the_product_and_agreement_counts_from_the_first() -> N
     assert (table[0.5]["written"], table[0.5]["agreeing"]) == (4, 2)  # 0.36 stops the first; the second writes 2
     assert (table[0.7]["written"], table[0.7]["agreeing"], table[0.7]["agreement"]) == (2, 2, 1.0)
     assert (table[0.9]["written"], table[0.9]["agreeing"]) == (1, 1)
+    [nothing] = script.stopping_table(generations, (0.95,))  # no first token is that sure
+    assert (nothing["written"], nothing["agreement"]) == (0, None)  # not shown as 0 % agreement
     assert script.conditional_precision(generations) == {"all": [3, 4], "model": [3, 3], "lookup": [0, 1]}
 
 

@@ -66,7 +66,7 @@ def test_recipe_needs_an_output_directory() -> None:
         ([], {"STEPS": "0"}, "--steps must be >= 1"),
         (["--lr", "-1"], {}, "--lr must be > 0, got -1"),
         (["--device", "cuda:7"], {}, "--device cuda:7"),
-        ([], {"TUNE_ARGS": "--repeats 0"}, "--repeats and --calibration-tokens must be >= 1"),
+        ([], {"TUNE_ARGS": "--repeats 0"}, "--repeats must be >= 1, got 0"),
     ],
 )
 def test_recipe_checks_the_flags_it_passes_on_before_distilling(tmp_path: Path, argv, env, message) -> None:

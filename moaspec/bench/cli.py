@@ -99,9 +99,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.tuned import tree_overrides
 
     overrides = tree_overrides(args)
-    from moaspec.bench.plots import CLIENT_SERVER_PLOT_FILES, PLOT_FILES
+    from moaspec.bench.plots import ALL_PLOT_FILES
 
-    out = output_dir(args.out, files=("results.json", "results.md", *PLOT_FILES, *CLIENT_SERVER_PLOT_FILES))
+    out = output_dir(args.out, files=("results.json", "results.md", *ALL_PLOT_FILES))
     target_name = model_store.target_name(args.target)
     from moaspec.targets.options import runtime_options
 
@@ -214,13 +214,13 @@ def _tree_record(method) -> dict | None:
 def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
     """Build, validate and write results.json, results.md (and plots); -> the results dict."""
     from moaspec.bench.output import timestamp, write_results
-    from moaspec.bench.plots import PLOT_FILES, render_plots
+    from moaspec.bench.plots import ALL_PLOT_FILES, render_plots
     from moaspec.bench.report import build_results, render_markdown
     from moaspec.bench.schema import validate
 
     results = build_results(data, config["methods"], config, machine_info(), command, timestamp())
     validate(results)
-    write_results(out, results, render_markdown(results), render_plots(results) if plots else None, PLOT_FILES)
+    write_results(out, results, render_markdown(results), render_plots(results) if plots else None, ALL_PLOT_FILES)
     return results
 
 
@@ -263,10 +263,11 @@ def check_tune_values(args: argparse.Namespace) -> None:
     from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
     from moaspec.targets.options import check_device
 
-    if args.repeats < 1 or args.context < 8 or args.calibration_prompts < 0 or args.calibration_tokens < 1:
-        raise MoaspecError(
-            "--repeats and --calibration-tokens must be >= 1, --context >= 8, --calibration-prompts >= 0"
-        )
+    for flag, value, least in (("--repeats", args.repeats, 1), ("--context", args.context, 8),
+                               ("--calibration-prompts", args.calibration_prompts, 0),
+                               ("--calibration-tokens", args.calibration_tokens, 1)):
+        if value < least:
+            raise MoaspecError(f"{flag} must be >= {least}, got {value}")
     if args.top1_rate is not None and not 0.0 < args.top1_rate < 1.0:
         raise MoaspecError("--top1-rate must be in (0, 1)")
     if args.calibration_prompts > len(CALIBRATION_PROMPTS):

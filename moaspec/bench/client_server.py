@@ -179,10 +179,10 @@ def run_client_server_bench(
     # 3. report
     results = build_results(data, disconnection, [*skipped, *data.skipped], config, command_line(args))
     markdown = render_markdown(results)
-    from moaspec.bench.plots import CLIENT_SERVER_PLOT_FILES, render_client_server_plots
+    from moaspec.bench.plots import ALL_PLOT_FILES, render_client_server_plots
 
     plots = None if args.no_plots else render_client_server_plots(results)
-    write_results(out, results, markdown, plots, CLIENT_SERVER_PLOT_FILES)
+    write_results(out, results, markdown, plots, ALL_PLOT_FILES)
     print(markdown, end="")
     if results["mismatches"]:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)

@@ -129,7 +129,9 @@ def check_tree_flags(specs: tuple[MethodSpec, ...], tree_overrides: dict | None)
     given = tree_overrides is not None and any(v is not None for v in tree_overrides.values())
     if given and not any(spec.takes_tree_flags for spec in specs):
         named = ", ".join(spec.described for spec in specs)
-        raise MoaspecError(f"--tree-* settings apply to model-drafter methods; --methods names none ({named})")
+        raise MoaspecError(
+            f"--tree-* settings set the tree of model-drafter methods without @ref; --methods has none of them ({named})"
+        )
 
 
 def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:

@@ -25,8 +25,8 @@ def write_results(
     out_dir: Path, results: dict, markdown: str, extra_files: dict[str, bytes] | None = None, optional: tuple[str, ...] = ()
 ) -> list[Path]:
     """results.json, results.md and `extra_files` into out_dir, all or nothing; the paths go to
-    stderr. optional: files this kind of run may write (plots): those it did not write this time
-    are removed, so a previous run's would not pass for this one's."""
+    stderr. optional: files a bench run may write there (the plots of either kind): those this
+    one did not write are removed, so a previous run's would not pass for this one's."""
     files = {"results.json": (json.dumps(results, indent=1) + "\n").encode(), "results.md": markdown.encode()}
     paths = write_files_atomically(out_dir, {**files, **(extra_files or {})})
     for name in set(optional) - set(extra_files or {}):

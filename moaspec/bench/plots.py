@@ -33,6 +33,7 @@ def render_plots(results: dict) -> dict[str, bytes]:
 
 
 CLIENT_SERVER_PLOT_FILES = ("client_server.png",)
+ALL_PLOT_FILES = (*PLOT_FILES, *CLIENT_SERVER_PLOT_FILES)  # what either kind of bench run may write
 
 
 def render_client_server_plots(results: dict) -> dict[str, bytes]:
@@ -73,7 +74,7 @@ def _speedup(plt, results: dict) -> bytes:
     categories = [c["category"] for c in results["categories"]] + ["mean"]
     methods = [row["method"] for row in results["summary"]]
     width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(categories) + 2), 4.0))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(categories) + 2) + 1.8, 4.0))  # + the legend's column
     for m, row in enumerate(results["summary"]):
         values = [row["per_category"][c]["speedup"] for c in categories[:-1]] + [row["speedup"]]
         positions = [i + (m - (len(methods) - 1) / 2) * width for i in range(len(categories))]
@@ -82,8 +83,7 @@ def _speedup(plt, results: dict) -> bytes:
     ax.set_xticks(range(len(categories)), categories)
     ax.set_ylabel("speedup over none (tokens/s ratio)")
     ax.set_title(f"moaspec bench: {results['config']['target']}, {_decoding(results)}")
-    ax.margins(y=0.2)  # room for the legend above the bars
-    ax.legend(fontsize="small", ncols=min(4, len(methods)), loc="upper left")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     return _png(plt, fig)
 
 
