@@ -332,3 +332,28 @@ def test_a_tuned_choice_applies_to_the_runtime_tune_measured_only(tiny_with_chec
     for value, applies in (("0", True), ("", True), ("false", True), ("1", False), ("yes", False)):
         monkeypatch.setenv("MOASPEC_NO_TUNED", value)
         assert resolve_tree(base, "tiny-llama", checkpoint, None)[1] == ("tuned" if applies else "checkpoint"), value
+
+
+def test_timings_where_a_tree_costs_far_more_than_a_larger_one_are_flagged() -> None:
+    """A researcher's audit: `tune` on a busy machine saved a choice from timings where 9 nodes
+    took 2.8 s and 33 nodes 0.09 s, without a word. Such timings are now flagged (tune and the
+    machine calibration print the warning); costs that grow with the nodes, even unevenly, are not."""
+    from moaspec.calibration.costs import VerifyCosts
+
+    growing = VerifyCosts({1: 0.010, 2: 0.018, 4: 0.017, 8: 0.040, 16: 0.075}, 0.010, 0.001)
+    assert growing.irregularity() is None
+    noisy = VerifyCosts({1: 0.033, 2: 0.039, 9: 2.846, 17: 2.828, 33: 0.090}, 0.033, 0.0)
+    assert "9 nodes took 2846.0 ms, 33 nodes 90.0 ms" in noisy.irregularity()
+
+
+def test_tune_warns_of_irregular_timings(tiny_with_checkpoint, monkeypatch, capsys) -> None:
+    import moaspec.calibration.costs
+    from moaspec.calibration.costs import VerifyCosts
+
+    noisy = VerifyCosts({1: 0.033, 2: 0.039, 4: 0.040, 8: 2.846, 16: 0.090}, 0.033, 0.0)
+    monkeypatch.setattr(moaspec.calibration.costs, "measure_verify", lambda *args, **kwargs: noisy)
+    _, checkpoint = tiny_with_checkpoint
+    args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--repeats", "1", "--context", "32",
+            "--calibration-prompts", "1", "--calibration-tokens", "8", "--dry-run"]
+    assert main(args) == 0
+    assert "moaspec: warning: the verify timings are irregular (8 nodes took 2846.0 ms" in capsys.readouterr().err

@@ -42,6 +42,10 @@ from moaspec.tree import DraftTree
 NODE_COUNTS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
 
 
+# a tree this many times as slow as a larger one (few-row products may invert costs a little, never this)
+IRREGULAR_RATIO = 3.0
+
+
 @dataclass(frozen=True)
 class VerifyCosts:
     """What `measure_verify` measured (module docstring): seconds per node count, of a plain
@@ -50,6 +54,21 @@ class VerifyCosts:
     verify_s: dict[int, float]
     plain_step_s: float
     tree_penalty_s: float
+
+    def irregularity(self) -> str | None:
+        """A warning when a tree took over IRREGULAR_RATIO times as long as a larger one (a
+        forward's cost grows with its nodes: such timings mean that something else ran on the
+        machine while they were taken, and a choice resting on them is noise); else None."""
+        counts = sorted(self.verify_s)
+        for i, small in enumerate(counts):
+            for large in counts[i + 1 :]:
+                if self.verify_s[small] > IRREGULAR_RATIO * self.verify_s[large]:
+                    return (
+                        f"the verify timings are irregular ({small} nodes took {self.verify_s[small] * 1000:.1f} ms, "
+                        f"{large} nodes {self.verify_s[large] * 1000:.1f} ms): another process was probably busy "
+                        "on this machine; measure again when it is quiet"
+                    )
+        return None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ again, never an error.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], 
         say(f"target verify costs, {_weights(target, layout)}")
         target.use_layout(layout)
         found[layout] = measure_verify(target, context_len(target), REPEATS, VERIFY_NODE_COUNTS)
+        warning = found[layout].irregularity()
+        if warning is not None:
+            again = cache_root() / "calibration" / target.name
+            print(f"moaspec: warning: {warning} (remove {again} to measure again)", file=sys.stderr)
     target.reset()
     return found
 
