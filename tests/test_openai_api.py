@@ -233,6 +233,7 @@ def _post(server, path: str, content: bytes | None = None, body: dict | None = N
         ({"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": MODEL, "prompt": "x", "user": 42}, 400, "user"),  # was accepted: documented, never typed
         ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
         ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "x" * 600}, 413, "prompt"),

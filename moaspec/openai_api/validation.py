@@ -87,6 +87,7 @@ class _Request(_Strict):
     stream_options: _StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
     response_format: dict[str, Any] | None = None
+    user: StrictStr | None = None  # an end-user id, unused
     # refused unless neutral (see _REFUSED)
     frequency_penalty: Any = None
     presence_penalty: Any = None
