@@ -5,11 +5,11 @@ tokens/s are in moaspec/calibration/tree_ranking.py; this module settles the rat
 
 The rank rates come, in order: from `--top1-rate` (geometric over ranks,
 h_r = top1 * (1 - top1) ** (r - 1)); else from a short calibration run: the drafter generates
-greedily from CALIBRATION_PROMPTS (calibration_prompts.py) with a one-level tree of top-k k for each k in TOP_KS, the
-measured acceptance of each is the hit rate of its top k, and h_r are their differences; else a
-geometric guess from DEFAULT_TOP1. Measured rates are not geometric: for the shipped SmolLM2
-drafters the top-1 hit rate is about 0.25 and the top-4 one about 0.44, and a one-parameter
-geometric fit to the top-4 tree (top1 0.13) undervalued chains.
+greedily from CALIBRATION_PROMPTS (calibration_prompts.py) with a one-level tree of top-k k for
+each k in TOP_KS, the measured acceptance of each is the hit rate of its top k, and h_r are their
+differences; else a geometric guess from DEFAULT_TOP1. Measured rates are not geometric: for the
+shipped SmolLM2 drafters the top-1 hit rate is about 0.25 and the top-4 one about 0.44, and a
+one-parameter geometric fit to the top-4 tree (top1 0.13) undervalued chains.
 
 Cost per cycle: measured on this machine (moaspec/calibration/costs.py).
 """
