@@ -13,6 +13,7 @@ gives both.
 
 from __future__ import annotations
 
+import _signal
 import signal
 import sys
 import threading
@@ -39,6 +40,7 @@ class DeferredSignals:
     from Python (it could not be put back) it does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)  # held even under their default action
+    ALL = tuple(int(number) for number in signal.valid_signals())  # once: valid_signals() takes ~0.1 ms
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -46,8 +48,8 @@ class DeferredSignals:
 
     def __enter__(self) -> DeferredSignals:
         if threading.current_thread() is threading.main_thread() and not sys.is_finalizing():
-            for number in signal.valid_signals():
-                handler = signal.getsignal(number)
+            for number in self.ALL:
+                handler = _signal.getsignal(number)  # signal.getsignal's raw form: 20x faster, no enum
                 if handler is None:  # not installed from Python: it could not be put back
                     continue
                 if callable(handler) or (number in self.SIGNALS and handler == signal.SIG_DFL):
