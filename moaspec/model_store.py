@@ -103,9 +103,10 @@ def check_target_exists(spec: object) -> None:
 
 
 def target_name(spec: str) -> str:
-    """The name `resolve_target` gives `spec` (a built-in name, also for a path holding a built-in
-    target; else the path's last part), without converting anything: for the checks that need only
-    the name (which drafters apply), made before a first conversion (~30 s)."""
+    """The name `resolve_target` gives `spec`, without converting anything: a built-in name, also
+    for a path holding a built-in target (so that its shipped drafters apply), else the path's last
+    part. For the checks that need only the name (which drafters apply), made before a first
+    conversion (~30 s)."""
     check_target_exists(spec)
     if spec in BUILTIN_TARGETS:
         return spec
@@ -118,16 +119,13 @@ def resolve_target(spec: str) -> tuple[str, Path]:
 
     Raises MoaspecError for an unknown name or a missing / unusable path.
     """
-    check_target_exists(spec)
-    if spec in BUILTIN_TARGETS:
-        return spec, ensure_converted(builtin_gguf_path(spec), label=spec)
+    name = target_name(spec)
+    if name in BUILTIN_TARGETS:
+        return name, ensure_converted(builtin_gguf_path(name), label=name)
     path = Path(spec).expanduser()
-    builtin = _builtin_at(path)
-    if builtin is not None:  # its name, so that its shipped drafters apply (they were refused)
-        return resolve_target(builtin)
     if path.is_file():
-        return path.name, ensure_converted(path.resolve(), label=path.name)
-    return path.name, path
+        return name, ensure_converted(path.resolve(), label=name)
+    return name, path
 
 
 def _builtin_at(path: Path) -> str | None:

@@ -318,8 +318,9 @@ def run_tune(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     verify = measure_verify(target, context_len, args.repeats)
-    if verify.irregularity() is not None:
-        print(f"moaspec: warning: {verify.irregularity()}", file=sys.stderr)
+    irregular = verify.irregularity()
+    if irregular is not None:
+        print(f"moaspec: warning: {irregular}", file=sys.stderr)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
         result = tune_drafter(
