@@ -430,3 +430,63 @@ def test_results_name_the_cpu_as_the_calibration_does() -> None:
 
     machine = machine_info()
     assert machine["cpu"] == cpu_description() and machine["description"].startswith(cpu_description() + ", ")
+
+
+class SlowedOnce:
+    """`none`, whose generation on the second prompt reports steps 50x as slow (a busy machine)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.label, self.lossless, self.calls = inner, inner.label, inner.lossless, 0
+
+    def run(self, prompt_ids, sampling, max_new_tokens, seed) -> MethodRun:
+        run = self.inner.run(prompt_ids, sampling, max_new_tokens, seed)
+        self.calls += 1
+        if self.calls == 3:  # the warm-up, the first prompt, then this one
+            slower = 49 * (run.stats.draft_s + run.stats.verify_s)
+            run.stats.verify_s += slower
+            run.wall_s += slower
+        return run
+
+
+def test_a_baseline_slowed_by_a_busy_machine_is_reported(tmp_path, tiny_bench, monkeypatch, capsys) -> None:
+    """An audit got 173x speedups from a run beside other work, printed without a word: the
+    baseline's generation whose steps ran far from its median is listed and warned about."""
+    from moaspec.bench import methods
+
+    real_build = methods.build_method
+    monkeypatch.setattr(
+        methods, "build_method",
+        lambda spec, target, *rest: SlowedOnce(real_build(spec, target, *rest)) if spec.label == "none" else real_build(spec, target, *rest),
+    )
+    out = tmp_path / "res"
+    code = main(bench_args(out, "--categories", "translation,math", "--methods", "none,ngram", "--no-plots", "--max-new-tokens", "12"))
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    schema.validate(results)
+    slowed = [item for item in results["irregular_timings"] if item["step_ms"] > 10 * item["median_step_ms"]]
+    assert [(item["category"], item["turn"]) for item in slowed] == [("translation", 1)]
+    assert slowed[0]["prompt_id"] == results["runs"][2]["prompt_id"]
+    assert "**Timings:**" in (out / "results.md").read_text()
+    assert "moaspec: warning: " in capsys.readouterr().err
+
+
+def timed_record(method: str, step_s: float, steps: int = 10, split: bool = True):
+    from moaspec.bench.runner import RunRecord
+    from moaspec.metrics import SpecStats
+
+    stats = SpecStats(num_verifications=steps, verify_s=step_s * steps * 0.9, draft_s=step_s * steps * 0.1)
+    return RunRecord("qa", f"p{step_s}", 1, method, MethodRun([1] * steps, 1.0, stats, split), 0, 0)
+
+
+def test_irregular_steps_flags_only_generations_far_from_the_median() -> None:
+    from moaspec.bench.timing_check import irregular_steps, irregular_timing_line
+
+    regular = [timed_record("none", step) for step in (0.010, 0.012, 0.011, 0.025, 0.005)]  # within 3x of 0.011
+    assert irregular_steps(regular, "none") == [] and irregular_timing_line([], "none") is None
+    records = [*regular, timed_record("none", 0.050), timed_record("none", 0.003), timed_record("ngram", 0.5)]
+    records += [timed_record("none", 0.9, steps=3), timed_record("none", 0.9, split=False)]  # too short / not timed: not judged
+    flagged = irregular_steps(records, "none")
+    assert [item["step_ms"] for item in flagged] == [50.0, 3.0]
+    assert {item["median_step_ms"] for item in flagged} == {11.0}
+    line = irregular_timing_line(flagged, "none")
+    assert line.startswith("2 `none` generations ran steps over 3x off") and "qa/p0.05 turn 1: 50.0 ms against 11.0 ms" in line

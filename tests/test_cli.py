@@ -358,6 +358,18 @@ def test_a_bad_prompt_on_stdin_is_one_line(stdin: bytes, message: str, tmp_path:
     assert proc.stderr.decode() == PREFIX + message + "\n"
 
 
+def test_the_wrapper_refuses_a_directory_on_stdin_in_one_line(tmp_path: Path) -> None:
+    """`scripts/moaspec generate --prompt - < DIR` ended in CPython's fatal start-up dump (a
+    directory cannot be sys.stdin); the wrapper says so in one line before Python starts."""
+    wrapper = Path(__file__).resolve().parents[1] / "scripts" / "moaspec"
+    directory = os.open(tmp_path, os.O_RDONLY)
+    try:
+        proc = subprocess.run([str(wrapper), "generate", "--prompt", "-"], stdin=directory, capture_output=True, timeout=60)
+    finally:
+        os.close(directory)
+    assert proc.returncode == EXIT_USAGE and proc.stdout == b""
+    assert proc.stderr.decode() == PREFIX + "standard input is a directory; give --prompt - a file or a pipe\n"
+
 
 @pytest.mark.parametrize("terminated", [False, True])
 def test_an_interrupted_json_generation_prints_the_tokens_verified_before(terminated: bool, monkeypatch, capsys) -> None:

@@ -78,7 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from moaspec.bench.methods import check_available, check_tree_flags, default_methods, parse_methods
     from moaspec.bench.plots import check_plotting
     from moaspec.bench.prompts import load_prompts, parse_categories
-    from moaspec.bench.report import render_markdown
+    from moaspec.bench.report import render_markdown, timing_warning
     from moaspec.bench.schema import check_validation
     from moaspec.config import GenerationConfig, SamplingConfig
 
@@ -158,6 +158,9 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
     print(render_markdown(results), end="")
+    irregular = timing_warning(results)
+    if irregular:
+        print(f"moaspec: warning: {irregular}", file=sys.stderr)
     if results["mismatches"]:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
         return EXIT_MISMATCH

@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 from moaspec.bench.methods import OWN_GENERATION_METHODS
 from moaspec.bench.runner import BASELINE, BenchData, RunRecord
+from moaspec.bench.timing_check import irregular_steps, irregular_timing_line
 from moaspec.metrics import SpecStats
 
 SCHEMA_VERSION = 1
@@ -106,6 +107,8 @@ def build_results(data: BenchData, methods: list[str], config: dict, machine: di
         # other programs' greedy outputs (llama-cpp-python's) against our plain decoding: not checked
         "agreement": [{**asdict(m), "identical": m.identical} for m in data.agreement],
         "skipped": list(data.skipped),
+        # the baseline's generations whose steps ran far from its median step (timing_check.py)
+        "irregular_timings": irregular_steps(data.records, BASELINE),
         "runs": [_run_row(record) for record in data.records],
     }
 
@@ -210,6 +213,9 @@ def render_markdown(results: dict) -> str:
         ]
         lines += _category_table(category["rows"])
     lines += ["## Mean over categories", "", *_summary_table(results), *_fastest_lines(results)]
+    irregular = timing_warning(results)
+    if irregular:
+        lines += [f"**Timings:** {irregular}", ""]
     for reference in OWN_GENERATION_METHODS:
         lines += _relative_table(results, reference)
     lines += ["## Greedy check", ""]
@@ -236,6 +242,12 @@ def render_markdown(results: dict) -> str:
     if results["skipped"]:
         lines += ["", f"Skipped (prompt longer than the context): {', '.join(results['skipped'])}"]
     return "\n".join(lines) + "\n"
+
+
+def timing_warning(results: dict) -> str | None:
+    """The sentence on the baseline's irregular steps, or None (also for results written before
+    they were checked)."""
+    return irregular_timing_line(results.get("irregular_timings", []), BASELINE)
 
 
 def _runtime_phrase(config: dict) -> str:
