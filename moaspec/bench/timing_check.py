@@ -56,7 +56,11 @@ def irregular_timing_line(irregular: list[dict], method: str) -> str | None:
     """One sentence for results.md and stderr, or None when the timings were regular."""
     if not irregular:
         return None
-    worst = max(irregular, key=lambda item: max(item["step_ms"] / item["median_step_ms"], item["median_step_ms"] / item["step_ms"]))
+    def off_by(item: dict) -> float:
+        step, typical = max(item["step_ms"], 1e-9), max(item["median_step_ms"], 1e-9)  # rounded, so possibly 0
+        return max(step / typical, typical / step)
+
+    worst = max(irregular, key=off_by)
     where = f"{worst['category']}/{worst['prompt_id']} turn {worst['turn']}"
     return (
         f"{len(irregular)} `{method}` generation{'s' * (len(irregular) != 1)} ran steps over "
