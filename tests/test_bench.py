@@ -490,3 +490,19 @@ def test_irregular_steps_flags_only_generations_far_from_the_median() -> None:
     assert {item["median_step_ms"] for item in flagged} == {11.0}
     line = irregular_timing_line(flagged, "none")
     assert line.startswith("2 `none` generations ran steps over 3x off") and "qa/p0.05 turn 1: 50.0 ms against 11.0 ms" in line
+
+
+def test_irregular_steps_at_its_edges() -> None:
+    """MIN_STEPS steps are judged and fewer are not; two generations suffice to compare; the
+    warning names the generation furthest off either way; zero-second steps flag nothing."""
+    from moaspec.bench.timing_check import MIN_STEPS, irregular_steps, irregular_timing_line
+
+    assert [item["step_ms"] for item in irregular_steps([timed_record("none", 0.01, steps=MIN_STEPS), timed_record("none", 0.01), timed_record("none", 0.01),
+                                                         timed_record("none", 0.1, steps=MIN_STEPS)], "none")] == [100.0]
+    assert irregular_steps([timed_record("none", 0.01), timed_record("none", 0.01), timed_record("none", 0.1, steps=MIN_STEPS - 1)], "none") == []
+    pair = irregular_steps([timed_record("none", 0.01), timed_record("none", 0.1)], "none")
+    assert [item["step_ms"] for item in pair] == [10.0]  # median 55 ms: 10 ms is over 3x off, 100 ms not
+    fast_and_slow = [timed_record("none", step) for step in (0.010, 0.010, 0.010, 0.041, 0.001)]
+    line = irregular_timing_line(irregular_steps(fast_and_slow, "none"), "none")
+    assert "worst qa/p0.001 turn 1: 1.0 ms against 10.0 ms" in line  # 10x too fast beats 4.1x too slow
+    assert irregular_steps([timed_record("none", 0.0) for _ in range(3)], "none") == []

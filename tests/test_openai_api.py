@@ -18,6 +18,7 @@ except ImportError:  # openai 1.x-2.x ship httpx, same API
     import httpx
 import openai
 import pytest
+from conftest import TINY_VOCAB
 from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
 
 from moaspec.api import SpeculativeLM
@@ -243,6 +244,12 @@ def _post(server, path: str, content: bytes | None = None, body: dict | None = N
         ({"model": MODEL, "prompt": "x", "min_p": 0.5}, 400, "min_p"),
         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"model": MODEL, "prompt": "x" * 400, "max_tokens": 200}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [-1]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [0, TINY_VOCAB]}, 400, "prompt"),  # one past the vocabulary
+        ({"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+        ({"model": MODEL, "prompt": "x", "stop": ["y" * 257]}, 400, "stop"),  # 256 characters at most
+        ({"model": MODEL, "prompt": "x", "best_of": True}, 400, "best_of"),  # a bool is not the neutral 1
+        ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ],
 )
 def test_bad_completion_requests(ngram_server, body: dict, status: int, param: str) -> None:
@@ -265,6 +272,7 @@ def test_bad_completion_requests(ngram_server, body: dict, status: int, param: s
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}, 400),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy", "format": "wav"}}, 400),
+        ({"model": MODEL, "messages": [{"role": "system", "content": " "}, {"role": "user", "content": "\n\t"}]}, 400),
     ],
 )
 def test_bad_chat_requests(ngram_server, body: dict, status: int) -> None:
@@ -282,6 +290,16 @@ def test_bad_json_body_size_and_route(ngram_server) -> None:
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
     with pytest.raises(openai.BadRequestError):
         client(ngram_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+
+
+def test_requests_without_max_tokens_fit_the_context_and_completions_ignore_max_completion_tokens(ngram_server) -> None:
+    """The default max_tokens (16 on /v1/completions) is cut to the room the prompt leaves in the
+    512-position context; `max_completion_tokens` is a chat field, which /v1/completions ignores."""
+    near_end = _post(ngram_server, "/v1/completions", body={"model": MODEL, "prompt": "x" * 500, "temperature": 0})
+    assert near_end.status_code == 200, near_end.text
+    assert near_end.json()["usage"]["completion_tokens"] == 512 - 500
+    ignored = _post(ngram_server, "/v1/completions", body={"model": MODEL, "prompt": "x", "max_tokens": 3, "max_completion_tokens": 10**6})
+    assert ignored.status_code == 200 and ignored.json()["usage"]["completion_tokens"] == 3
 
 
 def test_max_tokens_limit_follows_the_split_limits() -> None:
