@@ -156,6 +156,25 @@ def test_changed_gguf_is_converted_again(cache: Path, gguf: Path, monkeypatch: p
     assert _leftovers(cache) == [second.name]  # the first one's GGUF changed: nothing reads it again
 
 
+def test_a_gguf_rewritten_in_place_at_the_same_size_is_converted_again(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key holds the modification time: same path and size, other bytes, other weights."""
+    monkeypatch.setattr(model_store, "_write_dequantized", FakeConverter())
+    first = ensure_converted(gguf, label="tiny")
+    later = gguf.stat().st_mtime + 10
+    gguf.write_bytes(GGUF_BYTES[:-1] + bytes([GGUF_BYTES[-1] ^ 1]))
+    os.utime(gguf, (later, later))
+    assert ensure_converted(gguf, label="tiny") != first
+
+
+def test_ggufs_of_one_name_size_and_time_in_two_folders_have_two_keys(gguf: Path, tmp_path: Path) -> None:
+    twin = tmp_path / "elsewhere" / gguf.name
+    twin.parent.mkdir()
+    twin.write_bytes(gguf.read_bytes())
+    stat = gguf.stat()
+    os.utime(twin, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert twin.stat().st_size == stat.st_size and model_store.gguf_key(twin) != model_store.gguf_key(gguf)
+
+
 def _last_used_long_ago(copy: Path) -> None:
     """As if the converted copy `copy` was last used a bit more than model_store.STALE_AFTER_S ago."""
     past = time.time() - model_store.STALE_AFTER_S - 60
@@ -180,7 +199,8 @@ def test_copies_of_ggufs_that_are_gone_are_removed(cache: Path, gguf: Path, monk
         _last_used_long_ago(copies[name])
         path.unlink()
     _last_used_long_ago(kept)  # its GGUF is there: kept however old
-    os.utime(copies["recent-venv"] / model_store.SOURCE_FILE)  # used a moment ago
+    hours_ago = time.time() - 23 * 3600  # used within the day: a server started from it may still read it
+    os.utime(copies["recent-venv"] / model_store.SOURCE_FILE, (hours_ago, hours_ago))
     unknown = cache / "targets" / "Before-s38-0123456789abcdef"
     unknown.mkdir()
     (unknown / "config.json").write_text("{}")
@@ -259,10 +279,11 @@ def test_file_without_gguf_magic_is_rejected_before_converting(
 ) -> None:
     fake = FakeConverter()
     monkeypatch.setattr(model_store, "_write_dequantized", fake)
-    bogus = tmp_path / "bogus.gguf"
-    bogus.write_bytes(b"PK\x03\x04 a zip, not a gguf")
-    with pytest.raises(MoaspecError, match="not a GGUF file"):
-        resolve_target(str(bogus))
+    for name, content in (("zip", b"PK\x03\x04 a zip, not a gguf"), ("near", b"GGUx\x03\x00\x00\x00 one byte off")):
+        bogus = tmp_path / f"{name}.gguf"
+        bogus.write_bytes(content)
+        with pytest.raises(MoaspecError, match="not a GGUF file"):
+            resolve_target(str(bogus))
     assert fake.out_dirs == []
     assert capsys.readouterr().err == ""
     assert _leftovers(cache) == []

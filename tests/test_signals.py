@@ -121,6 +121,21 @@ def test_an_application_signal_handler_runs_after_the_block_in_the_order_signals
             signal.signal(number, handler)
 
 
+def test_held_signals_are_delivered_once_each_in_arrival_order_not_by_number() -> None:
+    calls: list[int] = []
+    numbers = (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {number: signal.signal(number, lambda number, frame: calls.append(number)) for number in numbers}
+    try:
+        with signals_held():
+            for number in (signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR2):
+                signal.raise_signal(number)
+            assert calls == []
+        assert calls == [signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2]
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def test_signals_under_their_c_level_actions_are_left_alone() -> None:
     previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:

@@ -25,6 +25,7 @@ from moaspec.errors import MoaspecError
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:0"], "a port of 1-65535"),
         (["generate", "--prompt", "hi", "--server", "http://[::1"], "--server must be an http:// or https:// URL"),
         (["generate", "--prompt", "hi", "--server", "ftp://127.0.0.1:9"], "--server must be an http:// or https:// URL"),
+        (["generate", "--prompt", "hi", "--server", "http://:8080"], "--server must be an http:// or https:// URL"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--timeout", "0"], "--timeout must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-deadline-s", "-1"],
          "--offline-deadline-s must be >= 0"),
@@ -47,6 +48,13 @@ def test_the_url_a_server_announces_is_one_a_client_takes(host: str) -> None:
 
     assert server_address(server_url("http", host, 18707)) == ("http", host, 18707)
     assert server_address(server_url("https", host, 443)) == ("https", host, 443)
+
+
+def test_a_server_url_without_a_port_takes_its_schemes() -> None:
+    from moaspec.split.address import server_address
+
+    assert server_address("https://example.test") == ("https", "example.test", 443)
+    assert server_address("http://example.test/") == ("http", "example.test", 80)
 
 
 def test_a_server_that_is_down_is_announced_and_given_up_on_at_the_deadline(capsys, monkeypatch) -> None:
