@@ -177,6 +177,28 @@ def test_a_q8_0_value_cache_stays_exact_and_takes_long_prompts_from_the_prompt_c
         LlamaCppTarget(llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name)
 
 
+@pytest.mark.parametrize("faster", ["f16", "q8_0"])
+def test_the_value_cache_measurement_chooses_the_faster_cache(faster: str, monkeypatch) -> None:
+    """A fake clock that charges each one-token decode by its context's value cache: the cache
+    whose decodes cost less is chosen (by more than the margin), whichever it is."""
+    from types import SimpleNamespace
+
+    from moaspec.targets import llamacpp_value_cache
+
+    cost = {VALUE_CACHE_TYPES[name]: (1.0 if name == faster else 2.0) for name in ("f16", "q8_0")}
+    clock = {"now": 0.0}
+
+    def timed_decode(target, ctx, tokens):
+        clock["now"] += cost[ctx] if len(tokens) == 1 else 0.0
+        return 0
+
+    fake = SimpleNamespace(vocab_size=16, new_measuring_context=lambda cells, kind: kind,
+                           free_measuring_context=lambda ctx: None)
+    monkeypatch.setattr(llamacpp_value_cache, "_decode", timed_decode)
+    monkeypatch.setattr(llamacpp_value_cache.time, "perf_counter", lambda: clock["now"])
+    assert llamacpp_value_cache.measure_value_cache_type(fake) == VALUE_CACHE_TYPES[faster]
+
+
 def test_the_value_cache_is_measured_once_per_machine_where_the_calibration_is_on(
     llama_target, tmp_path, monkeypatch
 ) -> None:
