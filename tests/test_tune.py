@@ -107,6 +107,24 @@ def test_no_candidate_has_fewer_nodes_than_levels() -> None:
     assert fixed_depth[0].num_nodes >= 2
 
 
+def test_candidates_are_distinct_trees_no_larger_than_twice_the_largest_measured() -> None:
+    """Costs measured up to 8 nodes: trees of up to 16 are ranked (their verify extrapolated),
+    none larger; a budget beyond a tree's pool is the same tree, ranked once; the smallest budget
+    that reaches every level (a chain of depth d: budget d) is among them."""
+    costs = synthetic_costs({1: 10, 2: 12, 4: 15, 8: 20}, level_ms=0.5)
+    ranked = candidates(costs, geometric_rates(0.8))
+    sizes = [c.num_nodes for c in ranked]
+    assert 8 < max(sizes) <= 16
+    shapes = [(c.tree.depth, c.tree.top_k, c.num_nodes) for c in ranked]
+    assert len(shapes) == len(set(shapes))
+    assert any(c.tree == TreeConfig(depth=3, top_k=1, budget=3) for c in ranked)
+    assert [(-c.tokens_per_s, c.num_nodes) for c in ranked] == sorted((-c.tokens_per_s, c.num_nodes) for c in ranked)
+
+
+def test_rates_never_fall_below_what_a_narrower_top_k_already_covered() -> None:
+    assert rates_from_hit_rates([0.4, 0.3, 0.5]) == pytest.approx((0.4, 1e-4, 0.1))
+
+
 @pytest.fixture
 def tiny_with_checkpoint(tmp_path, monkeypatch):
     from test_bench import char_tokenizer
