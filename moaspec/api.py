@@ -18,7 +18,7 @@ import torch
 
 from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, make_drafter
+from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, default_for_tree_settings, make_drafter
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine, GenerationResult, check_prompt_length
@@ -193,7 +193,8 @@ def speculative_lm(
     from moaspec.calibration.plan import drafter_for
 
     _check_drafter_request(drafter, tree_overrides)
-    default = default_drafter(loaded.name)
+    tree_given = any(value is not None for value in (tree_overrides or {}).values())
+    default = default_for_tree_settings(loaded.name) if drafter is None and tree_given else default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
         return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)

@@ -251,6 +251,11 @@ def _generate(args: argparse.Namespace) -> int:
     named = args.drafter or default_drafter(target_name(args.target))
     tree_given = any(value is not None for value in overrides.values())
     if named in MODEL_FREE and tree_given:
+        if args.drafter is None:  # the default is model-free: no shipped model drafter for this target
+            raise MoaspecError(
+                f"--tree-* settings apply to model drafters, and target '{target_name(args.target)}' has no shipped "
+                "one: name a checkpoint with --drafter DIR"
+            )
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",

@@ -563,3 +563,36 @@ def test_the_cpu_is_told_apart_by_its_kernel_flags_on_x86_and_arm() -> None:
     assert cpu_description(ARM_CPUINFO.format(implementer="0x41", part="0xd0c")) != graviton3
     without_i8mm = ARM_CPUINFO.format(implementer="0x41", part="0xd40").replace(" i8mm", "")
     assert cpu_description(without_i8mm) == "ARM 0x41 part 0xd40 [asimddp asimdhp sve bf16]"
+
+
+def test_progress_lines_count_seconds_from_the_calibrations_start(monkeypatch, capsys) -> None:
+    """An audit's: `done in 31 s ... [28 s]`: the last line's two clocks disagreed (one from the
+    first line, one from the measurement's start). One clock now, from the start."""
+    clock = {"now": 100.0}
+    monkeypatch.setattr(plan.time, "perf_counter", lambda: clock["now"])
+    say = plan._progress(True)
+    clock["now"] = 103.0
+    say("target verify costs")
+    clock["now"] = 131.0
+    say("done: drafter none")
+    assert capsys.readouterr().err.splitlines() == [
+        "moaspec: calibrating this machine (once): target verify costs [3 s]",
+        "moaspec: calibrating this machine (once): done: drafter none [31 s]",
+    ]
+    plan._progress(False)("quiet")
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_tree_settings_without_a_drafter_on_a_target_without_a_shipped_model_drafter(calibrate: bool, monkeypatch) -> None:
+    """An audit's: tree settings alone (the default model drafter's form) on a target whose default
+    is model-free were refused as settings 'not for ngram', a drafter the user never named."""
+    from moaspec.api import speculative_lm
+
+    target = make_tiny_target("llama")
+    monkeypatch.setenv(plan.DISABLE_ENV, "0" if calibrate else "1")
+    for use_calibration in (calibrate, True):  # load(calibrate=False), and the calibration switched off or on
+        with pytest.raises(MoaspecError, match=f"target '{target.name}' has no shipped one: name a checkpoint as the drafter"):
+            speculative_lm(target, None, {"depth": 2, "top_k": None, "budget": None}, use_calibration)
+    with pytest.raises(MoaspecError, match="has no shipped one"):
+        plan.drafter_for(target, None, {"depth": 2})

@@ -87,7 +87,17 @@ BAD_INPUTS: dict[str, Case] = {
     "tree flags on a model-free drafter": (lambda tmp: _gen("--drafter", "none", "--tree-depth", "2"),
                                            "--tree-* settings apply to model drafters only"),
     "unknown subcommand": (lambda tmp: ["no-such-command"], "invalid choice"),
+    # an audit's: the refusal named 'ngram', which the user never gave (the default for a target without a shipped MoA)
+    "tree flags where the target has no shipped model drafter": (
+        lambda tmp: _gen("--target", str(_gguf_header_only(tmp)), "--tree-depth", "2"),
+        "target 'other.gguf' has no shipped one: name a checkpoint with --drafter DIR"),
 }
+
+
+def _gguf_header_only(tmp: Path) -> Path:
+    other = tmp / "other.gguf"
+    other.write_bytes(b"GGUF" + b"\x00" * 60)
+    return other
 
 
 def _subprocess_env(tmp: Path) -> dict[str, str]:

@@ -44,7 +44,14 @@ from moaspec.calibration.predict import (
     plain_option,
 )
 from moaspec.calibration.profile import load_lookup_profile, load_rank_rates, simulate_lookup
-from moaspec.drafters import MODEL_FREE, checkpoint_directory, default_drafter, make_drafter, split_lookup
+from moaspec.drafters import (
+    MODEL_FREE,
+    checkpoint_directory,
+    default_drafter,
+    default_for_tree_settings,
+    make_drafter,
+    split_lookup,
+)
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
@@ -140,7 +147,12 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, la
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
-    return make_drafter(spec or default_drafter(target.name), target, tree_overrides), None
+    default = default_for_tree_settings(target.name) if _tree_given(tree_overrides) else default_drafter(target.name)
+    return make_drafter(spec or default, target, tree_overrides), None
+
+
+def _tree_given(tree_overrides: dict | None) -> bool:
+    return any(value is not None for value in (tree_overrides or {}).values())
 
 
 def calibrated_drafter(
@@ -151,8 +163,8 @@ def calibrated_drafter(
 
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
-    if spec is None and any(value is not None for value in (tree_overrides or {}).values()):
-        spec = default_drafter(target.name)  # tree settings name the default model drafter's form
+    if spec is None and _tree_given(tree_overrides):
+        spec = default_for_tree_settings(target.name)
     requested = spec or DEFAULT
     spec = spec or default_drafter(target.name)
     base, with_lookup = split_lookup(spec)
@@ -212,7 +224,7 @@ def calibrated_drafter(
         [o for o in best_per_form.values() if o is not chosen],
     )
     if measured:
-        say(f"done in {measure_s:.0f} s: {_summary(chosen, plain, target.runtime)}")
+        say(f"done: {_summary(chosen, plain, target.runtime)}")
     return drafter, calibration
 
 
@@ -456,15 +468,13 @@ def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:
 
 
 def _progress(enabled: bool):
-    """A `say(what)` printing one stderr line per measured part, with seconds since the first."""
-    started: list[float] = []
+    """A `say(what)` printing one stderr line per measured part, with seconds since the
+    calibration began (one clock for every line, the last included)."""
+    started = time.perf_counter()
 
     def say(what: str) -> None:
-        if not enabled:
-            return
-        now = time.perf_counter()
-        started.append(started[0] if started else now)
-        line = f"moaspec: calibrating this machine (once): {what} [{now - started[0]:.0f} s]"
-        print(line, file=sys.stderr, flush=True)
+        if enabled:
+            line = f"moaspec: calibrating this machine (once): {what} [{time.perf_counter() - started:.0f} s]"
+            print(line, file=sys.stderr, flush=True)
 
     return say

@@ -51,6 +51,17 @@ def default_drafter(target_name: str) -> str:
     return FALLBACK_DRAFTER
 
 
+def default_for_tree_settings(target_name: str) -> str:
+    """The drafter that tree settings given without one name: the default model drafter's form;
+    MoaspecError for a target without a shipped model drafter (its default is model-free)."""
+    spec = default_drafter(target_name)
+    if spec in MODEL_FREE:
+        raise MoaspecError(
+            f"tree settings apply to model drafters, and target '{target_name}' has no shipped one: name a checkpoint as the drafter"
+        )
+    return spec
+
+
 def split_lookup(spec: str) -> tuple[str, bool]:
     """`moa+ngram` -> ("moa", True); `moa` -> ("moa", False); an existing directory is taken as
     it is, even when its name ends in `+ngram`."""
