@@ -261,11 +261,20 @@ def test_checkpoint_round_trip_and_wrong_target(tmp_path) -> None:
         make_drafter(str(path), other)
 
 
-def test_a_training_run_directory_points_to_its_checkpoint(tmp_path) -> None:
-    """`--drafter RUN` (the run, not RUN/checkpoint) says where the drafter is."""
-    from moaspec.drafters import load_drafter
+def test_a_training_run_directory_is_taken_as_its_checkpoint(tmp_path) -> None:
+    """`--drafter RUN` (a `moaspec train` run, not RUN/checkpoint) loads the run's drafter, as
+    `train --init-from RUN` does (an audit found the one accepted and the other refused)."""
+    from moaspec.drafters import checkpoint_directory
 
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "config.json").write_text("{}")
-    with pytest.raises(MoaspecError, match=r"a training run's drafter is in .*checkpoint"):
-        load_drafter(tmp_path, make_tiny_target("llama"))
+    target = make_tiny_target("llama")
+    net = random_eagle(target, draft_vocab=torch.arange(0, 97, 2))
+    net.save_pretrained(tmp_path / "run" / "checkpoint", target, tree=TreeConfig(depth=2, top_k=1, budget=2).__dict__)
+    run = tmp_path / "run"
+    assert checkpoint_directory(str(run), target.name) == run / "checkpoint"
+    assert checkpoint_directory(f"{run}+ngram", target.name) == run / "checkpoint"
+    for spec in (str(run), f"{run}+ngram"):
+        drafter = make_drafter(spec, target)
+        assert isinstance(drafter, EagleDrafter) and drafter.tree_config == TreeConfig(depth=2, top_k=1, budget=2)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(MoaspecError, match="is not a drafter checkpoint"):
+        make_drafter(str(tmp_path / "empty"), target)

@@ -280,7 +280,7 @@ def check_tune_values(args: argparse.Namespace) -> None:
 
 def run_tune(args: argparse.Namespace) -> int:
     from moaspec import model_store
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, run_directory_hint, split_lookup
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, split_lookup
 
     # 1. cheap checks before torch loads
     check_tune_values(args)
@@ -297,7 +297,7 @@ def run_tune(args: argparse.Namespace) -> int:
             raise MoaspecError(f"tune measures model drafters alone: pass '{base}', not '{spec}'")
         directory = checkpoint_directory(spec, target_name)
         if not (directory / "config.json").is_file():
-            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json){run_directory_hint(directory)}")
+            raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
 
     # 2. measure and choose
     load_library_held()

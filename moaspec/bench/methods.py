@@ -37,7 +37,6 @@ from moaspec.drafters import (
     check_drafter_spec,
     checkpoint_directory,
     default_drafter,
-    run_directory_hint,
 )
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
@@ -147,7 +146,7 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
             ) from exc
         if not (directory / "config.json").is_file():
             raise MoaspecError(
-                f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint){run_directory_hint(directory)}"
+                f"method '{spec.label}': {directory} has no config.json (not a drafter checkpoint)"
             )
 
 

@@ -147,8 +147,9 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, la
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
-    default = default_for_tree_settings(target.name) if _tree_given(tree_overrides) else default_drafter(target.name)
-    return make_drafter(spec or default, target, tree_overrides), None
+    if spec is None:
+        spec = default_for_tree_settings(target.name) if _tree_given(tree_overrides) else default_drafter(target.name)
+    return make_drafter(spec, target, tree_overrides), None
 
 
 def _tree_given(tree_overrides: dict | None) -> bool:

@@ -112,22 +112,19 @@ def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) 
 
 
 def checkpoint_directory(spec: str, target_name: str) -> Path:
-    """The checkpoint directory of a shipped drafter name or a path (either may end in `+ngram`);
-    MoaspecError when missing."""
+    """The checkpoint directory of a shipped drafter name, a checkpoint directory or a `moaspec
+    train` run directory (its checkpoint/), any of them ending in `+ngram` or not; MoaspecError
+    for a shipped name the target lacks."""
     spec = split_lookup(spec)[0]
     if spec in SHIPPED:
         directory = SHIPPED_DIR / target_name / spec
         if not directory.is_dir():
             raise MoaspecError(f"no shipped '{spec}' drafter for target '{target_name}'; pass a checkpoint directory")
         return directory
-    return Path(spec).expanduser()
-
-
-def run_directory_hint(directory: Path) -> str:
-    """'; a training run's drafter is in RUN/checkpoint' when `directory` is a `moaspec train` run
-    directory (a user's usual slip for its checkpoint), else ''."""
-    checkpoint = Path(directory) / "checkpoint"
-    return f"; a training run's drafter is in {checkpoint}" if (checkpoint / "config.json").is_file() else ""
+    directory = Path(spec).expanduser()
+    if not (directory / "config.json").is_file() and (directory / "checkpoint" / "config.json").is_file():
+        return directory / "checkpoint"  # a training run: the drafter it wrote
+    return directory
 
 
 def load_drafter(directory: Path, target: Target) -> Drafter:
@@ -136,8 +133,7 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
         record = json.loads((directory / "config.json").read_text())
         method = record["method"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        hint = run_directory_hint(directory)
-        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method){hint}") from exc
+        raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
     return drafter_class(method).from_pretrained(directory, target)

@@ -371,8 +371,6 @@ def _initial_checkpoint(value: str, target_name: str) -> Path:
     if lookup:
         raise MoaspecError(f"--init-from takes a checkpoint: '{base}', not '{value}' (prompt lookup has no weights)")
     directory = checkpoint_directory(value, target_name)
-    if (directory / "checkpoint" / "config.json").is_file():
-        directory = directory / "checkpoint"
     if not (directory / "config.json").is_file():
         raise MoaspecError(f"--init-from {value} is not a drafter checkpoint (no config.json)")
     return directory
