@@ -87,11 +87,21 @@ BAD_INPUTS: dict[str, Case] = {
     "tree flags on a model-free drafter": (lambda tmp: _gen("--drafter", "none", "--tree-depth", "2"),
                                            "--tree-* settings apply to model drafters only"),
     "unknown subcommand": (lambda tmp: ["no-such-command"], "invalid choice"),
+    # an audit's: the default target was converted (~30 s on first use) before the data was refused
+    "train on another target's data": (lambda tmp: _data_of_another_target(tmp), "was made by target 'qwen.gguf', not 'smollm2-135m'"),
     # an audit's: the refusal named 'ngram', which the user never gave (the default for a target without a shipped MoA)
     "tree flags where the target has no shipped model drafter": (
         lambda tmp: _gen("--target", str(_gguf_header_only(tmp)), "--tree-depth", "2"),
         "target 'other.gguf' has no shipped one: name a checkpoint with --drafter DIR"),
 }
+
+
+def _data_of_another_target(tmp: Path) -> list[str]:
+    data = tmp / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text('{"prompt_ids": [1], "response_ids": [2]}\n')
+    (data / "manifest.json").write_text('{"target": "qwen.gguf"}')
+    return ["train", "--method", "eagle", "--data", str(data), "--out", str(tmp / "run"), "--steps", "4"]
 
 
 def _gguf_header_only(tmp: Path) -> Path:

@@ -521,7 +521,8 @@ def test_resuming_with_other_settings_names_them(tmp_path) -> None:
 
 
 def test_training_data_of_another_target_or_shape_is_refused_naming_it(tmp_path) -> None:
-    from moaspec.train.run import check_data_target, load_samples
+    from moaspec.train.distill import check_data_target
+    from moaspec.train.run import load_samples
 
     data = tmp_path / "data"
     data.mkdir()

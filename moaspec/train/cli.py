@@ -226,7 +226,11 @@ def check_train_arguments(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, args.target)
+    from moaspec.model_store import check_target_exists, target_name
+
+    check_target_exists(args.target)
+    name = target_name(args.target)  # no conversion yet: everything cheap is refused before it (~30 s)
+    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, name)
     _inherit_architecture(args, init_from)
     config, tree = check_train_values(args)
     data = _checked_data(args.data)
@@ -236,7 +240,9 @@ def run_train(args: argparse.Namespace) -> int:
         feature_cache = _own_directory(output_dir(args.feature_cache, "--feature-cache"), "--feature-cache",
                                        FEATURE_CACHE_FILES, "a feature cache")
     from moaspec.model_store import resolve_target
+    from moaspec.train.distill import check_data_target
 
+    check_data_target(data, name)
     _check_against_target(args, resolve_target(args.target)[1])
     load_library_held()
     from moaspec.train.run import RunSpec, run_training

@@ -334,6 +334,15 @@ def summarize(records: list[dict], eos_ids: Iterable[int] = ()) -> dict[str, Any
     return summary
 
 
+def check_data_target(data_dirs: Iterable[Path], target_name: str) -> None:
+    """Refuse data made by another target (its token ids, and for distilled data its answers,
+    are that target's): MoaspecError naming both."""
+    for directory in data_dirs:
+        made_by = read_manifest(directory).get("target")
+        if made_by is not None and made_by != target_name:
+            raise MoaspecError(f"{directory} was made by target '{made_by}', not '{target_name}' (--target)")
+
+
 def read_manifest(directory: Path) -> dict:
     """A data directory's manifest.json ({} without one); MoaspecError naming it when unreadable."""
     path = Path(directory) / MANIFEST

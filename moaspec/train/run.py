@@ -27,7 +27,7 @@ from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
-from moaspec.train.distill import read_manifest
+from moaspec.train.distill import check_data_target, read_manifest
 from moaspec.train.features import TrainSample
 from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, saved_state, train
 
@@ -117,15 +117,6 @@ def build_net(
     if draft_vocab_ids is not None:
         net.draft_vocab_ids.copy_(draft_vocab_ids)
     return net.float()
-
-
-def check_data_target(data_dirs: tuple[Path, ...], target_name: str) -> None:
-    """Refuse data made by another target (its token ids, and for distilled data its answers,
-    are that target's): MoaspecError naming both."""
-    for directory in data_dirs:
-        made_by = read_manifest(directory).get("target")
-        if made_by is not None and made_by != target_name:
-            raise MoaspecError(f"{directory} was made by target '{made_by}', not '{target_name}' (--target)")
 
 
 def checkpoint_net_config(directory: Path) -> dict:
