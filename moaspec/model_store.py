@@ -146,6 +146,12 @@ def _builtin_at(path: Path) -> str | None:
     return None
 
 
+def conversion_estimate_s(gguf_bytes: int) -> int:
+    """Seconds a first conversion takes on 2 cores, roughly, to the nearest 10: SmolLM2's 98 MB
+    took ~30 s, Qwen2.5-Coder-0.5B's 491 MB ~70 s (an audit's; the tokenizer's rebuild included)."""
+    return int(round((20 + gguf_bytes / 1e7) / 10) * 10)
+
+
 SOURCE_FILE = "source.json"  # in a converted copy: the GGUF it was converted from ({"gguf": path}); mtime: last use
 STALE_AFTER_S = 24 * 3600  # a copy whose GGUF is gone or changed is removed this long after its last use
 
@@ -181,7 +187,7 @@ def ensure_converted(gguf: Path, label: str) -> Path:
         ) from exc
     print(
         f"moaspec: first use of {label}: converting {gguf.name} to a float32 cache in {final} "
-        "(one time, about 30 s)...",
+        f"(one time, about {conversion_estimate_s(gguf.stat().st_size)} s)...",
         file=sys.stderr,
         flush=True,
     )

@@ -417,3 +417,9 @@ def test_a_folder_without_a_tokenizer_is_refused_in_one_whole_line(tmp_path: Pat
     with pytest.raises(MoaspecError, match=r"cannot load target .*tokenizer from one of: \(1\)") as raised:
         load_target(str(tmp_path), runtime="transformers")
     assert "\n" not in str(raised.value)
+
+
+def test_the_first_conversion_announces_a_time_that_grows_with_the_gguf() -> None:
+    """An audit's: every conversion announced 'about 30 s'; Qwen2.5-Coder-0.5B's took ~60 s."""
+    assert model_store.conversion_estimate_s(98_362_432) == 30  # SmolLM2-135M Q4_1
+    assert model_store.conversion_estimate_s(491_400_064) == 70  # Qwen2.5-Coder-0.5B Q4_K_M
