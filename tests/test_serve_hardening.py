@@ -184,6 +184,32 @@ def test_a_shorter_keep_alive_time_out_does_not_cut_a_request_being_sent() -> No
         started.stop()
 
 
+def test_a_body_sent_after_its_headers_does_not_restart_the_header_clock() -> None:
+    """A request whose body arrives after its headers (alone, or pipelined behind a keep-alive
+    request answered meanwhile) and whose handler runs past the header time-out is answered in
+    full: the header clock stops with the headers and a body's bytes never start it again (that
+    would write a 408 into the response and cut the connection). The handler takes ~1 s (20
+    proposals of a drafter slowed by 50 ms) against a 0.3 s header time-out."""
+    started = start_server("ngram", delay_s=0.05, limits=ServerLimits(header_timeout_s=0.3))
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 20, "temperature": 0}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    health = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
+    try:
+        for before in (b"", health):  # alone; pipelined behind a request answered before the body comes
+            with socket.create_connection(("127.0.0.1", started.port), timeout=SOCKET_TIMEOUT_S) as sock:
+                sock.sendall(before + head)
+                if before:
+                    assert read_response(sock).startswith(b"HTTP/1.1 200 ")
+                time.sleep(0.1)
+                sock.sendall(body)
+                answer = read_response(sock)
+                assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+                assert json.loads(answer.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"] == 20
+    finally:
+        started.stop()
+
+
 def test_connections_over_the_cap_get_503_and_room_comes_back(caplog) -> None:
     """Bug: nothing bounded open connections. Not flaky: the held connections are counted by the
     server before the extra one is made (polled with a deadline), and the header time-out (10 s
@@ -192,7 +218,10 @@ def test_connections_over_the_cap_get_503_and_room_comes_back(caplog) -> None:
     started = start_server("ngram", limits=ServerLimits(max_connections=3))
     try:
         port = started.port
-        held = [socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) for _ in range(3)]
+        held = [socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) for _ in range(2)]
+        assert wait_until(lambda: started.server.connections.num_open == 2)
+        assert request(port, "GET", "/health")[0] == 200  # the third connection: within the cap
+        held.append(socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S))
         assert wait_until(lambda: started.server.connections.num_open == 3)
         error = assert_our_error(*request(port, "GET", "/health"), 503)
         assert error["code"] == "too_many_connections" and "3 open connections" in error["message"]
@@ -536,9 +565,16 @@ def test_an_address_that_cannot_be_listened_on_is_a_one_line_error_and_port_0_is
         return SplitServer(target, make_drafter("ngram", target), [KEY], ServerLimits()).site()
 
     for host, port in (("127.0.0.1", server.port), ("no-such-host.invalid", 0)):
+        refused, cleaned = site(), []
+
+        async def cleanup_hook(app) -> None:
+            cleaned.append(app)
+
+        refused.app.on_cleanup.append(cleanup_hook)
         with pytest.raises(MoaspecError, match=f"cannot listen on {re.escape(host)}:{port}: ") as raised:
-            asyncio.run(site().start(host, port))
+            asyncio.run(refused.start(host, port))
         assert "\n" not in str(raised.value)
+        assert cleaned == [refused.app]  # the application set up for it is cleaned up again
 
     told: list[int] = []
 
