@@ -10,8 +10,23 @@ import torch
 from conftest import make_random_drafter_net, make_tiny_target
 
 import moaspec.calibration.costs as costs_module
-from moaspec.calibration.costs import SETTLED_STEPS, CycleCosts, VerifyCosts, measure_drafter, measure_verify, penalty_per_node
-from moaspec.calibration.predict import LOOKUP_MAX_NODES, MIN_GAIN, Option, choose, lookup_configs, lookup_first_option, lookup_option
+from moaspec.calibration.costs import (
+    SETTLED_STEPS,
+    CycleCosts,
+    VerifyCosts,
+    measure_drafter,
+    measure_verify,
+    penalty_per_node,
+)
+from moaspec.calibration.predict import (
+    LOOKUP_MAX_NODES,
+    MIN_GAIN,
+    Option,
+    choose,
+    lookup_configs,
+    lookup_first_option,
+    lookup_option,
+)
 from moaspec.calibration.profile import LookupStats
 from moaspec.calibration.tree_ranking import Candidate
 from moaspec.config import NgramConfig, TreeConfig
