@@ -210,6 +210,33 @@ def test_a_body_sent_after_its_headers_does_not_restart_the_header_clock() -> No
         started.stop()
 
 
+def test_a_stream_whose_handler_fails_after_it_began_is_cut_not_appended_to(monkeypatch) -> None:
+    """A failure escaping a streaming handler after its first bytes were sent (here: building the
+    usage chunk) cannot be answered with an error response any more: the connection is dropped,
+    so the client sees a stream without its end, never an HTTP error body inside the stream."""
+    import moaspec.openai_api.routes as routes
+
+    def broken_usage(*args, **kwargs):
+        raise RuntimeError("a fault after the stream began")
+
+    monkeypatch.setattr(routes.schemas, "usage_chunk", broken_usage)
+    started = start_server("ngram")
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", started.port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+            received = b""
+            while chunk := sock.recv(65536):  # until the server closes
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200 ") and b"data: " in received
+        assert b"[DONE]" not in received and b'"internal error"' not in received
+        assert request(started.port, "GET", "/health")[0] == 200
+    finally:
+        started.stop()
+
+
 def test_connections_over_the_cap_get_503_and_room_comes_back(caplog) -> None:
     """Bug: nothing bounded open connections. Not flaky: the held connections are counted by the
     server before the extra one is made (polled with a deadline), and the header time-out (10 s

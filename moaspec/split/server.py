@@ -236,6 +236,8 @@ class SplitServer:
             return error_response(APIError(500, "the model failed on this request; its session was closed", None, "internal"))
         except Exception:  # a bug must not take the server down; logged with its traceback, no request content
             logger.exception("internal error on %s %s", request.method, request.path)
+            if request.writer.output_size > 0:  # a stream began: no response can follow; the connection is cut
+                raise  # (GuardedHandler.handle_error drops it, so the client sees the stream end unfinished)
             return error_response(APIError(500, "internal error", None, "internal"))
 
     @web.middleware
