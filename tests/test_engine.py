@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import TINY_VOCAB, make_tiny_target
 from scipy.stats import chisquare
 
 from moaspec.config import GenerationConfig, SamplingConfig
@@ -423,7 +423,8 @@ class FaultyDrafter(NoDrafter):
 
 @pytest.mark.parametrize(
     "drafter, message",
-    [(FaultyDrafter(shift=1), "starts at token"), (FaultyDrafter(token=10**6), "outside the target's vocabulary")],
+    [(FaultyDrafter(shift=1), "starts at token"), (FaultyDrafter(token=10**6), "outside the target's vocabulary"),
+     (FaultyDrafter(token=TINY_VOCAB), "outside the target's vocabulary"), (FaultyDrafter(token=-1), "outside")],
 )
 def test_a_drafter_cannot_change_what_is_emitted(drafter: FaultyDrafter, message: str) -> None:
     """A tree whose root is not the last emitted token would emit tokens the target never chose
@@ -448,3 +449,22 @@ def test_the_end_rule_stops_at_the_first_stop_token_within_the_limit() -> None:
     assert last_emitted([], 1, stop) is None
     with pytest.raises(ValueError):
         last_emitted([5], 0, stop)
+
+
+def test_spec_stats_follow_the_documented_conventions() -> None:
+    """metrics.py: acceptance at depth d counts only verifications whose tree reached depth d;
+    drafted nodes leave the root out; prefill, draft, verify and other add up to the wall time."""
+    from moaspec.metrics import SpecStats
+
+    stats = SpecStats()
+    stats.record_prefill(1.0)
+    stats.record_verification(tree_depth=3, num_nodes=4, num_accepted=2)
+    stats.record_verification(tree_depth=1, num_nodes=2, num_accepted=1)
+    stats.record_verification(tree_depth=2, num_nodes=3, num_accepted=0)
+    assert stats.reached_depth == [3, 2, 1] and stats.accepted_depth == [2, 1]
+    assert stats.acceptance_per_depth == pytest.approx([2 / 3, 1 / 2, 0.0])
+    assert stats.drafted_nodes == 3 + 1 + 2 and stats.to_dict()["mean_drafted_nodes"] == pytest.approx(2.0)
+    assert stats.tau == pytest.approx((1 + 3 + 2 + 1) / 4)
+    stats.draft_s, stats.verify_s, stats.wall_s = 0.5, 2.0, 4.0
+    assert stats.other_s == pytest.approx(0.5)
+    assert sum(stats.to_dict()["time_s"].values()) == pytest.approx(stats.wall_s)

@@ -198,6 +198,20 @@ def test_text_stream_holds_back_possible_stop_prefixes() -> None:
     assert finished.update([ord("E")]) == "" and finished.update([ord("E"), ord("N")], final=True) == "EN"
 
 
+def test_text_stream_cuts_at_the_earliest_stop_and_holds_the_longest_possible_start() -> None:
+    class Chars:  # token id = character code
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    def ids(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    assert TextStream(Chars(), ("zz", "ab")).update(ids("xxabyyzz"), final=True) == "xx"  # "ab" comes first
+    # "abc" may still become "abcd", "c" may become "cx": the longer tail is held, whichever stop is listed last
+    assert TextStream(Chars(), ("abcd", "cx")).update(ids("zzabc")) == "zz"
+
+
 # -- errors ------------------------------------------------------------------------------------------
 def test_wrong_or_missing_key_is_401(ngram_server) -> None:
     with pytest.raises(openai.AuthenticationError) as caught:

@@ -104,11 +104,18 @@ def test_prune_to_depth_keeps_ancestor_closed_subtree() -> None:
 
 @pytest.mark.parametrize(
     "token_ids, parents",
-    [([1, 2], [0, -1]), ([1, 2], [-1, 1]), ([1, 2, 3], [-1, 2, 0]), ([], []), ([1, 2], [-1])],
+    [([1, 2], [0, -1]), ([1, 2], [-1, 1]), ([1, 2, 3], [-1, 2, 0]), ([], []), ([1, 2], [-1]), ([1], [0])],
 )
 def test_invalid_trees_are_rejected(token_ids: list[int], parents: list[int]) -> None:
     with pytest.raises(ValueError):
         DraftTree(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+def test_draft_probabilities_need_one_row_per_node() -> None:
+    token_ids, parents = torch.tensor([1, 2]), torch.tensor([-1, 0])
+    assert DraftTree(token_ids, parents, torch.full((2, 5), 0.2)).num_nodes == 2
+    with pytest.raises(ValueError, match="one row per node"):
+        DraftTree(token_ids, parents, torch.full((3, 5), 0.2))
 
 
 def test_trie_merges_continuations() -> None:
