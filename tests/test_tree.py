@@ -158,3 +158,28 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
         cut = limit_nodes(tree, max_nodes, max_leaves, max_entries)
         assert cut.num_nodes == expected and torch.equal(cut.parents, parents[:expected])
         assert torch.equal(cut.draft_probs, probs[:expected])  # the drafter's rows go with their nodes
+
+
+def test_lookup_continuations_come_most_recent_first_and_distinct() -> None:
+    """The n-gram (1, 2) followed by 7, 8, then by 5, 6: the most recent continuation comes first;
+    followed by 7, 8 once more, that one is proposed once, as the most recent."""
+    from moaspec.config import NgramConfig
+    from moaspec.drafters.ngram import NgramDrafter
+
+    config = NgramConfig(min_ngram=2, max_ngram=2, max_depth=2, max_branches=3)
+    twice, thrice = NgramDrafter(config), NgramDrafter(config)
+    twice.extend([1, 2, 7, 8, 0, 1, 2, 5, 6, 0, 1])
+    assert twice.continuations(2) == [[5, 6], [7, 8]]
+    thrice.extend([1, 2, 7, 8, 0, 1, 2, 5, 6, 0, 1, 2, 7, 8, 0, 1])
+    assert thrice.continuations(2) == [[7, 8], [5, 6]]
+
+
+def test_the_lookup_gate_weighs_the_newest_match_by_one_minus_its_decay() -> None:
+    from moaspec.drafters.lookup_gate import GATE_DECAY, LookupGate
+
+    assert LookupGate((0.0, 0.0)).decay == GATE_DECAY == 0.6
+    gate = LookupGate((0.0, 0.0, 0.5), decay=0.8)
+    gate.record(accepted=1, num_nodes=1)
+    assert gate.score == pytest.approx(0.2)
+    gate.record(accepted=0, num_nodes=2)  # a 2-node trie costs half a step more, none accepted
+    assert gate.score == pytest.approx(0.8 * 0.2 + 0.2 * -0.5) and gate.is_open
