@@ -248,13 +248,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
     options = runtime_options(args, args.target)
-    named = args.drafter or default_drafter(target_name(args.target))
+    name = target_name(args.target)
+    named = args.drafter or default_drafter(name)
     tree_given = any(value is not None for value in overrides.values())
     if named in MODEL_FREE and tree_given:
         if args.drafter is None:  # the default is model-free: no shipped model drafter for this target
             raise MoaspecError(
-                f"--tree-* settings apply to model drafters, and target '{target_name(args.target)}' has no shipped "
-                "one: name a checkpoint with --drafter DIR"
+                f"--tree-* settings apply to model drafters, and target '{name}' has no shipped one: "
+                "name a checkpoint with --drafter DIR"
             )
         raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
     if tree_given and args.drafter is None and args.server is None:

@@ -56,6 +56,7 @@ def irregular_timing_line(irregular: list[dict], method: str) -> str | None:
     """One sentence for results.md and stderr, or None when the timings were regular."""
     if not irregular:
         return None
+
     def off_by(item: dict) -> float:
         step, typical = max(item["step_ms"], 1e-9), max(item["median_step_ms"], 1e-9)  # rounded, so possibly 0
         return max(step / typical, typical / step)

@@ -52,8 +52,9 @@ def default_drafter(target_name: str) -> str:
 
 
 def default_for_tree_settings(target_name: str) -> str:
-    """The drafter that tree settings given without one name: the default model drafter's form;
-    MoaspecError for a target without a shipped model drafter (its default is model-free)."""
+    """The drafter that tree settings apply to when no drafter is named: the default model
+    drafter's form; MoaspecError for a target without a shipped model drafter (its default is
+    model-free)."""
     spec = default_drafter(target_name)
     if spec in MODEL_FREE:
         raise MoaspecError(
