@@ -468,3 +468,31 @@ def test_spec_stats_follow_the_documented_conventions() -> None:
     stats.draft_s, stats.verify_s, stats.wall_s = 0.5, 2.0, 4.0
     assert stats.other_s == pytest.approx(0.5)
     assert sum(stats.to_dict()["time_s"].values()) == pytest.approx(stats.wall_s)
+
+
+def test_a_step_verifies_no_deeper_than_it_may_emit_and_counts_the_hand_over_as_drafting(monkeypatch) -> None:
+    """With 3 tokens left to emit, a drafted chain of 5 is verified 2 deep (2 drafts + the next
+    token); the drafter taking in the verified tokens (hand_over) counts as drafting time."""
+    from types import SimpleNamespace
+
+    import moaspec.decode_step as decode_step_module
+    from moaspec.metrics import SpecStats
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(decode_step_module.time, "perf_counter", lambda: clock["now"])
+
+    class ChainDrafter:
+        def propose(self, root_id, sampling, generator) -> DraftTree:
+            return DraftTree(torch.tensor([root_id, 1, 2, 3, 4, 5]), torch.arange(-1, 5))
+
+    verified: list[DraftTree] = []
+
+    def verify(tree: DraftTree):
+        verified.append(tree)
+        clock["now"] += 1.0  # the verify
+        return SimpleNamespace(path_node_idx=[0, 1], next_token=9, hand_over=lambda: clock.update(now=clock["now"] + 5.0))
+
+    stats = SpecStats()
+    step = decode_step_module.decode_step(ChainDrafter(), 7, 3, SamplingConfig(), torch.Generator(), stats, verify)
+    assert verified[0].token_ids.tolist() == [7, 1, 2] and step.emitted == [1, 9]
+    assert stats.draft_s == pytest.approx(5.0) and stats.verify_s == pytest.approx(1.0)

@@ -172,6 +172,8 @@ def test_lookup_continuations_come_most_recent_first_and_distinct() -> None:
     assert twice.continuations(2) == [[5, 6], [7, 8]]
     thrice.extend([1, 2, 7, 8, 0, 1, 2, 5, 6, 0, 1, 2, 7, 8, 0, 1])
     assert thrice.continuations(2) == [[7, 8], [5, 6]]
+    alone = twice.draft_alone(2, None, None)  # offline: the most recent copy's first token, at the measured 0.8
+    assert (alone.token_id, alone.probability, alone.source) == (5, 0.8, "lookup")
 
 
 def test_the_lookup_gate_weighs_the_newest_match_by_one_minus_its_decay() -> None:
