@@ -18,7 +18,14 @@ import torch
 
 from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
-from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, default_for_tree_settings, make_drafter
+from moaspec.drafters import (
+    MODEL_FREE,
+    check_drafter_spec,
+    default_drafter,
+    default_for_tree_settings,
+    make_drafter,
+    tree_settings_given,
+)
 from moaspec.drafters.base import Drafter
 from moaspec.drafters.none import NoDrafter
 from moaspec.engine import Engine, GenerationResult, check_prompt_length
@@ -193,7 +200,7 @@ def speculative_lm(
     from moaspec.calibration.plan import drafter_for
 
     _check_drafter_request(drafter, tree_overrides)
-    tree_given = any(value is not None for value in (tree_overrides or {}).values())
+    tree_given = tree_settings_given(tree_overrides)
     default = default_for_tree_settings(loaded.name) if drafter is None and tree_given else default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
@@ -278,7 +285,7 @@ def _check_drafter_request(drafter: str | None, tree_overrides: dict | None) -> 
     """A drafter name or path and tree overrides that can go together (nothing loaded)."""
     if drafter is not None:
         check_drafter_spec(drafter)
-        if drafter in MODEL_FREE and tree_overrides and any(v is not None for v in tree_overrides.values()):
+        if drafter in MODEL_FREE and tree_settings_given(tree_overrides):
             raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
 
 

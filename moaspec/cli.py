@@ -224,7 +224,7 @@ def _generate(args: argparse.Namespace) -> int:
     _check_named(args, "--drafter", "--target")
     if args.server is None:
         _refuse_split_flags(args)
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter
+    from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, tree_settings_given
     from moaspec.model_store import check_target_exists, target_name
     from moaspec.tuned import tree_overrides
 
@@ -250,7 +250,7 @@ def _generate(args: argparse.Namespace) -> int:
     options = runtime_options(args, args.target)
     name = target_name(args.target)
     named = args.drafter or default_drafter(name)
-    tree_given = any(value is not None for value in overrides.values())
+    tree_given = tree_settings_given(overrides)
     if named in MODEL_FREE and tree_given:
         if args.drafter is None:  # the default is model-free: no shipped model drafter for this target
             raise MoaspecError(

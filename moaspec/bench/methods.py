@@ -37,6 +37,7 @@ from moaspec.drafters import (
     check_drafter_spec,
     checkpoint_directory,
     default_drafter,
+    tree_settings_given,
 )
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
@@ -125,7 +126,7 @@ def default_methods(target_name: str, runtime: str = "transformers") -> str:
 def check_tree_flags(specs: tuple[MethodSpec, ...], tree_overrides: dict | None) -> None:
     """Refuse --tree-* when no method of the run has a tree they fix (as `generate` refuses them
     with a model-free drafter), instead of ignoring them."""
-    given = tree_overrides is not None and any(v is not None for v in tree_overrides.values())
+    given = tree_settings_given(tree_overrides)
     if given and not any(spec.takes_tree_flags for spec in specs):
         named = ", ".join(spec.described for spec in specs)
         raise MoaspecError(

@@ -51,6 +51,7 @@ from moaspec.drafters import (
     default_for_tree_settings,
     make_drafter,
     split_lookup,
+    tree_settings_given,
 )
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
@@ -148,12 +149,9 @@ def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, la
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
     if spec is None:
-        spec = default_for_tree_settings(target.name) if _tree_given(tree_overrides) else default_drafter(target.name)
+        given = tree_settings_given(tree_overrides)
+        spec = default_for_tree_settings(target.name) if given else default_drafter(target.name)
     return make_drafter(spec, target, tree_overrides), None
-
-
-def _tree_given(tree_overrides: dict | None) -> bool:
-    return any(value is not None for value in (tree_overrides or {}).values())
 
 
 def calibrated_drafter(
@@ -164,7 +162,7 @@ def calibrated_drafter(
 
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
-    if spec is None and _tree_given(tree_overrides):
+    if spec is None and tree_settings_given(tree_overrides):
         spec = default_for_tree_settings(target.name)
     requested = spec or DEFAULT
     spec = spec or default_drafter(target.name)

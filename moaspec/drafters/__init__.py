@@ -51,6 +51,11 @@ def default_drafter(target_name: str) -> str:
     return FALLBACK_DRAFTER
 
 
+def tree_settings_given(tree_overrides: dict | None) -> bool:
+    """Whether tree overrides ({"depth", "top_k", "budget"}, each None unless given) fix anything."""
+    return any(value is not None for value in (tree_overrides or {}).values())
+
+
 def default_for_tree_settings(target_name: str) -> str:
     """The drafter that tree settings apply to when no drafter is named: the default model
     drafter's form; MoaspecError for a target without a shipped model drafter (its default is
@@ -58,7 +63,8 @@ def default_for_tree_settings(target_name: str) -> str:
     spec = default_drafter(target_name)
     if spec in MODEL_FREE:
         raise MoaspecError(
-            f"tree settings apply to model drafters, and target '{target_name}' has no shipped one: name a checkpoint as the drafter"
+            f"tree settings apply to model drafters, and target '{target_name}' has no shipped one: "
+            "name a checkpoint as the drafter"
         )
     return spec
 
@@ -97,7 +103,7 @@ def make_drafter(spec: str, target: Target, tree_overrides: dict | None = None) 
     """
     check_drafter_spec(spec)
     if spec in MODEL_FREE:
-        if any(value is not None for value in (tree_overrides or {}).values()):
+        if tree_settings_given(tree_overrides):
             raise MoaspecError(f"tree settings apply to model drafters only, not to '{spec}'")
         return _resolve(MODEL_FREE[spec])(target)
     from moaspec.tuned import resolve_tree

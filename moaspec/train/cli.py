@@ -226,10 +226,9 @@ def check_train_arguments(args: argparse.Namespace) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from moaspec.model_store import check_target_exists, target_name
+    from moaspec.model_store import target_name
 
-    check_target_exists(args.target)
-    name = target_name(args.target)  # no conversion yet: everything cheap is refused before it (~30 s)
+    name = target_name(args.target)  # checks the target exists, converts nothing: the cheap refusals come first
     init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, name)
     _inherit_architecture(args, init_from)
     config, tree = check_train_values(args)
