@@ -39,16 +39,16 @@ def set_context_ms(target, length: int, path: str, generator: random.Random) -> 
     import moaspec.targets.llamacpp as llamacpp
 
     ids = torch.tensor([generator.randrange(100, 20_000) for _ in range(length)])
-    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_chosen
+    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start
     llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if path == "prompt context" else length + 1
     llamacpp.FLOAT_PREFILL_MIN_TOKENS = 2  # the float path needs a token besides the last
-    target._float_chosen = path == "float32 torch"
+    target._float_start = 2 if path == "float32 torch" else llamacpp.NEVER
     try:
         started = time.perf_counter()
         target.set_context(ids)
         return (time.perf_counter() - started) * 1000
     finally:
-        llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_chosen = thresholds
+        llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start = thresholds
 
 
 def main() -> int:

@@ -18,7 +18,7 @@ from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import FLOAT_CHUNK, LlamaCppTarget
-from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, PREFILL_ENV
+from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, NEVER, PREFILL_ENV
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
 
 
@@ -185,11 +185,11 @@ def _shared_start_of(held: list[int], ids: list[int]) -> int:
     return count
 
 
-def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_on(
+def test_the_prefill_start_is_measured_once_per_machine_where_the_calibration_is_on(
     llama_target, category_prompts, tmp_path, monkeypatch
 ) -> None:
     """With the calibration on, the first prompt long enough is preceded by timing both paths; the
-    answer is saved and read by later targets. The variable fixes it, the calibration off means
+    start found is saved and read by later targets. The variable fixes it, the calibration off means
     llama.cpp unmeasured, a bad name is one line, and the exactness probe never takes the float path."""
     from moaspec.targets import llamacpp_prefill
 
@@ -198,20 +198,24 @@ def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     monkeypatch.setenv(VALUE_CACHE_ENV, "f16")
     measured = []
-    measure = llamacpp_prefill.measure_float_prefill
-    monkeypatch.setattr(llamacpp_prefill, "measure_float_prefill", lambda target: measured.append(1) or measure(target))
+    measure = llamacpp_prefill.measure_float_prefill_start
+    monkeypatch.setattr(
+        llamacpp_prefill, "measure_float_prefill_start", lambda target: measured.append(1) or measure(target)
+    )
     first = sibling(llama_target)
     first.set_context(torch.tensor(category_prompts["mt_bench"][: FLOAT_PREFILL_MIN_TOKENS - 1]))
     assert not measured  # a short prompt: nothing to decide
-    first.set_context(torch.tensor(category_prompts["summarization"]))
+    prompt = category_prompts["summarization"]
+    first.set_context(torch.tensor(prompt))
     assert len(measured) == 1
     [record] = (tmp_path / "cache" / "calibration" / llama_target.name).glob("prefill-*.json")
-    chosen = json.loads(record.read_text())["prefill_path"]
-    assert chosen in ("float", "llama.cpp") and first._moved == (len(category_prompts["summarization"]) - 1) * (chosen == "float")
-    assert sibling(llama_target).uses_float_prefill == (chosen == "float") and len(measured) == 1  # read, not measured
-    for setting, uses_float in (("float", True), ("llama.cpp", False)):
+    start = json.loads(record.read_text())["float_prefill_start"]
+    assert llamacpp_prefill.valid_start(start)
+    assert first._moved == (len(prompt) - 1) * (start != NEVER and len(prompt) >= start)
+    assert sibling(llama_target).float_prefill_start == start and len(measured) == 1  # read, not measured
+    for setting, fixed in (("float", FLOAT_PREFILL_MIN_TOKENS), ("llama.cpp", NEVER)):
         monkeypatch.setenv(PREFILL_ENV, setting)
-        assert sibling(llama_target).uses_float_prefill == uses_float
+        assert sibling(llama_target).float_prefill_start == fixed
     monkeypatch.delenv(PREFILL_ENV)
     monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
     assert not sibling(llama_target).uses_float_prefill and len(measured) == 1
@@ -222,4 +226,22 @@ def test_the_prefill_path_is_measured_once_per_machine_where_the_calibration_is_
     probe = sibling(llama_target)
     probe._probing_exactness = True
     assert not probe.uses_float_prefill
-    assert llamacpp_prefill.faster_path(1.0, 0.89) and not llamacpp_prefill.faster_path(1.0, 0.95)
+
+
+def test_the_float_path_takes_first_turns_from_the_machine_s_start(llama_target, category_prompts, monkeypatch) -> None:
+    """A start measured above FLOAT_PREFILL_MIN_TOKENS (a CPU where float pays only for longer
+    prompts): a first turn of exactly that many tokens takes the float path, one token fewer does
+    not, and a new session keeps its parent's start."""
+    monkeypatch.setenv(VALUE_CACHE_ENV, "f16")
+    monkeypatch.delenv(PREFILL_ENV, raising=False)
+    prompt = category_prompts["summarization"]
+    assert len(prompt) > FLOAT_PREFILL_MIN_TOKENS
+    for start, moved in ((len(prompt), len(prompt) - 1), (len(prompt) + 1, 0)):
+        target = LlamaCppTarget(
+            llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, threads=2,
+            parts_loader=llama_target._parts_loader, parts=llama_target._parts, float_llama=llama_target._float,
+            float_prefill_start=start,
+        )
+        target.set_context(torch.tensor(prompt))
+        assert target._moved == moved
+        assert target.new_session().float_prefill_start == start

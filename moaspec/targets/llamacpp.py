@@ -72,18 +72,18 @@ a chat's next turn equals a fresh prefill bit for bit on either path. Verified t
 after a prompt (`prefill`: a split session resumed after a cut rebuilds prompt and answer) are
 decoded in this context in batches one-token decoding agrees with, never as part of a prompt.
 
-Where this machine prefills faster in float32 torch (llamacpp_prefill.py: measured once, or
-MOASPEC_LLAMA_PREFILL), a Llama-architecture model's prompt takes the float path instead
-(float_prefill.py) for its first turn: the tokens up to the chat template's first generation
-prompt (the whole prompt without one), but the last of them, when there are at least
-FLOAT_PREFILL_MIN_TOKENS - 1. They go through float32 products over the GGUF's converted weights,
-in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of the previous such prompt kept), their
-keys and values are moved in as the prompt context's are, and the rest is decoded here (every
-logit comes from llama.cpp). Where the turn ends is a function of the tokens and the same for a
-conversation and its next turns, so a chat's next turn keeps the moved cells and the answer and
-decodes only its new tokens, and still equals a fresh prefill bit for bit; trees read the moved
-cells with the per-query kernel: exact. The drafters' keys/values and hidden states of the moved
-positions come from the float forward.
+Where this machine prefills faster in float32 torch (llamacpp_prefill.py: from a first-turn
+length measured once, or MOASPEC_LLAMA_PREFILL), a Llama-architecture model's prompt takes the
+float path instead (float_prefill.py) for its first turn: the tokens up to the chat template's
+first generation prompt (the whole prompt without one), but the last of them, when there are at
+least that length - 1 (FLOAT_PREFILL_MIN_TOKENS - 1 or more). They go through float32 products
+over the GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of
+the previous such prompt kept), their keys and values are moved in as the prompt context's are,
+and the rest is decoded here (every logit comes from llama.cpp). Where the turn ends is a
+function of the tokens and the same for a conversation and its next turns, so a chat's next turn
+keeps the moved cells and the answer and decodes only its new tokens, and still equals a fresh
+prefill bit for bit; trees read the moved cells with the per-query kernel: exact. The drafters'
+keys/values and hidden states of the moved positions come from the float forward.
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
 embeddings output); per-layer keys/values through the eval callback (llamacpp_features.py) for
@@ -120,7 +120,12 @@ from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows, transformers_head_order
 from moaspec.targets.llamacpp_model import LlamaCppModel
-from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, fixed_prefill_path, prefill_path
+from moaspec.targets.llamacpp_prefill import (
+    FLOAT_PREFILL_MIN_TOKENS,
+    NEVER,
+    fixed_float_prefill_start,
+    float_prefill_start,
+)
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
 
@@ -162,7 +167,7 @@ class LlamaCppTarget:
         parts: dict[int, TargetParts] | None = None,
         value_cache: int | None = None,
         float_llama: SharedFloatLlama | None = None,
-        float_prefill: bool | None = None,
+        float_prefill_start: int | None = None,
     ) -> None:
         self.weights = model
         self.tokenizer = tokenizer
@@ -174,10 +179,10 @@ class LlamaCppTarget:
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
-        fixed_path = fixed_prefill_path() if float_prefill is None else None  # a bad MOASPEC_LLAMA_PREFILL fails now
-        if fixed_path is not None:
-            float_prefill = fixed_path == "float"
-        self._float_chosen = float_prefill  # whether this machine prefills in float (None: decided on first need)
+        if float_prefill_start is None:
+            float_prefill_start = fixed_float_prefill_start()  # a bad MOASPEC_LLAMA_PREFILL fails now
+        # from which first-turn length this machine prefills in float (NEVER: not at all; None: decided on first need)
+        self._float_start = float_prefill_start
         self._generation_prompt: tuple[int, ...] | None = None  # the chat template's (_float_boundary)
         self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
@@ -219,18 +224,24 @@ class LlamaCppTarget:
         return not self.weights.sliding_window
 
     @property
-    def uses_float_prefill(self) -> bool:
-        """Whether prompts' first turns of FLOAT_PREFILL_MIN_TOKENS or more are prefilled in float32
-        torch (module docstring): a model the float forward supports, no sliding window, no GPU
-        layers (llama.cpp prefills faster there), and this machine's choice (llamacpp_prefill.py).
-        Never in the exactness probe, which checks llama.cpp's own kernels."""
+    def float_prefill_start(self) -> int:
+        """The fewest tokens of a prompt's first turn (its last included) that are prefilled in
+        float32 torch here (module docstring), or NEVER (0): a model the float forward supports, no
+        sliding window, no GPU layers (llama.cpp prefills faster there), and this machine's choice
+        (llamacpp_prefill.py, at least FLOAT_PREFILL_MIN_TOKENS). Never in the exactness probe,
+        which checks llama.cpp's own kernels."""
         if self._float is None or self._float.unsupported or self.weights.sliding_window or self.weights.gpu_layers:
-            return False
+            return NEVER
         if self._probing_exactness:
-            return False
-        if self._float_chosen is None:
-            self._float_chosen = prefill_path(self) == "float"
-        return self._float_chosen
+            return NEVER
+        if self._float_start is None:
+            self._float_start = float_prefill_start(self)
+        return self._float_start
+
+    @property
+    def uses_float_prefill(self) -> bool:
+        """Whether some prompts are prefilled in float32 torch here (`float_prefill_start`)."""
+        return self.float_prefill_start != NEVER
 
     @property
     def ctx(self):
@@ -483,7 +494,7 @@ class LlamaCppTarget:
             self.weights, self.tokenizer, self.config, self.name,
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
             value_cache=self.value_cache_type,  # the same tokens as this one's
-            float_llama=self._float, float_prefill=self._float_chosen,  # prompts prefilled as this one's
+            float_llama=self._float, float_prefill_start=self._float_start,  # prompts prefilled as this one's
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)
@@ -512,8 +523,8 @@ class LlamaCppTarget:
         """Make input_ids [T] the verified context. -> logits [1, V] after the last token, hidden
         [T, 1, D] when asked.
 
-        Where this machine prefills in float32 (`uses_float_prefill`), a prompt whose first turn
-        has FLOAT_PREFILL_MIN_TOKENS or more has that turn prefilled so (`_prefill_in_float`).
+        Where this machine prefills in float32, a prompt whose first turn has
+        `float_prefill_start` tokens or more has that turn prefilled so (`_prefill_in_float`).
         Otherwise a prompt of PROMPT_CONTEXT_MIN_TOKENS or more is prefilled in the prompt context
         and moved in (`_prefill_in_prompt_context`; not for sliding-window models). What is left is
         decoded here, keeping the part of the context it shares with the one held (a chat's next
@@ -581,14 +592,17 @@ class LlamaCppTarget:
         """How many leading tokens of a prompt the float path prefills: its first turn but the
         turn's last token (through the first generation prompt of the chat template; the whole
         prompt but its last token where there is none), or None: no float path here, or fewer than
-        FLOAT_PREFILL_MIN_TOKENS - 1 such tokens. A function of the tokens alone, and the same
-        for a conversation and its next turns, which keep the cells (module docstring)."""
-        if len(ids) < FLOAT_PREFILL_MIN_TOKENS or not self.uses_float_prefill:
+        `float_prefill_start` - 1 such tokens. A function of the tokens alone, and the same for a
+        conversation and its next turns, which keep the cells (module docstring)."""
+        if len(ids) < FLOAT_PREFILL_MIN_TOKENS:
+            return None
+        start = self.float_prefill_start
+        if start == NEVER or len(ids) < start:
             return None
         if self._generation_prompt is None:
             self._generation_prompt = generation_prompt_ids(self.tokenizer)
         boundary = _end_of_first(self._generation_prompt, ids) - 1
-        return boundary if boundary >= FLOAT_PREFILL_MIN_TOKENS - 1 else None
+        return boundary if boundary >= start - 1 else None
 
     def _prefill_in_float(self, ids: list[int], boundary: int, hidden_layers: tuple[int, ...]) -> TargetOutput:
         """Prefill ids[:boundary] in float32 torch (float_prefill.py: FLOAT_CHUNK chunks from

@@ -1,27 +1,33 @@
 """Where the llama.cpp runtime prefills prompts on this machine: in llama.cpp, or in float32 torch
-with the keys and values moved into llama.cpp's cache (float_prefill.py).
+with the keys and values moved into llama.cpp's cache (float_prefill.py), from which prompt length.
 
-Which is faster depends on the CPU and the GGUF: llama.cpp's quantized products against MKL's
-float32 ones over the dequantized weights (2.5× faster for a 128-token prompt on an Intel Xeon with
-SmolLM2-135M Q4_1; README, *Target runtimes*). So where the machine calibration is on, the first
-prompt of FLOAT_PREFILL_MIN_TOKENS or more is preceded by a measurement (~1.5 s on 2 cores): a
-prompt of that length prefilled both ways, taking turns over MEASURE_ROUNDS rounds, medians (in
-llama.cpp: one decode in a context with the target's caches; in torch: the forward, the move of
-its keys and values into such a context and the decode of the last token, as `set_context` does);
-float only where at most FLOAT_MARGIN of llama.cpp's time. The shortest prompt is where the float
-path gains least (its products grow more efficient with the rows, llama.cpp's do not). The answer
-is saved per machine, llama.cpp build, GGUF, offloaded layers and thread count, as the value cache
-is (llamacpp_value_cache.py), so every process on the machine prefills the same way, hence gives
-the same tokens.
+Which is faster depends on the CPU, the GGUF and the prompt's length: llama.cpp's quantized
+products against MKL's float32 ones over the dequantized weights, which cost a fixed part per
+prompt (the weights widened and streamed once) and less per token (2.5× faster for a 128-token
+prompt on an Intel Xeon with SmolLM2-135M Q4_1, 1.3× on an AVX2-only AMD EPYC, where it loses at 64
+tokens; README, *Target runtimes*). So where the machine calibration is on, the first prompt of
+FLOAT_PREFILL_MIN_TOKENS or more is preceded by a measurement: a prompt of that length prefilled
+both ways, taking turns over MEASURE_ROUNDS rounds, medians (in llama.cpp: one decode in a context
+with the target's caches; in torch: the forward, the move of its keys and values into such a
+context and the decode of the last token, as `set_context` does). Where the float path takes at
+most FLOAT_MARGIN of llama.cpp's time there, it prefills from FLOAT_PREFILL_MIN_TOKENS (~1.5 s of
+measuring on 2 cores). Otherwise a FLOAT_PREFILL_LONG_TOKENS-token prompt is timed the same way
+(~8 s more where it is needed): where float does not pay there either, it is never taken; where it
+does, it prefills from the length where the two lines through the measurements (seconds against
+tokens, one per path) meet at that margin (`float_prefill_start`). The answer, a prompt length (0:
+never), is saved per machine, llama.cpp build, GGUF, offloaded layers, thread count and value cache,
+as the value cache is (llamacpp_value_cache.py), so every process on the machine prefills the same
+way, hence gives the same tokens.
 
-MOASPEC_LLAMA_PREFILL=float|llama.cpp fixes the choice; with the calibration off
-(MOASPEC_NO_CALIBRATION=1) it is llama.cpp, unmeasured. The two round differently (a prompt's
-cells differ by llama.cpp's 8-bit activations), so plain decoding's tokens are those of the path
-chosen; trees stay exact on either (llamacpp.py).
+MOASPEC_LLAMA_PREFILL=float|llama.cpp fixes the choice (float: from FLOAT_PREFILL_MIN_TOKENS);
+with the calibration off (MOASPEC_NO_CALIBRATION=1) it is llama.cpp, unmeasured. The two round
+differently (a prompt's cells differ by llama.cpp's 8-bit activations), so plain decoding's tokens
+are those of the path chosen; trees stay exact on either (llamacpp.py).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -34,61 +40,94 @@ from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_mea
 
 PREFILL_ENV = "MOASPEC_LLAMA_PREFILL"
 PREFILL_PATHS = ("float", "llama.cpp")
-FLOAT_PREFILL_MIN_TOKENS = 64  # prompts this long or longer may be prefilled in float32 torch
-MEASURE_VERSION = 1
+FLOAT_PREFILL_MIN_TOKENS = 64  # the shortest prompt (first turn, its last token included) the float path may take
+FLOAT_PREFILL_LONG_TOKENS = 256  # timed too where the float path does not pay at the shortest
+NEVER = 0  # a start that means: no prompt is prefilled in float
+MEASURE_VERSION = 2  # 1 saved a path ('float' from 64 tokens, or 'llama.cpp'), not a start
 MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
 
 
-def fixed_prefill_path() -> str | None:
-    """The path MOASPEC_LLAMA_PREFILL names, else llama.cpp where the calibration is off, else None
-    (to be measured). MoaspecError for another name."""
+def fixed_float_prefill_start() -> int | None:
+    """The start MOASPEC_LLAMA_PREFILL names (float: FLOAT_PREFILL_MIN_TOKENS, llama.cpp: NEVER),
+    else NEVER where the calibration is off, else None (to be measured). MoaspecError for
+    another name."""
     name = os.environ.get(PREFILL_ENV, "").strip()
     if name:
         if name not in PREFILL_PATHS:
             raise MoaspecError(f"{PREFILL_ENV} must be float or llama.cpp, not {name!r}")
-        return name
-    return "llama.cpp" if env_flag(NO_CALIBRATION_ENV) else None
+        return FLOAT_PREFILL_MIN_TOKENS if name == "float" else NEVER
+    return NEVER if env_flag(NO_CALIBRATION_ENV) else None
 
 
-def prefill_path(target) -> str:
-    """'float' or 'llama.cpp' for `target` (a LlamaCppTarget whose model the float path supports):
-    fixed (fixed_prefill_path), else saved or measured here (module docstring)."""
-    fixed = fixed_prefill_path()
+def float_prefill_start(target) -> int:
+    """The fewest tokens of a prompt's first turn (its last included) that `target` (a
+    LlamaCppTarget whose model the float path supports) prefills in float32 torch, or NEVER:
+    fixed (fixed_float_prefill_start), else saved or measured here (module docstring)."""
+    fixed = fixed_float_prefill_start()
     if fixed is not None:
         return fixed
     path = machine_record_path(target, "prefill", str(MEASURE_VERSION), f"values {target.value_cache_name}")
     return saved_or_measured_record(
-        path, "prefill_path", target, lambda: "float" if measure_float_prefill(target) else "llama.cpp",
-        valid=PREFILL_PATHS.__contains__,
+        path, "float_prefill_start", target, lambda: measure_float_prefill_start(target), valid=valid_start
     )
 
 
+def valid_start(value) -> bool:
+    """Whether a saved start is one this module answers."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    return value == NEVER or FLOAT_PREFILL_MIN_TOKENS <= value <= FLOAT_PREFILL_LONG_TOKENS
+
+
 def faster_path(llama_s: float, float_s: float) -> bool:
-    """Whether the float path is chosen, given a prompt's seconds on each."""
+    """Whether the float path pays for a prompt, given its seconds on each."""
     return float_s <= FLOAT_MARGIN * llama_s
 
 
+def start_from_timings(short: tuple[float, float], long: tuple[float, float] | None) -> int:
+    """The start (module docstring) from the (llama.cpp, float) seconds of a
+    FLOAT_PREFILL_MIN_TOKENS-token prompt and, where float does not pay there, of a
+    FLOAT_PREFILL_LONG_TOKENS-token one (None: not timed, never)."""
+    if faster_path(*short):
+        return FLOAT_PREFILL_MIN_TOKENS
+    if long is None or not faster_path(*long):
+        return NEVER
+    # float's excess over the margin, linear in the length: positive at the short prompt, not at the long one
+    excess_short = short[1] - FLOAT_MARGIN * short[0]
+    excess_long = long[1] - FLOAT_MARGIN * long[0]
+    span = FLOAT_PREFILL_LONG_TOKENS - FLOAT_PREFILL_MIN_TOKENS
+    meet = FLOAT_PREFILL_MIN_TOKENS + span * excess_short / (excess_short - excess_long)
+    return min(FLOAT_PREFILL_LONG_TOKENS, math.ceil(meet))
+
+
 @torch.inference_mode()
-def measure_float_prefill(target) -> bool:
-    """Time a FLOAT_PREFILL_MIN_TOKENS-token prompt's prefill both ways (module docstring); -> whether
-    the float path is faster by the margin."""
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, target.vocab_size, (FLOAT_PREFILL_MIN_TOKENS,), generator=generator).tolist()
-    seconds: dict[str, list[float]] = {"llama.cpp": [], "float": []}
+def measure_float_prefill_start(target) -> int:
+    """Time prompts' prefills both ways (module docstring); -> the start."""
     ctx = None
     try:
-        ctx = target.new_measuring_context(2 * FLOAT_PREFILL_MIN_TOKENS, target.value_cache_type)
-        for round_ in range(MEASURE_ROUNDS + 1):  # the first round warms both up and is not counted
-            for name in seconds:
-                target.clear_measuring_context(ctx)
-                started = time.perf_counter()
-                target.measure_prefill(ctx, prompt, through_float=name == "float")
-                if round_:
-                    seconds[name].append(time.perf_counter() - started)
-    except MoaspecError:  # a model llama.cpp cannot time this way (too short a context): llama.cpp
-        return False
+        ctx = target.new_measuring_context(2 * FLOAT_PREFILL_LONG_TOKENS, target.value_cache_type)
+        short = _median_prefill_s(target, ctx, FLOAT_PREFILL_MIN_TOKENS, warm_up=True)
+        long = None if faster_path(*short) else _median_prefill_s(target, ctx, FLOAT_PREFILL_LONG_TOKENS)
+    except MoaspecError:  # a model llama.cpp cannot time this way (too short a context): never
+        return NEVER
     finally:
         if ctx is not None:
             target.free_measuring_context(ctx)
-    return faster_path(statistics.median(seconds["llama.cpp"]), statistics.median(seconds["float"]))
+    return start_from_timings(short, long)
+
+
+def _median_prefill_s(target, ctx, length: int, warm_up: bool = False) -> tuple[float, float]:
+    """(llama.cpp, float) median seconds of a `length`-token prompt's prefill into `ctx`, the two
+    taking turns over MEASURE_ROUNDS rounds (after an uncounted one where `warm_up`)."""
+    generator = torch.Generator().manual_seed(length)
+    prompt = torch.randint(0, target.vocab_size, (length,), generator=generator).tolist()
+    seconds: dict[str, list[float]] = {"llama.cpp": [], "float": []}
+    for round_ in range(MEASURE_ROUNDS + warm_up):
+        for name, spent in seconds.items():
+            target.clear_measuring_context(ctx)
+            started = time.perf_counter()
+            target.measure_prefill(ctx, prompt, through_float=name == "float")
+            if round_ or not warm_up:
+                spent.append(time.perf_counter() - started)
+    return statistics.median(seconds["llama.cpp"]), statistics.median(seconds["float"])
