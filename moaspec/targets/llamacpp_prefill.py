@@ -12,9 +12,9 @@ with the target's caches; in torch: the forward, the move of its keys and values
 context and the decode of the last token, as `set_context` does). Where the float path takes at
 most FLOAT_MARGIN of llama.cpp's time there, it prefills from FLOAT_PREFILL_MIN_TOKENS (~1.5 s of
 measuring on 2 cores). Otherwise a FLOAT_PREFILL_LONG_TOKENS-token prompt is timed the same way
-(~8 s more where it is needed): where float does not pay there either, it is never taken; where it
-does, it prefills from the length where the two lines through the measurements (seconds against
-tokens, one per path) meet at that margin (`float_prefill_start`). The answer, a prompt length (0:
+(~9 s more on an AVX2-only EPYC): where float does not pay there either, it is never taken;
+where it does, it prefills from the length where the two lines through the measurements (seconds
+against tokens, one per path) meet at that margin (`start_from_timings`). The answer, a prompt length (0:
 never), is saved per machine, llama.cpp build, GGUF, offloaded layers, thread count and value cache,
 as the value cache is (llamacpp_value_cache.py), so every process on the machine prefills the same
 way, hence gives the same tokens.
