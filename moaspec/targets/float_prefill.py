@@ -144,7 +144,10 @@ class FloatLlama:
         values[past:] = F.linear(h, v_proj).view(count, self.num_kv_heads, self.head_dim)
         all_keys = keys.float().transpose(0, 1)  # [n_kv, past + c, head_dim]
         all_values = values.float().transpose(0, 1)
-        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask, enable_gqa=True)  # [heads, c, d]
+        # batched (4-D): CPU SDPA takes its fused kernel there, 2-4x the 3-D math path's speed
+        attended = F.scaled_dot_product_attention(
+            q[None], all_keys[None], all_values[None], attn_mask=mask, enable_gqa=True
+        )[0]  # [heads, c, d]
         x = x + F.linear(attended.transpose(0, 1).reshape(count, -1), o_proj)
         h = layer.post_attention_norm(x)
         return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)

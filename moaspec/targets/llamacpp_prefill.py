@@ -43,7 +43,7 @@ PREFILL_PATHS = ("float", "llama.cpp")
 FLOAT_PREFILL_MIN_TOKENS = 64  # the shortest prompt (first turn, its last token included) the float path may take
 FLOAT_PREFILL_LONG_TOKENS = 256  # timed too where the float path does not pay at the shortest
 NEVER = 0  # a start that means: no prompt is prefilled in float
-MEASURE_VERSION = 2  # 1 saved a path ('float' from 64 tokens, or 'llama.cpp'), not a start
+MEASURE_VERSION = 3  # 1 saved a path (float from 64 tokens, or llama.cpp), not a start; 2 timed the unfused attention
 MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
 
