@@ -9,12 +9,13 @@ one-token decoding then read the same moved cells, and stay exact (llamacpp.py).
 
 The forward is transformers' Llama decoder written out (RMSNorm, rotary embedding of halves,
 grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts.
-Weights are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB), read without
-mapping the file (a mapped float32 file's pages count in the process's peak RSS: +425 MB at
-load), and widened to float32 one layer at a time; activations are float32. Keys and values are
-rounded to float16 as they are computed, as llama.cpp's f16 cache stores them, and attention reads
-them from there: a prompt prefilled in chunks then gives the same bits whether an earlier chunk
-was computed now or kept from an earlier prompt (`FloatPrefillCache`).
+The layers' matrices are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB),
+mapped from a float16 file beside the float32 copy (float_weights.py: a one-shot command's float
+prefill would otherwise spend what it gains narrowing them), and widened to float32 one layer at a
+time; activations are float32. Keys and values are rounded to float16 as they are computed, as
+llama.cpp's f16 cache stores them, and attention reads them from there: a prompt prefilled in
+chunks then gives the same bits whether an earlier chunk was computed now or kept from an earlier
+prompt (`FloatPrefillCache`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moaspec.nn.layers import RMSNorm, apply_rope
+from moaspec.targets.float_weights import float16_matrices
 
 LAYER_MATRICES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -80,11 +82,13 @@ class FloatLlama:
             module.weight.copy_(weights.get_tensor(name).float())
             return module
 
+        names = [[f"model.layers.{i}.{name}.weight" for name in LAYER_MATRICES] for i in range(self.num_layers)]
+        matrices = float16_matrices(model_dir, [name for layer in names for name in layer])
         with SafetensorsWeights(model_dir) as weights:
             self.embedding = weights.rows("model.embed_tokens.weight")
             self.layers = [
                 _Layer(
-                    [weights.rows(f"model.layers.{i}.{name}.weight", torch.float16).full() for name in LAYER_MATRICES],
+                    [matrices[name] for name in names[i]],
                     norm(weights, f"model.layers.{i}.input_layernorm.weight"),
                     norm(weights, f"model.layers.{i}.post_attention_layernorm.weight"),
                 )

@@ -208,7 +208,7 @@ class SafetensorsWeights:
         self._open: dict[str, object] = {}
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        file = self._file_of(name)
+        file = self.file_of(name)
         if file not in self._open:
             from safetensors import safe_open
 
@@ -217,9 +217,10 @@ class SafetensorsWeights:
 
     def rows(self, name: str, dtype: torch.dtype = torch.float32) -> FileRows:
         """A 2-D tensor as `dtype` rows read on demand (nn/file_rows.py: never memory-mapped)."""
-        return FileRows(self.model_dir / self._file_of(name), name, dtype)
+        return FileRows(self.model_dir / self.file_of(name), name, dtype)
 
-    def _file_of(self, name: str) -> str:
+    def file_of(self, name: str) -> str:
+        """The file (in model_dir) that holds tensor `name`."""
         file = "model.safetensors" if self.shard_of is None else self.shard_of.get(name)
         if file is None:
             raise MoaspecError(f"{self.model_dir}: no tensor '{name}' in model.safetensors.index.json")

@@ -1,0 +1,99 @@
+"""The float prefill's float16 layer matrices, written once beside the float32 copy and mapped by
+later processes (moaspec/targets/float_weights.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_tiny_target
+
+import moaspec.atomic_files
+from moaspec.targets.float_prefill import LAYER_MATRICES, FloatLlama, FloatPrefillCache
+from moaspec.targets.float_weights import FILE_NAME, float16_matrices
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    """A tiny random Llama saved as float32 safetensors (weights not float16-exact: the narrowing
+    is seen), its config and its layer matrices' names."""
+    model = make_tiny_target("llama", seed=5, dtype=torch.float32).model
+    model.save_pretrained(tmp_path)
+    config = SimpleNamespace(**json.loads((tmp_path / "config.json").read_text()))
+    names = [f"model.layers.{i}.{name}.weight" for i in range(config.num_hidden_layers) for name in LAYER_MATRICES]
+    want = {name: tensor.half() for name, tensor in model.state_dict().items() if name in names}
+    return tmp_path, config, names, want
+
+
+def mapped_files() -> str:
+    with open("/proc/self/maps") as maps:
+        return maps.read()
+
+
+def prefill(model_dir, config) -> FloatPrefillCache:
+    cache = FloatPrefillCache(FloatLlama(model_dir, config), chunk_size=16)
+    cache.prefill(list(range(3, 40)))
+    return cache
+
+
+def test_the_first_load_writes_the_file_and_later_ones_map_it(saved) -> None:
+    """The first load narrows the float32 matrices (held in memory) and writes them; a second maps
+    that file, with the same values, and prefills the same bits."""
+    model_dir, config, names, want = saved
+    first = float16_matrices(model_dir, names)
+    assert (model_dir / FILE_NAME).is_file() and str(model_dir / FILE_NAME) not in mapped_files()
+    second = float16_matrices(model_dir, names)
+    assert str(model_dir / FILE_NAME) in mapped_files()
+    for name in names:
+        assert first[name].dtype == second[name].dtype == torch.float16
+        assert torch.equal(first[name], want[name]) and torch.equal(second[name], want[name])
+    narrowed, mapped = prefill(model_dir, config), prefill(model_dir, config)
+    assert torch.equal(narrowed.keys, mapped.keys) and torch.equal(narrowed.values, mapped.values)
+    assert torch.equal(narrowed.hidden[:36], mapped.hidden[:36])
+
+
+def test_writing_into_a_mapped_matrix_does_not_reach_the_file(saved) -> None:
+    model_dir, _, names, want = saved
+    float16_matrices(model_dir, names)
+    float16_matrices(model_dir, names)[names[0]].fill_(7.0)
+    assert torch.equal(float16_matrices(model_dir, names)[names[0]], want[names[0]])
+
+
+@pytest.mark.parametrize("damage", ["other weights", "truncated", "garbage", "empty", "a matrix missing"])
+def test_a_file_from_other_weights_or_damaged_is_written_again(saved, damage: str) -> None:
+    model_dir, _, names, want = saved
+    float16_matrices(model_dir, names)
+    path = model_dir / FILE_NAME
+    if damage == "other weights":  # the float32 copy changed since: its modification time differs
+        stat = (model_dir / "model.safetensors").stat()
+        os.utime(model_dir / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "garbage":
+        path.write_bytes(b"\xff" * 64)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:  # a file written for fewer matrices
+        path.unlink()
+        float16_matrices(model_dir, names[:-1])
+    before = path.stat().st_mtime_ns, path.stat().st_size
+    again = float16_matrices(model_dir, names)
+    assert all(torch.equal(again[name], want[name]) for name in names)
+    assert (path.stat().st_mtime_ns, path.stat().st_size) != before  # written again
+    assert all(torch.equal(tensor, want[name]) for name, tensor in float16_matrices(model_dir, names).items())
+
+
+def test_where_the_file_cannot_be_written_the_narrowed_copies_serve(saved, monkeypatch) -> None:
+    """A read-only or full cache: no error, no file, the same values (narrowed in every process)."""
+    model_dir, _, names, want = saved
+
+    def refuse(path, content):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(moaspec.atomic_files, "write_file_atomically", refuse)
+    got = float16_matrices(model_dir, names)
+    assert not (model_dir / FILE_NAME).exists()
+    assert all(torch.equal(got[name], want[name]) for name in names)
