@@ -1,6 +1,8 @@
 """Start-up of `moaspec generate` as a user meets it: seconds from launching the console script to
 the first byte of generated text on stdout, to the process's exit, and its peak RSS, for several
-drafter choices run in interleaved rounds (warm page cache: one untimed run first).
+drafter choices run in interleaved rounds (warm caches: one untimed run first, which also writes
+moaspec's compiled bytecode as a user's installation holds it; PYTHONDONTWRITEBYTECODE, set on some
+machines, is left out of the runs' environment, since it makes every start compile ~70 modules).
 
     .venv/bin/python bench/startup.py --out bench/results/startup.json
 
@@ -30,6 +32,7 @@ CASES = {  # label -> extra arguments of `moaspec generate`
     "eagle": ["--drafter", "eagle"],
 }
 DEFAULT_CASES = ("default", "none", "ngram")
+RUN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
 def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, float]:
@@ -37,7 +40,7 @@ def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, f
     command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *extra]
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: stderr can never block the child
         begin = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=RUN_ENV)
         first = os.read(proc.stdout.fileno(), 1)
         first_byte = time.perf_counter() - begin
         rest = proc.stdout.read()
