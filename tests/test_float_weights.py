@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from types import SimpleNamespace
 
 import pytest
@@ -61,7 +62,9 @@ def test_writing_into_a_mapped_matrix_does_not_reach_the_file(saved) -> None:
     assert torch.equal(float16_matrices(model_dir, names)[names[0]], want[names[0]])
 
 
-@pytest.mark.parametrize("damage", ["other weights", "truncated", "garbage", "empty", "a matrix missing"])
+@pytest.mark.parametrize(
+    "damage", ["other weights", "truncated", "garbage", "empty", "a header not an object", "a matrix missing"]
+)
 def test_a_file_from_other_weights_or_damaged_is_written_again(saved, damage: str) -> None:
     model_dir, _, names, want = saved
     float16_matrices(model_dir, names)
@@ -75,6 +78,8 @@ def test_a_file_from_other_weights_or_damaged_is_written_again(saved, damage: st
         path.write_bytes(b"\xff" * 64)
     elif damage == "empty":
         path.write_bytes(b"")
+    elif damage == "a header not an object":
+        path.write_bytes(struct.pack("<Q", 2) + b"[]")
     else:  # a file written for fewer matrices
         path.unlink()
         float16_matrices(model_dir, names[:-1])

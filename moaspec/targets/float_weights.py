@@ -83,7 +83,7 @@ def _mapped(path: Path, names: list[str], source: str) -> dict[str, torch.Tensor
                 rows, columns
             )
         return matrices
-    except (struct.error, ValueError, KeyError, TypeError):  # json's errors are ValueErrors
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):  # json's errors are ValueErrors
         return None
 
 
