@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,33 @@ def test_gpu_campaign_refuses_an_unknown_run_before_writing(tmp_path) -> None:
     )
     assert proc.returncode == 2 and "RUNS names 'bogus'; the runs are moa, moa-wide and eagle" in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("steps", ["0", "12x", "-5"])
+def test_gpu_campaign_refuses_a_bad_step_count_before_writing(tmp_path, steps: str) -> None:
+    out = tmp_path / "runs"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_campaign"), "300", str(out)], capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, STEPS=steps),
+    )
+    assert proc.returncode == 2 and f"STEPS must be a positive whole number, not '{steps}'" in proc.stderr
+    assert not out.exists()
+
+
+def test_gpu_campaign_with_steps_trains_each_run_that_many_steps_without_a_probe(tmp_path) -> None:
+    calls = tmp_path / "calls.txt"
+    fake_moaspec = tmp_path / "moaspec"
+    fake_moaspec.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\n')
+    fake_moaspec.chmod(0o755)
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_campaign"), "300", str(tmp_path / "runs")], capture_output=True, text=True,
+        timeout=60, env=dict(os.environ, STEPS="602", RUNS="eagle moa", MOASPEC=str(fake_moaspec),
+                             PYTHON=sys.executable, DATA="data/x", DEVICE="cpu", INIT_EAGLE="ck/e", INIT_MOA="ck/m"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = sorted(calls.read_text().splitlines())
+    assert len(lines) == 2 and not any("probe" in line for line in lines)
+    for line, method, start in zip(lines, ["eagle", "moa"], ["ck/e", "ck/m"]):
+        argv = line.split()
+        assert argv[argv.index("--method") + 1] == method and argv[argv.index("--init-from") + 1] == start
+        assert argv[argv.index("--steps") + 1] == "602" and argv[argv.index("--val-every") + 1] == "602"
