@@ -13,7 +13,8 @@
    depth. For MoA, draft depth d = the trainer's acc_depth{d+1} (positions d steps after the last
    verified token, on a fixed anchor grid); for EAGLE, depth 1 only (the target's true features).
    Greedy decoding follows exactly this text, so depth-1 top-1 is the chance that the drafter's
-   first guess is accepted.
+   first guess is accepted. Depth 1 is also reported per turn (`depth1_by_turn`): the second
+   turn's answers follow the target's own first answer, a context the first-turn training data lacks.
 A drafter named `X+ngram` (the default drafter form, `moa+ngram`) is scored at draft depth 1 as
 the engine drafts with prompt lookup: where the n-gram lookup has a continuation of the context
 and root, its first token is the guess, elsewhere X's (`lookup` in top1.json: how often it
@@ -153,21 +154,31 @@ def lookup_guesses(token_ids: list[int]) -> list[int | None]:
     return guesses
 
 
-def depth_one_with_lookup(net, parts, source, samples, config) -> dict:
-    """Depth-1 top-1 of the drafter with prompt lookup first, over `samples` (counts)."""
+def turn_of(root: int, spans: tuple[tuple[int, int], ...]) -> int:
+    """Which answer (0: the first turn's) holds root position `root` and the token after it (a
+    scored root lies in start <= root <= end - 2 of its span: `trainer.loss_mask`)."""
+    return next(k for k, (start, end) in enumerate(spans) if start <= root < end - 1)
+
+
+def depth_one_counts(net, parts, source, samples, config, with_lookup: bool) -> list[dict]:
+    """Depth-1 top-1 counts of the drafter over `samples`, one dict per answer turn; with_lookup:
+    the n-gram lookup's first token where it has one, the drafter's elsewhere."""
     from moaspec.train.trainer import first_guesses, kv_layers_read
 
-    counts = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
+    turns: list[dict] = []
     net.eval()
     for sample in samples:
         features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
         with torch.inference_mode():
             roots, model_guesses = first_guesses(net, parts, sample, features, config, MAX_DEPTH)
         target_next = features.teacher_argmax.cpu()
-        lookup = lookup_guesses(sample.input_ids.tolist())
+        lookup = lookup_guesses(sample.input_ids.tolist()) if with_lookup else None
+        spans = sample.spans()
+        while len(turns) < len(spans):
+            turns.append({"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0})
         for root, model_guess in zip(roots.tolist(), model_guesses.tolist()):
-            wanted = int(target_next[root])
-            guess = lookup[root]
+            counts, wanted = turns[turn_of(root, spans)], int(target_next[root])
+            guess = None if lookup is None else lookup[root]
             if guess is not None:
                 counts["lookup_answered"] += 1
                 counts["lookup_hits"] += guess == wanted
@@ -175,7 +186,17 @@ def depth_one_with_lookup(net, parts, source, samples, config) -> dict:
                 guess = model_guess
             counts["hits"] += guess == wanted
             counts["positions"] += 1
-    return counts
+    return turns
+
+
+def depth_one_by_turn(net, parts, source, samples, config, with_lookup: bool) -> dict:
+    """{"turn1": top-1, "turn2": top-1, ...} at draft depth 1 over all `samples`."""
+    turns = depth_one_counts(net, parts, source, samples, config, with_lookup)
+    return {f"turn{k + 1}": counts["hits"] / max(counts["positions"], 1) for k, counts in enumerate(turns)}
+
+
+def summed(turns: list[dict]) -> dict:
+    return {key: sum(counts[key] for counts in turns) for key in ("hits", "positions", "lookup_answered", "lookup_hits")}
 
 
 def evaluate(label: str, spec: str, target, source, samples, categories) -> dict:
@@ -207,7 +228,8 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
         accuracy = counts.summary()
         rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
         print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
-    return {"label": label, "source": spec, "method": method, "by_category": rows}
+    by_turn = depth_one_by_turn(net, parts, source, samples, config, with_lookup=False)
+    return {"label": label, "source": spec, "method": method, "by_category": rows, "depth1_by_turn": by_turn}
 
 
 def evaluate_with_lookup(label, spec, method, net, parts, source, samples, categories, config) -> dict:
@@ -216,13 +238,14 @@ def evaluate_with_lookup(label, spec, method, net, parts, source, samples, categ
     totals = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
     for category in sorted(set(categories)):
         chosen = [s for s, c in zip(samples, categories) if c == category]
-        counts = depth_one_with_lookup(net, parts, source, chosen, config)
+        counts = summed(depth_one_counts(net, parts, source, chosen, config, with_lookup=True))
         totals = {key: totals[key] + counts[key] for key in totals}
         rows[category], lookup[category] = _lookup_summary(counts)
     rows["all"], lookup["all"] = _lookup_summary(totals)
     for category, row in rows.items():
         print(f"mtbench_top1: {label} {category} {row} {lookup[category]}", file=sys.stderr)
-    return {"label": label, "source": spec, "method": method, "by_category": rows, "lookup": lookup}
+    by_turn = depth_one_by_turn(net, parts, source, samples, config, with_lookup=True)
+    return {"label": label, "source": spec, "method": method, "by_category": rows, "lookup": lookup, "depth1_by_turn": by_turn}
 
 
 def _lookup_summary(counts: dict) -> tuple[dict, dict]:
@@ -299,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
         for category, row in result["by_category"].items():
             cells = [f"{row.get(f'depth{d}'):.3f}" if row.get(f"depth{d}") is not None else "–" for d in range(1, 6)]
             lines.append(f"| {result['label']} | {category} | " + " | ".join(cells) + " |")
+    lines += ["", "Depth 1 by turn (the second asked after the target's own first answer):", "",
+              "| drafter | turn 1 | turn 2 |", "|---|---:|---:|"]
+    for result in results:
+        by_turn = result["depth1_by_turn"]
+        lines.append(f"| {result['label']} | {by_turn['turn1']:.3f} | {by_turn['turn2']:.3f} |")
     for result in results:
         if "lookup" in result:
             share = result["lookup"]["all"]

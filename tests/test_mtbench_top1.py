@@ -3,6 +3,7 @@ drafter's own first token, and the model's guess fills in where the lookup has n
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import load_bench_script, make_tiny_target
 
@@ -25,16 +26,17 @@ def test_lookup_guesses_are_the_ngram_drafters_first_tokens() -> None:
     assert guesses[5] == 7 and guesses[0] is None and sum(g is not None for g in guesses) >= 6
 
 
-def test_depth_one_with_lookup_counts_the_lookup_first_then_the_model() -> None:
+def test_depth_one_counts_take_the_lookup_first_then_the_model_per_turn() -> None:
     script = load_bench_script("mtbench_top1")
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
     torch.manual_seed(0)
     net = build_net("eagle", target, 0, None)
     config = TrainConfig(method="eagle")
     repeated = torch.tensor([3, 4, 5, 6, 7, 8] * 4)
-    data = [TrainSample(repeated, 6, 0), TrainSample(torch.arange(10, 34), 6, 1)]
+    data = [TrainSample(repeated, 6, 0), TrainSample(torch.arange(10, 34), 6, 1, ((6, 12), (15, 24)))]
     source, parts = OnlineFeatures(target), target.parts(0)
-    counts = script.depth_one_with_lookup(net, parts, source, data, config)
+    turns = script.depth_one_counts(net, parts, source, data, config, with_lookup=True)
+    counts = script.summed(turns)
     expected = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
     for sample in data:
         features = source.features(sample, 0, ())
@@ -51,3 +53,15 @@ def test_depth_one_with_lookup_counts_the_lookup_first_then_the_model() -> None:
             expected["positions"] += 1
     assert counts == expected
     assert 0 < counts["lookup_answered"] < counts["positions"]  # the repeated sample only
+    # scored roots (trainer.loss_mask): turn 1 the first sample's 6..22 and the second's 6..10,
+    # turn 2 the second's 15..22
+    assert [t["positions"] for t in turns] == [17 + 5, 8]
+
+
+def test_turn_of_places_a_root_in_the_answer_its_next_token_belongs_to() -> None:
+    script = load_bench_script("mtbench_top1")
+    spans = ((6, 12), (15, 24))
+    assert [script.turn_of(root, spans) for root in (6, 10, 15, 22)] == [0, 0, 1, 1]
+    for outside in (5, 11, 14, 23):
+        with pytest.raises(StopIteration):
+            script.turn_of(outside, spans)
