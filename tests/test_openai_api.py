@@ -316,6 +316,19 @@ def test_requests_without_max_tokens_fit_the_context_and_completions_ignore_max_
     assert ignored.status_code == 200 and ignored.json()["usage"]["completion_tokens"] == 3
 
 
+def test_chat_refuses_an_invalid_max_tokens_beside_a_valid_max_completion_tokens(ngram_server) -> None:
+    """Bug: with both given, chat used max_completion_tokens and let an invalid max_tokens (0)
+    pass silently; alone it was refused. Both given and valid: max_completion_tokens rules."""
+    messages = [{"role": "user", "content": "x"}]
+    for bad in ({"max_completion_tokens": 3, "max_tokens": 0}, {"max_completion_tokens": 0, "max_tokens": 3}):
+        refused = _post(ngram_server, "/v1/chat/completions", body={"model": MODEL, "messages": messages, **bad})
+        param = next(field for field, value in bad.items() if value == 0)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    both = _post(ngram_server, "/v1/chat/completions",
+                 body={"model": MODEL, "messages": messages, "max_completion_tokens": 3, "max_tokens": 5, "temperature": 0})
+    assert both.status_code == 200 and both.json()["usage"]["completion_tokens"] == 3
+
+
 def test_max_tokens_limit_follows_the_split_limits() -> None:
     started = start_server("ngram", limits=ServerLimits(max_new_tokens=10))
     try:
@@ -520,6 +533,10 @@ def test_tls_with_the_openai_client(tmp_path) -> None:
         with pytest.raises(MoaspecError, match="does not verify.*--cafile") as refused:
             SplitClient(split_url, KEY).info()
         assert not isinstance(refused.value, LinkDown)
+        # the right CA but a name the certificate does not list: the hint names the host, not --cafile
+        with pytest.raises(MoaspecError, match="does not verify.*not localhost$") as misnamed:
+            SplitClient(f"https://localhost:{started.port}", KEY, cafile=str(cert)).info()
+        assert "--cafile" not in str(misnamed.value)
     finally:
         started.stop()
 

@@ -536,19 +536,26 @@ def test_the_bearer_scheme_is_case_insensitive_and_full_queues_say_when_to_retry
     assert isinstance(error_response(APIError(503, "busy")), web.Response)
 
 
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """(certificate, key) for 127.0.0.1, made with openssl."""
+    import subprocess
+
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key
+
+
 def test_a_tls_handshake_that_never_comes_times_out(tmp_path) -> None:
     """A TLS connection whose client never sends its handshake is closed at the header time-out
     (asyncio's default is 60 s: a descriptor held each meanwhile). Not flaky: a 0.3 s time-out
     against the 5 s socket deadline."""
     import ssl
-    import subprocess
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )
+    cert, key = self_signed(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     target = tiny_chat_target()
@@ -562,6 +569,65 @@ def test_a_tls_handshake_that_never_comes_times_out(tmp_path) -> None:
                 pass
     finally:
         started.stop()
+
+
+def test_a_tls_connection_the_server_closes_frees_its_slot_at_once(tmp_path) -> None:
+    """Bug: over TLS a connection closed by the header time-out (or the keep-alive one) waited
+    asyncio's default 30 s for the client's close_notify, holding its --max-connections slot (503s
+    meanwhile). Not flaky: the client never closes; the slot must come back within 5 s (TLS_SHUTDOWN_S
+    is 1 s), against 30 s before."""
+    import ssl
+
+    from moaspec.serving.http_guard import TLS_SHUTDOWN_S
+
+    cert, key = self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    client_context = ssl.create_default_context(cafile=str(cert))
+    target = tiny_chat_target()
+    server = SplitServer(target, make_drafter("ngram", target), [KEY], ServerLimits(header_timeout_s=0.3, max_connections=2))
+    started = ServerThread(server, ssl_context=server_context).start()
+    try:
+        raw = socket.create_connection(("127.0.0.1", started.port), timeout=SOCKET_TIMEOUT_S)
+        with client_context.wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finished
+            assert read_response(sock).startswith(b"HTTP/1.1 408 ")
+            assert wait_until(lambda: server.connections.num_open == 0, timeout_s=TLS_SHUTDOWN_S + 4.0)
+    finally:
+        started.stop()
+
+
+def test_a_body_that_does_not_decode_is_a_400_that_says_so_and_logs_no_traceback(server, caplog) -> None:
+    """Bug: a body not decodable as its Content-Encoding got 400 "cut off before its end", and
+    aiohttp's lingering read after the response raised the decoding error again, logged as an
+    "Unhandled exception" with its traceback. Not flaky: the log line would come before the server
+    closes the connection, which the test waits for."""
+    import zlib
+
+    caplog.set_level(logging.DEBUG)
+    port = server.port
+    valid = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    for encoding, body in (("gzip", b"\x1f\x8bnot gzip at all"), ("deflate", b"not deflate either"),
+                           ("gzip", zlib.compress(valid)[:-3])):
+        with socket.create_connection(("127.0.0.1", port), timeout=SOCKET_TIMEOUT_S) as sock:
+            sock.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                          f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
+                          f"Content-Length: {len(body)}\r\n\r\n").encode() + body)
+            response = read_response(sock)
+            while sock.recv(65536):  # until the server closes the connection
+                pass
+        head, _, payload = response.partition(b"\r\n\r\n")
+        error = assert_our_error(int(head.split()[1]), payload, 400)
+        assert error["code"] == "bad_content_encoding" and f"({encoding})" in error["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    gzipped = __import__("gzip").compress(valid)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
+    try:  # a valid compressed body is read as the JSON it holds
+        conn.request("POST", "/v1/completions", body=gzipped, headers={
+            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
 
 
 def test_a_declared_oversized_body_is_refused_at_once(server) -> None:

@@ -240,12 +240,17 @@ def parse_job(
     _refuse_unsupported(request)
     if (request.n if request.n is not None else 1) != 1:
         raise APIError(400, "only n = 1 is supported", "n", "unsupported_value")
-    name = "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
+    # chat: max_completion_tokens rules where both are given; each given one must be valid
+    given = [field for field in (("max_completion_tokens", "max_tokens") if chat else ("max_tokens",))
+             if getattr(request, field) is not None]
+    for field in given:
+        if not 1 <= getattr(request, field) <= max_new_tokens:
+            shown = _shown(getattr(request, field))
+            raise APIError(400, f"'{field}' must be in [1, {max_new_tokens}], got {shown}", field, "invalid_value")
+    name = given[0] if given else "max_tokens"
     max_tokens = getattr(request, name)
     if max_tokens is None:
         max_tokens = min(max_new_tokens, room) if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
-    elif not 1 <= max_tokens <= max_new_tokens:
-        raise APIError(400, f"'{name}' must be in [1, {max_new_tokens}], got {_shown(max_tokens)}", name, "invalid_value")
     elif max_tokens > room:
         context = room + len(prompt_ids)
         raise APIError(

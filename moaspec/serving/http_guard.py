@@ -45,6 +45,9 @@ logger = logging.getLogger("moaspec.serve")
 # what the client still sends is read and dropped for this long before the connection closes
 # (aiohttp's lingering close: closing at once could reset the connection under the response).
 LINGER_S = 1.0
+# A TLS connection the server closes (a time-out, a refusal) waits this long for the client's
+# close_notify before it is dropped (asyncio's default, 30 s, held its --max-connections slot).
+TLS_SHUTDOWN_S = 1.0
 # A request cancelled at the end of the shutdown time-out gets this long to unwind (its handler's
 # finally blocks) before aiohttp's own shutdown of the connection.
 CANCELLED_GRACE_S = 1.0
@@ -210,9 +213,9 @@ class GuardedSite:
             )
 
         # a TLS handshake gets the header time-out too (asyncio's default is 60 s)
-        handshake_s = limits.header_timeout_s if ssl_context is not None else None
+        tls = {"ssl_handshake_timeout": limits.header_timeout_s, "ssl_shutdown_timeout": TLS_SHUTDOWN_S} if ssl_context else {}
         try:
-            self._server = await loop.create_server(connection, host, port, ssl=ssl_context, ssl_handshake_timeout=handshake_s)
+            self._server = await loop.create_server(connection, host, port, ssl=ssl_context, **tls)
         except OSError as exc:  # in use, not this machine's address, a name that does not resolve
             await self._runner.cleanup()
             raise MoaspecError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc

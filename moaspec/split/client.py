@@ -22,6 +22,9 @@ from moaspec.serving.api_keys import check_api_key
 from moaspec.split import protocol as wire
 from moaspec.split.address import server_address
 
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH: the CA is right, the name is not
+CERTIFICATE_NAME_MISMATCH = (62, 64)
+
 
 class LinkDown(MoaspecError):
     """The server could not be reached or did not answer in time."""
@@ -103,10 +106,11 @@ class SplitClient:
             data = response.read()
         except ssl.SSLCertVerificationError as exc:
             self.drop_connection()
-            raise MoaspecError(
-                f"the certificate of {self.host}:{self.port} does not verify ({exc.verify_message}); "
-                "pass the CA that signed it with --cafile"
-            ) from None
+            hint = (
+                f"connect by a host name or address the certificate lists, not {self.host}"
+                if exc.verify_code in CERTIFICATE_NAME_MISMATCH else "pass the CA that signed it with --cafile"
+            )
+            raise MoaspecError(f"the certificate of {self.host}:{self.port} does not verify ({exc.verify_message}); {hint}") from None
         except (OSError, http.client.HTTPException, socket.timeout) as exc:
             self.drop_connection()
             raise LinkDown(f"server {self.host}:{self.port} unreachable: {type(exc).__name__}: {exc}") from exc
