@@ -54,7 +54,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
+    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER, MODEL_FREE, SHIPPED
     from moaspec.model_store import DEFAULT_TARGET
     from moaspec.targets.options import add_runtime_arguments
     from moaspec.tuned import add_tree_arguments
@@ -73,8 +73,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--drafter",
         default=None,
-        help=f"drafter name or checkpoint (default: the fastest of none, ngram and {DEFAULT_DRAFTER} on this "
-        "machine, chosen by the machine calibration; see README 'Machine calibration')",
+        help=f"{', '.join([*MODEL_FREE, *SHIPPED])}, X+ngram (a model drafter with prompt lookup first) or a "
+        f"checkpoint directory (default: the fastest of none, ngram and {DEFAULT_DRAFTER} on this machine, chosen "
+        "by the machine calibration; see README 'Machine calibration')",
     )
     gen.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default 256)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
@@ -399,9 +400,22 @@ def _main(argv: list[str] | None) -> tuple[int, str | None]:
 FAST_EXIT_COMMANDS = ("generate", "serve")
 
 
+def usable_standard_streams() -> None:
+    """Make stdout and stderr safe to write: one closed by the caller (`>&-`, which Python leaves as
+    None, so that print(file=sys.stderr) fell back to stdout) writes to /dev/null, as Python's own
+    print to a closed stdout does nothing; on a console whose encoding cannot show a character
+    (a non-UTF-8 locale), stdout prints `?` for it instead of failing mid-answer."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w", encoding="utf-8"))  # noqa: SIM115  lives as long as the process
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")
+
+
 def entry() -> None:
     """The `moaspec` console script: main(), then for `generate` an exit that skips the interpreter's
     teardown of torch and llama.cpp (~0.5 s after the text is out; bench/startup.py measures it)."""
+    usable_standard_streams()
     code, command = _main(None)
     try:
         sys.stdout.flush()

@@ -100,8 +100,8 @@ def add_tree_arguments(parser, applies_to: str) -> None:
     for name, what in (("depth", "drafted levels"), ("top-k", "beams and children per level"), ("budget", "drafted nodes")):
         parser.add_argument(
             f"--tree-{name}", type=int, default=None,
-            help=f"{applies_to}: tree {what} (default: `moaspec tune`'s choice, else the machine calibration's, "
-            "else the checkpoint's)",
+            help=f"{applies_to}: tree {what} (default: `moaspec tune`'s choice on the transformers runtime, else "
+            "the machine calibration's, else the checkpoint's)",
         )
 
 

@@ -488,3 +488,43 @@ def test_train_refuses_doubled_data_and_directories_of_other_files(tmp_path, cap
         assert lines[:-1] == [f"moaspec: note: {data} is not complete yet (`moaspec data stats {data}`): "
                               "training on the records it holds now"]
     assert (notes / "notes.txt").read_text() == "mine" and sorted(p.name for p in notes.iterdir()) == ["notes.txt"]
+
+
+def test_closed_and_narrow_standard_streams_keep_messages_and_exit_statuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug: with stderr closed (`2>&-`, which Python leaves as None) the error line fell back to
+    stdout and the exit status became 1; with stdout closed `generate` failed on its flush; on a
+    console whose encoding cannot show a character the answer stopped at it with a traceback."""
+    import io
+
+    from moaspec.cli import usable_standard_streams
+
+    narrow = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", narrow)
+    monkeypatch.setattr(sys, "stderr", None)
+    usable_standard_streams()
+    print("café", end="")
+    print("an error line", file=sys.stderr)
+    sys.stdout.flush()
+    assert narrow.buffer.getvalue() == b"caf?"
+    monkeypatch.setattr(sys, "stdout", None)
+    usable_standard_streams()
+    print("nowhere")
+    sys.stdout.flush()
+
+
+def test_an_error_with_stderr_closed_keeps_stdout_empty_and_its_status(tmp_path: Path) -> None:
+    command = f'"{sys.executable}" -m moaspec generate --prompt "" 2>&-'
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=_subprocess_env(tmp_path), timeout=120)
+    assert proc.returncode == EXIT_USAGE and proc.stdout == ""
+
+
+def test_a_target_of_an_unknown_architecture_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An audit's: a model directory whose config.json names a model_type transformers does not
+    know got a warning line, then an error about a missing tokenizer library."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "nonesuch"}')
+    rc = main(_gen("--target", str(model), "--runtime", "transformers", "--drafter", "none"))
+    lines = capsys.readouterr().err.splitlines()
+    assert rc == EXIT_USAGE and len(lines) == 1, lines
+    assert lines[0].startswith(PREFIX) and "model_type 'nonesuch'" in lines[0]

@@ -89,6 +89,7 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
 
     hf_logging.disable_progress_bar()
     name, model_dir = resolve_target(spec)
+    check_architecture(spec, model_dir)
     try:
         tokenizer = load_tokenizer(model_dir)
         model = load_causal_lm(model_dir, dtype, attn_implementation)
@@ -106,6 +107,23 @@ def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, 
     if layout is not None:
         loaded.use_layout(layout)
     return loaded
+
+
+def check_architecture(spec: str, model_dir: Path) -> None:
+    """MoaspecError naming the model_type of `model_dir`'s config.json when transformers knows no
+    such architecture (the loaders blamed a missing tokenizer, after a warning of their own)."""
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # the loaders say what is wrong with the file
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise MoaspecError(
+            f"cannot load target {spec}: its config.json names model_type '{model_type}', an architecture "
+            f"transformers {transformers.__version__} does not know"
+        )
 
 
 def load_causal_lm(model_dir, dtype: torch.dtype, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION):
