@@ -189,9 +189,8 @@ def depth_one_counts(net, parts, source, samples, config, with_lookup: bool) -> 
     return turns
 
 
-def depth_one_by_turn(net, parts, source, samples, config, with_lookup: bool) -> dict:
-    """{"turn1": top-1, "turn2": top-1, ...} at draft depth 1 over all `samples`."""
-    turns = depth_one_counts(net, parts, source, samples, config, with_lookup)
+def turn_rates(turns: list[dict]) -> dict:
+    """{"turn1": top-1, "turn2": top-1, ...} of `depth_one_counts`' per-turn counts."""
     return {f"turn{k + 1}": counts["hits"] / max(counts["positions"], 1) for k, counts in enumerate(turns)}
 
 
@@ -228,23 +227,23 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
         accuracy = counts.summary()
         rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
         print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
-    by_turn = depth_one_by_turn(net, parts, source, samples, config, with_lookup=False)
+    by_turn = turn_rates(depth_one_counts(net, parts, source, samples, config, with_lookup=False))
     return {"label": label, "source": spec, "method": method, "by_category": rows, "depth1_by_turn": by_turn}
 
 
 def evaluate_with_lookup(label, spec, method, net, parts, source, samples, categories, config) -> dict:
     """`evaluate` for `X+ngram`: depth 1 only, per category, with the lookup's share."""
     rows, lookup = {}, {}
-    totals = {"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0}
+    per_category = []
     for category in sorted(set(categories)):
         chosen = [s for s, c in zip(samples, categories) if c == category]
-        counts = summed(depth_one_counts(net, parts, source, chosen, config, with_lookup=True))
-        totals = {key: totals[key] + counts[key] for key in totals}
-        rows[category], lookup[category] = _lookup_summary(counts)
-    rows["all"], lookup["all"] = _lookup_summary(totals)
+        per_category.append(depth_one_counts(net, parts, source, chosen, config, with_lookup=True))
+        rows[category], lookup[category] = _lookup_summary(summed(per_category[-1]))
+    rows["all"], lookup["all"] = _lookup_summary(summed([counts for turns in per_category for counts in turns]))
     for category, row in rows.items():
         print(f"mtbench_top1: {label} {category} {row} {lookup[category]}", file=sys.stderr)
-    by_turn = depth_one_by_turn(net, parts, source, samples, config, with_lookup=True)
+    turn_count = max(len(turns) for turns in per_category)
+    by_turn = turn_rates([summed([turns[k] for turns in per_category if k < len(turns)]) for k in range(turn_count)])
     return {"label": label, "source": spec, "method": method, "by_category": rows, "lookup": lookup, "depth1_by_turn": by_turn}
 
 
