@@ -3,7 +3,9 @@ the OpenAI-compatible API tests (loopback only)."""
 
 from __future__ import annotations
 
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 from conftest import TINY_VOCAB, make_random_drafter_net, make_tiny_target
@@ -77,3 +79,14 @@ def start_server(method: str = "ngram", delay_s: float = 0.0, max_waiting: int =
         drafter = SlowDrafter(drafter, delay_s)
     server = SplitServer(target, drafter, [KEY], limits or ServerLimits(), OpenAILimits(max_waiting=max_waiting))
     return ServerThread(server).start()
+
+
+def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
+    """(certificate, key) for 127.0.0.1 in `directory`, made with openssl."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=60,
+    )
+    return cert, key

@@ -499,19 +499,14 @@ def test_serve_flags() -> None:
 def test_tls_with_the_openai_client(tmp_path) -> None:
     """The same TLS as the split protocol: ServerThread with the server's SSL context."""
     import ssl
-    import subprocess
 
     from openai_helpers import make_drafter as drafter_for
+    from openai_helpers import self_signed_certificate
 
     from moaspec.errors import MoaspecError
     from moaspec.split.server import ServerThread, SplitServer
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )
+    cert, key = self_signed_certificate(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     target = tiny_chat_target()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from openai_helpers import KEY, make_drafter, start_server, tiny_chat_target
+from openai_helpers import KEY, make_drafter, self_signed_certificate, start_server, tiny_chat_target
 
 from moaspec.serving.http_guard import LINGER_S
 from moaspec.split import protocol as wire
@@ -536,26 +536,13 @@ def test_the_bearer_scheme_is_case_insensitive_and_full_queues_say_when_to_retry
     assert isinstance(error_response(APIError(503, "busy")), web.Response)
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """(certificate, key) for 127.0.0.1, made with openssl."""
-    import subprocess
-
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=60,
-    )
-    return cert, key
-
-
 def test_a_tls_handshake_that_never_comes_times_out(tmp_path) -> None:
     """A TLS connection whose client never sends its handshake is closed at the header time-out
     (asyncio's default is 60 s: a descriptor held each meanwhile). Not flaky: a 0.3 s time-out
     against the 5 s socket deadline."""
     import ssl
 
-    cert, key = self_signed(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
     target = tiny_chat_target()
@@ -580,7 +567,7 @@ def test_a_tls_connection_the_server_closes_frees_its_slot_at_once(tmp_path) -> 
 
     from moaspec.serving.http_guard import TLS_SHUTDOWN_S
 
-    cert, key = self_signed(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_context.load_cert_chain(cert, key)
     client_context = ssl.create_default_context(cafile=str(cert))
@@ -602,6 +589,7 @@ def test_a_body_that_does_not_decode_is_a_400_that_says_so_and_logs_no_traceback
     aiohttp's lingering read after the response raised the decoding error again, logged as an
     "Unhandled exception" with its traceback. Not flaky: the log line would come before the server
     closes the connection, which the test waits for."""
+    import gzip
     import zlib
 
     caplog.set_level(logging.DEBUG)
@@ -620,7 +608,7 @@ def test_a_body_that_does_not_decode_is_a_400_that_says_so_and_logs_no_traceback
         error = assert_our_error(int(head.split()[1]), payload, 400)
         assert error["code"] == "bad_content_encoding" and f"({encoding})" in error["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
-    gzipped = __import__("gzip").compress(valid)
+    gzipped = gzip.compress(valid)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=SOCKET_TIMEOUT_S)
     try:  # a valid compressed body is read as the JSON it holds
         conn.request("POST", "/v1/completions", body=gzipped, headers={
