@@ -108,16 +108,41 @@ def test_gpu_campaign_refuses_a_bad_step_count_before_writing(tmp_path, steps: s
     assert not out.exists()
 
 
-def test_gpu_campaign_with_steps_trains_each_run_that_many_steps_without_a_probe(tmp_path) -> None:
+def fake_trainer(tmp_path: Path, steps_done: str = "$steps") -> tuple[Path, Path]:
+    """A stand-in `moaspec` that records its arguments and saves a checkpoint whose config says it
+    trained `steps_done` steps (default: the --steps asked for). -> (it, the file of its calls)."""
     calls = tmp_path / "calls.txt"
     fake_moaspec = tmp_path / "moaspec"
-    fake_moaspec.write_text(f'#!/usr/bin/env bash\necho "$@" >> {calls}\n')
+    fake_moaspec.write_text(
+        "#!/usr/bin/env bash\n"
+        f'echo "$@" >> {calls}\n'
+        'while [ $# -gt 0 ]; do case $1 in --out) out=$2;; --steps) steps=$2;; esac; shift; done\n'
+        f'mkdir -p "$out/checkpoint" && echo "{{\\"training\\": {{\\"step\\": {steps_done}}}}}" > "$out/checkpoint/config.json"\n'
+    )
     fake_moaspec.chmod(0o755)
-    proc = subprocess.run(
+    return fake_moaspec, calls
+
+
+def run_gpu_campaign_steps(tmp_path: Path, fake_moaspec: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [str(ROOT / "scripts" / "gpu_campaign"), "300", str(tmp_path / "runs")], capture_output=True, text=True,
         timeout=60, env=dict(os.environ, STEPS="602", RUNS="eagle moa", MOASPEC=str(fake_moaspec),
                              PYTHON=sys.executable, DATA="data/x", DEVICE="cpu", INIT_EAGLE="ck/e", INIT_MOA="ck/m"),
     )
+
+
+def test_gpu_campaign_with_steps_fails_when_the_time_box_cut_a_run_short(tmp_path) -> None:
+    """Bug (a review of the GPU procedure): a STEPS pass stopped by the time box saved fewer steps
+    and the campaign still succeeded, so an 'equal steps' comparison could silently be unequal."""
+    fake_moaspec, _ = fake_trainer(tmp_path, steps_done="400")
+    proc = run_gpu_campaign_steps(tmp_path, fake_moaspec)
+    assert proc.returncode == 1
+    assert "STEPS=602 not reached (the time box stopped them): eagle at step 400; moa at step 400" in proc.stderr
+
+
+def test_gpu_campaign_with_steps_trains_each_run_that_many_steps_without_a_probe(tmp_path) -> None:
+    fake_moaspec, calls = fake_trainer(tmp_path)
+    proc = run_gpu_campaign_steps(tmp_path, fake_moaspec)
     assert proc.returncode == 0, proc.stderr
     lines = sorted(calls.read_text().splitlines())
     assert len(lines) == 2 and not any("probe" in line for line in lines)
