@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from moaspec.atomic_files import write_files_atomically
+from moaspec.bench.plots import figure_png
 from moaspec.bench.script_args import existing_file, output_file, read_json, run_script, script_parser
 from moaspec.errors import MoaspecError
 
@@ -98,8 +99,6 @@ def points(top1: dict) -> list[dict]:
 
 def plot(curve_points: list[dict]) -> bytes:
     """The PNG: one panel per draft depth, top-1 over sequences seen, one line per method."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,11 +116,7 @@ def plot(curve_points: list[dict]) -> bytes:
         axis.set_xlabel("training sequences seen (steps × batch)")
         axis.grid(alpha=0.3, which="both")
     axes[0].legend(loc="upper left", fontsize=8)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
-    plt.close(figure)
-    return buffer.getvalue()
+    return figure_png(plt, figure)
 
 
 def main(argv: list[str] | None = None) -> int:

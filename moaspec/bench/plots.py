@@ -65,7 +65,7 @@ def render_client_server_plots(results: dict) -> dict[str, bytes]:
         speed.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
         speed.legend(fontsize="small", ncols=2, loc="upper left")
         fig.suptitle(f"moaspec bench --client-server: {results['config']['target']}, {_decoding(results)}")
-        return dict(zip(CLIENT_SERVER_PLOT_FILES, (_png(plt, fig),)))
+        return dict(zip(CLIENT_SERVER_PLOT_FILES, (figure_png(plt, fig),)))
     finally:
         plt.close("all")
 
@@ -84,7 +84,7 @@ def _speedup(plt, results: dict) -> bytes:
     ax.set_ylabel("speedup over none (tokens/s ratio)")
     ax.set_title(f"moaspec bench: {results['config']['target']}, {_decoding(results)}")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
-    return _png(plt, fig)
+    return figure_png(plt, fig)
 
 
 def _tau(plt, results: dict) -> bytes:
@@ -95,7 +95,7 @@ def _tau(plt, results: dict) -> bytes:
     ax.set_xticks(range(1, len(methods) + 1), methods)
     ax.set_ylabel("τ per generation (tokens per target forward)")
     ax.set_title(f"τ distribution, {_decoding(results)}")
-    return _png(plt, fig)
+    return figure_png(plt, fig)
 
 
 def _decoding(results: dict) -> str:
@@ -103,7 +103,8 @@ def _decoding(results: dict) -> str:
     return "greedy" if temperature == 0 else f"T={temperature}"
 
 
-def _png(plt, fig) -> bytes:
+def figure_png(plt, fig) -> bytes:
+    """A matplotlib figure, laid out tightly, as PNG bytes (110 dpi); the figure is closed."""
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png", dpi=110)
