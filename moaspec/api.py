@@ -12,9 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 from inspect import signature
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from moaspec.chat import check_prompt_text, encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
@@ -37,6 +35,8 @@ from moaspec.targets.base import Target
 from moaspec.targets.load import DEFAULT_ATTN_IMPLEMENTATION, load_tokenizer  # noqa: F401  (re-exported)
 
 if TYPE_CHECKING:
+    import torch
+
     from moaspec.calibration.plan import Calibration
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ class SpeculativeLM:
         """Generate from a text prompt (chat template applied unless `raw`) or from token ids.
 
         streamer: any transformers streamer (`TextStreamer`, `TextIteratorStreamer`): it gets
-        `put(prompt_ids)` first, then the new tokens as they are verified, then `end()`.
+        `put(prompt_ids)` first ([1, T]), then the new tokens as they are verified ([n]), then
+        `end()`; as torch tensors, as transformers' generate() gives them, or as lists for a
+        streamer that says it `takes_token_lists` (text_stream.py's: the CLI runs without torch).
         Calls from several threads run one after another (one target context, one drafter state).
         """
         result = GenerationResult()
@@ -116,11 +118,11 @@ class SpeculativeLM:
                     streamer.end()
                 raise
             if streamer is not None:
-                streamer.put(torch.tensor([prompt_ids]))
+                streamer.put(_streamed([prompt_ids], streamer))
             try:
                 for new_ids in steps:
                     if streamer is not None and new_ids:
-                        streamer.put(torch.tensor(new_ids))
+                        streamer.put(_streamed(new_ids, streamer))
             finally:
                 if streamer is not None:
                     streamer.end()
@@ -129,9 +131,18 @@ class SpeculativeLM:
         return GenerationOutput(text, result.token_ids, result.stats, result.stop_reason, calibration)
 
 
+def _streamed(ids: list, streamer: Any) -> Any:
+    """Token ids as a streamer takes them: a list where it `takes_token_lists`, else a torch tensor."""
+    if getattr(streamer, "takes_token_lists", False):
+        return ids
+    import torch  # transformers' streamers read tensors
+
+    return torch.tensor(ids)
+
+
 def load_target(
     target: str = DEFAULT_TARGET,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     runtime: str | None = None,
     device: str = "cpu",
@@ -155,7 +166,7 @@ def load_target(
 def load(
     target: str = DEFAULT_TARGET,
     drafter: str | None = None,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
@@ -219,7 +230,7 @@ def generate(
     drafter: str | None = None,
     runtime: str | None = None,
     device: str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     threads: int | None = None,
     n_gpu_layers: int | None = None,
     gpu_layers: int = 0,
@@ -251,7 +262,7 @@ def load_for_prompt(
     drafter: str | None = None,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     runtime: str | None = None,
     device: str = "cpu",
     threads: int | None = None,

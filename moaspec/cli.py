@@ -262,9 +262,10 @@ def _generate(args: argparse.Namespace) -> int:
     if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
               file=sys.stderr)
-    from moaspec.signals import load_library_held
+    if args.server is not None or _needs_torch(options["runtime"], args.drafter, args.temperature):
+        from moaspec.signals import load_library_held
 
-    load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
+        load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 
@@ -305,6 +306,15 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _needs_torch(runtime: str, drafter: str | None, temperature: float) -> bool:
+    """Whether a generation loads torch: all do but greedy `none` and `ngram` on llama.cpp, which
+    run on numpy alone (~1-2.5 s less to the first token: README, *Start-up*). The default drafter
+    does: the calibration ranks the model drafter's trees in torch."""
+    from moaspec.drafters import MODEL_FREE
+
+    return runtime != "llama.cpp" or drafter not in MODEL_FREE or temperature > 0
 
 
 def _note_capped_budget(budget: int | None, lm) -> None:

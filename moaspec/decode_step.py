@@ -17,13 +17,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from moaspec.config import SamplingConfig
 from moaspec.errors import MoaspecError
 from moaspec.metrics import SpecStats
 from moaspec.tree import DraftTree, depths, prune_to_depth
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def decode_step(
     root: int,
     remaining: int,
     sampling: SamplingConfig,
-    generator: torch.Generator,
+    generator: torch.Generator | None,
     stats: SpecStats,
     verify: Callable[[DraftTree], Verdict],
     limits: object | None = None,
@@ -68,7 +70,8 @@ def decode_step(
     limits), whose `max_tree_nodes`, `max_tree_leaves` and `max_prob_entries` (each absent or
     None: no limit) keep only the tree's first nodes (limit_nodes); read only for a tree of two
     nodes or more, since a llama.cpp target measures its own on first need; vocab_size: the
-    target's, which every drafted token must be in."""
+    target's, which every drafted token must be in; generator: the drafter's random stream, None
+    for greedy decoding (which draws nothing)."""
     tick = time.perf_counter()
     tree = check_proposal(drafter.propose(root, sampling, generator), root, vocab_size)
     tree = prune_to_depth(tree, remaining - 1)
@@ -127,6 +130,8 @@ def limit_nodes(
     draws, so its verification stays exact."""
     max_nodes = tree.num_nodes if max_nodes is None else min(max_nodes, tree.num_nodes)
     if max_prob_entries is not None and tree.draft_probs is not None:
+        import torch  # a sampled model drafter's tree: torch is loaded
+
         entries = torch.cumsum((tree.draft_probs[:max_nodes] != 0).sum(dim=1), dim=0)  # [N]
         max_nodes = max(1, int((entries <= max_prob_entries).sum()))
     if max_leaves is not None:

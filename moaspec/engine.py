@@ -23,8 +23,9 @@ import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.decode_step import Verdict, decode_step, last_emitted
@@ -34,7 +35,10 @@ from moaspec.exclusive import OneAtATime
 from moaspec.metrics import SpecStats
 from moaspec.session import TargetSession, draft_generator
 from moaspec.targets.base import Target
-from moaspec.tree import DraftTree
+from moaspec.tree import DraftTree, int_array
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -69,7 +73,7 @@ class Engine:
 
     def generate(
         self,
-        prompt_ids: list[int] | torch.Tensor,
+        prompt_ids: list[int] | np.ndarray | torch.Tensor,
         sampling: SamplingConfig = SamplingConfig(),
         generation: GenerationConfig = GenerationConfig(),
         stop_ids: frozenset[int] | None = None,
@@ -82,7 +86,7 @@ class Engine:
 
     def stream(
         self,
-        prompt_ids: list[int] | torch.Tensor,
+        prompt_ids: list[int] | np.ndarray | torch.Tensor,
         sampling: SamplingConfig = SamplingConfig(),
         generation: GenerationConfig = GenerationConfig(),
         stop_ids: frozenset[int] | None = None,
@@ -96,15 +100,15 @@ class Engine:
         cancel: setting it stops the prompt's prefill part-way (PrefillCancelled raised from the
         first step; Target.cancellable); between steps the caller simply stops iterating.
         """
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
-        check_prompt_length(prompt.numel(), self.target)
+        prompt = int_array(prompt_ids).reshape(-1)
+        check_prompt_length(prompt.size, self.target)
         result = result if result is not None else GenerationResult()
         stop_ids = self.target.stop_ids if stop_ids is None else stop_ids
         return self._one_at_a_time.run(self._run(prompt, sampling, generation, stop_ids, result, cancel))
 
     def _run(
         self,
-        prompt: torch.Tensor,
+        prompt: np.ndarray,
         sampling: SamplingConfig,
         generation: GenerationConfig,
         stop_ids: frozenset[int],
@@ -113,11 +117,12 @@ class Engine:
     ) -> Iterator[list[int]]:
         stats = result.stats
         emitted_before = len(result.token_ids)  # a caller's result may hold earlier tokens
-        room = self.target.max_positions - prompt.numel()
+        room = self.target.max_positions - prompt.size
         max_new = min(generation.max_new_tokens, room)
         limit = emitted_before + max_new  # len(result.token_ids) at which this generation ends
         session = TargetSession(self.target, self.drafter.hidden_layers, sampling, generation.seed)
-        generator = draft_generator(generation.seed)
+        # greedy drafters draw nothing: no generator (nor torch) for greedy plain decoding or prompt lookup
+        generator = None if sampling.greedy else draft_generator(generation.seed)
         started = time.perf_counter() - stats.wall_s  # a caller's result: its stats add up, wall time too
 
         # 0. prefill: the prompt becomes verified context; its last logits give the first token.
@@ -148,7 +153,7 @@ class Engine:
                 # the context plain decoding would hold (the accepted path may run past a stop token
                 # or the limit): the next generation on this target then starts from the same state
                 # whatever drafted this one (a chat's next turn keeps what it shares with it)
-                held = prompt.numel() + len(result.token_ids) - emitted_before - 1
+                held = prompt.size + len(result.token_ids) - emitted_before - 1
                 if self.target.num_cached > held:
                     self.target.rollback(held)
                 return

@@ -24,6 +24,7 @@ class TextPrinter:
     first `put` (the prompt, as the engine's callers send it). As transformers' TextStreamer,
     `end()` ends the text with a newline, unless no token came (an interrupt before the first)."""
 
+    takes_token_lists = True  # SpeculativeLM.generate puts lists, not torch tensors
     def __init__(self, tokenizer, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs) -> None:
         self.tokenizer = tokenizer
         self.skip_prompt = skip_prompt
@@ -71,6 +72,7 @@ class TokenCollector:
     """A streamer (`put(ids)`, `end()`) keeping the new token ids; the first `put` (the prompt)
     is dropped, as TextPrinter's skip_prompt does."""
 
+    takes_token_lists = True  # SpeculativeLM.generate puts lists, not torch tensors
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self._prompt_seen = False

@@ -20,11 +20,14 @@ proposals q_j that do not look at the target's random draws. Deterministic draft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+import numpy as np
 
 from moaspec.tree import DraftTree, ancestor_mask, children, path_to
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,13 @@ class TorchRandom:
         self.generator = generator
 
     def coin(self, prob: float) -> bool:
+        import torch  # sampled verification only: greedy decoding runs without torch
+
         return float(torch.rand((), generator=self.generator, dtype=torch.float64)) < prob
 
     def draw(self, probs: torch.Tensor) -> int:
+        import torch
+
         return int(torch.multinomial(probs.to(torch.float64), 1, generator=self.generator))
 
 
@@ -80,25 +87,36 @@ def _accepted_from_path(tree: DraftTree, path: list[int], next_token: int) -> Ac
     return Accepted(path, [ids[i] for i in path[1:]], next_token)
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Accepted:
+def logits_array(logits: Any) -> np.ndarray:
+    """A runtime's logits as a CPU numpy array: llama.cpp gives one already; a torch tensor (the
+    transformers runtime, perhaps on a GPU) is copied to the CPU, half precisions as float32 (exact:
+    the same order, the same first maximum)."""
+    if isinstance(logits, np.ndarray):
+        return logits
+    import torch  # a torch tensor: torch is loaded
+
+    logits = logits.detach().cpu()
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return logits.numpy()
+
+
+def verify_greedy(tree: DraftTree, target_logits: Any) -> Accepted:
     """Longest root path whose every draft equals the target's argmax, plus the bonus token.
 
-    target_logits: [N, V], row i = target logits after node i. Ties between equally deep
-    accepted nodes go to the lowest node index.
+    target_logits: [N, V] (numpy or torch), row i = target logits after node i. Ties between
+    equally deep accepted nodes go to the lowest node index.
     """
-    logits = target_logits.detach().cpu()
-    if logits.dtype not in (torch.float32, torch.float64):
-        logits = logits.float()  # exact for half precisions: the same order, the same first maximum
     # numpy's argmax (the first maximum, as torch's) is ~7x faster on one 49k-wide row: per token
-    target_next = torch.from_numpy(logits.numpy().argmax(-1))  # [N]
+    target_next = logits_array(target_logits).argmax(-1)  # [N]
     if tree.num_nodes == 1:  # plain decoding: the root alone (no masks to build)
         return Accepted([0], [], int(target_next[0]))
-    matches = torch.ones(tree.num_nodes, dtype=torch.bool)
+    matches = np.ones(tree.num_nodes, dtype=bool)
     matches[1:] = tree.token_ids[1:] == target_next[tree.parents[1:]]
     mask = ancestor_mask(tree.parents)  # [N, N]
     reachable = ~(mask & ~matches[None, :]).any(-1)  # every node on the path matches
     depth = mask.sum(-1) - 1
-    best = int(torch.where(reachable, depth, -1).argmax())
+    best = int(np.where(reachable, depth, -1).argmax())
     return _accepted_from_path(tree, path_to(tree.parents, best), int(target_next[best]))
 
 
@@ -121,6 +139,8 @@ def verify_stochastic(
     p_target: [N, V] warped target probabilities, row i = distribution after node i.
     rng: a torch.Generator (or None for torch's default) or a RandomSource.
     """
+    import torch  # sampled verification only: greedy decoding runs without torch
+
     source = rng if hasattr(rng, "coin") else TorchRandom(rng)  # type: ignore[arg-type]
     kids = children(tree.parents)
     token_ids = tree.token_ids.tolist()

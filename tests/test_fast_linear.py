@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from moaspec.errors import MoaspecError
-from moaspec.nn.fast_linear import column_major, layout_of, requested_layout, use_layout, weight_in_layout
+from moaspec.nn.fast_linear import column_major, layout_of, use_layout, weight_in_layout
+from moaspec.nn.layout_names import requested_layout
 
 
 def _net() -> nn.Module:

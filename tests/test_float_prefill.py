@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from moaspec.targets.float_prefill import FloatLlama, FloatPrefillCache, float_prefill_unsupported
+from moaspec.targets.float_prefill import FloatLlama, FloatPrefillCache
 from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
+from moaspec.targets.llamacpp_prefill import float_prefill_unsupported
 
 
 def saved_tiny_llama(tmp_path, **overrides):

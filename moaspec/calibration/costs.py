@@ -32,12 +32,14 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from moaspec.config import MAX_TREE_BUDGET, SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.tree import DraftTree
+
+if TYPE_CHECKING:
+    import torch
 
 NODE_COUNTS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
 
@@ -122,12 +124,16 @@ class CycleCosts:
 
 def binary_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
     """A tree of num_nodes nodes where node i's parent is (i - 1) // 2 (root = node 0)."""
+    import torch  # measuring: the calibration's random tokens are torch's (a cached result needs none)
+
     parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
     return DraftTree(torch.randint(0, vocab_size, (num_nodes,), generator=generator), parents)
 
 
 def chain_tree(num_nodes: int, vocab_size: int, generator: torch.Generator) -> DraftTree:
     """A chain of num_nodes random tokens (root = node 0)."""
+    import torch
+
     return DraftTree.chain(torch.randint(0, vocab_size, (num_nodes,), generator=generator))
 
 
@@ -144,6 +150,8 @@ def measure_verify(
     cycle has none. Each penalty sample compares the SETTLED_STEPS plain steps after a tree with
     as many just before it, so that the machine's drifting speed cancels; the samples after
     trees of PENALTY_TREES nodes (those the target takes) give seconds per node beyond the root."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     max_nodes = min(getattr(target, "max_tree_nodes", None) or max(node_counts), max(node_counts))
     penalty_sizes = [n for n in PENALTY_TREES if n <= max_nodes]
@@ -157,7 +165,7 @@ def measure_verify(
     larger = trees[next((n for n in counts if n > 1), 1)]
     other = {n: larger if n == 1 else trees[1] for n in counts}  # the forward of another size before each
     target.reset()
-    target.prefill(torch.randint(0, target.vocab_size, (context_len,), generator=generator))
+    target.prefill(torch.randint(0, target.vocab_size, (context_len,), generator=generator).numpy())
 
     def forward(tree: DraftTree) -> float:
         begin = time.perf_counter()
@@ -207,16 +215,18 @@ def measure_drafter(
     drafter, target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
 ) -> tuple[dict, tuple[float, float]]:
     """-> (propose_s per (depth, top_k), accept_s (fixed, per_token)); restores the drafter's tree."""
+    import torch
+
     generator = torch.Generator().manual_seed(1)
     hidden = drafter.hidden_layers
     target.reset()
-    context = torch.randint(0, target.vocab_size, (context_len,), generator=generator)
+    context = torch.randint(0, target.vocab_size, (context_len,), generator=generator).numpy()
     out = target.prefill(context, hidden)
     drafter.reset()
     drafter.accept(VerifiedUpdate(context, 0, out.hidden, target))
 
     def accept(n: int) -> None:
-        ids = torch.randint(0, target.vocab_size, (n,), generator=generator)
+        ids = torch.randint(0, target.vocab_size, (n,), generator=generator).numpy()
         start = target.num_cached
         update = target.prefill(ids, hidden)
         begin = time.perf_counter()
@@ -235,7 +245,7 @@ def measure_drafter(
     sampling = SamplingConfig()
     # Every cycle's root is verified in one prefill up front (the cycles below feed it to the
     # drafter one token at a time, as the engine would): one forward instead of one per cycle.
-    roots = torch.randint(0, target.vocab_size, ((rounds + 1) * len(shapes) + 1,), generator=generator)
+    roots = torch.randint(0, target.vocab_size, ((rounds + 1) * len(shapes) + 1,), generator=generator).numpy()
     start = target.num_cached
     verified = target.prefill(roots[:-1], hidden)
     drafter.propose(int(roots[0]), sampling, generator)  # the first cycle starts by accepting this root

@@ -10,6 +10,7 @@ the instruction-set flags that change kernels (a KVM guest may show a generic mo
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import platform
 from pathlib import Path
 
@@ -44,16 +45,17 @@ def cpu_description(cpuinfo: str | None = None) -> str:
 
 def runtime_description(target) -> str:
     """'transformers <ver> torch <ver> <dtype> <attention> <n> threads[ on <GPU name>]', or
-    'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads'."""
-    import torch
-
+    'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads' (torch's version, which
+    the drafters' costs depend on, read from its installed metadata: a generation that needs no
+    model drafter does not import torch)."""
     if target.runtime == "llama.cpp":
         import llama_cpp
 
         return (
             f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0/{target.value_cache_name} KV flash-attention "
-            f"torch {torch.__version__} {target.threads} threads"
+            f"torch {importlib.metadata.version('torch')} {target.threads} threads"
         )
+    import torch
     import transformers
 
     dtype = str(target.weights_dtype).removeprefix("torch.")  # the model's (its drafters read float32)

@@ -56,7 +56,7 @@ from moaspec.drafters import (
 from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
-from moaspec.nn.fast_linear import LAYOUTS, requested_layout
+from moaspec.nn.layout_names import LAYOUTS, requested_layout
 from moaspec.tuned import checkpoint_key
 
 if TYPE_CHECKING:

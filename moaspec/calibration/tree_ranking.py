@@ -18,13 +18,16 @@ Cost per cycle: measured on this machine (costs.py). Expected tokens/s = tau / c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from moaspec.calibration.costs import CycleCosts
 from moaspec.config import TreeConfig
-from moaspec.drafters.dynamic_tree import build_dynamic_tree
 from moaspec.tree import DraftTree, depths
+
+if TYPE_CHECKING:
+    import torch
 
 DEPTHS = tuple(range(1, 9))
 TOP_KS = (1, 2, 3, 4)
@@ -72,7 +75,7 @@ def rates_from_hit_rates(hit_rates: list[float]) -> tuple[float, ...]:
     return tuple(rates)
 
 
-def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor, np.ndarray]:
     """The tree the dynamic builder picks under the rank model (rates h_1.. at least top_k long).
 
     -> (node acceptance probabilities [N] (root = 1), node depths [N]).
@@ -83,6 +86,10 @@ def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor
 
 def _model_build(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[DraftTree, torch.Tensor]:
     """-> (the tree the builder picks when every node's log-probabilities are log h, log h [top_k])."""
+    import torch  # the model drafter's own builder: ranking trees is for a model drafter
+
+    from moaspec.drafters.dynamic_tree import build_dynamic_tree
+
     log_rates = torch.tensor(rates[: tree.top_k], dtype=torch.float64).log()
     built = build_dynamic_tree(0, lambda: log_rates, lambda ids, parent, depth: log_rates.expand(ids.numel(), -1), tree)
     return built, log_rates
@@ -90,6 +97,8 @@ def _model_build(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[DraftTree,
 
 def _path_sums(built: DraftTree, log_rates: torch.Tensor) -> torch.Tensor:
     """Each node's sum of log h along its path [N] (root 0), in log_rates' dtype."""
+    import torch
+
     sums = torch.zeros(built.num_nodes, dtype=log_rates.dtype)
     for i in range(1, built.num_nodes):  # parents precede children
         sums[i] = sums[built.parents[i]] + log_rates[built.token_ids[i]]
@@ -118,6 +127,8 @@ def expected_taus_by_budget(
     first nodes of the largest one in that order. Each tau is summed over its nodes in tree order,
     as expected_tau sums them, so the two agree exactly.
     """
+    import torch
+
     built, log_rates = _model_build(TreeConfig(depth=depth, top_k=top_k, budget=max(budgets)), rates)
     probs = _path_sums(built, log_rates).exp()  # [N]
     builder_scores = _path_sums(built, log_rates.float())  # [N] what the builder ranked by

@@ -31,28 +31,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import torch
+import numpy as np
 
 from moaspec.config import SamplingConfig
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
+
     from moaspec.targets.base import Target
 
 
 # name -> per-token tensor [n, ...] (row i belongs to the i-th verified token of the update)
-Context = dict[str, torch.Tensor]
+Context = dict[str, "torch.Tensor"]
 
 
 @dataclass(frozen=True)
 class VerifiedUpdate:
     """Tokens that just entered the target's verified context.
 
-    token_ids: [n], at absolute positions start_pos .. start_pos + n - 1.
+    token_ids: [n] int64, at absolute positions start_pos .. start_pos + n - 1.
     hidden:    [n, H, D] target hidden states at the drafter's `hidden_layers`, or None.
     """
 
-    token_ids: torch.Tensor
+    token_ids: np.ndarray
     start_pos: int
     hidden: torch.Tensor | None
     target: Target
@@ -78,7 +80,9 @@ class Drafter(Protocol):
 
     def accept(self, update: VerifiedUpdate) -> None: ...
 
-    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree: ...
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
+        """generator: the drafter's random stream; None when sampling is greedy (nothing to draw)."""
+        ...
 
 
 class ContextEncoder(Protocol):
@@ -94,9 +98,9 @@ class SplitDrafter(Drafter, Protocol):
 
     context_encoder: ContextEncoder
 
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None: ...
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None: ...
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None: ...
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None: ...
 
 
 class NoContext:
@@ -108,8 +112,10 @@ class NoContext:
         return {}
 
 
-def pick_alone(log_probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator) -> int:
+def pick_alone(log_probs: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> int:
     """A drafter's own choice of the next token, log_probs [V]: argmax, or a draw at the temperature."""
     if sampling.greedy:
         return int(log_probs.argmax())
+    import torch  # a model drafter's: torch is loaded
+
     return int(torch.multinomial(torch.softmax(log_probs.double() / sampling.temperature, -1), 1, generator=generator))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moaspec.config import TreeConfig
@@ -56,7 +57,7 @@ class MoAContextEncoder:
     def encode(self, update: VerifiedUpdate) -> Context:
         """Per token independent, so a long prompt is encoded ENCODE_CHUNK tokens at a time: the
         LSA's activations ([n, L, ...] per tensor) then stay small whatever the prompt length."""
-        start, end = update.start_pos, update.start_pos + update.token_ids.numel()
+        start, end = update.start_pos, update.start_pos + len(update.token_ids)
         config = self.net.config
         memory_first, tli_layers, first = config.memory_layer_ids[0], config.tli_layers, self.first_layer
         if self.hidden_layers and update.hidden is None:
@@ -99,10 +100,10 @@ class MoADrafter(TreeDrafter):
         self.tli_cache = [empty_kv(config.num_kv_heads, config.head_dim, self.dtype, self.device) for _ in range(config.tli_layers)]
 
     @torch.inference_mode()
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         """New verified tokens [n] at start_pos..: append their memory (and TLI keys/values);
         the SA cache is tidied by the next `start`."""
-        count = token_ids.numel()
+        count = len(token_ids)
         if start_pos != len(self.history):
             raise ValueError(f"verified tokens start at {start_pos}, expected {len(self.history)}")
         self.history.extend(token_ids.tolist())

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from moaspec.config import NgramConfig, SamplingConfig
 from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
@@ -28,6 +28,8 @@ from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.tree import DraftTree, trie, trie_children, trie_nodes, walk
 
 if TYPE_CHECKING:
+    import torch
+
     from moaspec.targets.base import Target
 
 
@@ -76,7 +78,7 @@ class NgramDrafter:
     def accept(self, update: VerifiedUpdate) -> None:
         self.accept_context(update.token_ids, update.start_pos, {})
 
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         self.extend(token_ids.tolist())
 
     def extend(self, tokens: list[int]) -> None:
@@ -90,9 +92,9 @@ class NgramDrafter:
         if self.gate is not None:
             self._score_matches()
 
-    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
         token_ids, parents, _ = self.propose_nodes(root_id)
-        return DraftTree(torch.tensor(token_ids), torch.tensor(parents))
+        return DraftTree(token_ids, parents)
 
     def propose_nodes(self, root_id: int) -> tuple[list[int], list[int], list[int]]:
         """`propose`'s trie as lists (token ids, parents, depths; tree.trie_nodes): the root
@@ -124,13 +126,13 @@ class NgramDrafter:
             self._shadow = None
             self.gate.record(accepted, num_nodes)
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None:
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None:
         """The first token of the best continuation, or None when the context has no match
         (the gate does not apply: nothing is verified)."""
         tree = trie(root_id, self.continuations(root_id), self.config.max_nodes)
         if tree.num_nodes == 1:
             return None
-        self.accept_context(torch.tensor([root_id]), len(self.history), {})
+        self.accept_context(np.array([root_id]), len(self.history), {})
         return AloneDraft(int(tree.token_ids[1]), LOOKUP_PRECISION, "lookup")
 
     def continuations(self, root_id: int) -> list[list[int]]:

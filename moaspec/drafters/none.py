@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from moaspec.config import SamplingConfig
 from moaspec.drafters.base import AloneDraft, Context, NoContext, VerifiedUpdate
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
+    import torch
+
     from moaspec.targets.base import Target
 
 
@@ -31,11 +33,11 @@ class NoDrafter:
     def accept(self, update: VerifiedUpdate) -> None:
         pass
 
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         pass
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> AloneDraft | None:
+    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None:
         return None  # nothing to draft with: the client waits for the server
 
-    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
+    def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:
         return DraftTree.root_only(root_id)

@@ -18,15 +18,10 @@ fixes it instead. Values are identical; only the summation order (~1e-7) changes
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from moaspec.errors import MoaspecError
-
-LAYOUT_ENV = "MOASPEC_WEIGHT_LAYOUT"
-LAYOUTS = ("row", "column")
+from moaspec.nn.layout_names import check_layout
 
 
 def column_major(weight: torch.Tensor) -> torch.Tensor:
@@ -41,21 +36,6 @@ def weight_in_layout(weight: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "column":
         return weight if weight.stride(0) == 1 and weight.dim() == 2 else column_major(weight)
     return weight if weight.is_contiguous() else weight.contiguous()
-
-
-def requested_layout() -> str | None:
-    """The layout MOASPEC_WEIGHT_LAYOUT fixes, or None when unset (the calibration chooses)."""
-    layout = os.environ.get(LAYOUT_ENV, "").strip().lower()
-    if not layout:
-        return None
-    if layout not in LAYOUTS:
-        raise MoaspecError(f"{LAYOUT_ENV} must be one of {', '.join(LAYOUTS)}, not {layout!r}")
-    return layout
-
-
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise MoaspecError(f"weight layout must be one of {', '.join(LAYOUTS)}, not {layout!r}")
 
 
 @torch.no_grad()

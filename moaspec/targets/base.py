@@ -35,11 +35,11 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from moaspec.nn.target_parts import TargetParts
-
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from moaspec.nn.target_parts import TargetParts
     from moaspec.tree import DraftTree
 
 
@@ -49,9 +49,10 @@ class PrefillCancelled(Exception):
 
 @dataclass(frozen=True)
 class TargetOutput:
-    """logits: [N, V] (float32 or the model dtype). hidden: [N, H, D] at the requested layers, or None."""
+    """logits: [N, V], a float32 numpy array (llama.cpp, whose greedy path runs without torch) or a
+    torch tensor of the model dtype (transformers). hidden: [N, H, D] at the requested layers, or None."""
 
-    logits: torch.Tensor
+    logits: np.ndarray | torch.Tensor
     hidden: torch.Tensor | None
 
 
@@ -107,12 +108,12 @@ class Target(Protocol):
 
     def reset(self) -> None: ...
 
-    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """input_ids [T] become the whole verified context (a new generation); a runtime may keep
+    def set_context(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """input_ids [T] (int64; a torch tensor is taken too) become the whole verified context (a new generation); a runtime may keep
         the part it already holds. -> logits [1, V] after the last token, hidden [T, H, D]."""
         ...
 
-    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
+    def prefill(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...
 
     def cancellable(self, cancel: threading.Event) -> AbstractContextManager[None]:
         """Within it, set_context / prefill stop soon after `cancel` is set (PrefillCancelled)."""

@@ -8,7 +8,7 @@ keys and values into its cache as it moves the prompt context's (llamacpp_cells.
 one-token decoding then read the same moved cells, and stay exact (llamacpp.py).
 
 The forward is transformers' Llama decoder written out (RMSNorm, rotary embedding of halves,
-grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts.
+grouped-query attention, SiLU-gated MLP), for configurations `float_prefill_unsupported` accepts (llamacpp_prefill.py).
 The layers' matrices are held in float16 (~212 MB on SmolLM2-135M; float32 would be ~425 MB),
 mapped from a float16 file beside the float32 copy (float_weights.py: a one-shot command's float
 prefill would otherwise spend what it gains narrowing them), and widened to float32 one layer at a
@@ -33,21 +33,6 @@ LAYER_MATRICES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
 )
-
-
-def float_prefill_unsupported(config) -> str | None:
-    """Why a target of this configuration (config.json's fields) cannot be prefilled here, or None."""
-    if getattr(config, "model_type", None) != "llama":
-        return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        return "biases"
-    rope = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None)
-    if rope.get("rope_type", "default") != "default" or (scaling and scaling.get("rope_type", "default") != "default"):
-        return "scaled rotary embedding"
-    return None
 
 
 def _rope_theta(config) -> float:
@@ -157,21 +142,6 @@ class FloatLlama:
         return x + F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
 
 
-class SharedFloatLlama:
-    """A target's FloatLlama, loaded on first use and shared by all its contexts."""
-
-    def __init__(self, model_dir: Path, config) -> None:
-        self.model_dir, self.config = Path(model_dir), config
-        self.unsupported = float_prefill_unsupported(config)  # None: this forward computes it
-        self._model: FloatLlama | None = None
-
-    @property
-    def model(self) -> FloatLlama:
-        if self._model is None:
-            self._model = FloatLlama(self.model_dir, self.config)
-        return self._model
-
-
 class FloatPrefillCache:
     """One context's prompt keys/values from `FloatLlama`, chunk by chunk from position 0.
 
@@ -187,6 +157,7 @@ class FloatPrefillCache:
         self.values = torch.empty(shape, dtype=torch.float16)
         self.hidden = torch.empty(0, model.hidden_size)  # [capacity, D] final-normed hidden states
 
+    @torch.inference_mode()
     def prefill(self, ids: list[int], cancelled=lambda: False) -> int:
         """Make `ids` the held prompt; -> how many leading tokens were kept from the one held.
         `cancelled()` is asked before each layer (True: stop, the held prompt cut to those kept)."""

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -228,8 +229,9 @@ class HFTarget:
                 handle.remove()
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+    def prefill(self, input_ids: np.ndarray | torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, H, D]."""
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         count = input_ids.numel()
         if self.num_cached + count > self.max_positions:
             raise MoaspecError(
@@ -247,11 +249,11 @@ class HFTarget:
         The nodes' keys/values stay pending in the cache until `commit`.
         """
         node_depths = depths(tree.parents)
-        positions = self.num_cached + node_depths
-        is_chain = bool((node_depths == torch.arange(tree.num_nodes)).all())
+        positions = torch.from_numpy(self.num_cached + node_depths)
+        is_chain = bool((node_depths == np.arange(tree.num_nodes)).all())
         # A chain is plain causal attention: let transformers build its own mask.
         bias = None if is_chain else self.attention.tree_mask(tree.parents, self.num_cached, self.weights_dtype)
-        return self._forward(tree.token_ids, positions, bias, hidden_layers, logits_to_keep=0)
+        return self._forward(torch.from_numpy(tree.token_ids), positions, bias, hidden_layers, logits_to_keep=0)
 
     def commit(self, path_node_idx: list[int]) -> None:
         """Keep the pending entries of the accepted path (root first), drop the other nodes."""

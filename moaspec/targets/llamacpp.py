@@ -104,18 +104,14 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from moaspec.chat import generation_prompt_ids
 from moaspec.errors import MoaspecError
-from moaspec.nn.fast_linear import check_layout
-from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput
-from moaspec.targets.float_prefill import FloatPrefillCache, SharedFloatLlama
 from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows, transformers_head_order
@@ -123,11 +119,18 @@ from moaspec.targets.llamacpp_model import LlamaCppModel
 from moaspec.targets.llamacpp_prefill import (
     FLOAT_PREFILL_MIN_TOKENS,
     NEVER,
+    SharedFloatLlama,
     fixed_float_prefill_start,
     float_prefill_start,
 )
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
+
+if TYPE_CHECKING:
+    import torch
+
+    from moaspec.nn.target_parts import TargetParts
+    from moaspec.targets.float_prefill import FloatPrefillCache
 
 DEFAULT_CELLS = 8192  # positions the verified context holds at most (q8_0 keys + f16 values: ~17 KB a cell on SmolLM2-135M)
 MAX_BATCH = 512  # tokens per llama_decode (prefill runs in chunks of this size)
@@ -292,6 +295,8 @@ class LlamaCppTarget:
         llama.cpp decode, or `through_float` (a fresh float forward, the move, the last token decoded)."""
         first = 0
         if through_float:
+            from moaspec.targets.float_prefill import FloatPrefillCache
+
             cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
             cache.prefill(prompt[:-1])
             self._load_cells(ctx, self._float_cells(ctx, cache, len(prompt) - 1))
@@ -412,14 +417,21 @@ class LlamaCppTarget:
 
     @property
     def dtype(self) -> torch.dtype:
+        """What the drafters' torch parts compute in (float32)."""
+        import torch
+
         return torch.float32
 
     @property
     def device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def use_layout(self, layout: str) -> None:
         """The layout of the torch weights drafters borrow; llama.cpp keeps its own."""
+        from moaspec.nn.layout_names import check_layout
+
         check_layout(layout)
         self.weight_layout = layout
 
@@ -479,8 +491,8 @@ class LlamaCppTarget:
         missing = sorted(set(layers) - set(captured))
         if missing:
             raise MoaspecError(f"layers {missing} are not captured (keep_layer_kv)")
-        index = torch.tensor([captured.index(layer) for layer in layers])
-        return self._kv.read(start, end).index_select(1, index)
+        index = [captured.index(layer) for layer in layers]
+        return self._kv.read(start, end)[:, index]
 
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self, positions: int | None = None) -> LlamaCppTarget:
@@ -518,10 +530,9 @@ class LlamaCppTarget:
         self._hidden = VerifiedRows()  # their final hidden states, where they were asked for
         self._pending_rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # of a tree
 
-    @torch.inference_mode()
-    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """Make input_ids [T] the verified context. -> logits [1, V] after the last token, hidden
-        [T, 1, D] when asked.
+    def set_context(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """Make input_ids [T] the verified context. -> logits [1, V] (numpy float32) after the last
+        token, hidden [T, 1, D] (torch) when asked.
 
         Where this machine prefills in float32, a prompt whose first turn has
         `float_prefill_start` tokens or more has that turn prefilled so (`_prefill_in_float`).
@@ -530,7 +541,7 @@ class LlamaCppTarget:
         decoded here, keeping the part of the context it shares with the one held (a chat's next
         turn) where the products do not change with the batch size (`exact_tree_nodes`). Either
         way the result is the same bits a fresh context would give (module docstring)."""
-        ids = input_ids.tolist()
+        ids = np.asarray(input_ids).tolist()
         if not ids:
             raise ValueError("set_context needs at least one token")
         if len(ids) > self.max_positions:
@@ -555,10 +566,10 @@ class LlamaCppTarget:
             self.reset()
         else:
             self.rollback(keep)
-        out = self._append(input_ids[keep:], hidden_layers)
+        out = self._append(ids[keep:], hidden_layers)
         if not hidden_layers:
             return out
-        return TargetOutput(out.logits, torch.cat([self._hidden.read(0, keep)[:, None], out.hidden]))
+        return TargetOutput(out.logits, _cat([self._hidden.read(0, keep)[:, None], out.hidden]))
 
     def _prefill_in_prompt_context(self, ids: list[int], hidden_layers: tuple[int, ...]) -> TargetOutput:
         """Prefill a long prompt in the prompt context (f16 keys: llama.cpp's faster batched
@@ -616,6 +627,8 @@ class LlamaCppTarget:
         if len(ids) > self._allocated:
             self._grow(len(ids))  # empty: a larger context, nothing to move
         if self._float_cache is None:
+            from moaspec.targets.float_prefill import FloatPrefillCache
+
             self._float_cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
         cache = self._float_cache
         cache.prefill(body, cancelled=lambda: self._cancel is not None and self._cancel.is_set())
@@ -656,8 +669,7 @@ class LlamaCppTarget:
         finally:
             self._cancel = None
 
-    @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+    def prefill(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Append verified tokens.  input_ids: [T] -> logits [1, V] (last position), hidden [T, 1, D].
         Into an empty context this is set_context (a prompt); after one, the tokens get the
         cells one-token decoding (and tree verification) gives them: decoded here in batches
@@ -671,10 +683,10 @@ class LlamaCppTarget:
         """The most tokens one decode after the prompt takes and keeps one-token decoding's bits."""
         return min(COMPACT_CHUNK, self.exact_tree_nodes)
 
-    def _append(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...], batch: int = MAX_BATCH) -> TargetOutput:
+    def _append(self, input_ids: Sequence[int] | np.ndarray, hidden_layers: tuple[int, ...], batch: int = MAX_BATCH) -> TargetOutput:
         """Decode input_ids [T] after the verified context, in this context, `batch` tokens per decode."""
         self._check_hidden(hidden_layers)
-        ids = input_ids.tolist()
+        ids = np.asarray(input_ids, dtype=np.int64).tolist()
         if self.num_cached + len(ids) > self.max_positions:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
@@ -698,18 +710,18 @@ class LlamaCppTarget:
             self._fill(chunk, range(position, position + len(chunk)), [[0]] * len(chunk), outputs)
             self._decode(ctx)
             if hidden_layers:
-                hidden_chunks.append(self._outputs(self.lib.llama_get_embeddings, len(chunk), self.hidden_size, ctx))
+                hidden_chunks.append(self._hidden_outputs(len(chunk), ctx))
                 self._hidden.write(position, hidden_chunks[-1])
             if last:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size, ctx)[-1:]
             if self.capture is not None:
                 self._kv.write(position, self.capture.rows(len(chunk)))
             held.extend(chunk)
-        return TargetOutput(logits, torch.cat(hidden_chunks)[:, None] if hidden_layers else None)
+        return TargetOutput(logits, _cat(hidden_chunks)[:, None] if hidden_layers else None)
 
-    @torch.inference_mode()
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """Score every node of `tree` in one llama_decode.  -> logits [N, V], hidden [N, 1, D].
+        """Score every node of `tree` in one llama_decode.  -> logits [N, V] (numpy float32),
+        hidden [N, 1, D] (torch).
 
         The nodes stay pending in the cache until `commit`."""
         self._check_hidden(hidden_layers)
@@ -742,12 +754,11 @@ class LlamaCppTarget:
         self._pending = ([seqs[0] for seqs in seq_sets], positions, tokens, num_seqs)
         self._decode()
         kv = self.capture.rows(count) if self.capture is not None else None
-        hidden = self._outputs(self.lib.llama_get_embeddings, count, self.hidden_size) if hidden_layers else None
+        hidden = self._hidden_outputs(count) if hidden_layers else None
         self._pending_rows = (kv, hidden)
         logits = self._outputs(self.lib.llama_get_logits, count, self.vocab_size)
         return TargetOutput(logits, None if hidden is None else hidden[:, None])
 
-    @torch.inference_mode()
     def commit(self, path_node_idx: list[int]) -> None:
         """Keep the accepted path (root first) in sequence 0. Rejected nodes placed before the
         last accepted one are parked; the others are freed (module docstring)."""
@@ -770,10 +781,9 @@ class LlamaCppTarget:
         if keep != 0:
             lib.llama_memory_seq_cp(memory, keep, 0, -1, -1)
             lib.llama_memory_seq_rm(memory, keep, -1, -1)
-        path = torch.tensor(path_node_idx)
         for rows, pending in zip((self._kv, self._hidden), self._pending_rows):
             if pending is not None:
-                rows.write(self.num_cached, pending[path])
+                rows.write(self.num_cached, pending[path_node_idx])
         self._tokens.extend(tokens[i] for i in path_node_idx)
         self._pending, self._pending_rows = None, (None, None)
 
@@ -938,10 +948,23 @@ class LlamaCppTarget:
             self.reset()
             raise MoaspecError(f"llama_decode failed (status {status}); the target's context was reset")
 
-    def _outputs(self, getter, rows: int, width: int, ctx=None) -> torch.Tensor:
-        """A copy of the last decode's logits or embeddings of its `rows` outputs: [rows, width]."""
+    def _outputs(self, getter, rows: int, width: int, ctx=None) -> np.ndarray:
+        """A copy of the last decode's logits or embeddings of its `rows` outputs: [rows, width] float32."""
         source = getter(self.ctx if ctx is None else ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(source, shape=(rows, width)).copy())
+        return np.ctypeslib.as_array(source, shape=(rows, width)).copy()
+
+    def _hidden_outputs(self, rows: int, ctx=None) -> torch.Tensor:
+        """The last decode's final hidden states of its `rows` outputs, for a drafter: [rows, D] torch."""
+        import torch  # a model drafter's: torch is loaded
+
+        return torch.from_numpy(self._outputs(self.lib.llama_get_embeddings, rows, self.hidden_size, ctx))
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat, for the hidden states a model drafter asked for (torch is loaded then)."""
+    import torch
+
+    return torch.cat(tensors)
 
 
 def _cells_for(positions: int, at_least: int, at_most: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.calibration.machine import cpu_description, key_of
@@ -96,7 +96,6 @@ def _record_path(target) -> Path:
     return machine_record_path(target, "exactness", str(EXACTNESS_VERSION), *values)
 
 
-@torch.inference_mode()
 def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     """The most nodes a tree verified in `probe` (a fresh context of its own) may have and still
     give one-token decoding's logits bit for bit: `max_nodes` where branching trees of 15, 64
@@ -111,9 +110,9 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
     context_len = min(EXACTNESS_CONTEXT, probe.max_positions - EXACTNESS_STEPS - 2)  # a small model's context
     if context_len < 1:
         return 1  # too small a context to check anything: plain decoding
-    context = (torch.arange(context_len) % 1000 + 1000) % probe.vocab_size
+    context = (np.arange(context_len) % 1000 + 1000) % probe.vocab_size
     first, tokens, logits = _one_token_decoding(probe, context)
-    kept_start_exact = torch.equal(probe.set_context(context).logits[0], first)  # holding context + steps
+    kept_start_exact = np.array_equal(probe.set_context(context).logits[0], first)  # holding context + steps
     largest = len(DECOYS) - 1
     trees_exact = all(
         _branching_tree_exact(probe, context, tokens, logits, *decoys, max_nodes if k == largest else 0)
@@ -128,8 +127,8 @@ def exact_tree_nodes(probe: Target, max_nodes: int) -> int:
 
 
 def _one_token_decoding(
-    probe: Target, context: torch.Tensor
-) -> tuple[torch.Tensor, list[int], list[torch.Tensor]]:
+    probe: Target, context: np.ndarray
+) -> tuple[np.ndarray, list[int], list[np.ndarray]]:
     """The prefill's logits after `context`, then EXACTNESS_STEPS + 1 greedy tokens decoded one
     at a time, and their logits (logits[k]: after tokens[k])."""
     tokens, logits = [], []
@@ -144,14 +143,14 @@ def _one_token_decoding(
     return first, tokens, logits
 
 
-def _fresh_prefill(probe: Target, context: torch.Tensor) -> None:
+def _fresh_prefill(probe: Target, context: np.ndarray) -> None:
     """`context` prefilled in an emptied context, as a generation's prompt is the first time."""
     probe.reset()
     probe.set_context(context)
 
 
 def _branching_tree_exact(
-    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], decoys: int, length: int,
+    probe: Target, context: np.ndarray, tokens: list[int], logits: list[np.ndarray], decoys: int, length: int,
     fill_to: int,
 ) -> bool:
     """The steps verified as the path of a branching tree (`decoys` wrong branches of `length`
@@ -172,11 +171,11 @@ def _branching_tree_exact(
     if fill > 0:
         ids += [(tokens[1] + decoys + 1) % probe.vocab_size] * fill
         parents += [0] + list(range(len(ids) - fill, len(ids) - 1))
-    return _verified_as_decoded(probe, DraftTree(torch.tensor(ids), torch.tensor(parents)), path, tokens, logits)
+    return _verified_as_decoded(probe, DraftTree(ids, parents), path, tokens, logits)
 
 
 def _chain_exact(
-    probe: Target, context: torch.Tensor, tokens: list[int], logits: list[torch.Tensor], length: int
+    probe: Target, context: np.ndarray, tokens: list[int], logits: list[np.ndarray], length: int
 ) -> bool:
     """The first `length` steps verified as one chain, then one more token after the commit."""
     _fresh_prefill(probe, context)
@@ -185,12 +184,12 @@ def _chain_exact(
 
 
 def _verified_as_decoded(
-    probe: Target, tree: DraftTree, path: list[int], tokens: list[int], logits: list[torch.Tensor]
+    probe: Target, tree: DraftTree, path: list[int], tokens: list[int], logits: list[np.ndarray]
 ) -> bool:
     """Verify `tree`, commit `path` (one-token decoding's first tokens), verify the next token:
     every logit on the path and after it equal to one-token decoding's."""
     out = probe.verify(tree)
-    exact = all(torch.equal(out.logits[node], logits[k]) for k, node in enumerate(path))
+    exact = all(np.array_equal(out.logits[node], logits[k]) for k, node in enumerate(path))
     probe.commit(path)
     after = probe.verify(DraftTree.root_only(tokens[len(path)]))
-    return exact and torch.equal(after.logits[0], logits[len(path)])
+    return exact and np.array_equal(after.logits[0], logits[len(path)])

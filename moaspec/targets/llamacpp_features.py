@@ -20,7 +20,8 @@ tokens took 8.1 ms without it, 9.4 ms capturing 4 layers and 10.1 ms capturing a
 with the callback only for drafters that need keys/values (LlamaCppTarget.keep_layer_kv).
 
 What a decode captured for verified positions (keys/values, final hidden states) is kept in
-`VerifiedRows`, so a drafter reads it without decoding again.
+`VerifiedRows`, so a drafter reads it without decoding again. Only model drafters read these, so
+torch is imported where they are made, not with this module (plain decoding runs without torch).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GgmlTensor(ctypes.Structure):
@@ -70,6 +74,8 @@ def _ggml(llama_cpp):
 def transformers_head_order(head_dim: int) -> torch.Tensor:
     """[head_dim]: transformers' dimension j of a key head is llama.cpp's dimension order[j]
     (0, 2, 4, ..., 1, 3, 5, ...: the module docstring's layout); `.argsort()` goes the other way."""
+    import torch
+
     return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
 
 
@@ -118,6 +124,8 @@ class CapturedKV:
     def rows(self, count: int) -> torch.Tensor:
         """The last decode's keys/values of its `count` tokens: [count, L, 2 * n_kv * head_dim],
         per KV head [k_h, v_h] in transformers' layout."""
+        import torch
+
         shape = (count, self.num_kv_heads, self.head_dim)
         size = count * self.num_kv_heads * self.head_dim
         per_layer = []
@@ -142,6 +150,8 @@ class VerifiedRows:
             return
         end = start + rows.shape[0]
         if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
+            import torch
+
             capacity = 0 if self.buffer is None else self.buffer.shape[0]
             grown = torch.empty(max(end, 2 * capacity, 256), *rows.shape[1:])
             if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:

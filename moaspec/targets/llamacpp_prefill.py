@@ -31,12 +31,15 @@ import math
 import os
 import statistics
 import time
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
+
+if TYPE_CHECKING:
+    from moaspec.targets.float_prefill import FloatLlama
 
 PREFILL_ENV = "MOASPEC_LLAMA_PREFILL"
 PREFILL_PATHS = ("float", "llama.cpp")
@@ -46,6 +49,38 @@ NEVER = 0  # a start that means: no prompt is prefilled in float
 MEASURE_VERSION = 3  # 1 saved a path (float from 64 tokens, or llama.cpp), not a start; 2 timed the unfused attention
 MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
+
+
+def float_prefill_unsupported(config) -> str | None:
+    """Why a target of this configuration (config.json's fields) cannot be prefilled here, or None."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biases"
+    rope = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None)
+    if rope.get("rope_type", "default") != "default" or (scaling and scaling.get("rope_type", "default") != "default"):
+        return "scaled rotary embedding"
+    return None
+
+
+class SharedFloatLlama:
+    """A target's FloatLlama, loaded on first use and shared by all its contexts."""
+
+    def __init__(self, model_dir: Path, config) -> None:
+        self.model_dir, self.config = Path(model_dir), config
+        self.unsupported = float_prefill_unsupported(config)  # None: this forward computes it
+        self._model: FloatLlama | None = None
+
+    @property
+    def model(self) -> FloatLlama:
+        if self._model is None:
+            from moaspec.targets.float_prefill import FloatLlama  # torch: only where a prompt is prefilled so
+
+            self._model = FloatLlama(self.model_dir, self.config)
+        return self._model
 
 
 def fixed_float_prefill_start() -> int | None:
@@ -101,7 +136,6 @@ def start_from_timings(short: tuple[float, float], long: tuple[float, float] | N
     return min(FLOAT_PREFILL_LONG_TOKENS, math.ceil(meet))
 
 
-@torch.inference_mode()
 def measure_float_prefill_start(target) -> int:
     """Time prompts' prefills both ways (module docstring); -> the start."""
     ctx = None
@@ -120,6 +154,8 @@ def measure_float_prefill_start(target) -> int:
 def _median_prefill_s(target, ctx, length: int, warm_up: bool = False) -> tuple[float, float]:
     """(llama.cpp, float) median seconds of a `length`-token prompt's prefill into `ctx`, the two
     taking turns over MEASURE_ROUNDS rounds (after an uncounted one where `warm_up`)."""
+    import torch  # the float path's: measured only where this machine may prefill in torch
+
     generator = torch.Generator().manual_seed(length)
     prompt = torch.randint(0, target.vocab_size, (length,), generator=generator).tolist()
     seconds: dict[str, list[float]] = {"llama.cpp": [], "float": []}

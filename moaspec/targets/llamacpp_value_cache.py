@@ -23,7 +23,6 @@ import statistics
 import time
 
 import numpy as np
-import torch
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
@@ -67,11 +66,12 @@ def faster_value_cache(f16_s: float, q8_0_s: float) -> int:
     return VALUE_CACHE_TYPES["q8_0"] if q8_0_s <= Q8_0_MARGIN * f16_s else VALUE_CACHE_TYPES["f16"]
 
 
-@torch.inference_mode()
 def measure_value_cache_type(target) -> int:
     """Time one-token decoding with each value cache, in two contexts of the target's own
     prefilled once with the same MEASURE_CONTEXT tokens and then decoding in turns (module
     docstring); -> the faster's ggml type."""
+    import torch  # its random tokens, as first measured (once per machine, then read from its record)
+
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (MEASURE_CONTEXT,), generator=generator).tolist()
     contexts = {}

@@ -14,22 +14,25 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
-
-import torch
+from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError, first_line
 from moaspec.model_store import BUILTIN_TARGETS, builtin_gguf_path, check_target_exists, resolve_target
-from moaspec.nn.file_rows import FileRows, RowEmbedding
-from moaspec.nn.target_parts import TargetParts
 from moaspec.targets.base import Target
-from moaspec.targets.options import check_placement, check_runtime
+from moaspec.targets.options import check_placement, check_runtime, default_threads
+
+if TYPE_CHECKING:
+    import torch
+
+    from moaspec.nn.file_rows import FileRows
+    from moaspec.nn.target_parts import TargetParts
 
 # Measured on the 2-core machine, interleaved, SmolLM2 with column-major weights, 256-token cache:
 # sdpa 73.9 ms per decode step and 127 ms for an 8-node tree; eager 81.1 and 161 ms.
 DEFAULT_ATTN_IMPLEMENTATION = "sdpa"
 # float32 is the default and the lossless one; float64 for exact small-scale checks; the reduced
-# precisions for speed (targets/hf.py)
-TARGET_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# precisions for speed (targets/hf.py). By name: torch loads only for the transformers runtime.
+TARGET_DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def gguf_file(spec: str) -> Path | None:
@@ -44,7 +47,7 @@ def load_target(
     target: str,
     runtime: str | None = None,
     *,
-    dtype: torch.dtype | str = torch.float32,
+    dtype: torch.dtype | str = "float32",
     attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION,
     device: str = "cpu",
     threads: int | None = None,
@@ -61,30 +64,38 @@ def load_target(
     """
     check_target_exists(target)  # an unknown target is named before its runtime's settings are checked
     runtime = check_runtime(runtime, target)
-    dtype = torch_dtype(dtype)
-    check_placement(runtime, device, str(dtype).removeprefix("torch."), threads, gpu_layers)
+    dtype = dtype_name(dtype)
+    check_placement(runtime, device, dtype, threads, gpu_layers)
     if runtime == "llama.cpp":
         return _load_llama_cpp(target, threads, gpu_layers, light_tokenizer)
-    return _load_transformers(target, dtype, attn_implementation, device)
+    return _load_transformers(target, torch_dtype(dtype), attn_implementation, device)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """A target dtype's name ("float32", "bfloat16", ...), given by name or as a torch dtype;
+    MoaspecError for others."""
+    if isinstance(dtype, str):
+        if dtype not in TARGET_DTYPES:
+            raise MoaspecError(f"unknown target dtype '{dtype}' (known: {', '.join(TARGET_DTYPES)})")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in TARGET_DTYPES:
+        raise MoaspecError(f"unsupported target dtype {dtype} (known: {', '.join(TARGET_DTYPES)})")
+    return name
 
 
 def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A target dtype by name ("float32", "bfloat16", ...) or as a torch dtype; MoaspecError for others."""
-    by_name = {str(known).removeprefix("torch."): known for known in TARGET_DTYPES}
-    if isinstance(dtype, str):
-        if dtype not in by_name:
-            raise MoaspecError(f"unknown target dtype '{dtype}' (known: {', '.join(by_name)})")
-        return by_name[dtype]
-    if dtype not in TARGET_DTYPES:
-        raise MoaspecError(f"unsupported target dtype {dtype} (known: {', '.join(by_name)})")
-    return dtype
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
 
 
 def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, device: str) -> Target:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
-    from moaspec.nn.fast_linear import requested_layout
+    from moaspec.nn.layout_names import requested_layout
     from moaspec.targets.hf import REDUCED_PRECISION, HFTarget
 
     hf_logging.disable_progress_bar()
@@ -143,9 +154,9 @@ def load_causal_lm(model_dir, dtype: torch.dtype, attn_implementation: str = DEF
 
 
 def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_tokenizer: bool) -> Target:
-    from moaspec.targets.float_prefill import SharedFloatLlama
     from moaspec.targets.llamacpp import LlamaCppTarget
     from moaspec.targets.llamacpp_model import LlamaCppModel
+    from moaspec.targets.llamacpp_prefill import SharedFloatLlama
 
     gguf = gguf_file(spec)
     if gguf is None:
@@ -157,7 +168,7 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
     config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
     model = LlamaCppModel(gguf, gpu_layers)
     return LlamaCppTarget(
-        model, tokenizer, config, name, threads=threads or torch.get_num_threads(),
+        model, tokenizer, config, name, threads=threads or default_threads(),
         parts_loader=lambda tli_layers: _torch_parts(model_dir, config, tli_layers),
         float_llama=SharedFloatLlama(model_dir, config),
     )
@@ -173,7 +184,9 @@ def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
     modules read from the target's files (a GGUF's converted copy): the embedding (= LM head when
     tied) and final norm, and for Target Layer Inference the target's last `tli_layers` decoder
     layers with its rotary embedding."""
+    from moaspec.nn.file_rows import RowEmbedding
     from moaspec.nn.layers import RMSNorm
+    from moaspec.nn.target_parts import TargetParts
 
     with SafetensorsWeights(model_dir) as weights:
         embedding = weights.rows("model.embed_tokens.weight")
@@ -192,6 +205,7 @@ def _last_decoder_layers(model_dir: Path, weights, count: int) -> tuple[list[tor
     built on the meta device, only those layers materialised and loaded from `weights`) and its
     rotary embedding: what Target Layer Inference runs (nn/target_layers.py). Imports
     transformers' modeling code, which only TLI drafters need on llama.cpp."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -233,9 +247,13 @@ class SafetensorsWeights:
             self._open[file] = self._stack.enter_context(safe_open(self.model_dir / file, framework="pt"))
         return self._open[file].get_tensor(name)
 
-    def rows(self, name: str, dtype: torch.dtype = torch.float32) -> FileRows:
-        """A 2-D tensor as `dtype` rows read on demand (nn/file_rows.py: never memory-mapped)."""
-        return FileRows(self.model_dir / self.file_of(name), name, dtype)
+    def rows(self, name: str, dtype: torch.dtype | None = None) -> FileRows:
+        """A 2-D tensor as `dtype` rows (default float32) read on demand (nn/file_rows.py: never memory-mapped)."""
+        import torch
+
+        from moaspec.nn.file_rows import FileRows
+
+        return FileRows(self.model_dir / self.file_of(name), name, torch.float32 if dtype is None else dtype)
 
     def file_of(self, name: str) -> str:
         """The file (in model_dir) that holds tensor `name`."""

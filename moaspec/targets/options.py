@@ -4,6 +4,9 @@ checks its flags before any model loads)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+from pathlib import Path
 
 from moaspec.errors import MoaspecError
 from moaspec.model_store import BUILTIN_TARGETS, check_target_spec
@@ -98,6 +101,41 @@ def check_placement(
     if runtime == "transformers" and (threads is not None or gpu_layers):
         raise MoaspecError(f"{name['threads']} and {name['gpu_layers']} apply to the llama.cpp runtime")
     check_device(device, name["device"])
+
+
+def default_threads() -> int:
+    """The llama.cpp runtime's CPU threads when none are given: as many as torch's intra-op pool
+    has by default, so the target and a model drafter share the cores alike. torch's own count
+    where torch is loaded; otherwise its rule, read without importing it (a generation that needs
+    no model drafter never does): MKL_NUM_THREADS, else OMP_NUM_THREADS, at most the physical
+    cores this process may run on (MKL's cap), which is the count where neither is set."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.get_num_threads()
+    cores = physical_cores()
+    for variable in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(variable, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return min(int(value), cores)
+    return cores
+
+
+def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
+    """Physical cores among the processors this process may run on (/proc/cpuinfo's distinct
+    physical id and core id pairs); the processor count where cpuinfo names no cores (ARM)."""
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    cores: set[tuple[str, str]] = set()
+    for block in cpuinfo.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        if "processor" in fields and "core id" in fields and int(fields["processor"]) in allowed:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return len(cores) or len(allowed) or 1
 
 
 def check_device(device: str, name: str = "--device") -> None:
