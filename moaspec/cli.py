@@ -309,12 +309,13 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _needs_torch(runtime: str, drafter: str | None, temperature: float) -> bool:
-    """Whether a generation loads torch: all do but greedy `none` and `ngram` on llama.cpp, which
-    run on numpy alone (~1-2.5 s less to the first token: README, *Start-up*). The default drafter
-    does: the calibration ranks the model drafter's trees in torch."""
+    """Whether a generation surely loads torch, which is then imported first: all but greedy
+    `none`, `ngram` and the calibrated default on llama.cpp, which run on numpy alone (~1-2.5 s
+    less to the first token: README, *Start-up*) unless the calibration measures or picks a model
+    drafter (which loads it then: drafters.load_drafter)."""
     from moaspec.drafters import MODEL_FREE
 
-    return runtime != "llama.cpp" or drafter not in MODEL_FREE or temperature > 0
+    return runtime != "llama.cpp" or (drafter is not None and drafter not in MODEL_FREE) or temperature > 0
 
 
 def _note_capped_budget(budget: int | None, lm) -> None:

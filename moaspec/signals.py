@@ -85,8 +85,9 @@ def signals_held() -> Iterator[None]:
 
 
 def load_library_held() -> None:
-    """Import torch (~1.4 s, what moaspec's library side loads first) with signals held, so that
+    """Import torch (1-3 s, what moaspec's library side loads first) with signals held, so that
     an interrupt lands before or after it, never half-way; the commands call it once their cheap
-    checks have passed."""
+    checks have passed, and the first users of torch where a command may run without it (model
+    drafters, the transformers runtime, the calibration's measurements)."""
     with signals_held():
         import torch  # noqa: F401

@@ -304,6 +304,32 @@ def test_cached_costs_that_choose_no_model_drafter_never_read_the_target_for_it(
     assert fingerprints == []
 
 
+def test_cached_costs_rank_trees_from_the_cached_rank_model_without_building_any(tiny_default, monkeypatch) -> None:
+    """The expected tau of every tree is a function of the rank rates alone: computed once (in
+    torch) and read back from disk, so a cached calibration builds no tree (and imports no torch)
+    and chooses as the first did; the table equals the taus computed tree by tree."""
+    from moaspec.calibration import tree_ranking
+
+    target, _, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES)
+    builds = []
+    build = tree_ranking.expected_taus_by_budget
+    monkeypatch.setattr(tree_ranking, "expected_taus_by_budget", lambda *a: builds.append(a) or build(*a))
+    _, first = plan.calibrated_drafter(target, None)
+    assert first.source == "measured" and builds
+    builds.clear()
+    model_build = tree_ranking._model_build
+    monkeypatch.setattr(tree_ranking, "_model_build", lambda *a: pytest.fail("a cached calibration built a tree"))
+    _, again = plan.calibrated_drafter(target, None)
+    assert again.source == "cached" and again.chosen == first.chosen and builds == []
+    monkeypatch.setattr(tree_ranking, "_model_build", model_build)
+    rates = (0.4, 0.2, 0.1, 0.05)
+    table = costs_store.rank_model_taus(rates)
+    assert table == tree_ranking.tau_table(rates) == costs_store.rank_model_taus(rates)
+    for (depth, top_k, budget), value in table.items():
+        assert value == tree_ranking.expected_tau(TreeConfig(depth=depth, top_k=top_k, budget=budget), rates)
+
+
 def test_a_drafter_for_another_target_is_the_error_alone_with_costs_cached(tiny_default, tmp_path, capsys) -> None:
     """With the target's costs cached (the check then runs inside the measurement's error
     handling), a drafter made for another target is that one error: no "no machine calibration"

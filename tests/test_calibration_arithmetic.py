@@ -87,7 +87,7 @@ def test_the_accept_fit_splits_fixed_and_per_token_seconds(monkeypatch) -> None:
     accept = drafter.accept
 
     def timed_accept(update) -> None:
-        clock["now"] += 3.0 + 0.5 * update.token_ids.numel()
+        clock["now"] += 3.0 + 0.5 * len(update.token_ids)
         accept(update)
 
     monkeypatch.setattr(drafter, "accept", timed_accept)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,7 +68,7 @@ def test_tree_matches_brute_force_and_is_well_formed(seed: int, depth: int, top_
     mask = ancestor_mask(tree.parents)
     paths = set()
     for node in range(1, tree.num_nodes):
-        ancestors = mask[node].nonzero().flatten().tolist()[1:]  # without the root
+        ancestors = np.flatnonzero(mask[node]).tolist()[1:]  # without the root
         paths.add(tuple(tree.token_ids[ancestors].tolist()))
     assert paths == brute_force(model, config)
 
@@ -110,7 +111,7 @@ def test_sampled_tree_shape_and_probabilities() -> None:
     assert (probs[:, [0, 2, 5]] == 0).all()  # outside the draft vocabulary
     root_law = torch.softmax(model.table(()), -1)
     torch.testing.assert_close(probs[1][vocab_map], root_law)
-    first = int(torch.searchsorted(vocab_map, tree.token_ids[1:2]))
+    first = int(torch.searchsorted(vocab_map, torch.from_numpy(tree.token_ids[1:2])))
     expected_second = root_law.clone()
     expected_second[first] = 0
     torch.testing.assert_close(probs[2][vocab_map], expected_second / expected_second.sum())

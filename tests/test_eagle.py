@@ -163,7 +163,7 @@ class CheckedEagleDrafter(EagleDrafter):
         super().accept(update)
         self.num_accepts += 1
         assert self.sa_kv[0].shape[1] == self.sa_valid == update.start_pos  # no tree node left
-        assert self.unpaired_hidden.shape[0] == len(self.history) - self.sa_valid == update.token_ids.numel()
+        assert self.unpaired_hidden.shape[0] == len(self.history) - self.sa_valid == len(update.token_ids)
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator) -> DraftTree:
         self.proposals.append(super().propose(root_id, sampling, generator))

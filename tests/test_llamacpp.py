@@ -1,7 +1,7 @@
 """The llama.cpp runtime (moaspec/targets/llamacpp.py) on the real SmolLM2-135M GGUF.
 
 Exactness here is bit-for-bit: a tree's logits must equal what one-token decoding computes for
-the same context (module docstring), so the checks compare logits with `torch.equal`, and the
+the same context (module docstring), so the checks compare logits with `np.array_equal`, and the
 engine's greedy tokens with plain decoding's on one prompt of every benchmark category.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from llamacpp_helpers import check_oracle_trees, one_token, oracle_tree, plain_decode, require_exact_trees
@@ -117,7 +118,7 @@ def test_tree_logits_are_bit_identical_to_one_token_decoding(
             out = target.verify(tree)
             accepted = verify_greedy(tree, out.logits)
             for k, node in enumerate(accepted.path_node_idx):
-                assert torch.equal(out.logits[node], logits[done + k + 1]), (name, done, k)
+                assert np.array_equal(out.logits[node], logits[done + k + 1]), (name, done, k)
             target.commit(accepted.path_node_idx)
             assert accepted.emitted_ids == tokens[done + 1 : done + 2 + accepted.num_accepted]
             done += accepted.num_accepted + 1
@@ -161,7 +162,7 @@ def test_a_q8_0_value_cache_stays_exact_and_takes_long_prompts_from_the_prompt_c
     assert per_query._prompt_ctx is None
     # both valid numerics (f16 / f16 tiled vs per-query q8_0): within 0.8 on this target; values
     # moved without their rotation put the logits 18-33 apart
-    assert max(float((a - b).abs().max()) for a, b in zip(logits[1:9], per_query_logits[1:])) < 3.0
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logits[1:9], per_query_logits[1:])) < 3.0
     target.reset()
     target.prefill(torch.tensor(prompt))
     check_oracle_trees(target, tokens, logits, decoys=2)
@@ -252,7 +253,7 @@ def park_four_cells(target, tokens: list[int], logits: list[torch.Tensor]) -> No
     a wrong sibling before the true one: one cell parked per tree; the true nodes' logits checked."""
     for done in range(0, 8, 2):
         out = target.verify(DraftTree(torch.tensor([tokens[done], 7, tokens[done + 1]]), torch.tensor([-1, 0, 0])))
-        assert torch.equal(out.logits[2], logits[done + 2])
+        assert np.array_equal(out.logits[2], logits[done + 2])
         target.commit([0, 2])
 
 
@@ -273,7 +274,7 @@ def test_a_wide_tree_at_the_context_end_has_a_cell_for_every_node(llama_target, 
     target.prefill(torch.tensor(prompt))
     tree = DraftTree(torch.tensor([tokens[0], tokens[1], *range(100, 107)]), torch.tensor([-1] + [0] * 8))  # 9 nodes, 4 cells free
     out = target.verify(tree)
-    assert torch.equal(out.logits[0], logits[1]) and torch.equal(out.logits[1], logits[2])
+    assert np.array_equal(out.logits[0], logits[1]) and np.array_equal(out.logits[1], logits[2])
     target.commit([0, 1])
     assert target.num_cached == len(prompt) + 2
     drafter = make_drafter("moa", target, {"depth": 6, "top_k": 4, "budget": 16})  # the reference tree: 17 nodes
@@ -301,7 +302,7 @@ def test_a_tree_at_the_context_end_uses_the_headroom_before_re_decoding_the_cont
     park_four_cells(target, tokens, logits)
     tree = DraftTree(torch.tensor([tokens[8], tokens[9], *range(100, 118)]), torch.tensor([-1] + [0] * 19))
     out = target.verify(tree)  # 20 nodes: past `cells` with the 4 parked cells, within the headroom
-    assert torch.equal(out.logits[1], logits[10])
+    assert np.array_equal(out.logits[1], logits[10])
     assert target.compactions == 0
 
 
@@ -327,8 +328,8 @@ def test_reclaiming_parked_cells_decodes_nothing(llama_target, category_prompts,
         target._reclaim_parked()
     assert target.compactions == 1 and target.num_cached == len(prompt) + 8
     out = target.verify(DraftTree(torch.tensor([tokens[8], tokens[9], 5, tokens[10]]), torch.tensor([-1, 0, 0, 1])))
-    assert torch.equal(out.logits[0], logits[9]) and torch.equal(out.logits[1], logits[10])
-    assert torch.equal(out.logits[3], logits[11])
+    assert np.array_equal(out.logits[0], logits[9]) and np.array_equal(out.logits[1], logits[10])
+    assert np.array_equal(out.logits[3], logits[11])
 
 
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:
@@ -339,13 +340,13 @@ def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_ta
     llama_target.prefill(torch.tensor(prompt))
     llama_target.verify(DraftTree(torch.tensor([tokens[0], 5, 6]), torch.tensor([-1, 0, 0])))  # never committed
     out = llama_target.verify(one_token(tokens[0]))
-    assert torch.equal(out.logits[0], logits[1])
+    assert np.array_equal(out.logits[0], logits[1])
     llama_target.commit([0])
     llama_target.verify(one_token(tokens[1]))
     llama_target.commit([0])
     llama_target.rollback(len(prompt) + 1)  # forget tokens[1]
     out = llama_target.verify(one_token(tokens[1]))
-    assert torch.equal(out.logits[0], logits[2])
+    assert np.array_equal(out.logits[0], logits[2])
     with pytest.raises(ValueError):
         llama_target.rollback(len(prompt) + 5)
 
@@ -607,7 +608,7 @@ def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts
     assert verified.hidden.shape == (3, 1, llama_target.hidden_size)
     # the LM head over the returned state gives the logits (tied embeddings)
     head = llama_target.parts(0).lm_head_weight
-    assert torch.allclose(verified.hidden[:, 0] @ head.T, verified.logits, atol=0.5)
+    assert torch.allclose(verified.hidden[:, 0] @ head.T, torch.from_numpy(verified.logits), atol=0.5)
 
 
 def test_target_layer_inference_runs_the_targets_own_last_layers(llama_target, category_prompts) -> None:
@@ -664,7 +665,7 @@ def test_sessions_share_weights_and_keep_their_own_context(llama_target, categor
     other.prefill(torch.tensor(prompt[:30]))
     again = llama_target.verify(one_token(int(first.argmax())))
     assert other.num_cached == 30 and llama_target.num_cached == len(prompt)
-    assert torch.isfinite(again.logits).all()
+    assert np.isfinite(again.logits).all()
 
 
 def test_keys_and_values_match_the_transformers_runtime() -> None:
@@ -754,6 +755,93 @@ def test_the_cli_generate_path_on_llama_cpp_imports_no_transformers(tmp_path) ->
     assert proc.stdout.strip().splitlines()[-1] == "0 []"
 
 
+HYPERTHREADED_CPUINFO = "\n\n".join(
+    f"processor\t: {cpu}\nphysical id\t: 0\ncore id\t\t: {cpu % 2}\nflags\t\t: avx2" for cpu in range(4)
+)
+
+
+def test_physical_cores_count_distinct_cores_among_the_allowed_processors() -> None:
+    from moaspec.targets.options import physical_cores
+
+    assert physical_cores(HYPERTHREADED_CPUINFO, {0, 1, 2, 3}) == 2  # two cores, two threads each
+    assert physical_cores(HYPERTHREADED_CPUINFO, {0, 2}) == 1  # both threads of core 0
+    assert physical_cores("processor\t: 0\nFeatures\t: asimd\n\nprocessor\t: 1\n", {0, 1}) == 2  # no core ids (ARM)
+
+
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": "1"}, {"MKL_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "64"},
+                                 {"MKL_NUM_THREADS": "64", "OMP_NUM_THREADS": "1"}])
+def test_llama_cpp_threads_default_to_torchs_count_without_importing_torch(env: dict) -> None:
+    """The llama.cpp runtime's default threads, read without torch, are the count torch's pool
+    takes in the same environment (the target and a model drafter share the cores alike)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from moaspec.targets.options import default_threads; mine = default_threads(); "
+        "assert 'torch' not in sys.modules; import torch; print(mine, torch.get_num_threads())"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env={**clean, **env})
+    assert proc.returncode == 0, proc.stderr
+    mine, torchs = proc.stdout.split()
+    assert mine == torchs
+
+
+_TORCH_FREE_PROBE = """
+import json, sys
+from moaspec.cli import main
+code = main(json.loads(sys.argv[1]))
+print()
+print(json.dumps([code, "torch" in sys.modules]))
+"""
+
+
+def _generate_reporting_torch(*args: str, env: dict | None = None) -> tuple[int, bool, str]:
+    """`moaspec generate ARGS --json` in a fresh interpreter -> (exit status, whether torch was
+    imported, the JSON record's line)."""
+    import subprocess
+    import sys
+
+    prompt = "Write the numbers from one to twenty in words, separated by commas, then write them again."
+    argv = ["generate", "--prompt", prompt, "--max-new-tokens", "24", "--json", *args]
+    proc = subprocess.run(
+        [sys.executable, "-c", _TORCH_FREE_PROBE, json.dumps(argv)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    code, imported = json.loads(lines[-1])
+    return code, imported, lines[0]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_greedy_generation_without_a_model_drafter_never_imports_torch(drafter: str) -> None:
+    """Start-up (issue 21): greedy `none` and `ngram` on llama.cpp run on numpy alone (torch's
+    import is 1-2.5 s of a 2-core machine's start); a sampled generation does import it, which
+    shows the probe sees an import. The ngram case verifies trees (it copies from the prompt)."""
+    code, imported, line = _generate_reporting_torch("--drafter", drafter)
+    record = json.loads(line)
+    assert code == 0 and not imported and record["drafter"] == drafter and record["new_tokens"] == 24
+    if drafter == "ngram":
+        assert record["mean_drafted_nodes"] > 0
+    code, imported, _ = _generate_reporting_torch("--drafter", drafter, "--temperature", "0.7")
+    assert code == 0 and imported
+
+
+@pytest.mark.slow
+def test_a_cached_calibration_that_picks_no_model_drafter_imports_no_torch() -> None:
+    """The calibrated default on llama.cpp: its first run may measure (in torch); a run on its
+    cached costs imports torch only where it chose a model drafter."""
+    import os
+
+    env = {key: value for key, value in os.environ.items() if key != "MOASPEC_NO_CALIBRATION"}
+    _generate_reporting_torch(env=env)
+    code, imported, line = _generate_reporting_torch(env=env)
+    record = json.loads(line)
+    assert code == 0 and record["calibration"]["source"] == "cached"
+    assert imported == (record["drafter"] not in ("none", "ngram")), record["drafter"]
+
+
 def _console_script(*args: str, **popen):
     """The `moaspec` console script (cli.entry) in a child process, its stdout a pipe."""
     import subprocess
@@ -808,7 +896,7 @@ def test_a_new_prompt_reuses_the_shared_start_exactly(category_prompts, drafter:
     decoded = len(warm._tokens) if length < PROMPT_CONTEXT_MIN_TOKENS else len(warm._prompt_tokens)
     got = warm.set_context(torch.tensor(follow_up), hidden)
     want = fresh.set_context(torch.tensor(follow_up), hidden)
-    assert torch.equal(got.logits, want.logits)
+    assert np.array_equal(got.logits, want.logits)
     assert warm.num_cached == fresh.num_cached == len(follow_up)
     assert decoded >= min(len(first), PROMPT_CHUNK)  # there was something to reuse
     if hidden:
@@ -863,7 +951,7 @@ def test_the_exactness_check_finds_the_batch_size_where_kernels_round_differentl
     def rounded_differently(self, tree, hidden_layers=()):
         out = verify(self, tree, hidden_layers)
         if tree.num_nodes >= rounds_from:
-            out.logits[:, 0] = torch.nextafter(out.logits[:, 0], torch.full_like(out.logits[:, 0], 1e9))
+            out.logits[:, 0] = np.nextafter(out.logits[:, 0], np.float32(1e9))
         return out
 
     monkeypatch.setattr(LlamaCppTarget, "verify", rounded_differently)
@@ -1044,7 +1132,7 @@ def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(lla
         capturing.set_context(torch.tensor(prompt))
     assert capturing.num_cached == 0 and capturing.capture.failure is None
     capturing.capture.ggml = real
-    assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
+    assert np.array_equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
 
 
 def _raise_time_out(number, frame) -> None:
@@ -1087,7 +1175,7 @@ def test_a_signal_arriving_during_a_capturing_decode_is_raised_after_it(
         timer.cancel()
         signal.signal(number, previous)
     assert capturing.num_cached == 0 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert torch.equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
+    assert np.array_equal(capturing.set_context(torch.tensor(prompt)).logits[-1], logits[0])
 
 
 def test_ctrl_c_while_llama_cpp_logs_is_raised_after_the_call(llama_target, category_prompts) -> None:
@@ -1118,7 +1206,7 @@ def test_ctrl_c_while_llama_cpp_logs_is_raised_after_the_call(llama_target, cate
         lib.llama_log_set(llamacpp_model._LOG_CALLBACK, ctypes.c_void_p(0))
     assert len(lines) > 100 and session._ctx is None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     _, logits = plain_decode(llama_target, category_prompts["qa"][:20], 1)
-    assert torch.equal(session.set_context(torch.tensor(category_prompts["qa"][:20])).logits[-1], logits[0])
+    assert np.array_equal(session.set_context(torch.tensor(category_prompts["qa"][:20])).logits[-1], logits[0])
 
 
 @pytest.mark.parametrize("length", [100, PROMPT_CONTEXT_MIN_TOKENS + 100])
@@ -1137,7 +1225,7 @@ def test_a_cancelled_prefill_stops_and_leaves_an_empty_context(llama_target, cat
     with llama_target.cancellable(cancel), pytest.raises(PrefillCancelled):
         llama_target.set_context(torch.tensor(prompt))
     assert llama_target.num_cached == 0
-    assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits[-1], logits[0])  # no longer cancellable
+    assert np.array_equal(llama_target.set_context(torch.tensor(prompt)).logits[-1], logits[0])  # no longer cancellable
 
 
 def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_target, category_prompts) -> None:
@@ -1152,7 +1240,7 @@ def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_ta
     shrunk = grown[:120] + [11, 12, 13]
     for prompt in (short, grown, shrunk, grown):
         fresh.reset()
-        assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
+        assert np.array_equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
     assert llama_target._moved == len(grown)
     llama_target.rollback(len(grown) - 10)  # into the moved cells, then on in this context
     fresh.set_context(torch.tensor(grown[:-10]))
@@ -1161,7 +1249,7 @@ def test_prompts_crossing_the_prompt_context_threshold_equal_fresh_ones(llama_ta
         fresh.commit([0])
         got = llama_target.verify(one_token(token))
         llama_target.commit([0])
-        assert torch.equal(got.logits, want.logits)
+        assert np.array_equal(got.logits, want.logits)
 
 
 def test_an_interrupted_long_prefill_leaves_an_empty_context(llama_target, category_prompts, monkeypatch) -> None:
@@ -1186,7 +1274,7 @@ def test_an_interrupted_long_prefill_leaves_an_empty_context(llama_target, categ
     monkeypatch.undo()
     assert llama_target.num_cached == 0
     fresh = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-    assert torch.equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
+    assert np.array_equal(llama_target.set_context(torch.tensor(prompt)).logits, fresh.set_context(torch.tensor(prompt)).logits)
 
 
 def test_trees_beyond_the_runtimes_node_limit_are_cut_to_it_and_stay_lossless(llama_target, category_prompts) -> None:
@@ -1263,7 +1351,7 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
         assert out.hidden is not None and out.hidden.shape == (tree.num_nodes, 1, target.hidden_size)
         accepted = verify_greedy(tree, out.logits)
         for k, node in enumerate(accepted.path_node_idx):
-            assert torch.equal(out.logits[node], logits[done + k + 1]), (done, k)
+            assert np.array_equal(out.logits[node], logits[done + k + 1]), (done, k)
         target.commit(accepted.path_node_idx)
         done += accepted.num_accepted + 1
     assert target.num_cached == length + done and target._allocated == 1024
@@ -1305,4 +1393,4 @@ def test_a_context_that_cannot_grow_leaves_an_empty_target(llama_target, categor
     assert target.num_cached == 0 and target._ctx is None
     monkeypatch.setattr(target, "_new_llama_context", made)
     fresh = llama_target.new_session()
-    assert torch.equal(target.prefill(torch.tensor(text[:40])).logits, fresh.prefill(torch.tensor(text[:40])).logits)
+    assert np.array_equal(target.prefill(torch.tensor(text[:40])).logits, fresh.prefill(torch.tensor(text[:40])).logits)

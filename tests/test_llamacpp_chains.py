@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -83,10 +84,10 @@ def test_chains_up_to_the_measured_length_give_one_token_decodings_logits(k_quan
             out = target.verify(DraftTree.chain(tokens[:length]))
             # logits[k + 1] follow tokens[k]; tokens[0] is the root (after the prompt)
             for k in range(length):
-                assert torch.equal(out.logits[k], logits[k + 1]), (name, length, k)
+                assert np.array_equal(out.logits[k], logits[k + 1]), (name, length, k)
             target.commit(list(range(length)))
             after = target.verify(DraftTree.root_only(tokens[length]))
-            assert torch.equal(after.logits[0], logits[length + 1]), (name, length)
+            assert np.array_equal(after.logits[0], logits[length + 1]), (name, length)
 
 
 def test_a_k_quant_gguf_speculates_within_its_exact_chains_and_keeps_plain_decodings_tokens(
@@ -199,12 +200,12 @@ def test_a_prompt_after_a_generation_gets_the_bits_of_a_fresh_prefill(k_quant_ta
     target = k_quant_target
     prompt = prompts["mt_bench"][:120]
     tokens, logits = plain_decode(target, prompt, 4)  # a fresh prefill, then 4 tokens held
-    assert torch.equal(target.set_context(torch.tensor(prompt)).logits[0], logits[0])
+    assert np.array_equal(target.set_context(torch.tensor(prompt)).logits[0], logits[0])
     longer = prompt + tokens
     target.reset()
     fresh = target.set_context(torch.tensor(longer)).logits[0]
     plain_decode(target, prompt, 6)  # held: the longer prompt and two tokens more
-    assert torch.equal(target.set_context(torch.tensor(longer)).logits[0], fresh)
+    assert np.array_equal(target.set_context(torch.tensor(longer)).logits[0], fresh)
 
 
 @pytest.mark.parametrize(("gguf", "prompt_tokens", "cut"), [
@@ -230,7 +231,7 @@ def test_a_resumed_split_session_continues_with_the_uninterrupted_logits(
     for k in range(cut, cut + 8):  # logits[k + 1] follow tokens[k]
         out = session.target.verify(DraftTree.root_only(tokens[k]))
         session.target.commit([0])
-        assert torch.equal(out.logits[0], logits[k + 1]), (gguf, k)
+        assert np.array_equal(out.logits[0], logits[k + 1]), (gguf, k)
 
 
 def test_long_prompts_of_sliding_window_models_are_prefilled_in_the_verified_context(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,10 +20,10 @@ from moaspec.tree import (
 )
 
 
-def random_parents(num_nodes: int, seed: int) -> torch.Tensor:
+def random_parents(num_nodes: int, seed: int) -> np.ndarray:
     gen = torch.Generator().manual_seed(seed)
     parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, num_nodes)]
-    return torch.tensor(parents)
+    return np.array(parents)
 
 
 def naive_ancestors(parents: list[int], node: int) -> set[int]:
@@ -42,7 +43,7 @@ def test_mask_depth_paths_properties(seed: int) -> None:
     for i in range(num_nodes):
         expected = naive_ancestors(plist, i)
         assert {j for j in range(num_nodes) if mask[i, j]} == expected
-    assert torch.equal(depths(parents), mask.sum(-1) - 1)
+    assert np.array_equal(depths(parents), mask.sum(-1) - 1)
     paths = leaf_paths(parents)
     on_some_path = {node for path in paths for node in path}
     assert on_some_path == set(range(num_nodes))
@@ -56,11 +57,11 @@ def test_mask_depth_paths_properties(seed: int) -> None:
 
 def test_golden_chain_and_binary_tree() -> None:
     chain = DraftTree.chain([5, 6, 7, 8])
-    assert torch.equal(ancestor_mask(chain.parents), torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    assert np.array_equal(ancestor_mask(chain.parents), np.tril(np.ones((4, 4), dtype=bool)))
     assert depths(chain.parents).tolist() == [0, 1, 2, 3]
     # root -> (1, 2); 1 -> (3, 4); 2 -> (5, 6)
-    binary = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
-    expected = torch.tensor(
+    binary = np.array([-1, 0, 0, 1, 1, 2, 2])
+    expected = np.array(
         [
             [1, 0, 0, 0, 0, 0, 0],
             [1, 1, 0, 0, 0, 0, 0],
@@ -70,20 +71,20 @@ def test_golden_chain_and_binary_tree() -> None:
             [1, 0, 1, 0, 0, 1, 0],
             [1, 0, 1, 0, 0, 0, 1],
         ],
-        dtype=torch.bool,
+        dtype=bool,
     )
-    assert torch.equal(ancestor_mask(binary), expected)
+    assert np.array_equal(ancestor_mask(binary), expected)
     assert leaf_paths(binary) == [[0, 1, 3], [0, 1, 4], [0, 2, 5], [0, 2, 6]]
     assert children(binary) == [[1, 2], [3, 4], [5, 6], [], [], [], []]
 
 
 def test_attention_bias_layout() -> None:
-    parents = torch.tensor([-1, 0, 0, 1])
+    parents = np.array([-1, 0, 0, 1])
     bias = tree_attention_bias(parents, num_cached=3, dtype=torch.float32)
     assert bias.shape == (1, 1, 4, 7)
     visible = bias[0, 0] == 0
     assert visible[:, :3].all()  # the verified context is visible to every node
-    assert torch.equal(visible[:, 3:], ancestor_mask(parents))
+    assert np.array_equal(visible[:, 3:].numpy(), ancestor_mask(parents))
     assert (bias[0, 0][~visible] == torch.finfo(torch.float32).min).all()
 
 
@@ -111,6 +112,14 @@ def test_invalid_trees_are_rejected(token_ids: list[int], parents: list[int]) ->
         DraftTree(torch.tensor(token_ids, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
 
+def test_token_ids_and_parents_are_int64_arrays_whatever_they_were_given_as() -> None:
+    for given in ([7, 8, 9], (7, 8, 9), np.array([7, 8, 9], dtype=np.int32), torch.tensor([7, 8, 9])):
+        tree = DraftTree(given, [-1, 0, 1])
+        assert isinstance(tree.token_ids, np.ndarray) and tree.token_ids.dtype == np.int64
+        assert tree.parents.dtype == np.int64 and tree.token_ids.tolist() == [7, 8, 9]
+    assert DraftTree.chain(torch.tensor([3, 4])).parents.tolist() == [-1, 0]
+
+
 def test_draft_probabilities_need_one_row_per_node() -> None:
     token_ids, parents = torch.tensor([1, 2]), torch.tensor([-1, 0])
     assert DraftTree(token_ids, parents, torch.full((2, 5), 0.2)).num_nodes == 2
@@ -136,7 +145,7 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
     generator = random.Random(3)
     for _ in range(200):
         size = generator.randrange(1, 40)
-        parents = torch.tensor([-1] + [generator.randrange(i) for i in range(1, size)])
+        parents = np.array([-1] + [generator.randrange(i) for i in range(1, size)])
         probs = torch.arange(size * 4, dtype=torch.float64).view(size, 4)  # a row per node, told apart
         probs[0] = 0  # the root's row is empty, the others hold 1-4 non-zero entries
         probs[1:] *= torch.rand(size - 1, 4, generator=torch.Generator().manual_seed(size)) < 0.7
@@ -156,7 +165,7 @@ def test_limit_nodes_keeps_the_longest_prefix_within_the_node_and_leaf_limits() 
 
         expected = max(n for n in range(1, size + 1) if fits(n))
         cut = limit_nodes(tree, max_nodes, max_leaves, max_entries)
-        assert cut.num_nodes == expected and torch.equal(cut.parents, parents[:expected])
+        assert cut.num_nodes == expected and np.array_equal(cut.parents, parents[:expected])
         assert torch.equal(cut.draft_probs, probs[:expected])  # the drafter's rows go with their nodes
 
 

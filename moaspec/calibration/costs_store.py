@@ -7,7 +7,10 @@ Two files under `<cache root>/calibration/<target name>/` (cache root as in mode
 - `drafter-<key>.json`: a model drafter's propose seconds per tree shape and accept seconds, per
   layout; key = the same + the checkpoint (tuned.checkpoint_key: config, weights size and mtime).
 A change of any of them is a new key, hence a new measurement. Unreadable files are measured
-again, never an error.
+again, never an error. Beside them, results computed from cached inputs are kept by content:
+`lookup-<key>.json` (the prompt lookup replayed over the acceptance profile) and, in
+`<cache root>/calibration/`, `rank-model-<key>.json` (the expected tau of every tree under a
+drafter's rank rates: tree_ranking.tau_table, the one part of a cached calibration that needs torch).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_DEPTHS = tuple(range(1, 7))
 DRAFT_TOP_KS = (1, 2, 3, 4)
 LOOKUP_REPLAY_VERSION = 2  # bumped when the drafter's or the gate's rules change what a replay counts
+RANK_MODEL_VERSION = 1  # bumped when the rank model or the tree builder changes what a tau is
 
 
 def context_len(target) -> int:
@@ -193,3 +197,23 @@ def simulated_lookups(target_name: str, sequences, configs, simulate, gate=None)
     found = [(config, simulate(sequences, config, gate)) for config in configs]
     save(path, {"stats": [asdict(stats) for _, stats in found]})
     return found
+
+
+def rank_model_taus(rates: tuple[float, ...]) -> dict[tuple[int, int, int], tuple[float, int]]:
+    """tree_ranking.tau_table(rates), computed once (~0.1 s, but in torch) and cached by content:
+    the rates, the trees ranked and RANK_MODEL_VERSION."""
+    from moaspec.calibration import tree_ranking
+
+    content = json.dumps(
+        [list(rates), tree_ranking.DEPTHS, tree_ranking.TOP_KS, tree_ranking.BUDGETS, RANK_MODEL_VERSION]
+    )
+    path = cache_root() / "calibration" / f"rank-model-{key_of(content)}.json"
+    cached = _read(path).get("taus")
+    if isinstance(cached, list):
+        try:
+            return {(int(d), int(k), int(b)): (float(tau), int(nodes)) for d, k, b, tau, nodes in cached}
+        except (TypeError, ValueError):
+            pass
+    table = tree_ranking.tau_table(rates)
+    save(path, {"rates": list(rates), "taus": [[*tree, tau, nodes] for tree, (tau, nodes) in table.items()]})
+    return table

@@ -57,6 +57,7 @@ from moaspec.drafters.lookup_gate import LookupGate
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.nn.layout_names import LAYOUTS, requested_layout
+from moaspec.signals import load_library_held
 from moaspec.tuned import checkpoint_key
 
 if TYPE_CHECKING:
@@ -276,19 +277,21 @@ class LazyModelDrafter:
             tree = TreeConfig(**record.get("tree", {}))
         except (OSError, ValueError, TypeError, AttributeError):
             tree = None
+        # llama.cpp's drafters run on the CPU (its `device`, which is torch's: read without it here)
+        device = "cpu" if target.runtime == "llama.cpp" else target.device
         if tree is None:  # unreadable: make_drafter says why
             self._drafter = make_drafter(base, target, tree_overrides)
             self.tree_config, self.tree_source = self._drafter.tree_config, self._drafter.tree_source
         else:
             self._drafter = None
             self.tree_config, self.tree_source = resolve_tree(
-                tree, target.name, directory, tree_overrides, target.device, target.runtime
+                tree, target.name, directory, tree_overrides, device, target.runtime
             )
         # some --tree-* fields fixed, the others left to the calibration (not to a tuned choice,
         # which outranks it: tuned.py): the candidates are the trees with those fields
         given = {key: value for key, value in (tree_overrides or {}).items() if value is not None}
         partial = tree is not None and 0 < len(given) < 3
-        below = resolve_tree(tree, target.name, directory, None, target.device, target.runtime)[1] if partial else None
+        below = resolve_tree(tree, target.name, directory, None, device, target.runtime)[1] if partial else None
         self.fixed_fields = given if below == "checkpoint" else {}
 
     def check_target(self) -> None:
@@ -317,12 +320,14 @@ def _tree_candidates(model, costs, rates, limit: TreeLimit):
     from moaspec.calibration.tree_ranking import Candidate, candidates, expected_tau
 
     tree = model.tree_config
-    tau, nodes = expected_tau(tree, rates)
+    taus = costs_store.rank_model_taus(rates)
+    known = taus.get((tree.depth, tree.top_k, tree.budget))
+    tau, nodes = known if known is not None else expected_tau(tree, rates)
     beyond = not limit.takes(tree, nodes) and model.tree_source != "explicit"
     if model.tree_source == "checkpoint" or model.fixed_fields or beyond:
         fixed = model.fixed_fields
         found = [
-            c for c in candidates(costs, rates)
+            c for c in candidates(costs, rates, taus)
             if c.num_nodes <= max(costs.verify_s)  # no extrapolation
             and limit.takes(c.tree, c.num_nodes)
             and all(getattr(c.tree, field) == value for field, value in fixed.items())
@@ -411,6 +416,8 @@ def _costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
                         | {(model.tree_config.depth, model.tree_config.top_k)})
     drafter_missing = model is not None and (drafter is None or any(s not in drafter[layouts[0]][0] for s in shapes))
     verify_missing = cached is None or (target.runtime == "llama.cpp" and measured_within != target.exact_tree_nodes)
+    if verify_missing or drafter_missing:
+        load_library_held()  # the measurements run in torch (a cached calibration needs none)
     if model is not None and (verify_missing or drafter_missing):
         model.check_target()  # a drafter of another target is refused now, not after the measurements
     if verify_missing:

@@ -141,17 +141,43 @@ def expected_taus_by_budget(
     return taus
 
 
-def candidates(costs: CycleCosts, rates: tuple[float, ...]) -> list[Candidate]:
-    """Every distinct (depth, top_k, budget) tree with measured costs, best expected tokens/s first."""
+TauTable = dict[tuple[int, int, int], tuple[float, int]]  # (depth, top_k, budget) -> expected_tau's (tau, nodes)
+
+
+def _budgets(depth: int, top_k: int) -> tuple[int, ...]:
+    """The budgets ranked for a depth and top-k: fewer nodes than levels never reach the last
+    level (the same tree as a shallower one, drafted at more cost, recorded with a depth it never
+    drafts)."""
+    return tuple(b for b in BUDGETS if b >= max(top_k, depth))
+
+
+def tau_table(rates: tuple[float, ...]) -> TauTable:
+    """expected_tau of every tree `candidates` ranks (DEPTHS x TOP_KS x their BUDGETS), from one
+    build per depth and top-k (expected_taus_by_budget). A function of the rates alone, so the
+    calibration keeps it on disk (costs_store.rank_model_taus) and a load whose costs are cached
+    ranks trees without torch."""
+    return {
+        (depth, top_k, budget): value
+        for depth in DEPTHS
+        for top_k in TOP_KS
+        for budget, value in expected_taus_by_budget(depth, top_k, _budgets(depth, top_k), rates).items()
+    }
+
+
+def candidates(costs: CycleCosts, rates: tuple[float, ...], taus: TauTable | None = None) -> list[Candidate]:
+    """Every distinct (depth, top_k, budget) tree with measured costs, best expected tokens/s
+    first. taus: tau_table(rates), when the caller has it."""
     found: dict[tuple[int, int, int], Candidate] = {}
     for depth in DEPTHS:
         for top_k in TOP_KS:
             if (depth, top_k) not in costs.propose_s:
                 continue
-            # fewer nodes than levels never reach the last level: the same tree as a shallower
-            # one, drafted at more cost (and recorded with a depth it never drafts)
-            budgets = tuple(b for b in BUDGETS if b >= max(top_k, depth))
-            for budget, (tau, nodes) in expected_taus_by_budget(depth, top_k, budgets, rates).items():
+            budgets = _budgets(depth, top_k)
+            if taus is None:
+                by_budget = expected_taus_by_budget(depth, top_k, budgets, rates)
+            else:
+                by_budget = {budget: taus[(depth, top_k, budget)] for budget in budgets}
+            for budget, (tau, nodes) in by_budget.items():
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
                 # trees far beyond the largest measured size would rest on extrapolated costs

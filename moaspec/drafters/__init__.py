@@ -143,6 +143,9 @@ def load_drafter(directory: Path, target: Target) -> Drafter:
         raise MoaspecError(f"{directory} is not a drafter checkpoint (no readable config.json with a method)") from exc
     if method not in METHODS:
         raise MoaspecError(f"{directory}: unknown drafter method '{method}' (known: {', '.join(METHODS)})")
+    from moaspec.signals import load_library_held
+
+    load_library_held()  # a model drafter is torch's: its first import, whole or not at all
     return drafter_class(method).from_pretrained(directory, target)
 
 

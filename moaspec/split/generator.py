@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from moaspec.config import GenerationConfig, SamplingConfig
@@ -176,7 +177,7 @@ class _Run:
         self.prompt, self.sampling, self.generation, self.stop_ids, self.result = prompt, sampling, generation, stop_ids, result
         self.max_new = min(generation.max_new_tokens, int(owner.info["max_positions"]) - len(prompt))
         self.generator = draft_generator(generation.seed)
-        self.contexts: list[tuple[torch.Tensor, int, Context]] = []  # everything verified, to replay
+        self.contexts: list[tuple[np.ndarray, int, Context]] = []  # everything verified, to replay
         self.session_id: str | None = None
         self.stale_session: str | None = None  # the session a cut left open on the server, closed on reconnect
         self.seq = 0
@@ -226,7 +227,7 @@ class _Run:
         self.session_id, self.seq = str(reply["session_id"]), 0
         tick = time.perf_counter()
         self.drafter.reset()
-        self._accept(torch.tensor(self.prompt), 0, verification.context)
+        self._accept(np.array(self.prompt, dtype=np.int64), 0, verification.context)
         self.result.stats.draft_s += time.perf_counter() - tick
         yield from self._emit_verified([verification.next_token])
 
@@ -279,7 +280,7 @@ class _Run:
         self.server_closed = verification.closed
         return verification, round_trip_s
 
-    def _accept(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def _accept(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         self.contexts.append((token_ids, start_pos, context))
         self.drafter.accept_context(token_ids, start_pos, context)
 
@@ -362,7 +363,7 @@ class _Run:
         self.result.offline_s += time.monotonic() - self.offline_since
         self.drafter.reset()  # back to exactly the verified state: replay the stored context
         stored, self.contexts = self.contexts, []
-        ids = torch.cat([ids for ids, _, _ in stored])
+        ids = np.concatenate([ids for ids, _, _ in stored])
         self._accept(ids, 0, {name: torch.cat([c[name] for _, _, c in stored]) for name in stored[0][2]})
         while self.provisional and not self.done and self.session_id is not None:  # a new cut: offline again
             yield from self._verify_provisional()

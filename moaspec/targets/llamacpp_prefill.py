@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
+from moaspec.signals import load_library_held
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
 
 if TYPE_CHECKING:
@@ -154,7 +155,8 @@ def measure_float_prefill_start(target) -> int:
 def _median_prefill_s(target, ctx, length: int, warm_up: bool = False) -> tuple[float, float]:
     """(llama.cpp, float) median seconds of a `length`-token prompt's prefill into `ctx`, the two
     taking turns over MEASURE_ROUNDS rounds (after an uncounted one where `warm_up`)."""
-    import torch  # the float path's: measured only where this machine may prefill in torch
+    load_library_held()  # the float path's: measured only where this machine may prefill in torch
+    import torch
 
     generator = torch.Generator().manual_seed(length)
     prompt = torch.randint(0, target.vocab_size, (length,), generator=generator).tolist()

@@ -26,6 +26,7 @@ import numpy as np
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
+from moaspec.signals import load_library_held
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
 
 VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"
@@ -70,7 +71,8 @@ def measure_value_cache_type(target) -> int:
     """Time one-token decoding with each value cache, in two contexts of the target's own
     prefilled once with the same MEASURE_CONTEXT tokens and then decoding in turns (module
     docstring); -> the faster's ggml type."""
-    import torch  # its random tokens, as first measured (once per machine, then read from its record)
+    load_library_held()  # its random tokens are torch's (once per machine, then read from its record)
+    import torch
 
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, target.vocab_size, (MEASURE_CONTEXT,), generator=generator).tolist()

@@ -92,6 +92,9 @@ def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def _load_transformers(spec: str, dtype: torch.dtype, attn_implementation: str, device: str) -> Target:
+    from moaspec.signals import load_library_held
+
+    load_library_held()  # transformers' models are torch's: its first import, whole or not at all
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers.utils import logging as hf_logging
 
