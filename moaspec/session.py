@@ -117,7 +117,8 @@ class TargetSession:
         else:
             from moaspec.sampling import target_probs
 
-            accepted = verify_stochastic(tree, target_probs(_torch_logits(out.logits).double(), self.sampling), self.generator)
+            probs = target_probs(_torch_logits(out.logits).double(), self.sampling)
+            accepted = verify_stochastic(tree, probs, self.generator)
         self.target.commit(accepted.path_node_idx)
         path = accepted.path_node_idx
         hidden = None if out.hidden is None else out.hidden[path]

@@ -62,7 +62,9 @@ class DraftTree:
         return self.token_ids.size
 
     @staticmethod
-    def chain(token_ids: Sequence[int] | np.ndarray | torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+    def chain(
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor, draft_probs: torch.Tensor | None = None
+    ) -> DraftTree:
         """A chain: root followed by drafts, each the child of the previous one."""
         ids = int_array(token_ids)
         return DraftTree(ids, np.arange(-1, ids.size - 1), draft_probs)

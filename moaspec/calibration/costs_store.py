@@ -33,7 +33,7 @@ VERIFY_NODE_COUNTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 DRAFT_DEPTHS = tuple(range(1, 7))
 DRAFT_TOP_KS = (1, 2, 3, 4)
 LOOKUP_REPLAY_VERSION = 2  # bumped when the drafter's or the gate's rules change what a replay counts
-RANK_MODEL_VERSION = 1  # bumped when the rank model or the tree builder changes what a tau is
+RANK_MODEL_VERSION = 1  # bumped when something besides the two modules rank_model_taus reads changes a tau
 
 
 def context_len(target) -> int:
@@ -201,11 +201,14 @@ def simulated_lookups(target_name: str, sequences, configs, simulate, gate=None)
 
 def rank_model_taus(rates: tuple[float, ...]) -> dict[tuple[int, int, int], tuple[float, int]]:
     """tree_ranking.tau_table(rates), computed once (~0.1 s, but in torch) and cached by content:
-    the rates, the trees ranked and RANK_MODEL_VERSION."""
+    the rates, the trees ranked, RANK_MODEL_VERSION and the source of the rank model and of the
+    tree builder it runs (a change to either computes it again)."""
     from moaspec.calibration import tree_ranking
 
+    package = Path(tree_ranking.__file__).parent.parent
+    sources = [(package / name).read_text() for name in ("calibration/tree_ranking.py", "drafters/dynamic_tree.py")]
     content = json.dumps(
-        [list(rates), tree_ranking.DEPTHS, tree_ranking.TOP_KS, tree_ranking.BUDGETS, RANK_MODEL_VERSION]
+        [list(rates), tree_ranking.DEPTHS, tree_ranking.TOP_KS, tree_ranking.BUDGETS, RANK_MODEL_VERSION, sources]
     )
     path = cache_root() / "calibration" / f"rank-model-{key_of(content)}.json"
     cached = _read(path).get("taus")

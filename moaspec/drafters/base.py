@@ -100,7 +100,9 @@ class SplitDrafter(Drafter, Protocol):
 
     def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None: ...
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None: ...
+    def draft_alone(
+        self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> AloneDraft | None: ...
 
 
 class NoContext:

@@ -126,7 +126,9 @@ class NgramDrafter:
             self._shadow = None
             self.gate.record(accepted, num_nodes)
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None:
+    def draft_alone(
+        self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> AloneDraft | None:
         """The first token of the best continuation, or None when the context has no match
         (the gate does not apply: nothing is verified)."""
         tree = trie(root_id, self.continuations(root_id), self.config.max_nodes)

@@ -36,7 +36,9 @@ class NoDrafter:
     def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         pass
 
-    def draft_alone(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> AloneDraft | None:
+    def draft_alone(
+        self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None
+    ) -> AloneDraft | None:
         return None  # nothing to draft with: the client waits for the server
 
     def propose(self, root_id: int, sampling: SamplingConfig, generator: torch.Generator | None) -> DraftTree:

@@ -109,8 +109,9 @@ class Target(Protocol):
     def reset(self) -> None: ...
 
     def set_context(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
-        """input_ids [T] (int64; a torch tensor is taken too) become the whole verified context (a new generation); a runtime may keep
-        the part it already holds. -> logits [1, V] after the last token, hidden [T, H, D]."""
+        """input_ids [T] (int64; a torch tensor is taken too) become the whole verified context (a
+        new generation); a runtime may keep the part it already holds. -> logits [1, V] after the
+        last token, hidden [T, H, D]."""
         ...
 
     def prefill(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput: ...

@@ -683,7 +683,9 @@ class LlamaCppTarget:
         """The most tokens one decode after the prompt takes and keeps one-token decoding's bits."""
         return min(COMPACT_CHUNK, self.exact_tree_nodes)
 
-    def _append(self, input_ids: Sequence[int] | np.ndarray, hidden_layers: tuple[int, ...], batch: int = MAX_BATCH) -> TargetOutput:
+    def _append(
+        self, input_ids: Sequence[int] | np.ndarray, hidden_layers: tuple[int, ...], batch: int = MAX_BATCH
+    ) -> TargetOutput:
         """Decode input_ids [T] after the verified context, in this context, `batch` tokens per decode."""
         self._check_hidden(hidden_layers)
         ids = np.asarray(input_ids, dtype=np.int64).tolist()
