@@ -25,6 +25,7 @@ class TextPrinter:
     `end()` ends the text with a newline, unless no token came (an interrupt before the first)."""
 
     takes_token_lists = True  # SpeculativeLM.generate puts lists, not torch tensors
+
     def __init__(self, tokenizer, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs) -> None:
         self.tokenizer = tokenizer
         self.skip_prompt = skip_prompt
@@ -73,6 +74,7 @@ class TokenCollector:
     is dropped, as TextPrinter's skip_prompt does."""
 
     takes_token_lists = True  # SpeculativeLM.generate puts lists, not torch tensors
+
     def __init__(self) -> None:
         self.token_ids: list[int] = []
         self._prompt_seen = False

@@ -25,6 +25,7 @@ from moaspec.calibration.costs import CycleCosts, VerifyCosts, measure_drafter, 
 from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
+from moaspec.signals import load_library_held
 
 FORMAT_VERSION = 2  # 2: the plain step and the tree penalty (costs.py)
 CONTEXT_LEN = 128  # a chat prompt's length; the verify cost of this model moves little with it
@@ -217,6 +218,7 @@ def rank_model_taus(rates: tuple[float, ...]) -> dict[tuple[int, int, int], tupl
             return {(int(d), int(k), int(b)): (float(tau), int(nodes)) for d, k, b, tau, nodes in cached}
         except (TypeError, ValueError):
             pass
+    load_library_held()  # the model drafter's tree builder is torch's
     table = tree_ranking.tau_table(rates)
     save(path, {"rates": list(rates), "taus": [[*tree, tau, nodes] for tree, (tau, nodes) in table.items()]})
     return table

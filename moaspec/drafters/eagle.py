@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moaspec.config import TreeConfig
@@ -69,7 +70,7 @@ class EagleDrafter(TreeDrafter):
         self.proposal_root: int | None = None  # the root of the pairs `start` appended
 
     @torch.inference_mode()
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         """New verified tokens [n] with their true features: keep them unpaired; drop the SA
         cache's tree nodes."""
         start = start_pos

@@ -30,6 +30,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from moaspec.config import NgramConfig, SamplingConfig, TreeConfig
@@ -97,7 +98,7 @@ class TreeDrafter:
         """In-process: encode the context here, then accept it (exactly what a split client does)."""
         self.accept_context(update.token_ids, update.start_pos, self.context_encoder.encode(update))
 
-    def accept_context(self, token_ids: torch.Tensor, start_pos: int, context: Context) -> None:
+    def accept_context(self, token_ids: np.ndarray, start_pos: int, context: Context) -> None:
         raise NotImplementedError
 
     @torch.inference_mode()

@@ -203,7 +203,7 @@ class HFTarget:
         self.cache = DynamicCache()
         self.num_cached = 0
 
-    def set_context(self, input_ids: torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
+    def set_context(self, input_ids: np.ndarray | torch.Tensor, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Make input_ids [T] the verified context: a fresh prefill (transformers' batched kernels
         round differently from one-token steps, so a kept prefix would not be the same)."""
         self.reset()

@@ -17,6 +17,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moaspec.errors import MoaspecError
@@ -54,7 +55,9 @@ class AttentionLayout:
             raise MoaspecError(f"target {name} has sliding windows of several sizes ({sorted(windows)}): not supported")
         return cls(tuple(kinds), windows.pop() if windows else None)
 
-    def tree_mask(self, parents: torch.Tensor, num_cached: int, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    def tree_mask(
+        self, parents: np.ndarray, num_cached: int, dtype: torch.dtype
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The additive mask [1, 1, N, num_cached + N] verifying a tree after `num_cached` tokens
         takes in every layer, or per layer kind ({FULL: ..., SLIDING: ...}) where they differ."""
         if self.window is None:

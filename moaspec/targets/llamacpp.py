@@ -541,7 +541,7 @@ class LlamaCppTarget:
         decoded here, keeping the part of the context it shares with the one held (a chat's next
         turn) where the products do not change with the batch size (`exact_tree_nodes`). Either
         way the result is the same bits a fresh context would give (module docstring)."""
-        ids = np.asarray(input_ids).tolist()
+        ids = np.asarray(input_ids, dtype=np.int64).tolist()
         if not ids:
             raise ValueError("set_context needs at least one token")
         if len(ids) > self.max_positions:

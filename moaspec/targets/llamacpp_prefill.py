@@ -78,7 +78,8 @@ class SharedFloatLlama:
     @property
     def model(self) -> FloatLlama:
         if self._model is None:
-            from moaspec.targets.float_prefill import FloatLlama  # torch: only where a prompt is prefilled so
+            load_library_held()  # torch's first import, where a long first turn is prefilled in float32
+            from moaspec.targets.float_prefill import FloatLlama
 
             self._model = FloatLlama(self.model_dir, self.config)
         return self._model
