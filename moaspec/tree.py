@@ -8,9 +8,9 @@ Invariants of a `DraftTree` with N nodes:
 The root sits at absolute position `pos0` (the target's cache length); node i sits at
 `pos0 + depth[i]`. A node attends to the verified context and to its own ancestors.
 
-Token ids and parents are numpy arrays, so plain decoding and prompt lookup run without torch
-(a `generate` that needs no model drafter never imports it: README, *Start-up*); only a sampled
-model drafter's `draft_probs` are torch.
+Token ids and parents are numpy arrays, so greedy plain decoding and prompt lookup on llama.cpp
+run without torch (README, *Performance notes*, Start-up); only a sampled model drafter's
+`draft_probs` are torch.
 """
 
 from __future__ import annotations

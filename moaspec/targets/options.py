@@ -123,7 +123,9 @@ def default_threads() -> int:
 def physical_cores(cpuinfo: str | None = None, allowed: set[int] | None = None) -> int:
     """Physical cores among the processors this process may run on (/proc/cpuinfo's distinct
     physical id and core id pairs); the processor count where cpuinfo names no cores (ARM)."""
-    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    if allowed is None:  # sched_getaffinity is Linux's; elsewhere every processor
+        affinity = getattr(os, "sched_getaffinity", None)
+        allowed = affinity(0) if affinity is not None else set(range(os.cpu_count() or 1))
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
