@@ -166,18 +166,15 @@ def tau_table(rates: tuple[float, ...]) -> TauTable:
 
 def candidates(costs: CycleCosts, rates: tuple[float, ...], taus: TauTable | None = None) -> list[Candidate]:
     """Every distinct (depth, top_k, budget) tree with measured costs, best expected tokens/s
-    first. taus: tau_table(rates), when the caller has it."""
+    first. taus: tau_table(rates), when the caller has it (the calibration's cached copy)."""
+    taus = tau_table(rates) if taus is None else taus
     found: dict[tuple[int, int, int], Candidate] = {}
     for depth in DEPTHS:
         for top_k in TOP_KS:
             if (depth, top_k) not in costs.propose_s:
                 continue
-            budgets = _budgets(depth, top_k)
-            if taus is None:
-                by_budget = expected_taus_by_budget(depth, top_k, budgets, rates)
-            else:
-                by_budget = {budget: taus[(depth, top_k, budget)] for budget in budgets}
-            for budget, (tau, nodes) in by_budget.items():
+            for budget in _budgets(depth, top_k):
+                tau, nodes = taus[(depth, top_k, budget)]
                 tree = TreeConfig(depth=depth, top_k=top_k, budget=budget)
                 key = (depth, top_k, nodes)  # a budget beyond the pool gives the same tree
                 # trees far beyond the largest measured size would rest on extrapolated costs
