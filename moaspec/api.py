@@ -135,7 +135,10 @@ def _streamed(ids: list, streamer: Any) -> Any:
     """Token ids as a streamer takes them: a list where it `takes_token_lists`, else a torch tensor."""
     if getattr(streamer, "takes_token_lists", False):
         return ids
-    import torch  # transformers' streamers read tensors
+    from moaspec.signals import load_library_held
+
+    load_library_held()  # transformers' streamers read tensors: torch's first import, whole or not at all
+    import torch
 
     return torch.tensor(ids)
 

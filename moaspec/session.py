@@ -39,8 +39,13 @@ def resumed_seed(seed: int, verified_length: int) -> int:
 
 
 def draft_generator(seed: int) -> torch.Generator:
-    """The drafter's random stream for a generation seeded with `seed`."""
-    import torch  # made only where something draws: greedy decoding with a model-free drafter runs without torch
+    """The drafter's random stream for a generation seeded with `seed` (made only where something
+    draws: greedy decoding with a model-free drafter runs without torch, so a sampled generation
+    may import it first here, with signals held)."""
+    from moaspec.signals import load_library_held
+
+    load_library_held()
+    import torch
 
     return torch.Generator().manual_seed((seed + DRAFT_SEED_OFFSET) % 2**64)
 

@@ -828,6 +828,49 @@ def test_greedy_generation_without_a_model_drafter_never_imports_torch(drafter: 
     assert code == 0 and imported
 
 
+_HELD_IMPORT_PROBE = """
+import json, signal, sys
+import moaspec
+from moaspec.signals import DeferredSignals
+
+held = []
+
+class ReportsTorchsFirstImport:  # a finder that only looks: is SIGINT held when torch first loads?
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" and not held:
+            handler = signal.getsignal(signal.SIGINT)
+            held.append(isinstance(getattr(handler, "__self__", None), DeferredSignals))
+        return None
+
+class PrintsTensors:  # a streamer of transformers' kind: torch tensors, no takes_token_lists
+    def put(self, ids): pass
+    def end(self): pass
+
+lm = moaspec.load(drafter="none", calibrate=False)
+sys.meta_path.insert(0, ReportsTorchsFirstImport())
+assert "torch" not in sys.modules
+kind = sys.argv[1]
+if kind == "sampled":
+    lm.generate("Name three colours.", max_new_tokens=4, temperature=0.7)
+else:
+    lm.generate("Name three colours.", max_new_tokens=4, streamer=PrintsTensors())
+print(json.dumps(held))
+"""
+
+
+@pytest.mark.parametrize("kind", ["sampled", "tensor streamer"])
+def test_the_library_imports_torch_first_with_signals_held(kind: str) -> None:
+    """A library user's llama.cpp generation loads torch only where it samples or streams
+    tensors; that first import (1-3 s) happens with Ctrl-C held, as the CLI's does (an interrupt
+    half-way left it half-imported, or was swallowed)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _HELD_IMPORT_PROBE, kind], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True]
+
+
 @pytest.mark.slow
 def test_a_cached_calibration_that_picks_no_model_drafter_imports_no_torch() -> None:
     """The calibrated default on llama.cpp: its first run may measure (in torch); a run on its
