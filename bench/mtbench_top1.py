@@ -171,22 +171,27 @@ def depth_one_counts(net, parts, source, samples, config, with_lookup: bool) -> 
         features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
         with torch.inference_mode():
             roots, model_guesses = first_guesses(net, parts, sample, features, config, MAX_DEPTH)
-        target_next = features.teacher_argmax.cpu()
-        lookup = lookup_guesses(sample.input_ids.tolist()) if with_lookup else None
-        spans = sample.spans()
-        while len(turns) < len(spans):
-            turns.append({"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0})
-        for root, model_guess in zip(roots.tolist(), model_guesses.tolist()):
-            counts, wanted = turns[turn_of(root, spans)], int(target_next[root])
-            guess = None if lookup is None else lookup[root]
-            if guess is not None:
-                counts["lookup_answered"] += 1
-                counts["lookup_hits"] += guess == wanted
-            else:
-                guess = model_guess
-            counts["hits"] += guess == wanted
-            counts["positions"] += 1
+        count_by_turn(turns, sample, roots, model_guesses, features.teacher_argmax.cpu(), with_lookup)
     return turns
+
+
+def count_by_turn(turns: list[dict], sample, roots, model_guesses, target_next, with_lookup: bool = False) -> None:
+    """Add one sample's depth-1 guesses (roots [R], model_guesses [R], target_next [T]) to the
+    per-turn counts `turns` (grown to the sample's turns); with_lookup as `depth_one_counts`."""
+    lookup = lookup_guesses(sample.input_ids.tolist()) if with_lookup else None
+    spans = sample.spans()
+    while len(turns) < len(spans):
+        turns.append({"hits": 0, "positions": 0, "lookup_answered": 0, "lookup_hits": 0})
+    for root, model_guess in zip(roots.tolist(), model_guesses.tolist()):
+        counts, wanted = turns[turn_of(root, spans)], int(target_next[root])
+        guess = None if lookup is None else lookup[root]
+        if guess is not None:
+            counts["lookup_answered"] += 1
+            counts["lookup_hits"] += guess == wanted
+        else:
+            guess = model_guess
+        counts["hits"] += guess == wanted
+        counts["positions"] += 1
 
 
 def turn_rates(turns: list[dict]) -> dict:
@@ -217,17 +222,19 @@ def evaluate(label: str, spec: str, target, source, samples, categories) -> dict
     depths = range(1, MAX_DEPTH - offset + 1) if method == "moa" else range(1, 2)
     if with_lookup:
         return evaluate_with_lookup(label, spec, method, net, parts, source, samples, categories, config)
-    by_category = {}
+    by_category, turns = {}, []
     for category in sorted(set(categories)):
         chosen = [s for s, c in zip(samples, categories) if c == category]
-        by_category[category] = validation_counts(net, parts, source, chosen, config, MAX_DEPTH)
+        by_category[category] = validation_counts(
+            net, parts, source, chosen, config, MAX_DEPTH, on_first_guesses=functools.partial(count_by_turn, turns)
+        )
     by_category["all"] = functools.reduce(operator.add, by_category.values())  # the categories are disjoint
     rows = {}
     for category, counts in by_category.items():
         accuracy = counts.summary()
         rows[category] = {f"depth{d}": accuracy.get(f"acc_depth{d + offset}") for d in depths}
         print(f"mtbench_top1: {label} {category} {rows[category]}", file=sys.stderr)
-    by_turn = turn_rates(depth_one_counts(net, parts, source, samples, config, with_lookup=False))
+    by_turn = turn_rates(turns)
     return {"label": label, "source": spec, "method": method, "by_category": rows, "depth1_by_turn": by_turn}
 
 

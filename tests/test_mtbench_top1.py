@@ -65,3 +65,28 @@ def test_turn_of_places_a_root_in_the_answer_its_next_token_belongs_to() -> None
     for outside in (5, 11, 14, 23):
         with pytest.raises(StopIteration):
             script.turn_of(outside, spans)
+
+
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_per_turn_counts_from_validation_equal_a_pass_of_their_own(method: str) -> None:
+    """`evaluate` splits depth 1 by turn inside the validation pass (its `on_first_guesses` hook)
+    instead of reading every conversation teacher-forced a second time: the same counts, turn by
+    turn, and the same totals as validation's depth 1."""
+    import functools
+
+    from moaspec.train.trainer import kv_layers_read, validation_counts
+
+    script = load_bench_script("mtbench_top1")
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = build_net(method, target, 0, None)
+    config = TrainConfig(method=method)
+    data = [TrainSample(torch.arange(3, 27), 6, 0), TrainSample(torch.arange(10, 40), 6, 1, ((6, 12), (15, 30)))]
+    source, parts = OnlineFeatures(target), target.parts(0)
+    assert kv_layers_read(net, config) or method == "eagle"
+    turns: list[dict] = []
+    counts = validation_counts(net, parts, source, data, config, script.MAX_DEPTH, on_first_guesses=functools.partial(script.count_by_turn, turns))
+    assert turns == script.depth_one_counts(net, parts, source, data, config, with_lookup=False)
+    depth = 2 if method == "moa" else 1
+    assert len(turns) == 2 and script.summed(turns)["positions"] == int(counts.counts[depth]) > 0
+    assert script.summed(turns)["hits"] == int(counts.hits[depth]) > 0

@@ -25,6 +25,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -273,10 +274,13 @@ def validation_counts(
     max_depth: int = 6,
     device: torch.device | str = "cpu",
     autocast: bool = False,
+    on_first_guesses: Callable[[TrainSample, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> ValidationCounts:
     """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
     outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
-    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the losses."""
+    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the losses.
+    on_first_guesses(sample, roots [R], guesses [R], target_next [T]): called per sample with its
+    draft-depth-1 guesses (`first_guesses`' view), for a caller that splits them further (by turn)."""
     net.eval()
     totals = ValidationCounts(torch.zeros(max_depth + 1), torch.zeros(max_depth + 1))
     generator = torch.Generator().manual_seed(0)
@@ -292,6 +296,8 @@ def validation_counts(
             predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
         target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
         positions, rows, depth = scored_positions(length, sample.spans(), config.method, max_depth)
+        if on_first_guesses is not None:
+            on_first_guesses(sample, *_at_first_draft(predicted, positions, rows, depth, config.method), target_next)
         correct = predicted[rows] == target_next[positions]
         for d in range(1, max_depth + 1):
             selected = depth == d
@@ -358,7 +364,14 @@ def first_guesses(
     with the target's argmax at r."""
     predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
     positions, rows, depth = scored_positions(sample.input_ids.numel(), sample.spans(), config.method, max_depth)
-    first_draft = depth == (2 if config.method == "moa" else 1)  # MoA's depth 1 is the anchor itself
+    return _at_first_draft(predicted, positions, rows, depth, config.method)
+
+
+def _at_first_draft(
+    predicted: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, depth: torch.Tensor, method: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(roots [R], guesses [R]) of the scored positions (`scored_positions`) at draft depth 1."""
+    first_draft = depth == (2 if method == "moa" else 1)  # MoA's depth 1 is the anchor itself
     return positions[first_draft], predicted[rows[first_draft]]
 
 
