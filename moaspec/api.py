@@ -21,7 +21,6 @@ from moaspec.drafters import (
     check_drafter_spec,
     default_drafter,
     default_for_tree_settings,
-    make_drafter,
     tree_settings_given,
 )
 from moaspec.drafters.base import Drafter
@@ -206,20 +205,25 @@ def load(
 
 
 def speculative_lm(
-    loaded: Target, drafter: str | None = None, tree_overrides: dict | None = None, calibrate: bool = True
+    loaded: Target,
+    drafter: str | None = None,
+    tree_overrides: dict | None = None,
+    calibrate: bool = True,
+    background_drafter: bool = False,
 ) -> SpeculativeLM:
     """load()'s second half: the drafter for a loaded target (drafter, tree_overrides, calibrate:
     as load() takes them). Callers with a prompt in hand check it between the two halves, before
-    a first calibration's ~20 s."""
-    from moaspec.calibration.plan import drafter_for
+    a first calibration's ~20 s. background_drafter: a model drafter that qualifies is built in a
+    background thread while the first tokens decode plainly (drafters/background.py)."""
+    from moaspec.calibration.plan import configured_drafter, drafter_for
 
     _check_drafter_request(drafter, tree_overrides)
     tree_given = tree_settings_given(tree_overrides)
     default = default_for_tree_settings(loaded.name) if drafter is None and tree_given else default_drafter(loaded.name)
     if not calibrate:
         name = drafter or default
-        return SpeculativeLM(loaded, make_drafter(name, loaded, tree_overrides), name)
-    chosen, calibration = drafter_for(loaded, drafter, tree_overrides)
+        return SpeculativeLM(loaded, configured_drafter(loaded, name, tree_overrides, background_drafter), name)
+    chosen, calibration = drafter_for(loaded, drafter, tree_overrides, background=background_drafter)
     name = calibration.chosen.drafter if calibration is not None else drafter or default
     if isinstance(chosen, NoDrafter):  # also where trees would not be exact (calibration/plan.py)
         name = "none"
@@ -271,15 +275,17 @@ def load_for_prompt(
     threads: int | None = None,
     gpu_layers: int = 0,
     light_tokenizer: bool = False,
+    background_drafter: bool = False,
 ) -> tuple[SpeculativeLM, list[int]]:
     """load() for one prompt (the CLI's and the one-shot generate()'s): the target loads, the
     prompt is encoded and checked against its context, and only then is the drafter chosen, so a
-    refused prompt costs no calibration (~20 s the first time) -> (the model, the prompt's ids)."""
+    refused prompt costs no calibration (~20 s the first time) -> (the model, the prompt's ids).
+    background_drafter: as `speculative_lm` (the CLI's `generate`)."""
     _check_drafter_request(drafter, tree_overrides)
     loaded = load_target(target, dtype, DEFAULT_ATTN_IMPLEMENTATION, runtime, device, threads, gpu_layers, light_tokenizer)
     prompt_ids = prompt_token_ids(loaded, prompt, raw)
     check_prompt_length(len(prompt_ids), loaded)
-    return speculative_lm(loaded, drafter, tree_overrides, calibrate), prompt_ids
+    return speculative_lm(loaded, drafter, tree_overrides, calibrate, background_drafter), prompt_ids
 
 
 def prompt_token_ids(target: Target, prompt: str | list[int], raw: bool = False) -> list[int]:

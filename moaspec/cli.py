@@ -262,7 +262,7 @@ def _generate(args: argparse.Namespace) -> int:
     if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
               file=sys.stderr)
-    if args.server is not None or _needs_torch(options["runtime"], args.drafter, args.temperature):
+    if args.server is not None or _needs_torch(options["runtime"], args.drafter, args.temperature, name):
         from moaspec.signals import load_library_held
 
         load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
@@ -276,7 +276,8 @@ def _generate(args: argparse.Namespace) -> int:
     from moaspec.text_stream import TextPrinter, TokenCollector
 
     lm, prompt_ids = load_for_prompt(
-        args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, **options
+        args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, background_drafter=True,
+        **options,
     )
     _note_capped_budget(overrides.get("budget"), lm)
     streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -308,14 +309,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _needs_torch(runtime: str, drafter: str | None, temperature: float) -> bool:
-    """Whether a generation surely loads torch, which is then imported first: all but greedy
-    `none`, `ngram` and the calibrated default on llama.cpp, which run on numpy alone (~1-2.5 s
-    less to the first token: README, *Start-up*) unless the calibration measures or picks a model
-    drafter (which loads it then: drafters.load_drafter)."""
+def _needs_torch(runtime: str, drafter: str | None, temperature: float, target_name: str) -> bool:
+    """Whether a generation surely loads torch before its first token, which then imports it
+    first: all but greedy `none`, `ngram`, the calibrated default and a shipped MoA drafter on
+    llama.cpp, which run on numpy alone (~1-2.5 s less to the first token: README, *Start-up*)
+    unless the calibration measures or picks a model drafter (which loads it then:
+    drafters.load_drafter); a shipped MoA drafter is built in the background meanwhile
+    (drafters/background.py)."""
     from moaspec.drafters import MODEL_FREE
+    from moaspec.drafters.background import can_build_in_background
 
-    return runtime != "llama.cpp" or (drafter is not None and drafter not in MODEL_FREE) or temperature > 0
+    if runtime != "llama.cpp" or temperature > 0:
+        return True
+    return drafter is not None and drafter not in MODEL_FREE and not can_build_in_background(drafter, target_name, runtime)
 
 
 def _note_capped_budget(budget: int | None, lm) -> None:

@@ -1,4 +1,5 @@
-"""On/off switches read from the environment (MOASPEC_NO_CALIBRATION, MOASPEC_NO_TUNED)."""
+"""On/off switches read from the environment (MOASPEC_NO_CALIBRATION, MOASPEC_NO_TUNED,
+MOASPEC_NO_BACKGROUND_DRAFTER)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 OFF_VALUES = ("", "0", "false", "no", "off")
 NO_CALIBRATION_ENV = "MOASPEC_NO_CALIBRATION"  # the machine calibration (calibration/plan.py) off
+NO_BACKGROUND_DRAFTER_ENV = "MOASPEC_NO_BACKGROUND_DRAFTER"  # `generate` builds its drafter first (drafters/background.py)
 
 
 def env_flag(name: str) -> bool:

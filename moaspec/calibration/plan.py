@@ -139,27 +139,79 @@ def calibration_enabled() -> bool:
     return not env_flag(DISABLE_ENV)
 
 
-def drafter_for(target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None):
+def drafter_for(
+    target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None, background: bool = False
+):
     """-> (drafter, Calibration or None): calibrated unless MOASPEC_NO_CALIBRATION is set, else
     the named drafter (or the target's default) as configured. layout: keep the target's weights
-    in this layout (a benchmark compares drafters on one layout) instead of choosing it."""
+    in this layout (a benchmark compares drafters on one layout) instead of choosing it.
+    background: a model drafter that qualifies is built in a background thread while the target
+    decodes plainly (drafters/background.py; the CLI's one-shot `generate`)."""
     if calibration_enabled():
         try:
-            return calibrated_drafter(target, spec, tree_overrides, layout=layout)
+            return calibrated_drafter(target, spec, tree_overrides, layout=layout, background=background)
         except CalibrationUnavailable as exc:
             print(f"moaspec: warning: no machine calibration ({exc}); using the drafter as configured", file=sys.stderr)
             target.use_layout(requested_layout() or "row")  # the measurement may have left the other one
+    return configured_drafter(target, spec, tree_overrides, background), None
+
+
+def configured_drafter(target, spec: str | None, tree_overrides: dict | None = None, background: bool = False):
+    """The named drafter (or the target's default) as configured, without a calibration;
+    background: as `drafter_for`."""
     if spec is None:
         given = tree_settings_given(tree_overrides)
         spec = default_for_tree_settings(target.name) if given else default_drafter(target.name)
-    return make_drafter(spec, target, tree_overrides), None
+    base, with_lookup = split_lookup(spec)
+    if background and base not in MODEL_FREE and in_background(target, base):
+        model = LazyModelDrafter(base, target, tree_overrides)
+        return _finished(model, model.tree_config, model.tree_source, lambda drafter: _lookup_on(drafter, with_lookup), True)
+    return make_drafter(spec, target, tree_overrides)
+
+
+def in_background(target, base: str) -> bool:
+    """Whether model drafter `base` would be built in the background for `target` (module
+    docstring of drafters/background.py): before torch is loaded, where it qualifies
+    (`can_build_in_background`)."""
+    from moaspec.drafters.background import can_build_in_background
+
+    return "torch" not in sys.modules and can_build_in_background(base, target.name, target.runtime)
+
+
+def _lookup_on(drafter, with_lookup: bool, lookup=None) -> None:
+    if with_lookup:
+        drafter.enable_lookup(lookup)
+
+
+def _finished(model: LazyModelDrafter, tree, tree_source: str, finish, background: bool):
+    """The model drafter with `tree` (from `tree_source`) and finished by `finish(drafter)` (its
+    layout, lookup): built now, or in a background thread (BackgroundDrafter) where `background`
+    and it qualifies."""
+
+    def build():
+        drafter = model.drafter()
+        drafter.tree_config, drafter.tree_source = tree, tree_source
+        finish(drafter)
+        return drafter
+
+    if background and in_background(model.target, model.base):
+        from moaspec.drafters.background import BackgroundDrafter, context_layers_of
+
+        return BackgroundDrafter(build, model.target, context_layers_of(model.record), tree, tree_source)
+    return build()
 
 
 def calibrated_drafter(
-    target, spec: str | None, tree_overrides: dict | None = None, progress: bool = True, layout: str | None = None
+    target,
+    spec: str | None,
+    tree_overrides: dict | None = None,
+    progress: bool = True,
+    layout: str | None = None,
+    background: bool = False,
 ):
     """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out
-    (in `layout`, else MOASPEC_WEIGHT_LAYOUT's, else the fastest measured).
+    (in `layout`, else MOASPEC_WEIGHT_LAYOUT's, else the fastest measured); background: as
+    `drafter_for`.
 
     MoaspecError for a drafter that cannot be made (as make_drafter).
     """
@@ -213,7 +265,7 @@ def calibrated_drafter(
         options += _options(requested, base, with_lookup, trees, layout, costs, lookups, gated, lookup_s)
     chosen = choose(options)
     plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
-    drafter = _apply(target, chosen, model, spec, gates.get(chosen.layout))
+    drafter = _apply(target, chosen, model, spec, gates.get(chosen.layout), background)
     best_per_form: dict[tuple[str, str], Option] = {}
     for option in sorted(options, key=lambda o: -o.tokens_per_s):
         best_per_form.setdefault((option.drafter, option.layout), option)
@@ -437,9 +489,10 @@ def _costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
     return verify, lookup_s, drafter, measured
 
 
-def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None):
+def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None, background: bool = False):
     """Lay out the target (and drafter) as chosen; -> the drafter of the chosen form (`ngram`
-    with `gate`, the chosen layout's)."""
+    with `gate`, the chosen layout's; a model drafter built in the background where `background`
+    and it qualifies: `_finished`)."""
     from moaspec.drafters.ngram import NgramDrafter
     from moaspec.drafters.none import NoDrafter
 
@@ -451,14 +504,16 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None):
     if chosen.drafter == "ngram" or model is None:
         return NgramDrafter(chosen.lookup, gate) if chosen.lookup is not None else make_drafter(spec, target)
     partly_fixed = bool(model.fixed_fields)  # the calibration chose the fields --tree-* left open
-    model = model.drafter()
-    model.use_layout(chosen.layout)
-    replaced = chosen.tree is not None and chosen.tree != model.tree_config  # too large for the target (_tree_candidates)
-    if chosen.tree is not None and (model.tree_source == "checkpoint" or partly_fixed or replaced):
-        model.tree_config, model.tree_source = chosen.tree, "calibrated"
-    if chosen.drafter.endswith("+ngram"):
-        model.enable_lookup(chosen.lookup)
-    return model
+    tree, tree_source = model.tree_config, model.tree_source
+    replaced = chosen.tree is not None and chosen.tree != tree  # too large for the target (_tree_candidates)
+    if chosen.tree is not None and (tree_source == "checkpoint" or partly_fixed or replaced):
+        tree, tree_source = chosen.tree, "calibrated"
+
+    def finish(drafter) -> None:
+        drafter.use_layout(chosen.layout)
+        _lookup_on(drafter, chosen.drafter.endswith("+ngram"), chosen.lookup)
+
+    return _finished(model, tree, tree_source, finish, background)
 
 
 def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:

@@ -29,6 +29,7 @@ from moaspec.drafters.tree_drafter import TreeDrafter
 from moaspec.nn.encoder_dtype import encoder_dtype
 from moaspec.nn.layers import additive_mask, append_kv, crop_kv, empty_kv
 from moaspec.nn.moa import MoADrafterNet
+from moaspec.nn.moa_layers import context_layers
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 
 if TYPE_CHECKING:
@@ -50,8 +51,8 @@ class MoAContextEncoder:
         config = net.config
         self.hidden_layers: tuple[int, ...] = (config.num_target_layers,) if config.memory_hidden else ()
         # the memory layers and the TLI layers: both at the top of the target
-        self.first_layer = min(config.memory_layer_ids[0], config.num_target_layers - config.tli_layers)
-        self.layers = range(self.first_layer, config.num_target_layers)
+        self.layers = context_layers(config.num_target_layers, config.memory_layers, config.tli_layers)
+        self.first_layer = self.layers.start
 
     @torch.inference_mode()
     def encode(self, update: VerifiedUpdate) -> Context:

@@ -34,6 +34,7 @@ from torch import nn
 
 from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
+from moaspec.nn.moa_layers import memory_layer_ids
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 from moaspec.nn.target_parts import TargetParts
 
@@ -84,8 +85,7 @@ class MoAConfig:
     @property
     def memory_layer_ids(self) -> tuple[int, ...]:
         """The target layers whose keys/values feed the memory, in order."""
-        first = self.num_target_layers - self.memory_layers if self.memory_layers else 0
-        return tuple(range(first, self.num_target_layers))
+        return memory_layer_ids(self.num_target_layers, self.memory_layers)
 
     @staticmethod
     def for_target(

@@ -492,7 +492,9 @@ class LlamaCppTarget:
         if missing:
             raise MoaspecError(f"layers {missing} are not captured (keep_layer_kv)")
         index = [captured.index(layer) for layer in layers]
-        return self._kv.read(start, end)[:, index]
+        import torch  # a model drafter's read: it has loaded torch
+
+        return torch.from_numpy(self._kv.read(start, end)[:, index])
 
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self, positions: int | None = None) -> LlamaCppTarget:
@@ -526,7 +528,7 @@ class LlamaCppTarget:
         self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
-        self._kv = VerifiedRows()  # captured keys/values of the verified tokens
+        self._kv = VerifiedRows(numpy=True)  # captured keys/values of the verified tokens
         self._hidden = VerifiedRows()  # their final hidden states, where they were asked for
         self._pending_rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # of a tree
 
@@ -654,7 +656,8 @@ class LlamaCppTarget:
         likewise for a q8_0 value cache, else float16."""
         header = bytes(self._sequence_state(ctx))[:STATE_HEADER]  # an empty sequence's state: its header
         to_llama = transformers_head_order(self._head_dim).argsort()
-        keys = cache.keys[:, :count][..., to_llama].flatten(2).numpy()  # [L, T, n_kv * head_dim]
+        keys = cache.keys[:, :count].numpy()[..., to_llama]
+        keys = keys.reshape(*keys.shape[:2], -1)  # [L, T, n_kv * head_dim]
         values = cache.values[:, :count].flatten(2).numpy()
         cells = SequenceState.of_floats(header, list(keys), list(values))
         return cells.to_q8_0(self._head_dim, values=self.value_cache_name == "q8_0")

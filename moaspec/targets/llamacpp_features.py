@@ -20,8 +20,10 @@ tokens took 8.1 ms without it, 9.4 ms capturing 4 layers and 10.1 ms capturing a
 with the callback only for drafters that need keys/values (LlamaCppTarget.keep_layer_kv).
 
 What a decode captured for verified positions (keys/values, final hidden states) is kept in
-`VerifiedRows`, so a drafter reads it without decoding again. Only model drafters read these, so
-torch is imported where they are made, not with this module (plain decoding runs without torch).
+`VerifiedRows`, so a drafter reads it without decoding again. The keys/values are captured and
+kept in numpy, so a context captures them without torch (a model drafter built in the background
+while the target decodes reads them when it joins: drafters/background.py); hidden states are
+torch's, as the drafters that ask for them are.
 """
 
 from __future__ import annotations
@@ -71,12 +73,10 @@ def _ggml(llama_cpp):
     return library
 
 
-def transformers_head_order(head_dim: int) -> torch.Tensor:
+def transformers_head_order(head_dim: int) -> np.ndarray:
     """[head_dim]: transformers' dimension j of a key head is llama.cpp's dimension order[j]
     (0, 2, 4, ..., 1, 3, 5, ...: the module docstring's layout); `.argsort()` goes the other way."""
-    import torch
-
-    return torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
 
 
 class CapturedKV:
@@ -121,46 +121,53 @@ class CapturedKV:
         self.current[slot] = data
         return True
 
-    def rows(self, count: int) -> torch.Tensor:
-        """The last decode's keys/values of its `count` tokens: [count, L, 2 * n_kv * head_dim],
-        per KV head [k_h, v_h] in transformers' layout."""
-        import torch
-
+    def rows(self, count: int) -> np.ndarray:
+        """The last decode's keys/values of its `count` tokens: [count, L, 2 * n_kv * head_dim]
+        float32, per KV head [k_h, v_h] in transformers' layout."""
         shape = (count, self.num_kv_heads, self.head_dim)
         size = count * self.num_kv_heads * self.head_dim
         per_layer = []
         for i in range(len(self.layers)):
-            keys = torch.from_numpy(self.current[("K", i)][:size].reshape(shape))[..., self.unpermute]
-            values = torch.from_numpy(self.current[("V", i)][:size].reshape(shape))
-            per_layer.append(torch.stack([keys, values], dim=2).flatten(1))  # [count, n_kv * 2 * head_dim]
-        return torch.stack(per_layer, dim=1)
+            keys = self.current[("K", i)][:size].reshape(shape)[..., self.unpermute]
+            values = self.current[("V", i)][:size].reshape(shape)
+            per_layer.append(np.stack([keys, values], axis=2).reshape(count, -1))  # [count, n_kv * 2 * head_dim]
+        return np.stack(per_layer, axis=1)
 
 
 class VerifiedRows:
-    """Per-token tensors of the verified positions 0..valid-1 (captured keys/values, hidden
-    states), in a buffer that doubles when full."""
+    """Per-token rows of the verified positions 0..valid-1 (captured keys/values, hidden states),
+    in a buffer that doubles when full: numpy float32 (`numpy`, what the capture gives) or torch
+    float32 (hidden states); rows of the other kind are converted as they are written."""
 
-    def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
+    def __init__(self, numpy: bool = False) -> None:
+        self.numpy = numpy
+        self.buffer: np.ndarray | torch.Tensor | None = None
         self.valid = 0
 
-    def write(self, start: int, rows: torch.Tensor) -> None:
+    def write(self, start: int, rows: np.ndarray | torch.Tensor) -> None:
         """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
         if start > self.valid:
             return
+        if self.numpy and not isinstance(rows, np.ndarray):
+            rows = rows.numpy()  # the float prefill's keys/values (CPU torch)
         end = start + rows.shape[0]
         if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
-            import torch
-
             capacity = 0 if self.buffer is None else self.buffer.shape[0]
-            grown = torch.empty(max(end, 2 * capacity, 256), *rows.shape[1:])
+            grown = self._empty((max(end, 2 * capacity, 256), *rows.shape[1:]))
             if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
                 grown[:start] = self.buffer[:start]
             self.buffer = grown
         self.buffer[start:end] = rows
         self.valid = end
 
-    def read(self, start: int, end: int) -> torch.Tensor:
+    def _empty(self, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor:
+        if self.numpy:
+            return np.empty(shape, dtype=np.float32)
+        import torch  # hidden states: a drafter that reads them has loaded torch
+
+        return torch.empty(shape)
+
+    def read(self, start: int, end: int) -> np.ndarray | torch.Tensor:
         return self.buffer[start:end]
 
     def truncate(self, length: int) -> None:
