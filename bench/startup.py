@@ -29,18 +29,23 @@ CASES = {  # label -> extra arguments of `moaspec generate`
     "ngram": ["--drafter", "ngram"],
     # a model drafter, as the calibration chooses on CPUs where it pays (--cases picks; not run by default)
     "moa+ngram": ["--drafter", "moa+ngram"],
+    "moa+ngram-built-first": ["--drafter", "moa+ngram"],
     "eagle": ["--drafter", "eagle"],
+}
+CASE_ENV = {  # label -> environment variables of its runs
+    # on llama.cpp the shipped MoA is built in the background (drafters/background.py); this builds it first
+    "moa+ngram-built-first": {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"},
 }
 DEFAULT_CASES = ("default", "none", "ngram")
 RUN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
-def run_once(moaspec: str, extra: list[str], max_new_tokens: int) -> dict[str, float]:
-    """One `moaspec generate`: {first_byte_s, exit_s, peak_rss_mb}; raises when it fails."""
-    command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *extra]
+def run_once(moaspec: str, case: str, max_new_tokens: int) -> dict[str, float]:
+    """One `moaspec generate` of `case`: {first_byte_s, exit_s, peak_rss_mb}; raises when it fails."""
+    command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *CASES[case]]
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: stderr can never block the child
         begin = time.perf_counter()
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env=RUN_ENV)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env={**RUN_ENV, **CASE_ENV.get(case, {})})
         first = os.read(proc.stdout.fileno(), 1)
         first_byte = time.perf_counter() - begin
         rest = proc.stdout.read()
@@ -69,11 +74,11 @@ def main() -> int:
     from moaspec.bench.output import write_json
     from moaspec.calibration.machine import cpu_description
 
-    run_once(moaspec, CASES[args.cases[0]], args.max_new_tokens)  # warm the page cache and calibration
+    run_once(moaspec, args.cases[0], args.max_new_tokens)  # warm the page cache and calibration
     samples: dict[str, list[dict[str, float]]] = {case: [] for case in args.cases}
     for round_index in range(args.rounds):
         for case in args.cases:
-            samples[case].append(run_once(moaspec, CASES[case], args.max_new_tokens))
+            samples[case].append(run_once(moaspec, case, args.max_new_tokens))
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     fields = ("first_byte_s", "exit_s", "peak_rss_mb")
     summary = {
@@ -91,6 +96,7 @@ def main() -> int:
         "prompt": PROMPT,
         "max_new_tokens": args.max_new_tokens,
         "cases": {case: CASES[case] for case in args.cases},
+        "case_env": {case: CASE_ENV[case] for case in args.cases if case in CASE_ENV},
         "summary": summary,
         "runs": samples,
     }
