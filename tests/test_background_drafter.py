@@ -109,7 +109,7 @@ def test_what_the_build_raised_reaches_the_step_that_finds_it() -> None:
     drafter.reset()
     drafter.accept(update([1], 0))
     with pytest.raises(MoaspecError, match="drafter broken"):
-        drafter.wait()
+        drafter.propose(2, SAMPLED, None)
     with pytest.raises(ValueError, match="expected 1"):
         drafter.accept(update([5], 3))
 
@@ -138,13 +138,17 @@ def llama_target():
     return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
 
 
-def test_the_shipped_moa_joining_mid_generation_gives_plain_decodings_tokens_and_its_own_state(llama_target) -> None:
-    """On llama.cpp with the shipped MoA: the drafter is released after 12 plain steps and joins;
+@pytest.mark.parametrize("spec", ["moa", "moa-tli1"])
+def test_the_shipped_moa_joining_mid_generation_gives_plain_decodings_tokens_and_its_own_state(llama_target, spec: str) -> None:
+    """On llama.cpp with a shipped MoA: the drafter is released after 12 plain steps and joins;
     the tokens equal plain decoding's, later steps draft trees, and the joined drafter's memory
     equals that of the same drafter told every verified token as it came (the keys/values it read
-    at once were captured, in numpy, while it was being built)."""
+    at once were captured, in numpy, while it was being built). The layers captured from its
+    record are the ones its context encoder reads (a build asking for others would remake the
+    target's context under the decoding thread)."""
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
+    from moaspec.drafters.background import context_layers_of, shipped_record
     from moaspec.drafters.none import NoDrafter
     from moaspec.engine import Engine, GenerationResult
 
@@ -152,8 +156,10 @@ def test_the_shipped_moa_joining_mid_generation_gives_plain_decodings_tokens_and
     prompt = encode_chat_prompt(target.tokenizer, "Write the days of the week, then the months of the year.")
     generation = GenerationConfig(max_new_tokens=64)
     plain = Engine(target, NoDrafter()).generate(prompt, GREEDY, generation).token_ids
-    release = threading.Event()
-    drafter = BackgroundDrafter(gated(make_drafter("moa", target, None), release), target, range(26, 30), TreeConfig(), "checkpoint")
+    release, built = threading.Event(), make_drafter(spec, target, None)
+    layers = context_layers_of(shipped_record(spec, target.name))
+    assert layers == built.context_encoder.layers
+    drafter = BackgroundDrafter(gated(built, release), target, layers, TreeConfig(), "checkpoint")
     result = GenerationResult()
     for step, _ in enumerate(Engine(target, drafter).stream(prompt, GREEDY, generation, result=result)):
         if step == 12:
@@ -162,13 +168,16 @@ def test_the_shipped_moa_joining_mid_generation_gives_plain_decodings_tokens_and
     assert result.token_ids == plain
     joined = drafter.joined
     assert joined is not None and result.stats.drafted_nodes > 0
-    reference = make_drafter("moa", target, None)
+    reference = make_drafter(spec, target, None)
     Engine(target, reference).generate(prompt, GREEDY, generation)
     # the last verification may accept past the limit, differently for the two: their common part
     shared = min(len(joined.history), len(reference.history))
     assert shared > len(prompt) + 12 and joined.history[:shared] == reference.history[:shared]
-    for mine, theirs in zip(joined.memory_kv, reference.memory_kv):  # keys, values: [Hkv, n, d]
-        assert bool(np.allclose(mine[:, :shared].numpy(), theirs[:, :shared].numpy(), atol=1e-5))
+    assert len(joined.tli_cache) == len(reference.tli_cache) == (1 if spec == "moa-tli1" else 0)
+    pairs = [joined.memory_kv, *joined.tli_cache], [reference.memory_kv, *reference.tli_cache]
+    for mine, theirs in zip(*pairs):  # the memory's and each TLI layer's (keys, values): [Hkv, n, d]
+        for a, b in zip(mine, theirs):
+            assert bool(np.allclose(a[:, :shared].numpy(), b[:, :shared].numpy(), atol=1e-5))
 
 
 _FIRST_TOKEN_PROBE = """

@@ -231,6 +231,30 @@ def test_default_is_plain_decoding_where_trees_cost_too_much(tiny_default, monke
     assert drafter.tree_source == "calibrated" and cheap.to_dict()["predicted_speedup"] >= MIN_GAIN
 
 
+def test_a_model_drafter_built_in_the_background_is_finished_as_the_calibration_chose(tiny_default, monkeypatch) -> None:
+    """`generate`'s background build (drafters/background.py) of the calibration's choice: the
+    same tree, tree source, layout and lookup as the drafter built at once, and the layers its
+    context encoder reads captured before the build."""
+    from moaspec.drafters.background import BackgroundDrafter
+
+    target, checkpoint, set_costs, _ = tiny_default
+    set_costs(CHEAP_TREES, column_factor=0.8)
+    at_once, calibration = plan.calibrated_drafter(target, None)
+    monkeypatch.setattr(plan, "in_background", lambda target, base: True)  # qualifies (a tiny target has no shipped one)
+    kept = []
+    monkeypatch.setattr(target, "keep_layer_kv", lambda layers: kept.append(list(layers)), raising=False)
+    background, again = plan.calibrated_drafter(target, None, background=True)
+    assert isinstance(background, BackgroundDrafter) and again.chosen == calibration.chosen
+    assert (background.tree_config, background.tree_source) == (at_once.tree_config, at_once.tree_source) == (calibration.chosen.tree, "calibrated")
+    background._start()
+    background._thread.join(60)
+    built = background._built
+    assert kept[0] == list(built.context_encoder.layers)  # captured first; the build asks for nothing new
+    assert (built.tree_config, built.tree_source) == (at_once.tree_config, at_once.tree_source)
+    assert built.lookup is not None and built.lookup.config == at_once.lookup.config
+    assert built.head.stride(0) == at_once.head.stride(0) == 1  # the column layout, as chosen
+
+
 def test_cheap_plain_steps_and_the_penalty_after_trees_keep_plain_decoding(tiny_default) -> None:
     """Regression (issue 21, an Intel Xeon): in engine generations llama.cpp's plain steps took
     7.3 ms (it reuses its compute graph between them), one-node forwards timed among trees 9-10

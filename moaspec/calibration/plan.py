@@ -163,9 +163,9 @@ def configured_drafter(target, spec: str | None, tree_overrides: dict | None = N
         given = tree_settings_given(tree_overrides)
         spec = default_for_tree_settings(target.name) if given else default_drafter(target.name)
     base, with_lookup = split_lookup(spec)
-    if background and base not in MODEL_FREE and in_background(target, base):
+    if background and in_background(target, base):
         model = LazyModelDrafter(base, target, tree_overrides)
-        return _finished(model, model.tree_config, model.tree_source, lambda drafter: _lookup_on(drafter, with_lookup), True)
+        return _model_drafter(model, model.tree_config, model.tree_source, lambda drafter: _lookup_on(drafter, with_lookup), True)
     return make_drafter(spec, target, tree_overrides)
 
 
@@ -183,7 +183,7 @@ def _lookup_on(drafter, with_lookup: bool, lookup=None) -> None:
         drafter.enable_lookup(lookup)
 
 
-def _finished(model: LazyModelDrafter, tree, tree_source: str, finish, background: bool):
+def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, background: bool):
     """The model drafter with `tree` (from `tree_source`) and finished by `finish(drafter)` (its
     layout, lookup): built now, or in a background thread (BackgroundDrafter) where `background`
     and it qualifies."""
@@ -349,6 +349,7 @@ class LazyModelDrafter:
     def check_target(self) -> None:
         """MoaspecError for a drafter made for another target: before anything is measured for it
         (building it checks the same; costs saved for it were measured with it built)."""
+        load_library_held()  # the check reads the target's embedding in torch: its first import, held
         from moaspec.nn.checkpoint import check_made_for
 
         if self._drafter is None:
@@ -492,7 +493,7 @@ def _costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
 def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None, background: bool = False):
     """Lay out the target (and drafter) as chosen; -> the drafter of the chosen form (`ngram`
     with `gate`, the chosen layout's; a model drafter built in the background where `background`
-    and it qualifies: `_finished`)."""
+    and it qualifies: `_model_drafter`)."""
     from moaspec.drafters.ngram import NgramDrafter
     from moaspec.drafters.none import NoDrafter
 
@@ -513,7 +514,7 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None, ba
         drafter.use_layout(chosen.layout)
         _lookup_on(drafter, chosen.drafter.endswith("+ngram"), chosen.lookup)
 
-    return _finished(model, tree, tree_source, finish, background)
+    return _model_drafter(model, tree, tree_source, finish, background)
 
 
 def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:

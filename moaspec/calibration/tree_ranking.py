@@ -86,7 +86,10 @@ def model_tree(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[torch.Tensor
 
 def _model_build(tree: TreeConfig, rates: tuple[float, ...]) -> tuple[DraftTree, torch.Tensor]:
     """-> (the tree the builder picks when every node's log-probabilities are log h, log h [top_k])."""
-    import torch  # the model drafter's own builder: ranking trees is for a model drafter
+    from moaspec.signals import load_library_held
+
+    load_library_held()  # the model drafter's own builder: a tree the cached table lacks may import torch first
+    import torch
 
     from moaspec.drafters.dynamic_tree import build_dynamic_tree
 

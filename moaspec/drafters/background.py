@@ -131,13 +131,6 @@ class BackgroundDrafter:
             self._join()
         return self.joined.propose(root_id, sampling, generator)
 
-    def wait(self) -> Drafter:
-        """Build (if not started) and join now; -> the built drafter."""
-        self._start()
-        if self.joined is None:
-            self._join()
-        return self.joined
-
     def _start(self) -> None:
         if self._thread is None:
             # daemon: a command that ends mid-build (an error, Ctrl-C) exits without waiting for it

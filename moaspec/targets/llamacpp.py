@@ -530,7 +530,7 @@ class LlamaCppTarget:
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
         self._kv = VerifiedRows(numpy=True)  # captured keys/values of the verified tokens
         self._hidden = VerifiedRows()  # their final hidden states, where they were asked for
-        self._pending_rows: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # of a tree
+        self._pending_rows: tuple[np.ndarray | None, torch.Tensor | None] = (None, None)  # a tree's keys/values, hidden
 
     def set_context(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Make input_ids [T] the verified context. -> logits [1, V] (numpy float32) after the last

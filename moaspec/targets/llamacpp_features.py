@@ -136,8 +136,8 @@ class CapturedKV:
 
 class VerifiedRows:
     """Per-token rows of the verified positions 0..valid-1 (captured keys/values, hidden states),
-    in a buffer that doubles when full: numpy float32 (`numpy`, what the capture gives) or torch
-    float32 (hidden states); rows of the other kind are converted as they are written."""
+    in a buffer that doubles when full: numpy float32 (`numpy`, what the capture gives; torch rows
+    written to it are converted) or torch float32 (hidden states)."""
 
     def __init__(self, numpy: bool = False) -> None:
         self.numpy = numpy
