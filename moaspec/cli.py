@@ -303,10 +303,23 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(
             f"[moaspec] {out.stats.new_tokens} tokens, tau {out.stats.tau:.2f}, "
-            f"{out.stats.tokens_per_s:.1f} tok/s",
+            f"{out.stats.tokens_per_s:.1f} tok/s{_background_note(lm.drafter, len(prompt_ids))}",
             file=sys.stderr,
         )
     return 0
+
+
+def _background_note(drafter, prompt_length: int) -> str:
+    """For the stats line: how much of the answer was decoded plainly while the drafter was built
+    in the background (drafters/background.py), which its tau and tokens/s include."""
+    from moaspec.drafters.background import BackgroundDrafter
+
+    if not isinstance(drafter, BackgroundDrafter):
+        return ""
+    if drafter.joined_at is None:
+        return " (the drafter was still loading in the background: every step plain)"
+    # joined with the prompt and k new tokens verified: the (k + 1)-th was the root, the next its first draft
+    return f" (the drafter loaded in the background and drafted from token {drafter.joined_at - prompt_length + 2} on)"
 
 
 def _needs_torch(runtime: str, drafter: str | None, temperature: float, target_name: str) -> bool:

@@ -114,6 +114,25 @@ def test_what_the_build_raised_reaches_the_step_that_finds_it() -> None:
         drafter.accept(update([5], 3))
 
 
+def test_the_stats_line_says_how_much_was_decoded_plainly() -> None:
+    """`generate`'s stats line: its tau and tokens/s include the plain steps before the drafter joined."""
+    from moaspec.cli import _background_note
+
+    target, built, release = CapturingTarget(), RecordingDrafter(), threading.Event()
+    drafter = BackgroundDrafter(gated(built, release), target, range(2), TreeConfig(), "checkpoint")
+    assert "every step plain" in _background_note(drafter, 3)
+    drafter.reset()
+    drafter.accept(update([1, 2, 3], 0))  # the prompt; its first new token is the next root
+    for step in range(PLAIN_STEPS_FIRST + 1):
+        drafter.propose(4 + step, GREEDY, None)
+        drafter.accept(update([4 + step], 3 + step))
+    release.set()
+    drafter._thread.join(30)
+    drafter.propose(20, GREEDY, None)  # root: new token PLAIN_STEPS_FIRST + 2; its child the first draft
+    assert f"drafted from token {PLAIN_STEPS_FIRST + 3} on" in _background_note(drafter, 3)
+    assert _background_note(built, 3) == ""
+
+
 def test_which_drafters_are_built_in_the_background(monkeypatch) -> None:
     """Shipped MoA checkpoints (no hidden state read) on llama.cpp; not EAGLE-2 (it reads hidden
     states at every step), not a checkpoint directory (checked against the target first), not on

@@ -100,6 +100,7 @@ class BackgroundDrafter:
         self._built: Drafter | None = None
         self._failure: BaseException | None = None
         self.joined: Drafter | None = None  # the built drafter, once it drafts
+        self.joined_at: int | None = None  # verified tokens (the prompt's included) when it joined
         self._history: list[int] = []  # the verified tokens of this generation, until it joins
         self._proposals = 0
 
@@ -154,4 +155,4 @@ class BackgroundDrafter:
         drafter.reset()
         ids = np.asarray(self._history, dtype=np.int64)
         drafter.accept(VerifiedUpdate(ids, 0, None, self.target))
-        self.joined, self._history = drafter, []
+        self.joined, self.joined_at, self._history = drafter, len(self._history), []
