@@ -82,7 +82,8 @@ def context_layers_of(record: dict) -> range:
 
 class BackgroundDrafter:
     """A drafter of the module docstring's kind: `build()` returns the finished drafter (layout,
-    tree and lookup set), run in a thread from the first proposal on; `layers` are the target
+    tree and lookup set), run in a thread after PLAIN_STEPS_FIRST plain proposals (at once for a
+    sampled one); `layers` are the target
     layers whose keys/values it reads (captured from now on); tree_config / tree_source are the
     ones it will have."""
 
