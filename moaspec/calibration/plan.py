@@ -186,7 +186,7 @@ def _lookup_on(drafter, with_lookup: bool, lookup=None) -> None:
 def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, background: bool):
     """The model drafter with `tree` (from `tree_source`) and finished by `finish(drafter)` (its
     layout, lookup): built now, or in a background thread (BackgroundDrafter) where `background`
-    and it qualifies."""
+    (the caller checked that it qualifies: `in_background`)."""
 
     def build():
         drafter = model.drafter()
@@ -194,7 +194,7 @@ def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, back
         finish(drafter)
         return drafter
 
-    if background and in_background(model.target, model.base):
+    if background:
         from moaspec.drafters.background import BackgroundDrafter, context_layers_of
 
         return BackgroundDrafter(build, model.target, context_layers_of(model.record), tree, tree_source)
@@ -514,7 +514,7 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None, ba
         drafter.use_layout(chosen.layout)
         _lookup_on(drafter, chosen.drafter.endswith("+ngram"), chosen.lookup)
 
-    return _model_drafter(model, tree, tree_source, finish, background)
+    return _model_drafter(model, tree, tree_source, finish, background and in_background(target, model.base))
 
 
 def _summary(chosen: Option, plain: Option | None, runtime: str) -> str:
