@@ -31,10 +31,12 @@ CASES = {  # label -> extra arguments of `moaspec generate`
     "moa+ngram": ["--drafter", "moa+ngram"],
     "moa+ngram-built-first": ["--drafter", "moa+ngram"],
     "eagle": ["--drafter", "eagle"],
+    "eagle-built-first": ["--drafter", "eagle"],
 }
 CASE_ENV = {  # label -> environment variables of its runs
-    # on llama.cpp the shipped MoA is built in the background (drafters/background.py); this builds it first
+    # on llama.cpp a shipped model drafter is built in the background (drafters/background.py); these build it first
     "moa+ngram-built-first": {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"},
+    "eagle-built-first": {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"},
 }
 DEFAULT_CASES = ("default", "none", "ngram")
 RUN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}

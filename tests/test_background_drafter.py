@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
-from moaspec.drafters.background import PLAIN_STEPS_FIRST, BackgroundDrafter, can_build_in_background
+from moaspec.drafters.background import PLAIN_STEPS_FIRST, BackgroundDrafter, DrafterReads, can_build_in_background
 from moaspec.drafters.base import VerifiedUpdate
 from moaspec.errors import MoaspecError
 from moaspec.tree import DraftTree
@@ -27,22 +27,36 @@ class CapturingTarget:
 
     def __init__(self) -> None:
         self.kept: list[int] | None = None
+        self.keeps_hidden = False
 
     def keep_layer_kv(self, layers) -> None:
         self.kept = list(layers)
 
+    def keep_final_hidden(self) -> None:
+        self.keeps_hidden = True
+
+    def verified_hidden(self, start: int, end: int):
+        import torch
+
+        return torch.arange(start, end, dtype=torch.float32)[:, None, None]  # [n, 1, 1]: its positions
+
+
+KV_ONLY = DrafterReads((0, 1), False)
+
 
 class RecordingDrafter:
-    """Records what it is told; proposes the root and one child."""
+    """Records what it is told (and the hidden states' rows, in `hidden`); proposes the root and one child."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.hidden: list[list[float] | None] = []
 
     def reset(self) -> None:
         self.calls.append(("reset",))
 
     def accept(self, update: VerifiedUpdate) -> None:
         self.calls.append(("accept", update.token_ids.tolist(), update.start_pos))
+        self.hidden.append(None if update.hidden is None else update.hidden.flatten().tolist())
 
     def propose(self, root_id, sampling, generator) -> DraftTree:
         self.calls.append(("propose", root_id))
@@ -67,8 +81,9 @@ def update(ids: list[int], start: int) -> VerifiedUpdate:
 
 def test_plain_steps_until_built_then_the_drafter_joins_with_the_whole_context() -> None:
     target, built, release, threads = CapturingTarget(), RecordingDrafter(), threading.Event(), []
-    drafter = BackgroundDrafter(gated(built, release, threads), target, range(26, 30), TreeConfig(), "checkpoint")
-    assert target.kept == [26, 27, 28, 29]  # captured from the prompt on
+    reads = DrafterReads(tuple(range(26, 30)), False)
+    drafter = BackgroundDrafter(gated(built, release, threads), target, reads, TreeConfig(), "checkpoint")
+    assert target.kept == [26, 27, 28, 29] and not target.keeps_hidden  # captured from the prompt on
     drafter.reset()
     drafter.accept(update([1, 2, 3], 0))
     for step in range(PLAIN_STEPS_FIRST):  # the first text goes out before the build starts
@@ -87,12 +102,29 @@ def test_plain_steps_until_built_then_the_drafter_joins_with_the_whole_context()
     drafter.accept(update([11, 7], len(verified)))
     drafter.reset()
     assert built.calls[-2:] == [("accept", [11, 7], len(verified)), ("reset",)]
+    assert built.hidden == [None, None]  # it reads no hidden state
+
+
+def test_a_drafter_that_reads_hidden_states_gets_the_kept_rows_at_the_join_and_after() -> None:
+    """EAGLE-2 (the final hidden state, no keys/values): the target keeps the hidden states from
+    the prompt on; the join's accept carries those of the whole context, and every later one those
+    of its tokens (the generation's session asks for none)."""
+    target, built, release = CapturingTarget(), RecordingDrafter(), threading.Event()
+    drafter = BackgroundDrafter(gated(built, release), target, DrafterReads((), True), TreeConfig(), "checkpoint")
+    assert target.kept is None and target.keeps_hidden  # no key/value capture asked for
+    drafter.reset()
+    drafter.accept(update([1, 2, 3], 0))
+    release.set()
+    drafter.propose(4, SAMPLED, None)  # waits, joins
+    drafter.accept(update([4, 7], 3))
+    assert built.calls == [("reset",), ("accept", [1, 2, 3], 0), ("propose", 4), ("accept", [4, 7], 3)]
+    assert built.hidden == [[0.0, 1.0, 2.0], [3.0, 4.0]]
 
 
 def test_a_sampled_step_waits_for_the_drafter() -> None:
     """A seed's text must not depend on when the build finishes: sampled steps draft with it."""
     built, release = RecordingDrafter(), threading.Event()
-    drafter = BackgroundDrafter(gated(built, release), CapturingTarget(), range(2), TreeConfig(), "checkpoint")
+    drafter = BackgroundDrafter(gated(built, release), CapturingTarget(), KV_ONLY, TreeConfig(), "checkpoint")
     drafter.reset()
     drafter.accept(update([1, 2], 0))
     threading.Timer(0.2, release.set).start()
@@ -104,7 +136,7 @@ def test_what_the_build_raised_reaches_the_step_that_finds_it() -> None:
     release = threading.Event()
     release.set()
     drafter = BackgroundDrafter(
-        gated(None, release, error=MoaspecError("drafter broken")), CapturingTarget(), range(2), TreeConfig(), "checkpoint"
+        gated(None, release, error=MoaspecError("drafter broken")), CapturingTarget(), KV_ONLY, TreeConfig(), "checkpoint"
     )
     drafter.reset()
     drafter.accept(update([1], 0))
@@ -119,7 +151,7 @@ def test_the_stats_line_says_how_much_was_decoded_plainly() -> None:
     from moaspec.cli import _background_note
 
     target, built, release = CapturingTarget(), RecordingDrafter(), threading.Event()
-    drafter = BackgroundDrafter(gated(built, release), target, range(2), TreeConfig(), "checkpoint")
+    drafter = BackgroundDrafter(gated(built, release), target, KV_ONLY, TreeConfig(), "checkpoint")
     assert "every step plain" in _background_note(drafter, 3)
     drafter.reset()
     drafter.accept(update([1, 2, 3], 0))  # the prompt; its first new token is the next root
@@ -134,15 +166,14 @@ def test_the_stats_line_says_how_much_was_decoded_plainly() -> None:
 
 
 def test_which_drafters_are_built_in_the_background(monkeypatch) -> None:
-    """Shipped MoA checkpoints (no hidden state read) on llama.cpp; not EAGLE-2 (it reads hidden
-    states at every step), not a checkpoint directory (checked against the target first), not on
-    transformers, not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
+    """Shipped MoA and EAGLE-2 checkpoints on llama.cpp; not a checkpoint directory (checked
+    against the target first), not on transformers, not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
     monkeypatch.delenv("MOASPEC_NO_BACKGROUND_DRAFTER", raising=False)
-    for spec in ("moa", "moa+ngram", "moa-tli1", "moa-tli1+ngram"):
+    for spec in ("moa", "moa+ngram", "moa-tli1", "moa-tli1+ngram", "eagle", "eagle+ngram"):
         assert can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
     from moaspec.drafters import SHIPPED_DIR
 
-    assert not can_build_in_background("eagle", "smollm2-135m", "llama.cpp")
+    assert not can_build_in_background("ngram", "smollm2-135m", "llama.cpp")
     assert not can_build_in_background(str(SHIPPED_DIR / "smollm2-135m" / "moa"), "smollm2-135m", "llama.cpp")
     assert not can_build_in_background("moa", "smollm2-135m", "transformers")
     assert not can_build_in_background("moa", "another-target", "llama.cpp")
@@ -157,43 +188,71 @@ def llama_target():
     return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
 
 
-@pytest.mark.parametrize("spec", ["moa", "moa-tli1"])
-def test_the_shipped_moa_joining_mid_generation_gives_plain_decodings_tokens_and_its_own_state(llama_target, spec: str) -> None:
-    """On llama.cpp with a shipped MoA: the drafter is released after 12 plain steps and joins;
-    the tokens equal plain decoding's, later steps draft trees, and the joined drafter's memory
-    equals that of the same drafter told every verified token as it came (the keys/values it read
-    at once were captured, in numpy, while it was being built). The layers captured from its
-    record are the ones its context encoder reads (a build asking for others would remake the
-    target's context under the decoding thread)."""
+def _hidden_by_position(drafter) -> dict[int, np.ndarray]:
+    """Wraps `drafter.accept` to record the final hidden state [D] it is given for each position."""
+    seen: dict[int, np.ndarray] = {}
+    accept = drafter.accept
+
+    def recording(update: VerifiedUpdate) -> None:
+        assert update.hidden is not None and update.hidden.shape[0] == len(update.token_ids)
+        for offset, row in enumerate(update.hidden[:, 0].numpy()):
+            seen[update.start_pos + offset] = row.copy()
+        accept(update)
+
+    drafter.accept = recording
+    return seen
+
+
+@pytest.mark.parametrize("spec", ["moa", "moa-tli1", "eagle"])
+def test_a_shipped_drafter_joining_mid_generation_gives_plain_decodings_tokens_and_its_own_state(
+    llama_target, spec: str, monkeypatch
+) -> None:
+    """On llama.cpp with a shipped drafter: it is released after 12 plain steps and joins; the
+    tokens equal plain decoding's, later steps draft trees, and the joined drafter's state equals
+    that of the same drafter told every verified token as it came: MoA's memory (the keys/values it
+    read at once were captured, in numpy, while it was being built), EAGLE-2's final hidden state
+    of every position (kept, in numpy, unasked). What is kept from its record is what it reads (a
+    build asking for other layers would remake the target's context under the decoding thread)."""
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
-    from moaspec.drafters.background import context_layers_of, shipped_record
+    from moaspec.drafters.background import reads_of, shipped_record
     from moaspec.drafters.none import NoDrafter
     from moaspec.engine import Engine, GenerationResult
 
     target = llama_target
+    monkeypatch.setattr(target, "keeps_hidden", False)  # restored after: the module's target is shared
     prompt = encode_chat_prompt(target.tokenizer, "Write the days of the week, then the months of the year.")
     generation = GenerationConfig(max_new_tokens=64)
     plain = Engine(target, NoDrafter()).generate(prompt, GREEDY, generation).token_ids
     release, built = threading.Event(), make_drafter(spec, target, None)
-    layers = context_layers_of(shipped_record(spec, target.name))
-    assert layers == built.context_encoder.layers
-    drafter = BackgroundDrafter(gated(built, release), target, layers, TreeConfig(), "checkpoint")
+    reads = reads_of(shipped_record(spec, target.name))
+    if spec == "eagle":
+        assert reads == DrafterReads((), True) and built.hidden_layers == (target.num_layers,)
+        joined_hidden = _hidden_by_position(built)
+    else:
+        assert reads == DrafterReads(tuple(built.context_encoder.layers), False) and built.hidden_layers == ()
+    drafter = BackgroundDrafter(gated(built, release), target, reads, TreeConfig(), "checkpoint")
     result = GenerationResult()
     for step, _ in enumerate(Engine(target, drafter).stream(prompt, GREEDY, generation, result=result)):
         if step == 12:
             release.set()
             drafter._thread.join(60)
     assert result.token_ids == plain
-    joined = drafter.joined
-    assert joined is not None and result.stats.drafted_nodes > 0
+    assert drafter.joined is built and result.stats.drafted_nodes > 0
     reference = make_drafter(spec, target, None)
+    if spec == "eagle":
+        reference_hidden = _hidden_by_position(reference)
     Engine(target, reference).generate(prompt, GREEDY, generation)
     # the last verification may accept past the limit, differently for the two: their common part
-    shared = min(len(joined.history), len(reference.history))
-    assert shared > len(prompt) + 12 and joined.history[:shared] == reference.history[:shared]
-    assert len(joined.tli_cache) == len(reference.tli_cache) == (1 if spec == "moa-tli1" else 0)
-    pairs = [joined.memory_kv, *joined.tli_cache], [reference.memory_kv, *reference.tli_cache]
+    shared = min(len(built.history), len(reference.history))
+    assert shared > len(prompt) + 12 and built.history[:shared] == reference.history[:shared]
+    if spec == "eagle":
+        assert set(range(shared)) <= set(joined_hidden) & set(reference_hidden)
+        for position in range(shared):
+            assert np.allclose(joined_hidden[position], reference_hidden[position], atol=1e-5), position
+        return
+    assert len(built.tli_cache) == len(reference.tli_cache) == (1 if spec == "moa-tli1" else 0)
+    pairs = [built.memory_kv, *built.tli_cache], [reference.memory_kv, *reference.tli_cache]
     for mine, theirs in zip(*pairs):  # the memory's and each TLI layer's (keys, values): [Hkv, n, d]
         for a, b in zip(mine, theirs):
             assert bool(np.allclose(a[:, :shared].numpy(), b[:, :shared].numpy(), atol=1e-5))
@@ -224,7 +283,7 @@ def _generate(drafter: str, env: dict | None = None) -> tuple[dict, list[bool]]:
     argv = ["generate", "--prompt", "Write the days of the week.", "--max-new-tokens", "48", "--json", "--drafter", drafter]
     proc = subprocess.run(
         [sys.executable, "-c", _FIRST_TOKEN_PROBE, json.dumps(argv)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+        check=False, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -233,15 +292,17 @@ def _generate(drafter: str, env: dict | None = None) -> tuple[dict, list[bool]]:
     return json.loads(lines[0]), seen
 
 
-def test_generate_with_the_shipped_moa_streams_its_first_tokens_before_torch_loads() -> None:
-    """`generate --drafter moa` on llama.cpp: the first tokens come from plain steps while torch
-    and the drafter load in the background; the text is plain decoding's. Built first
+@pytest.mark.parametrize("spec", ["moa", "eagle"])
+def test_generate_with_a_shipped_drafter_streams_its_first_tokens_before_torch_loads(spec: str) -> None:
+    """`generate --drafter moa` (or `eagle`) on llama.cpp: the first tokens come from plain steps
+    while torch and the drafter load in the background; the text is plain decoding's. Built first
     (MOASPEC_NO_BACKGROUND_DRAFTER=1), torch is there before the first token, which shows the
     probe sees it."""
     plain, _ = _generate("none")
-    record, seen = _generate("moa")
-    assert record["drafter"] == "moa" and record["token_ids"] == plain["token_ids"]
+    record, seen = _generate(spec)
+    assert record["drafter"] == spec and record["token_ids"] == plain["token_ids"]
     # the prompt, the prefill's token, then the plain steps before the build starts
     assert seen[: PLAIN_STEPS_FIRST + 2] == [False] * (PLAIN_STEPS_FIRST + 2)
-    record, seen = _generate("moa", {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"})
-    assert record["token_ids"] == plain["token_ids"] and seen[0]
+    if spec == "moa":
+        record, seen = _generate(spec, {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"})
+        assert record["token_ids"] == plain["token_ids"] and seen[0]

@@ -21,6 +21,7 @@ from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import FLOAT_CHUNK, LlamaCppTarget
 from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, NEVER, PREFILL_ENV
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
+from moaspec.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,42 @@ def test_what_drafters_read_of_a_float_prefilled_prompt_is_close_to_llama_cpps(
     for got, want in zip(rows["float"], rows["llama.cpp"]):
         assert got.shape == want.shape
         assert float((got - want).norm() / want.norm()) < 0.05  # keys with halves interleaved: ~1.0
+
+
+@pytest.mark.parametrize(("path", "name", "length"), [
+    ("llama.cpp", "qa", 40),  # decoded in the verified context
+    ("llama.cpp", "qa", 450),  # the prompt context, moved in
+    ("float", "summarization", None),  # the float path, moved in
+])
+def test_final_hidden_states_kept_unasked_equal_those_asked(llama_target, category_prompts, monkeypatch, path, name, length) -> None:
+    """keep_final_hidden (a drafter built in the background reads them when it joins): every
+    verified token's final hidden state is kept, in numpy, without being asked for, on every
+    prefill path, through a verified tree's commit and an append; `verified_hidden` gives the
+    same bits as asking for them, and refuses positions not kept."""
+    monkeypatch.setenv(PREFILL_ENV, path)
+    kept, asked = sibling(llama_target), sibling(llama_target)
+    require_exact_trees(kept)
+    kept.keep_final_hidden()
+    last = (kept.num_layers,)
+    prompt = torch.tensor(category_prompts[name][:length])
+    n = len(prompt)
+    plain, wanted = kept.set_context(prompt), asked.set_context(prompt, last)
+    assert plain.hidden is None and np.array_equal(plain.logits, wanted.logits)
+    assert kept._moved_from == asked._moved_from == {40: None, 450: "prompt context", None: "float"}[length]
+    assert torch.equal(kept.verified_hidden(0, n), wanted.hidden)
+    tree = DraftTree(torch.tensor([int(wanted.logits.argmax()), 5, 6]), torch.tensor([-1, 0, 0]))
+    assert kept.verify(tree).hidden is None
+    verified = asked.verify(tree, last)
+    kept.commit([0, 2])
+    asked.commit([0, 2])
+    assert torch.equal(kept.verified_hidden(n, n + 2), verified.hidden[[0, 2]])
+    kept.prefill(torch.tensor([7, 8]))
+    appended = asked.prefill(torch.tensor([7, 8]), last)
+    assert torch.equal(kept.verified_hidden(n + 2, n + 4), appended.hidden)
+    with pytest.raises(MoaspecError, match="not kept"):
+        kept.verified_hidden(0, n + 5)
+    with pytest.raises(MoaspecError, match="not kept"):
+        sibling(llama_target).verified_hidden(0, 1)
 
 
 def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_target, category_prompts, monkeypatch) -> None:

@@ -195,9 +195,9 @@ def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, back
         return drafter
 
     if background:
-        from moaspec.drafters.background import BackgroundDrafter, context_layers_of
+        from moaspec.drafters.background import BackgroundDrafter, reads_of
 
-        return BackgroundDrafter(build, model.target, context_layers_of(model.record), tree, tree_source)
+        return BackgroundDrafter(build, model.target, reads_of(model.record), tree, tree_source)
     return build()
 
 

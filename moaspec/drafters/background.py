@@ -4,18 +4,19 @@ On llama.cpp greedy decoding runs without torch (README, *Start-up*), but a mode
 torch's: `generate --drafter moa` imported it (1-3 s on a 2-core machine) and built the drafter
 before the first token. A `BackgroundDrafter` starts that work in a thread once the first
 tokens are out (PLAIN_STEPS_FIRST). Until the drafter is built, every proposal is the root alone (plain
-decoding) while the target captures, from the prompt on, the keys/values the drafter reads
-(`keep_layer_kv`, in numpy: llamacpp_features.py); the drafter then joins in one `accept` of the
-whole verified context and drafts from that step on.
+decoding) while the target keeps, from the prompt on, what the drafter reads (`DrafterReads`: the
+keys/values of some layers, `keep_layer_kv`; the final hidden states, `keep_final_hidden`; both
+in numpy: llamacpp_features.py); the drafter then joins in one `accept` of the whole verified
+context and drafts from that step on. The final hidden states it reads are the target's kept
+rows, at the join and after (the generation's session, made before the drafter was, asks for none).
 
 Lossless: greedy output is the same tokens whenever the drafter joins (a root alone and a verified
 tree both emit the target's argmax, verify.py). A sampled step waits for the drafter first, so a
 seed gives the same text every run. What the build raised is raised at the proposal that finds it.
 
-Only a drafter that reads no hidden states qualifies (those are torch tensors, made at each step;
-MoA's shipped form reads keys/values only), and only one whose target is known by name: a
-shipped checkpoint (`can_build_in_background`), since its check against the target
-(nn/checkpoint.check_made_for) needs torch and so runs in the thread too. Meanwhile the import
+Qualify: the shipped MoA and EAGLE-2 checkpoints (`can_build_in_background`): a checkpoint
+directory's check against the target (nn/checkpoint.check_made_for) needs torch, and a shipped
+one's target is known by name. Meanwhile the import
 holds the interpreter's lock for long stretches: plain steps take 2-3x their time and the first
 ~0.3 s stalls once (measured on a 2-core AVX2 EPYC; README, *Start-up*).
 """
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -36,7 +37,7 @@ from moaspec.tree import DraftTree
 if TYPE_CHECKING:
     import torch
 
-    from moaspec.targets.base import Target
+    from moaspec.targets.llamacpp import LlamaCppTarget
 
 # Plain steps before the build starts: its first ~0.3 s holds the interpreter's lock, and a printer
 # shows whole words, so started at once it delayed the first text by ~0.5 s; after two steps the
@@ -44,9 +45,17 @@ if TYPE_CHECKING:
 PLAIN_STEPS_FIRST = 2
 
 
+class DrafterReads(NamedTuple):
+    """What a model drafter reads of the target: the keys/values of `layers`, and the final
+    hidden state (after the last layer's norm) where `final_hidden`."""
+
+    layers: tuple[int, ...]
+    final_hidden: bool
+
+
 def can_build_in_background(spec: str, target_name: str, runtime: str) -> bool:
     """Whether drafter `spec` may be built in the background for a target by name on `runtime`
-    (module docstring): on llama.cpp, a shipped MoA checkpoint that reads no hidden state, unless
+    (module docstring): on llama.cpp, a shipped MoA or EAGLE-2 checkpoint, unless
     MOASPEC_NO_BACKGROUND_DRAFTER=1 asks for it built before the first step."""
     from moaspec.env_flags import NO_BACKGROUND_DRAFTER_ENV, env_flag
 
@@ -54,7 +63,7 @@ def can_build_in_background(spec: str, target_name: str, runtime: str) -> bool:
         return False
     record = shipped_record(spec, target_name)
     config = None if record is None else record.get("config")
-    return isinstance(config, dict) and record.get("method") == "moa" and not config.get("memory_hidden", False)
+    return isinstance(config, dict) and record.get("method") in ("moa", "eagle")
 
 
 def shipped_record(spec: str, target_name: str) -> dict | None:
@@ -72,28 +81,36 @@ def shipped_record(spec: str, target_name: str) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def context_layers_of(record: dict) -> range:
-    """The target layers a MoA checkpoint's context encoder reads (its `MoAContextEncoder.layers`)."""
+def reads_of(record: dict) -> DrafterReads:
+    """What a shipped checkpoint's drafter reads (`record`: its config.json): MoA, the layers its
+    context encoder reads (`MoAContextEncoder.layers`) and, with `memory_hidden`, the final hidden
+    state; EAGLE-2, the final hidden state only."""
     from moaspec.nn.moa_layers import context_layers
 
     config = record["config"]
-    return context_layers(config["num_target_layers"], config.get("memory_layers", 0), config.get("tli_layers", 0))
+    if record["method"] == "eagle":
+        return DrafterReads((), True)
+    layers = context_layers(config["num_target_layers"], config.get("memory_layers", 0), config.get("tli_layers", 0))
+    return DrafterReads(tuple(layers), bool(config.get("memory_hidden", False)))
 
 
 class BackgroundDrafter:
     """A drafter of the module docstring's kind: `build()` returns the finished drafter (layout,
     tree and lookup set), run in a thread after PLAIN_STEPS_FIRST plain proposals (at once for a
-    sampled one); `layers` are the target
-    layers whose keys/values it reads (captured from now on); tree_config / tree_source are the
-    ones it will have."""
+    sampled one); `reads` is what it reads of the target (kept from now on); tree_config /
+    tree_source are the ones it will have."""
 
-    hidden_layers: tuple[int, ...] = ()
+    hidden_layers: tuple[int, ...] = ()  # the session asks for none: kept rows are read (module docstring)
 
     def __init__(
-        self, build: Callable[[], Drafter], target: Target, layers: Sequence[int], tree_config: TreeConfig, tree_source: str
+        self, build: Callable[[], Drafter], target: LlamaCppTarget, reads: DrafterReads, tree_config: TreeConfig, tree_source: str
     ) -> None:
-        target.keep_layer_kv(layers)  # before the prompt: the drafter reads every verified token's
-        self.target = target
+        # before the prompt: the drafter reads every verified token's
+        if reads.layers:
+            target.keep_layer_kv(reads.layers)
+        if reads.final_hidden:
+            target.keep_final_hidden()
+        self.target, self.reads = target, reads
         self.tree_config, self.tree_source = tree_config, tree_source
         self._build = build
         self._thread: threading.Thread | None = None
@@ -117,7 +134,7 @@ class BackgroundDrafter:
 
     def accept(self, update: VerifiedUpdate) -> None:
         if self.joined is not None:
-            self.joined.accept(update)
+            self.joined.accept(self._with_hidden(update.token_ids, update.start_pos))
             return
         if update.start_pos != len(self._history):
             raise ValueError(f"verified tokens start at {update.start_pos}, expected {len(self._history)}")
@@ -154,6 +171,12 @@ class BackgroundDrafter:
             raise self._failure
         drafter = self._built
         drafter.reset()
-        ids = np.asarray(self._history, dtype=np.int64)
-        drafter.accept(VerifiedUpdate(ids, 0, None, self.target))
+        drafter.accept(self._with_hidden(np.asarray(self._history, dtype=np.int64), 0))
         self.joined, self.joined_at, self._history = drafter, len(self._history), []
+
+    def _with_hidden(self, token_ids: np.ndarray, start: int) -> VerifiedUpdate:
+        """Verified tokens [n] at start.. for the built drafter, with their final hidden states
+        [n, 1, D] where it reads them (the target's kept rows)."""
+        end = start + len(token_ids)
+        hidden = self.target.verified_hidden(start, end) if self.reads.final_hidden else None
+        return VerifiedUpdate(token_ids, start, hidden, self.target)

@@ -86,8 +86,9 @@ prefill bit for bit; trees read the moved cells with the per-query kernel: exact
 keys/values and hidden states of the moved positions come from the float forward.
 
 Features for drafters: hidden states after the final norm come with the logits (llama.cpp's
-embeddings output); per-layer keys/values through the eval callback (llamacpp_features.py) for
-the layers a drafter asks for (`keep_layer_kv`). Other intermediate hidden states and the torch
+embeddings output), where asked for or kept throughout (`keep_final_hidden`); per-layer
+keys/values through the eval callback (llamacpp_features.py) for the layers a drafter asks for
+(`keep_layer_kv`). Both are kept for the verified tokens, in numpy. Other intermediate hidden states and the torch
 layers Target Layer Inference runs are not available on this runtime: drafters that need them
 are refused with a clear error.
 
@@ -195,6 +196,7 @@ class LlamaCppTarget:
         self._allocated = cells if model.sliding_window else min(cells, SESSION_CELLS_MIN)
         self.lib = model.lib
         self.capture: CapturedKV | None = None  # keys/values of some layers, for drafters that read them
+        self.keeps_hidden = False  # every verified token's final hidden state kept (keep_final_hidden)
         self._prompt_ctx = None  # made on first need (_prompt_context)
         self._head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         # the verified context, made on first need (`ctx`): a target loaded only for its tokenizer
@@ -496,6 +498,24 @@ class LlamaCppTarget:
 
         return torch.from_numpy(self._kv.read(start, end)[:, index])
 
+    def keep_final_hidden(self) -> None:
+        """Keep the final hidden state of every verified token from now on, asked for or not (a
+        drafter built in the background reads them when it joins: `verified_hidden`). Every decode
+        then outputs llama.cpp's embeddings, and with them every token's logits."""
+        self.keeps_hidden = True
+
+    def verified_hidden(self, start: int, end: int) -> torch.Tensor:
+        """The final hidden states of verified positions start..end-1, kept while they were decoded
+        (asked for, or since `keep_final_hidden`): [end - start, 1, D] float32, a copy."""
+        if not 0 <= start <= end <= min(self._hidden.valid, self.num_cached):
+            raise MoaspecError(
+                f"the hidden states of positions {start}..{end} are not kept "
+                f"({min(self._hidden.valid, self.num_cached)} are: keep_final_hidden)"
+            )
+        import torch  # a model drafter's read: it has loaded torch
+
+        return torch.from_numpy(self._hidden.read(start, end).copy())[:, None]
+
     # -- lifecycle ----------------------------------------------------------------------------
     def new_session(self, positions: int | None = None) -> LlamaCppTarget:
         """A context of its own on the same weights (capturing the same keys/values): of this
@@ -512,6 +532,7 @@ class LlamaCppTarget:
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)
+        other.keeps_hidden = self.keeps_hidden
         return other
 
     def reset(self) -> None:
@@ -528,9 +549,9 @@ class LlamaCppTarget:
         self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify
-        self._kv = VerifiedRows(numpy=True)  # captured keys/values of the verified tokens
-        self._hidden = VerifiedRows()  # their final hidden states, where they were asked for
-        self._pending_rows: tuple[np.ndarray | None, torch.Tensor | None] = (None, None)  # a tree's keys/values, hidden
+        self._kv = VerifiedRows()  # captured keys/values of the verified tokens
+        self._hidden = VerifiedRows()  # their final hidden states, where asked for or kept
+        self._pending_rows: tuple[np.ndarray | None, np.ndarray | None] = (None, None)  # a tree's keys/values, hidden
 
     def set_context(self, input_ids: np.ndarray, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Make input_ids [T] the verified context. -> logits [1, V] (numpy float32) after the last
@@ -560,7 +581,7 @@ class LlamaCppTarget:
             keep = 0  # kernels that change with the batch size: kept cells would differ from a fresh prefill's
         if self.capture is not None:
             keep = min(keep, self._kv.valid)
-        if hidden_layers:
+        if self._stores_hidden(hidden_layers):
             keep = min(keep, self._hidden.valid)
         if boundary is not None and keep < boundary:
             return self._prefill_in_float(ids, boundary, hidden_layers)
@@ -568,10 +589,8 @@ class LlamaCppTarget:
             self.reset()
         else:
             self.rollback(keep)
-        out = self._append(ids[keep:], hidden_layers)
-        if not hidden_layers:
-            return out
-        return TargetOutput(out.logits, _cat([self._hidden.read(0, keep)[:, None], out.hidden]))
+        logits = self._append(ids[keep:], hidden_layers).logits
+        return TargetOutput(logits, self.verified_hidden(0, len(ids)) if hidden_layers else None)
 
     def _prefill_in_prompt_context(self, ids: list[int], hidden_layers: tuple[int, ...]) -> TargetOutput:
         """Prefill a long prompt in the prompt context (f16 keys: llama.cpp's faster batched
@@ -581,7 +600,7 @@ class LlamaCppTarget:
         common = min(_shared_start(self._prompt_tokens, ids), self._moved if self._moved_from == "prompt context" else 0)
         if self.capture is not None:
             common = min(common, self._kv.valid)
-        if hidden_layers:
+        if self._stores_hidden(hidden_layers):
             common = min(common, self._hidden.valid)
         keep = common // PROMPT_CHUNK * PROMPT_CHUNK
         # the verified context is rebuilt from the prompt context below: empty it first, so that an
@@ -594,12 +613,12 @@ class LlamaCppTarget:
         self._restore_prompt_cells(keep)
         self._kv.truncate(keep)
         self._hidden.truncate(keep)
-        self._use_embeddings(ctx, bool(hidden_layers))
-        out = self._decode_in_chunks(ctx, ids[keep:], keep, PROMPT_CHUNK, hidden_layers, self._prompt_tokens)
+        stores_hidden = self._stores_hidden(hidden_layers)
+        self._use_embeddings(ctx, stores_hidden)
+        logits = self._decode_in_chunks(ctx, ids[keep:], keep, PROMPT_CHUNK, stores_hidden, self._prompt_tokens)
         self._move_prompt_cells(len(ids))
         self._tokens = list(ids)
-        hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
-        return TargetOutput(out.logits, hidden)
+        return TargetOutput(logits, self.verified_hidden(0, len(ids)) if hidden_layers else None)
 
     def _float_boundary(self, ids: list[int]) -> int | None:
         """How many leading tokens of a prompt the float path prefills: its first turn but the
@@ -644,11 +663,11 @@ class LlamaCppTarget:
         self._hidden.truncate(0)
         if self.capture is not None:
             self._kv.write(0, cache.layer_rows(self.capture.layers, len(body)))
-        if hidden_layers:
+        stores_hidden = self._stores_hidden(hidden_layers)
+        if stores_hidden:
             self._hidden.write(0, cache.hidden[: len(body)])
-        out = self._decode_in_chunks(self.ctx, ids[boundary:], boundary, MAX_BATCH, hidden_layers, self._tokens)
-        hidden = self._hidden.read(0, len(ids))[:, None] if hidden_layers else None
-        return TargetOutput(out.logits, hidden)
+        logits = self._decode_in_chunks(self.ctx, ids[boundary:], boundary, MAX_BATCH, stores_hidden, self._tokens)
+        return TargetOutput(logits, self.verified_hidden(0, len(ids)) if hidden_layers else None)
 
     def _float_cells(self, ctx, cache: FloatPrefillCache, count: int) -> SequenceState:
         """The float path's first `count` held tokens as cells for `ctx` (empty): keys in llama.cpp's
@@ -696,33 +715,32 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
         self._make_room(len(ids))
-        return self._decode_in_chunks(self.ctx, ids, self.num_cached, batch, hidden_layers, self._tokens)
+        first = self.num_cached
+        logits = self._decode_in_chunks(self.ctx, ids, first, batch, self._stores_hidden(hidden_layers), self._tokens)
+        return TargetOutput(logits, self.verified_hidden(first, first + len(ids)) if hidden_layers else None)
 
-    def _decode_in_chunks(
-        self, ctx, ids: list[int], first: int, size: int, hidden_layers: tuple[int, ...], held: list[int]
-    ) -> TargetOutput:
+    def _decode_in_chunks(self, ctx, ids: list[int], first: int, size: int, stores_hidden: bool, held: list[int]) -> np.ndarray:
         """Decode ids [T] at positions first.. in sequence 0 of `ctx`, `size` tokens per
-        llama_decode; their captured keys/values (and hidden states, when asked) go to the
-        verified rows, the tokens to `held`. -> logits [1, V] after the last, hidden [T, 1, D]."""
-        hidden_chunks, logits = [], None
+        llama_decode; their captured keys/values (and final hidden states, where `stores_hidden`)
+        go to the verified rows, the tokens to `held`. -> logits [1, V] after the last."""
+        logits = None
         for start in range(0, len(ids), size):
             if self._cancel is not None and self._cancel.is_set():
                 self.reset()
                 raise PrefillCancelled
             chunk, position = ids[start : start + size], first + start
             last = start + len(chunk) == len(ids)
-            outputs = range(len(chunk)) if hidden_layers else ([len(chunk) - 1] if last else [])
+            outputs = range(len(chunk)) if stores_hidden else ([len(chunk) - 1] if last else [])
             self._fill(chunk, range(position, position + len(chunk)), [[0]] * len(chunk), outputs)
             self._decode(ctx)
-            if hidden_layers:
-                hidden_chunks.append(self._hidden_outputs(len(chunk), ctx))
-                self._hidden.write(position, hidden_chunks[-1])
+            if stores_hidden:
+                self._hidden.write(position, self._hidden_outputs(len(chunk), ctx))
             if last:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size, ctx)[-1:]
             if self.capture is not None:
                 self._kv.write(position, self.capture.rows(len(chunk)))
             held.extend(chunk)
-        return TargetOutput(logits, _cat(hidden_chunks)[:, None] if hidden_layers else None)
+        return logits
 
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Score every node of `tree` in one llama_decode.  -> logits [N, V] (numpy float32),
@@ -759,10 +777,10 @@ class LlamaCppTarget:
         self._pending = ([seqs[0] for seqs in seq_sets], positions, tokens, num_seqs)
         self._decode()
         kv = self.capture.rows(count) if self.capture is not None else None
-        hidden = self._hidden_outputs(count) if hidden_layers else None
+        hidden = self._hidden_outputs(count) if self._stores_hidden(hidden_layers) else None
         self._pending_rows = (kv, hidden)
         logits = self._outputs(self.lib.llama_get_logits, count, self.vocab_size)
-        return TargetOutput(logits, None if hidden is None else hidden[:, None])
+        return TargetOutput(logits, _torch_rows(hidden)[:, None] if hidden_layers else None)
 
     def commit(self, path_node_idx: list[int]) -> None:
         """Keep the accepted path (root first) in sequence 0. Rejected nodes placed before the
@@ -813,7 +831,11 @@ class LlamaCppTarget:
                 f"only, not layers {list(hidden_layers)}: use the transformers runtime for this drafter "
                 "(`--runtime transformers`, `runtime='transformers'`)"
             )
-        self._use_embeddings(self.ctx, bool(hidden_layers))
+        self._use_embeddings(self.ctx, self._stores_hidden(hidden_layers))
+
+    def _stores_hidden(self, hidden_layers: tuple[int, ...]) -> bool:
+        """Whether a decode keeps its tokens' final hidden states: asked for, or kept throughout."""
+        return bool(hidden_layers) or self.keeps_hidden
 
     def _use_embeddings(self, ctx, wanted: bool) -> None:
         if wanted != self._embeddings_on[ctx]:
@@ -958,18 +980,16 @@ class LlamaCppTarget:
         source = getter(self.ctx if ctx is None else ctx)
         return np.ctypeslib.as_array(source, shape=(rows, width)).copy()
 
-    def _hidden_outputs(self, rows: int, ctx=None) -> torch.Tensor:
-        """The last decode's final hidden states of its `rows` outputs, for a drafter: [rows, D] torch."""
-        import torch  # a model drafter's: torch is loaded
-
-        return torch.from_numpy(self._outputs(self.lib.llama_get_embeddings, rows, self.hidden_size, ctx))
+    def _hidden_outputs(self, rows: int, ctx=None) -> np.ndarray:
+        """The last decode's final hidden states of its `rows` outputs: [rows, D] float32."""
+        return self._outputs(self.lib.llama_get_embeddings, rows, self.hidden_size, ctx)
 
 
-def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """torch.cat, for the hidden states a model drafter asked for (torch is loaded then)."""
+def _torch_rows(rows: np.ndarray) -> torch.Tensor:
+    """torch's view of rows a model drafter asked for (torch is loaded then)."""
     import torch
 
-    return torch.cat(tensors)
+    return torch.from_numpy(rows)
 
 
 def _cells_for(positions: int, at_least: int, at_most: int) -> int:

@@ -20,10 +20,9 @@ tokens took 8.1 ms without it, 9.4 ms capturing 4 layers and 10.1 ms capturing a
 with the callback only for drafters that need keys/values (LlamaCppTarget.keep_layer_kv).
 
 What a decode captured for verified positions (keys/values, final hidden states) is kept in
-`VerifiedRows`, so a drafter reads it without decoding again. The keys/values are captured and
-kept in numpy, so a context captures them without torch (a model drafter built in the background
-while the target decodes reads them when it joins: drafters/background.py); hidden states are
-torch's, as the drafters that ask for them are.
+`VerifiedRows`, so a drafter reads it without decoding again. Both are kept in numpy, so a
+context keeps them without torch (a model drafter built in the background while the target
+decodes reads them when it joins: drafters/background.py).
 """
 
 from __future__ import annotations
@@ -135,39 +134,32 @@ class CapturedKV:
 
 
 class VerifiedRows:
-    """Per-token rows of the verified positions 0..valid-1 (captured keys/values, hidden states),
-    in a buffer that doubles when full: numpy float32 (`numpy`, what the capture gives; torch rows
-    written to it are converted) or torch float32 (hidden states)."""
+    """Per-token rows of the verified positions 0..valid-1 (captured keys/values, final hidden
+    states), numpy float32 in a buffer that doubles when full; torch rows written to it (the float
+    prefill's) are converted."""
 
-    def __init__(self, numpy: bool = False) -> None:
-        self.numpy = numpy
-        self.buffer: np.ndarray | torch.Tensor | None = None
+    def __init__(self) -> None:
+        self.buffer: np.ndarray | None = None
         self.valid = 0
 
     def write(self, start: int, rows: np.ndarray | torch.Tensor) -> None:
         """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
         if start > self.valid:
             return
-        if self.numpy and not isinstance(rows, np.ndarray):
-            rows = rows.numpy()  # the float prefill's keys/values (CPU torch)
+        if not isinstance(rows, np.ndarray):
+            rows = rows.numpy()  # the float prefill's (CPU torch)
         end = start + rows.shape[0]
         if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
             capacity = 0 if self.buffer is None else self.buffer.shape[0]
-            grown = self._empty((max(end, 2 * capacity, 256), *rows.shape[1:]))
+            grown = np.empty((max(end, 2 * capacity, 256), *rows.shape[1:]), dtype=np.float32)
             if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
                 grown[:start] = self.buffer[:start]
             self.buffer = grown
         self.buffer[start:end] = rows
         self.valid = end
 
-    def _empty(self, shape: tuple[int, ...]) -> np.ndarray | torch.Tensor:
-        if self.numpy:
-            return np.empty(shape, dtype=np.float32)
-        import torch  # hidden states: a drafter that reads them has loaded torch
-
-        return torch.empty(shape)
-
-    def read(self, start: int, end: int) -> np.ndarray | torch.Tensor:
+    def read(self, start: int, end: int) -> np.ndarray:
+        """Rows start..end-1: a view of the buffer (a later write may change it)."""
         return self.buffer[start:end]
 
     def truncate(self, length: int) -> None:
