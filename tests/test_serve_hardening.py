@@ -618,6 +618,29 @@ def test_a_body_that_does_not_decode_is_a_400_that_says_so_and_logs_no_traceback
         conn.close()
 
 
+@pytest.mark.parametrize(("method", "path", "key", "status"), [
+    ("POST", "/v1/completions", None, 401), ("POST", "/v1/models", KEY, 405), ("POST", "/v1/nowhere", KEY, 404),
+])
+def test_an_unread_body_that_does_not_decode_logs_no_traceback(server, caplog, method, path, key, status) -> None:
+    """Bug (an audit): a request answered without its body read (no key, a wrong method or route)
+    whose body does not decode as its Content-Encoding put aiohttp's "Unhandled exception" and
+    three chained tracebacks in the log (its lingering read after the response raised the error);
+    an unauthenticated client could fill the log so. The response is ours; the log one line."""
+    caplog.set_level(logging.DEBUG)
+    body = b"\x1f\x8bnot gzip at all"
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=SOCKET_TIMEOUT_S) as sock:
+        sock.sendall((f"{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+                      f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body)
+        response = read_response(sock)
+        while sock.recv(65536):  # until the server closes the connection
+            pass
+    head, _, payload = response.partition(b"\r\n\r\n")
+    assert_our_error(int(head.split()[1]), payload, status)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert any("does not decode as its Content-Encoding" in r.getMessage() for r in caplog.records)
+
+
 def test_a_declared_oversized_body_is_refused_at_once(server) -> None:
     """Bug: a request whose Content-Length is over --max-body-bytes, its body not sent (a client
     waiting for the answer, without `Expect: 100-continue`), got a 408 after the 30 s body

@@ -15,7 +15,8 @@ changes that:
 - malformed HTTP: 431 for an over-long request line or header, 400 otherwise, as OpenAI-shaped
   JSON, with one log line that names the status, never the request's bytes;
 - a refusal sent before the request's body was read closes the connection within LINGER_S
-  (aiohttp lingers 10 s by default);
+  (aiohttp lingers 10 s by default); where that unread body does not decode as its
+  Content-Encoding (aiohttp's lingering read raises the error), one log line, not a traceback;
 - shutdown: a request still running when the shutdown time-out ends is cancelled then (aiohttp
   cancels only its body and waits the time-out again, so a handler that does not read its body,
   a stream or a prefill, ran for twice the time-out).
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 
 from moaspec.errors import MoaspecError
 from moaspec.serving.errors import APIError, error_response
@@ -145,6 +146,17 @@ class GuardedHandler(web.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent on this connection")
         return error_response(error)
+
+    def log_exception(self, *args, **kwargs) -> None:
+        """aiohttp's log of what its connection loop raised. After a response sent without reading
+        its request's body (a 401, 404, 405), aiohttp reads the rest and drops it; a body that
+        does not decode as its Content-Encoding raises there: the client's error, logged in one
+        line (the connection closes, as aiohttp does after any such error)."""
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, ContentEncodingError):
+            logger.info("closed a connection: the unread request body does not decode as its Content-Encoding")
+            return
+        super().log_exception(*args, **kwargs)
 
     def _arm_header_timer(self) -> None:
         self.headers_received()
