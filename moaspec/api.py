@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from inspect import signature
 from typing import TYPE_CHECKING, Any
@@ -84,7 +86,7 @@ class SpeculativeLM:
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | Sequence[int],
         *,
         max_new_tokens: int = 256,
         temperature: float = 0.0,
@@ -94,7 +96,8 @@ class SpeculativeLM:
         raw: bool = False,
         streamer=None,
     ) -> GenerationOutput:
-        """Generate from a text prompt (chat template applied unless `raw`) or from token ids.
+        """Generate from a text prompt (chat template applied unless `raw`) or from token ids (a
+        list or tuple, or a numpy array or torch tensor, [T] or a tokenizer's [1, T]).
 
         streamer: any transformers streamer (`TextStreamer`, `TextIteratorStreamer`): it gets
         `put(prompt_ids)` first ([1, T]), then the new tokens as they are verified ([n]), then
@@ -231,7 +234,7 @@ def speculative_lm(
 
 
 def generate(
-    prompt: str | list[int],
+    prompt: str | Sequence[int],
     *,
     target: str = DEFAULT_TARGET,
     drafter: str | None = None,
@@ -263,7 +266,7 @@ def generate(
 
 
 def load_for_prompt(
-    prompt: str | list[int],
+    prompt: str | Sequence[int],
     raw: bool = False,
     target: str = DEFAULT_TARGET,
     drafter: str | None = None,
@@ -288,10 +291,10 @@ def load_for_prompt(
     return speculative_lm(loaded, drafter, tree_overrides, calibrate, background_drafter), prompt_ids
 
 
-def prompt_token_ids(target: Target, prompt: str | list[int], raw: bool = False) -> list[int]:
+def prompt_token_ids(target: Target, prompt: str | Sequence[int], raw: bool = False) -> list[int]:
     """A prompt's token ids: text through the target's chat template unless `raw`; token ids
-    checked to be integers in [0, vocab_size)."""
-    if isinstance(prompt, list):
+    (`_token_ids`) checked to be integers in [0, vocab_size)."""
+    if isinstance(prompt, (list, tuple)) or _is_array(prompt):
         return _token_ids(prompt, target.vocab_size)
     check_prompt_text(prompt)
     if target.tokenizer is None:
@@ -309,11 +312,26 @@ def _check_drafter_request(drafter: str | None, tree_overrides: dict | None) -> 
             raise MoaspecError(f"tree_overrides apply to model drafters only, not to '{drafter}'")
 
 
-def _token_ids(prompt: list, vocab_size: int) -> list[int]:
-    """A prompt given as token ids, checked: integers in [0, vocab_size)."""
-    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+def _is_array(value: object) -> bool:
+    """Whether `value` is a numpy array or a torch tensor (told without importing torch)."""
+    return hasattr(value, "shape") and hasattr(value, "tolist") and not isinstance(value, (str, bytes))
+
+
+def _token_ids(prompt, vocab_size: int) -> list[int]:
+    """A prompt given as token ids: a list or tuple of integers (Python's or numpy's), or a numpy
+    array or torch tensor [T], or [1, T] as a tokenizer's `return_tensors` gives -> list[int],
+    checked: integers in [0, vocab_size)."""
+    if _is_array(prompt):
+        shape = tuple(prompt.shape)
+        if len(shape) == 2 and shape[0] == 1:
+            prompt = prompt[0]
+        elif len(shape) != 1:
+            raise MoaspecError(f"prompt token ids must be one sequence, [T] or [1, T], got shape {list(shape)}")
+        prompt = prompt.tolist()  # integer dtypes give ints; others are refused below
+    ids = list(prompt)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise MoaspecError(f"prompt token ids must be integers in [0, {vocab_size})")
-    return prompt
+    return [int(t) for t in ids]
 
 
 def _gpu_layers(gpu_layers: int, n_gpu_layers: int | None) -> int:

@@ -103,7 +103,12 @@ class BackgroundDrafter:
     hidden_layers: tuple[int, ...] = ()  # the session asks for none: kept rows are read (module docstring)
 
     def __init__(
-        self, build: Callable[[], Drafter], target: LlamaCppTarget, reads: DrafterReads, tree_config: TreeConfig, tree_source: str
+        self,
+        build: Callable[[], Drafter],
+        target: LlamaCppTarget,
+        reads: DrafterReads,
+        tree_config: TreeConfig,
+        tree_source: str,
     ) -> None:
         # before the prompt: the drafter reads every verified token's
         if reads.layers:

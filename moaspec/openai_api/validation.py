@@ -265,7 +265,7 @@ def parse_job(
         raise APIError(400, f"'top_p' must be in (0, 1], got {_shown(top_p)}", "top_p", "invalid_value")
     top_k = 0 if request.top_k is None or request.top_k == -1 else request.top_k  # vLLM: -1 = off, as 0
     if top_k < 0:
-        raise APIError(400, f"'top_k' must be >= 0 (0 or -1: off), got {_shown(top_k)}", "top_k", "invalid_value")
+        raise APIError(400, f"'top_k' must be >= 0, or -1 (off, as 0), got {_shown(top_k)}", "top_k", "invalid_value")
     seed = request.seed
     if seed is None:
         seed = secrets.randbits(63)

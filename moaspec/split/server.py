@@ -391,8 +391,13 @@ class SplitServer:
             raise HTTPError(409, "wrong_root", "the tree's root is not the last token this session emitted")
         depth = int(depths(tree.parents).max())
         # emitted so far: num_verified + 1 (the open's token counts); this tree adds up to depth + 1
-        if session.num_verified + depth + 2 > session.max_new_tokens:
-            raise HTTPError(400, "too_many_tokens", f"the session's budget of {session.max_new_tokens} new tokens is spent")
+        left = session.max_new_tokens - session.num_verified - 1
+        if depth + 1 > left:
+            budget = f"the session's budget of {session.max_new_tokens} new tokens"
+            if left == 0:
+                raise HTTPError(400, "too_many_tokens", f"{budget} is spent")
+            tree_emits = f"a tree {depth} deep emits up to {depth + 1} tokens"
+            raise HTTPError(400, "too_many_tokens", f"{tree_emits}; {budget} leaves {left}")
         if session.target_session.target.num_cached + depth + 1 > session.target_session.target.max_positions:
             raise HTTPError(400, "context_full", "the tree does not fit in the target's context")
         remaining = wire.get_int(message, "remaining", 1, 1 << 40) if "remaining" in message else None
