@@ -273,6 +273,15 @@ def test_bad_completion_requests(ngram_server, body: dict, status: int, param: s
     assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(("model", "code"), [(None, "missing_required_parameter"), ("", "missing_required_parameter"),
+                                             (5, "invalid_type"), (["m"], "invalid_type")])
+def test_a_missing_model_and_one_not_a_string_are_told_apart(ngram_server, model, code: str) -> None:
+    """An audit: `"model": 5` was said to be missing."""
+    body = {"prompt": "x"} if model is None else {"model": model, "prompt": "x"}
+    error = _post(ngram_server, "/v1/completions", body=body).json()["error"]
+    assert (error["param"], error["code"]) == ("model", code)
+
+
 @pytest.mark.parametrize(
     ("body", "status"),
     [

@@ -162,8 +162,10 @@ def parse_body(raw: bytes) -> dict:
 
 def check_model(body: dict, model_id: str) -> None:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise APIError(400, "'model' is required (a string)", "model", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise APIError(400, f"'model' must be a string, got {type(model).__name__}", "model", "invalid_type")
     if model != model_id:
         unknown = f"the model '{_shown(model)}' does not exist (this server serves '{model_id}')"
         raise APIError(404, unknown, "model", "model_not_found")
