@@ -262,23 +262,30 @@ def _generate(args: argparse.Namespace) -> int:
     if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
               file=sys.stderr)
-    if args.server is not None or _needs_torch(options["runtime"], args.drafter, args.temperature, name):
-        from moaspec.signals import load_library_held
+    from moaspec.signals import load_library_held
 
-        load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 
+        load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
         args.drafter = named
         return generate_remote(args, api_key, overrides, options)
 
     from moaspec.api import load_for_prompt
     from moaspec.text_stream import TextPrinter, TokenCollector
 
-    lm, prompt_ids = load_for_prompt(
-        args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, background_drafter=True,
-        **options,
-    )
+    try:
+        if _needs_torch(options["runtime"], args.drafter, args.temperature, name):
+            load_library_held()  # as above
+        lm, prompt_ids = load_for_prompt(
+            args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, background_drafter=True,
+            **options,
+        )
+    except KeyboardInterrupt:  # importing, loading, converting or calibrating: --json says nothing was verified
+        if args.json:  # the drafter: null where the calibration had not chosen one yet
+            head = {"target": name, "runtime": options["runtime"], "drafter": args.drafter}
+            print(json.dumps({**head, "text": "", "token_ids": [], "stop_reason": "interrupted"}))
+        raise
     _note_capped_budget(overrides.get("budget"), lm)
     streamer = TokenCollector() if args.json else TextPrinter(lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
     head = {"target": lm.target.name, "runtime": lm.target.runtime, "drafter": lm.drafter_name}

@@ -428,6 +428,34 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
     assert captured.err == f"moaspec: {'terminated' if terminated else 'interrupted'}\n"
 
 
+@pytest.mark.parametrize(("drafter", "extra"), [(None, []), ("moa", []), ("moa", ["--temperature", "0.7"])])
+def test_a_json_generation_interrupted_while_loading_prints_an_empty_answer(drafter, extra, monkeypatch, capsys) -> None:
+    """An audit: Ctrl-C while the target or drafter loaded (or the machine was calibrated) printed
+    no JSON, where one a moment later printed an object with no tokens: a JSON reader got nothing.
+    Now the object, with no tokens (`drafter` null where none was named: not chosen yet)."""
+    import json
+
+    import moaspec.api
+    import moaspec.cli as cli
+    import moaspec.model_store
+
+    import moaspec.signals
+
+    def interrupted(*args, **options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(moaspec.model_store, "resolve_target", lambda name: ("smollm2-135m", None))  # no conversion
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda name: "smollm2-135m")
+    monkeypatch.setattr(moaspec.api, "load_target", interrupted)
+    monkeypatch.setattr(moaspec.signals, "load_library_held", interrupted)  # torch's import, first where sampled
+    named = ["--drafter", drafter] if drafter else []
+    assert cli.main(["generate", "--prompt", "hi", "--json", "--runtime", "llama.cpp", *named, *extra]) == 130
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"target": "smollm2-135m", "runtime": "llama.cpp", "drafter": drafter,
+                                        "text": "", "token_ids": [], "stop_reason": "interrupted"}
+    assert captured.err == "moaspec: interrupted\n"
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_the_calibration(tiny_llama, monkeypatch, capsys) -> None:
     """Bug (a user's audit): `generate` with a prompt longer than the context calibrated the
     machine first (205 s on a busy transformers runtime), then refused it. Now the prompt is
