@@ -262,21 +262,19 @@ def _generate(args: argparse.Namespace) -> int:
     if tree_given and args.drafter is None and args.server is None:
         print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
               file=sys.stderr)
-    from moaspec.signals import load_library_held
-
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 
-        load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
         args.drafter = named
         return generate_remote(args, api_key, overrides, options)
 
     from moaspec.api import load_for_prompt
+    from moaspec.signals import load_library_held
     from moaspec.text_stream import TextPrinter, TokenCollector
 
     try:
         if _needs_torch(options["runtime"], args.drafter, args.temperature, name):
-            load_library_held()  # as above
+            load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
         lm, prompt_ids = load_for_prompt(
             args.prompt, args.raw, args.target, args.drafter, overrides, light_tokenizer=True, background_drafter=True,
             **options,

@@ -1,5 +1,5 @@
-"""On/off switches read from the environment (MOASPEC_NO_CALIBRATION, MOASPEC_NO_TUNED,
-MOASPEC_NO_BACKGROUND_DRAFTER)."""
+"""On/off switches read from the environment: MOASPEC_NO_CALIBRATION and
+MOASPEC_NO_BACKGROUND_DRAFTER (named here), MOASPEC_NO_TUNED (named in tuned.py)."""
 
 from __future__ import annotations
 

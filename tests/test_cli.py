@@ -438,7 +438,6 @@ def test_a_json_generation_interrupted_while_loading_prints_an_empty_answer(draf
     import moaspec.api
     import moaspec.cli as cli
     import moaspec.model_store
-
     import moaspec.signals
 
     def interrupted(*args, **options):

@@ -145,6 +145,45 @@ def test_a_tls_file_that_cannot_be_loaded_is_named_in_one_line(tmp_path) -> None
         assert detail in message and "\n" not in message
 
 
+@pytest.mark.parametrize("where", ["loading", "connecting"])
+def test_a_split_json_generation_interrupted_before_it_starts_prints_an_empty_answer(where: str, monkeypatch, capsys) -> None:
+    """An audit: Ctrl-C while the split client loaded its drafter, or waited for a server that was
+    down (up to 120 s), printed no JSON. Now the object with no tokens, the server's runtime null
+    (not reached), and the link's counts once the client was made."""
+    import json
+    from types import SimpleNamespace
+
+    import moaspec.api
+    import moaspec.cli as cli
+    import moaspec.drafters
+    import moaspec.model_store
+    import moaspec.split.client
+    import moaspec.split.generator
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("MOASPEC_API_KEY", "k" * 16)
+    monkeypatch.setattr(moaspec.model_store, "target_name", lambda name: "smollm2-135m")
+    monkeypatch.setattr(moaspec.split.client, "SplitClient", lambda *args, **kwargs: SimpleNamespace(
+        stats=SimpleNamespace(calls=0, bytes_sent=0, bytes_received=0)))
+    if where == "loading":
+        monkeypatch.setattr(moaspec.api, "load_target", interrupted)
+    else:
+        monkeypatch.setattr(moaspec.api, "load_target", lambda target, **kwargs: SimpleNamespace(name="smollm2-135m"))
+        monkeypatch.setattr(moaspec.drafters, "make_drafter", lambda name, target, overrides: SimpleNamespace(accept_context=None))
+        monkeypatch.setattr(moaspec.api, "SpeculativeLM", lambda target, drafter: SimpleNamespace(encode_prompt=lambda p, raw: [1]))
+        monkeypatch.setattr(moaspec.split.generator, "SplitGenerator", interrupted)
+    argv = ["generate", "--prompt", "hi", "--json", "--drafter", "ngram", "--server", "http://127.0.0.1:9"]
+    assert cli.main(argv) == 130
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert {key: record[key] for key in ("target", "runtime", "drafter", "text", "token_ids", "stop_reason")} == {
+        "target": "smollm2-135m", "runtime": None, "drafter": "ngram", "text": "", "token_ids": [], "stop_reason": "interrupted"}
+    assert record["split"]["server_calls"] == 0
+    assert captured.err == "moaspec: interrupted\n"
+
+
 @pytest.mark.parametrize("terminated", [False, True])
 def test_an_interrupted_split_json_generation_prints_the_tokens_verified_before(terminated: bool, monkeypatch, capsys) -> None:
     """Bug: Ctrl-C (or SIGTERM) during `generate --server URL --json` printed nothing: the tokens

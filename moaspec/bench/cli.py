@@ -44,7 +44,7 @@ def add_bench_parser(commands, default_target: str) -> None:
         "ngram, eagle, moa, moa-tli1, a checkpoint DIR or LABEL=DIR, a model drafter + '+ngram' (prompt lookup "
         "first), default (the calibrated default generate runs); a model drafter ending in @ref drafts with "
         "the reference tree (depth 6, top-k 4, 16 nodes) (default: none, the runtime's own generation, ngram, "
-        "the shipped drafters that run on the runtime, the default drafter and default); none is always included",
+        "the target's shipped drafters, the default drafter and default); none is always included",
     )
     bench.add_argument(
         "--temperature", type=float, default=0.0, help="0 = greedy, outputs checked against none (default 0)"

@@ -146,6 +146,21 @@ def _within_runtime(limits: ServerLimits, target: Target, args: argparse.Namespa
     return lowered
 
 
+def _interrupted_before_the_start(args: argparse.Namespace, client) -> dict:
+    """`generate --server --json` interrupted before the generation started (importing, loading,
+    reaching the server): the usual object with no tokens; `runtime` (the server's) null, and the
+    `split` object where the client was made (torch and the split modules are loaded then)."""
+    from moaspec.model_store import target_name
+
+    record = {"target": target_name(args.target), "runtime": None, "drafter": args.drafter,
+              "text": "", "token_ids": [], "stop_reason": "interrupted"}
+    if client is not None:
+        from moaspec.split.generator import SplitResult
+
+        record["split"] = SplitResult().split_dict(client)
+    return record
+
+
 def generate_remote(
     args: argparse.Namespace, key: str, tree_overrides: dict | None = None, target_options: dict | None = None
 ) -> int:
@@ -153,31 +168,38 @@ def generate_remote(
     plus a "split" object (server calls, bytes, provisional tokens, ...). tree_overrides: the
     --tree-* flags, for the client's drafter (it drafts the trees the server verifies);
     target_options: load_target's runtime keywords (runtime_options of the --runtime flags)."""
-    import torch
+    client = None
+    try:
+        load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
+        import torch
 
-    from moaspec.api import SpeculativeLM, load_target
-    from moaspec.config import GenerationConfig, SamplingConfig
-    from moaspec.drafters import make_drafter
-    from moaspec.split.client import SplitClient
-    from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
+        from moaspec.api import SpeculativeLM, load_target
+        from moaspec.config import GenerationConfig, SamplingConfig
+        from moaspec.drafters import make_drafter
+        from moaspec.split.client import SplitClient
+        from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 
-    options = SplitOptions(
-        context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
-        offline_min_prob=args.offline_min_prob, offline_deadline_s=args.offline_deadline_s,
-        notify=lambda line: print(f"[moaspec] {line}", file=sys.stderr, flush=True),
-    )
-    client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
-    # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
-    # the runtime the flags choose (target_options: runtime_options), by default the target's: for
-    # a GGUF target llama.cpp, whose parts come from the converted copy without the float32
-    # model, and no llama.cpp context is ever made (README)
-    target = load_target(args.target, light_tokenizer=True, **(target_options or {}))
-    drafter = make_drafter(args.drafter, target, tree_overrides)
-    if not hasattr(drafter, "accept_context"):
-        raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
-    lm = SpeculativeLM(target, drafter)
-    prompt_ids = lm.encode_prompt(args.prompt, args.raw)
-    generator = SplitGenerator(client, drafter, options)
+        options = SplitOptions(
+            context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
+            offline_min_prob=args.offline_min_prob, offline_deadline_s=args.offline_deadline_s,
+            notify=lambda line: print(f"[moaspec] {line}", file=sys.stderr, flush=True),
+        )
+        client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
+        # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
+        # the runtime the flags choose (target_options: runtime_options), by default the target's: for
+        # a GGUF target llama.cpp, whose parts come from the converted copy without the float32
+        # model, and no llama.cpp context is ever made (README)
+        target = load_target(args.target, light_tokenizer=True, **(target_options or {}))
+        drafter = make_drafter(args.drafter, target, tree_overrides)
+        if not hasattr(drafter, "accept_context"):
+            raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
+        lm = SpeculativeLM(target, drafter)
+        prompt_ids = lm.encode_prompt(args.prompt, args.raw)
+        generator = SplitGenerator(client, drafter, options)  # waits for a server that is down (up to 120 s)
+    except KeyboardInterrupt:  # importing, loading or connecting: --json says nothing was verified
+        if args.json:
+            print(json.dumps(_interrupted_before_the_start(args, client)))
+        raise
     streamer = None
     if not args.json:
         from moaspec.text_stream import TextPrinter
