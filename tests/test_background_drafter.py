@@ -165,16 +165,25 @@ def test_the_stats_line_says_how_much_was_decoded_plainly() -> None:
     assert _background_note(built, 3) == ""
 
 
-def test_which_drafters_are_built_in_the_background(monkeypatch) -> None:
-    """Shipped MoA and EAGLE-2 checkpoints on llama.cpp; not a checkpoint directory (checked
-    against the target first), not on transformers, not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
+def test_which_drafters_are_built_in_the_background(monkeypatch, tmp_path) -> None:
+    """MoA and EAGLE-2 checkpoints on llama.cpp, shipped or a directory (a checkpoint's or a
+    training run's) with its weights; not a model-free drafter, not a directory without weights or
+    record, not on transformers, not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
+    import shutil
+
     monkeypatch.delenv("MOASPEC_NO_BACKGROUND_DRAFTER", raising=False)
     for spec in ("moa", "moa+ngram", "moa-tli1", "moa-tli1+ngram", "eagle", "eagle+ngram"):
         assert can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
     from moaspec.drafters import SHIPPED_DIR
 
-    assert not can_build_in_background("ngram", "smollm2-135m", "llama.cpp")
-    assert not can_build_in_background(str(SHIPPED_DIR / "smollm2-135m" / "moa"), "smollm2-135m", "llama.cpp")
+    shipped = SHIPPED_DIR / "smollm2-135m" / "moa"
+    run = tmp_path / "run"
+    shutil.copytree(shipped, run / "checkpoint")
+    for spec in (str(shipped), f"{shipped}+ngram", str(run)):
+        assert can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
+    (run / "checkpoint" / "model.safetensors").unlink()
+    for spec in ("ngram", "none", str(run), str(tmp_path / "nowhere")):
+        assert not can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
     assert not can_build_in_background("moa", "smollm2-135m", "transformers")
     assert not can_build_in_background("moa", "another-target", "llama.cpp")
     monkeypatch.setenv("MOASPEC_NO_BACKGROUND_DRAFTER", "1")
@@ -215,7 +224,7 @@ def test_a_shipped_drafter_joining_mid_generation_gives_plain_decodings_tokens_a
     build asking for other layers would remake the target's context under the decoding thread)."""
     from moaspec.chat import encode_chat_prompt
     from moaspec.drafters import make_drafter
-    from moaspec.drafters.background import reads_of, shipped_record
+    from moaspec.drafters.background import drafter_record, reads_of
     from moaspec.drafters.none import NoDrafter
     from moaspec.engine import Engine, GenerationResult
 
@@ -225,7 +234,7 @@ def test_a_shipped_drafter_joining_mid_generation_gives_plain_decodings_tokens_a
     generation = GenerationConfig(max_new_tokens=64)
     plain = Engine(target, NoDrafter()).generate(prompt, GREEDY, generation).token_ids
     release, built = threading.Event(), make_drafter(spec, target, None)
-    reads = reads_of(shipped_record(spec, target.name))
+    reads = reads_of(drafter_record(spec, target.name))
     if spec == "eagle":
         assert reads == DrafterReads((), True) and built.hidden_layers == (target.num_layers,)
         joined_hidden = _hidden_by_position(built)
@@ -271,13 +280,14 @@ def recording_put(self, ids):
 text_stream.TokenCollector.put = recording_put
 code = main(json.loads(sys.argv[1]))
 print()
-print(json.dumps([code, seen]))
+print(json.dumps([code, seen, "torch" in sys.modules]))
 """
 
 
-def _generate(drafter: str, env: dict | None = None) -> tuple[dict, list[bool]]:
-    """`moaspec generate --drafter DRAFTER --json` in a fresh interpreter -> (its record, whether
-    torch was loaded at each streamed put: the prompt, then every step's tokens)."""
+def _run_generate(drafter: str, env: dict | None = None) -> tuple[int, list[str], list[bool], bool, str]:
+    """`moaspec generate --drafter DRAFTER --json` in a fresh interpreter -> (its exit status, its
+    stdout's lines but the probe's, whether torch was loaded at each streamed put (the prompt,
+    then every step's tokens), whether at the end, its stderr)."""
     import os
 
     argv = ["generate", "--prompt", "Write the days of the week.", "--max-new-tokens", "48", "--json", "--drafter", drafter]
@@ -287,17 +297,27 @@ def _generate(drafter: str, env: dict | None = None) -> tuple[dict, list[bool]]:
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    code, seen = json.loads(lines[-1])
-    assert code == 0
+    code, seen, torch_at_the_end = json.loads(lines[-1])
+    return code, lines[:-1], seen, torch_at_the_end, proc.stderr
+
+
+def _generate(drafter: str, env: dict | None = None) -> tuple[dict, list[bool]]:
+    """As _run_generate, for a generation that succeeds -> (its record, the puts' torch)."""
+    code, lines, seen, _, stderr = _run_generate(drafter, env)
+    assert code == 0, stderr
     return json.loads(lines[0]), seen
 
 
-@pytest.mark.parametrize("spec", ["moa", "eagle"])
-def test_generate_with_a_shipped_drafter_streams_its_first_tokens_before_torch_loads(spec: str) -> None:
-    """`generate --drafter moa` (or `eagle`) on llama.cpp: the first tokens come from plain steps
-    while torch and the drafter load in the background; the text is plain decoding's. Built first
-    (MOASPEC_NO_BACKGROUND_DRAFTER=1), torch is there before the first token, which shows the
-    probe sees it."""
+@pytest.mark.parametrize("spec", ["moa", "eagle", "a directory"])
+def test_generate_with_a_model_drafter_streams_its_first_tokens_before_torch_loads(spec: str) -> None:
+    """`generate --drafter moa` (or `eagle`, or a checkpoint directory) on llama.cpp: the first
+    tokens come from plain steps while torch and the drafter load in the background; the text is
+    plain decoding's. Built first (MOASPEC_NO_BACKGROUND_DRAFTER=1), torch is there before the
+    first token, which shows the probe sees it."""
+    from moaspec.drafters import SHIPPED_DIR
+
+    if spec == "a directory":
+        spec = str(SHIPPED_DIR / "smollm2-135m" / "moa")
     plain, _ = _generate("none")
     record, seen = _generate(spec)
     assert record["drafter"] == spec and record["token_ids"] == plain["token_ids"]
@@ -306,3 +326,33 @@ def test_generate_with_a_shipped_drafter_streams_its_first_tokens_before_torch_l
     if spec == "moa":
         record, seen = _generate(spec, {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"})
         assert record["token_ids"] == plain["token_ids"] and seen[0]
+
+
+def test_a_directory_made_for_another_target_is_refused_before_the_first_token_without_torch(tmp_path) -> None:
+    """A checkpoint directory's check against the target (its fingerprint) reads the target's
+    embedding file in numpy on llama.cpp: a drafter made for another target is refused in one line
+    before anything is generated, torch never imported."""
+    import shutil
+
+    from moaspec.drafters import SHIPPED_DIR
+
+    other = tmp_path / "other"
+    shutil.copytree(SHIPPED_DIR / "smollm2-135m" / "moa", other)
+    record = json.loads((other / "config.json").read_text())
+    record["target"]["fingerprint"] = "0123456789abcdef"
+    (other / "config.json").write_text(json.dumps(record))
+    code, lines, seen, torch_at_the_end, stderr = _run_generate(str(other))
+    assert code == 2 and lines == [] and seen == [] and not torch_at_the_end
+    assert stderr.strip().count("\n") == 0 and "was trained for target" in stderr and "0123456789abcdef" in stderr
+
+
+def test_the_fingerprint_read_without_torch_equals_torchs(llama_target) -> None:
+    """nn/fingerprint.py: on llama.cpp the embedding's sampled rows come from its file in numpy;
+    the same bytes as torch's parts give, so the shipped checkpoints' recorded fingerprints hold."""
+    from moaspec.drafters.background import drafter_record
+    from moaspec.nn import fingerprint
+
+    stored = fingerprint._stored_sample(llama_target)
+    assert stored is not None and stored == fingerprint._torch_sample(llama_target)
+    for spec in ("moa", "moa-tli1", "eagle"):
+        assert fingerprint.target_fingerprint(llama_target) == drafter_record(spec, llama_target.name)["target"]["fingerprint"]

@@ -313,12 +313,12 @@ def test_cached_costs_that_choose_no_model_drafter_never_read_the_target_for_it(
     """Checking that the drafter was made for this target reads the target's embedding (on
     llama.cpp it loads ~40 MB of torch weights): done before a measurement, never on a load
     whose cached costs choose `none` or `ngram`."""
-    import moaspec.nn.checkpoint as checkpoint_module
+    import moaspec.nn.fingerprint as fingerprint_module
 
     target, _, set_costs, calls = tiny_default
     fingerprints = []
-    fingerprint = checkpoint_module.target_fingerprint
-    monkeypatch.setattr(checkpoint_module, "target_fingerprint", lambda t: fingerprints.append(1) or fingerprint(t))
+    fingerprint = fingerprint_module.target_fingerprint
+    monkeypatch.setattr(fingerprint_module, "target_fingerprint", lambda t: fingerprints.append(1) or fingerprint(t))
     set_costs(COSTLY_TREES)
     _, first = plan.calibrated_drafter(target, None)
     assert first.source == "measured" and first.chosen.drafter in ("none", "ngram") and fingerprints

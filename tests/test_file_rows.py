@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -59,9 +60,24 @@ def test_bad_requests_and_files_are_clear_errors(matrices, tmp_path) -> None:
     with pytest.raises(MoaspecError, match="not a 2-D float matrix"):
         FileRows(path, "vector")
     cut = tmp_path / "cut.safetensors"
-    cut.write_bytes(path.read_bytes()[: rows._offset + 10 * rows.row_bytes])
+    cut.write_bytes(path.read_bytes()[: rows.tensor._offset + 10 * rows.row_bytes])
     with pytest.raises(MoaspecError, match="file ends inside tensor 'a.f32'"):
         FileRows(cut, "a.f32")
+
+
+@pytest.mark.parametrize("name", ["a.f32", "b.f16", "c.bf16"])
+def test_numpy_rows_are_the_stored_rows_without_torch(matrices, name: str) -> None:
+    """safetensors_rows.TensorRows, under FileRows: numpy rows as stored (the target's fingerprint
+    on llama.cpp reads them before torch loads), None for bfloat16, which numpy does not hold."""
+    from moaspec.safetensors_rows import TensorRows
+
+    path, tensors = matrices
+    ids = [5, 4, 5, 0, tensors[name].shape[0] - 1, 10, 11, 12]
+    got = TensorRows(path, name).numpy_rows(ids)
+    if name == "c.bf16":
+        assert got is None
+        return
+    assert got.dtype == tensors[name].numpy().dtype and np.array_equal(got, tensors[name][ids].numpy())
 
 
 def test_rows_are_read_without_mapping_the_file(matrices) -> None:

@@ -196,7 +196,9 @@ def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, back
 
     if background:
         from moaspec.drafters.background import BackgroundDrafter, reads_of
+        from moaspec.nn.fingerprint import check_made_for
 
+        check_made_for(model.record, model.directory, model.target)  # before the first token, without torch
         return BackgroundDrafter(build, model.target, reads_of(model.record), tree, tree_source)
     return build()
 
@@ -349,8 +351,7 @@ class LazyModelDrafter:
     def check_target(self) -> None:
         """MoaspecError for a drafter made for another target: before anything is measured for it
         (building it checks the same; costs saved for it were measured with it built)."""
-        load_library_held()  # the check reads the target's embedding in torch: its first import, held
-        from moaspec.nn.checkpoint import check_made_for
+        from moaspec.nn.fingerprint import check_made_for  # without torch on llama.cpp (else its import held)
 
         if self._drafter is None:
             try:

@@ -14,11 +14,12 @@ Lossless: greedy output is the same tokens whenever the drafter joins (a root al
 tree both emit the target's argmax, verify.py). A sampled step waits for the drafter first, so a
 seed gives the same text every run. What the build raised is raised at the proposal that finds it.
 
-Qualify: the shipped MoA and EAGLE-2 checkpoints (`can_build_in_background`): a checkpoint
-directory's check against the target (nn/checkpoint.check_made_for) needs torch, and a shipped
-one's target is known by name. Meanwhile the import
-holds the interpreter's lock for long stretches: plain steps take 2-3x their time and the first
-~0.3 s stalls once (measured on a 2-core AVX2 EPYC; README, *Start-up*).
+Qualify: MoA and EAGLE-2 checkpoints, shipped or a directory (`can_build_in_background`), whose
+check against the target (nn/fingerprint.check_made_for, without torch on llama.cpp) the caller
+runs before the first token. Meanwhile the import holds the interpreter's lock for long
+stretches: plain steps take 2-3x their time and the first ~0.3 s stalls once (measured on a
+2-core AVX2 EPYC; README, *Start-up*). What the build finds wrong that the record did not say (a
+damaged weights file) is raised mid-answer, at the step that finds it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import Drafter, VerifiedUpdate
+from moaspec.errors import MoaspecError
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -55,34 +57,36 @@ class DrafterReads(NamedTuple):
 
 def can_build_in_background(spec: str, target_name: str, runtime: str) -> bool:
     """Whether drafter `spec` may be built in the background for a target by name on `runtime`
-    (module docstring): on llama.cpp, a shipped MoA or EAGLE-2 checkpoint, unless
-    MOASPEC_NO_BACKGROUND_DRAFTER=1 asks for it built before the first step."""
+    (module docstring): on llama.cpp, a MoA or EAGLE-2 checkpoint (shipped or a directory with its
+    weights), unless MOASPEC_NO_BACKGROUND_DRAFTER=1 asks for it built before the first step."""
     from moaspec.env_flags import NO_BACKGROUND_DRAFTER_ENV, env_flag
 
     if runtime != "llama.cpp" or env_flag(NO_BACKGROUND_DRAFTER_ENV):
         return False
-    record = shipped_record(spec, target_name)
+    record = drafter_record(spec, target_name)
     config = None if record is None else record.get("config")
     return isinstance(config, dict) and record.get("method") in ("moa", "eagle")
 
 
-def shipped_record(spec: str, target_name: str) -> dict | None:
-    """The config.json of shipped drafter `spec` (`moa`, `moa+ngram`, ...) for a target by name,
-    or None for a checkpoint directory, a model-free drafter or a record that cannot be read."""
-    from moaspec.drafters import SHIPPED, SHIPPED_DIR, split_lookup
+def drafter_record(spec: str, target_name: str) -> dict | None:
+    """The config.json of model drafter `spec` (`moa`, `moa+ngram`, a checkpoint or training run
+    directory, ...) for a target by name, or None for a model-free drafter, a shipped name the
+    target lacks, or a checkpoint whose record cannot be read or whose weights file is missing
+    (built first, it says why)."""
+    from moaspec.drafters import MODEL_FREE, checkpoint_directory, split_lookup
 
-    base = split_lookup(spec)[0]
-    if base not in SHIPPED:
+    if split_lookup(spec)[0] in MODEL_FREE:
         return None
     try:
-        record = json.loads((SHIPPED_DIR / target_name / base / "config.json").read_text())
-    except (OSError, ValueError):
+        directory = checkpoint_directory(spec, target_name)
+        record = json.loads((directory / "config.json").read_text())
+    except (MoaspecError, OSError, ValueError):
         return None
-    return record if isinstance(record, dict) else None
+    return record if isinstance(record, dict) and (directory / "model.safetensors").is_file() else None
 
 
 def reads_of(record: dict) -> DrafterReads:
-    """What a shipped checkpoint's drafter reads (`record`: its config.json): MoA, the layers its
+    """What a checkpoint's drafter reads (`record`: its config.json): MoA, the layers its
     context encoder reads (`MoAContextEncoder.layers`) and, with `memory_hidden`, the final hidden
     state; EAGLE-2, the final hidden state only."""
     from moaspec.nn.moa_layers import context_layers

@@ -9,7 +9,6 @@ Loading for a target with a different fingerprint is refused with a one-line Moa
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,30 +21,13 @@ from safetensors.torch import load_file, save
 
 from moaspec.atomic_files import new_hidden_directory
 from moaspec.errors import MoaspecError
-from moaspec.nn.file_rows import RowEmbedding
+from moaspec.nn.fingerprint import CONFIG_FILE, check_made_for, target_fingerprint
 
 if TYPE_CHECKING:
     from moaspec.targets.base import Target
 
 FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-
-def target_fingerprint(target: Target) -> str:
-    """Identify a target by its architecture and (a strided sample of) its token embeddings."""
-    config = target.config
-    shape = {
-        key: getattr(config, key, None)
-        for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    }
-    parts = target.parts(0)
-    embed_tokens = parts.embed_tokens
-    rows = embed_tokens.num_embeddings if isinstance(embed_tokens, RowEmbedding) else embed_tokens.weight.shape[0]
-    sample = parts.embedding_rows(torch.arange(0, rows, max(1, rows // 512)))  # not the whole matrix
-    sample = sample.to(torch.float32).cpu().contiguous().numpy().tobytes()
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode() + sample)
-    return digest.hexdigest()[:16]
 
 
 def save_checkpoint(
@@ -107,16 +89,3 @@ def read_checkpoint(directory: str | Path, target: Target) -> tuple[dict[str, An
         return record, load_file(str(weights_path))
     except SafetensorError as exc:
         raise MoaspecError(f"{weights_path} is not readable safetensors ({exc}); the checkpoint is damaged") from None
-
-
-def check_made_for(record: dict[str, Any], directory: str | Path, target: Target) -> None:
-    """MoaspecError unless the checkpoint whose config.json is `record` was trained for `target`."""
-    recorded = record.get("target")
-    if not isinstance(recorded, dict):
-        raise MoaspecError(f"{Path(directory) / CONFIG_FILE} is not a valid drafter config: no target recorded")
-    fingerprint = target_fingerprint(target)
-    if recorded.get("fingerprint") != fingerprint:
-        raise MoaspecError(
-            f"drafter {directory} ({record.get('method')}) was trained for target '{recorded.get('name')}' "
-            f"(fingerprint {recorded.get('fingerprint')}), not for '{target.name}' ({fingerprint})"
-        )

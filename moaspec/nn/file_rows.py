@@ -10,16 +10,12 @@ matrix only when a caller needs all of it (`full`: a full-vocabulary head, train
 
 from __future__ import annotations
 
-import json
-import os
-import struct
-import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from moaspec.errors import MoaspecError
+from moaspec.safetensors_rows import TensorRows
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -30,32 +26,17 @@ SAFETENSORS_DTYPES = {
 
 
 class FileRows:
-    """One 2-D tensor of a safetensors file, rows read on demand and returned as `dtype`."""
+    """One 2-D tensor of a safetensors file, rows read on demand (safetensors_rows.py) and
+    returned as `dtype`."""
 
     def __init__(self, path: str | Path, name: str, dtype: torch.dtype = torch.float32) -> None:
         self.path = Path(path)
         self.name = name
         self.dtype = dtype
-        with open(self.path, "rb") as file:
-            (header_size,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(header_size))
-        info = header.get(name)
-        if info is None:
-            raise MoaspecError(f"{self.path}: no tensor '{name}'")
-        stored = SAFETENSORS_DTYPES.get(info["dtype"])
-        if stored is None or len(info["shape"]) != 2:
-            raise MoaspecError(f"{self.path}: tensor '{name}' is {info['dtype']} {info['shape']}, not a 2-D float matrix")
-        self.stored_dtype = stored
-        self.shape = (int(info["shape"][0]), int(info["shape"][1]))
-        begin, end = info["data_offsets"]
-        self.row_bytes = self.shape[1] * stored.itemsize
-        if end - begin != self.shape[0] * self.row_bytes:
-            raise MoaspecError(f"{self.path}: tensor '{name}' has {end - begin} bytes, not {self.shape} of {info['dtype']}")
-        self._offset = 8 + header_size + begin
-        if self.path.stat().st_size < 8 + header_size + end:
-            raise MoaspecError(f"{self.path}: file ends inside tensor '{name}' (truncated?)")
-        self._fd = os.open(self.path, os.O_RDONLY)
-        weakref.finalize(self, os.close, self._fd)
+        self.tensor = TensorRows(self.path, name)
+        self.stored_dtype = SAFETENSORS_DTYPES[self.tensor.stored]
+        self.shape = self.tensor.shape
+        self.row_bytes = self.tensor.row_bytes
         self._full: torch.Tensor | None = None
 
     def __getstate__(self) -> dict:  # a copy opens the file again (an fd number is this object's own)
@@ -68,37 +49,21 @@ class FileRows:
         """ids [...] -> [..., D] in `dtype` on the CPU: the rows at those indices (0..V-1), as
         indexing the whole matrix gives them. Ids that follow each other are read in one call."""
         wanted = ids.detach().reshape(-1).tolist()
-        if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
-            raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
         if self._full is not None:
+            if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
+                raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
             return self._full[ids.cpu()]
         out = torch.empty((len(wanted), self.shape[1]), dtype=self.stored_dtype)
-        buffer = memoryview(out.view(torch.uint8).numpy().reshape(-1))
-        start = 0
-        while start < len(wanted):
-            stop = start + 1
-            while stop < len(wanted) and wanted[stop] == wanted[stop - 1] + 1:
-                stop += 1
-            self._read(wanted[start], stop - start, buffer[start * self.row_bytes : stop * self.row_bytes])
-            start = stop
+        self.tensor.read_rows(wanted, memoryview(out.view(torch.uint8).numpy().reshape(-1)))
         return out.to(self.dtype).reshape(*ids.shape, self.shape[1])
 
     def full(self) -> torch.Tensor:
         """[V, D] in `dtype`: the whole matrix, read once and kept."""
         if self._full is None:
             out = torch.empty(self.shape, dtype=self.stored_dtype)
-            self._read(0, self.shape[0], memoryview(out.view(torch.uint8).numpy().reshape(-1)))
+            self.tensor.read(0, self.shape[0], memoryview(out.view(torch.uint8).numpy().reshape(-1)))
             self._full = out.to(self.dtype)
         return self._full
-
-    def _read(self, first: int, count: int, into: memoryview) -> None:
-        done = 0
-        position = self._offset + first * self.row_bytes
-        while done < count * self.row_bytes:
-            read = os.preadv(self._fd, [into[done:]], position + done)
-            if read == 0:
-                raise MoaspecError(f"{self.path}: file ends inside tensor '{self.name}' (truncated?)")
-            done += read
 
 
 class RowEmbedding(nn.Module):

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import numpy as np
     import torch
 
@@ -73,6 +75,9 @@ class Target(Protocol):
     tokenizer: Any  # a transformers fast tokenizer, or None
     config: Any  # the transformers config of the architecture (shapes, rope, model_type)
     num_cached: int
+    # (safetensors file, tensor name) of the token embedding's rows where they are read from a
+    # file (a llama.cpp target's converted copy): its fingerprint is taken there without torch
+    embedding_file: tuple[Path, str] | None
 
     @property
     def dtype(self) -> torch.dtype: ...

@@ -61,6 +61,7 @@ class HFTarget:
     keeps_shared_start = False  # transformers' batched kernels round differently from one-token steps
     max_tree_nodes = max_tree_leaves = None
     reuses_graphs = False  # eager torch: every forward costs what its shape costs
+    embedding_file = None  # its embedding is a torch module's (nn/fingerprint.py)
 
     def __init__(
         self,

@@ -128,6 +128,8 @@ from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
     from moaspec.nn.target_parts import TargetParts
@@ -172,8 +174,10 @@ class LlamaCppTarget:
         value_cache: int | None = None,
         float_llama: SharedFloatLlama | None = None,
         float_prefill_start: int | None = None,
+        embedding_file: tuple[Path, str] | None = None,
     ) -> None:
         self.weights = model
+        self.embedding_file = embedding_file  # where parts_loader reads the embedding (Target.embedding_file)
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
@@ -529,6 +533,7 @@ class LlamaCppTarget:
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
             value_cache=self.value_cache_type,  # the same tokens as this one's
             float_llama=self._float, float_prefill_start=self._float_start,  # prompts prefilled as this one's
+            embedding_file=self.embedding_file,
         )
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)

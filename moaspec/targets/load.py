@@ -170,16 +170,19 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
     tokenizer = (load_light_tokenizer(model_dir) if light_tokenizer else None) or load_tokenizer(model_dir)
     config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
     model = LlamaCppModel(gguf, gpu_layers)
+    with SafetensorsWeights(model_dir) as weights:  # where _torch_parts reads the embedding
+        embedding_file = (model_dir / weights.file_of(EMBEDDING), EMBEDDING)
     return LlamaCppTarget(
         model, tokenizer, config, name, threads=threads or default_threads(),
         parts_loader=lambda tli_layers: _torch_parts(model_dir, config, tli_layers),
-        float_llama=SharedFloatLlama(model_dir, config),
+        float_llama=SharedFloatLlama(model_dir, config), embedding_file=embedding_file,
     )
 
 
 # architectures whose files name the embedding `model.embed_tokens` and the final RMSNorm (w * x)
 # `model.norm`, which _torch_parts reads
 LLAMA_STYLE_FILES = ("llama", "mistral", "qwen2", "qwen3")
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
@@ -192,7 +195,7 @@ def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
     from moaspec.nn.target_parts import TargetParts
 
     with SafetensorsWeights(model_dir) as weights:
-        embedding = weights.rows("model.embed_tokens.weight")
+        embedding = weights.rows(EMBEDDING)
         tied = getattr(config, "tie_word_embeddings", True)
         head = embedding if tied else weights.rows("lm_head.weight")
         norm = RMSNorm(embedding.shape[1], float(getattr(config, "rms_norm_eps", 1e-5)))

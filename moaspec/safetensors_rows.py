@@ -1,0 +1,82 @@
+"""Rows of one 2-D tensor in a safetensors file, read on demand with `os.preadv`, without torch.
+
+The header is the file's first 8 bytes (its length, little-endian) and that much JSON: per tensor
+its dtype, shape and byte span after the header. `TensorRows` checks it and reads rows into the
+caller's buffer (nn/file_rows.py's `FileRows` gives them to torch) or, for the numpy float dtypes,
+as a numpy array (the target's fingerprint on llama.cpp, where torch is not loaded:
+nn/fingerprint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from moaspec.errors import MoaspecError
+
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # the float dtypes a row may be stored in
+NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # those numpy holds
+
+
+class TensorRows:
+    """One 2-D float tensor of a safetensors file: `stored` (its dtype's name), `shape`, rows read on demand."""
+
+    def __init__(self, path: str | Path, name: str) -> None:
+        self.path, self.name = Path(path), name
+        with open(self.path, "rb") as file:
+            (header_size,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_size))
+        info = header.get(name)
+        if info is None:
+            raise MoaspecError(f"{self.path}: no tensor '{name}'")
+        if info["dtype"] not in ITEM_BYTES or len(info["shape"]) != 2:
+            raise MoaspecError(f"{self.path}: tensor '{name}' is {info['dtype']} {info['shape']}, not a 2-D float matrix")
+        self.stored: str = info["dtype"]
+        self.shape = (int(info["shape"][0]), int(info["shape"][1]))
+        begin, end = info["data_offsets"]
+        self.row_bytes = self.shape[1] * ITEM_BYTES[self.stored]
+        if end - begin != self.shape[0] * self.row_bytes:
+            raise MoaspecError(f"{self.path}: tensor '{name}' has {end - begin} bytes, not {self.shape} of {info['dtype']}")
+        self._offset = 8 + header_size + begin
+        if self.path.stat().st_size < 8 + header_size + end:
+            raise MoaspecError(f"{self.path}: file ends inside tensor '{name}' (truncated?)")
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+
+    def read_rows(self, wanted: Sequence[int], into: memoryview) -> None:
+        """The rows at indices `wanted` (0..V-1), stored bytes one after another into `into`;
+        indices that follow each other are read in one call."""
+        if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
+            raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
+        start = 0
+        while start < len(wanted):
+            stop = start + 1
+            while stop < len(wanted) and wanted[stop] == wanted[stop - 1] + 1:
+                stop += 1
+            self.read(wanted[start], stop - start, into[start * self.row_bytes : stop * self.row_bytes])
+            start = stop
+
+    def read(self, first: int, count: int, into: memoryview) -> None:
+        """Rows first..first+count-1, stored bytes, into `into`."""
+        done = 0
+        position = self._offset + first * self.row_bytes
+        while done < count * self.row_bytes:
+            read = os.preadv(self._fd, [into[done:]], position + done)
+            if read == 0:
+                raise MoaspecError(f"{self.path}: file ends inside tensor '{self.name}' (truncated?)")
+            done += read
+
+    def numpy_rows(self, wanted: Sequence[int]) -> np.ndarray | None:
+        """[len(wanted), D] as stored, or None for a dtype numpy does not hold (bfloat16)."""
+        dtype = NUMPY_DTYPES.get(self.stored)
+        if dtype is None:
+            return None
+        out = np.empty((len(wanted), self.shape[1]), dtype=dtype)
+        self.read_rows(list(wanted), memoryview(out.reshape(-1).view(np.uint8)))
+        return out
