@@ -329,10 +329,10 @@ def _background_note(drafter, prompt_length: int) -> str:
 
 def _needs_torch(runtime: str, drafter: str | None, temperature: float, target_name: str) -> bool:
     """Whether a generation surely loads torch before its first token, which then imports it
-    first: all but greedy `none`, `ngram`, the calibrated default and a shipped MoA drafter on
-    llama.cpp, which run on numpy alone (~1-2.5 s less to the first token: README, *Start-up*)
-    unless the calibration measures or picks a model drafter (which loads it then:
-    drafters.load_drafter); a shipped MoA drafter is built in the background meanwhile
+    first: all but greedy `none`, `ngram`, the calibrated default and a MoA or EAGLE-2 drafter
+    (shipped or a directory) on llama.cpp, which run on numpy alone (~1-2.5 s less to the first
+    token: README, *Start-up*) unless the calibration measures or picks a model drafter (which
+    loads it then: drafters.load_drafter); a model drafter is built in the background meanwhile
     (drafters/background.py)."""
     from moaspec.drafters import MODEL_FREE
     from moaspec.drafters.background import can_build_in_background

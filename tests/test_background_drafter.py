@@ -181,8 +181,13 @@ def test_which_drafters_are_built_in_the_background(monkeypatch, tmp_path) -> No
     shutil.copytree(shipped, run / "checkpoint")
     for spec in (str(shipped), f"{shipped}+ngram", str(run)):
         assert can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
+    damaged = tmp_path / "damaged"
+    shutil.copytree(shipped, damaged)
+    record = json.loads((damaged / "config.json").read_text())
+    del record["config"]["num_target_layers"]  # an audit: a KeyError's traceback before the first token
+    (damaged / "config.json").write_text(json.dumps(record))
     (run / "checkpoint" / "model.safetensors").unlink()
-    for spec in ("ngram", "none", str(run), str(tmp_path / "nowhere")):
+    for spec in ("ngram", "none", str(run), str(tmp_path / "nowhere"), str(damaged)):
         assert not can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
     assert not can_build_in_background("moa", "smollm2-135m", "transformers")
     assert not can_build_in_background("moa", "another-target", "llama.cpp")
@@ -258,7 +263,7 @@ def test_a_shipped_drafter_joining_mid_generation_gives_plain_decodings_tokens_a
     if spec == "eagle":
         assert set(range(shared)) <= set(joined_hidden) & set(reference_hidden)
         for position in range(shared):
-            assert np.allclose(joined_hidden[position], reference_hidden[position], atol=1e-5), position
+            assert np.array_equal(joined_hidden[position], reference_hidden[position]), position
         return
     assert len(built.tli_cache) == len(reference.tli_cache) == (1 if spec == "moa-tli1" else 0)
     pairs = [built.memory_kv, *built.tli_cache], [reference.memory_kv, *reference.tli_cache]

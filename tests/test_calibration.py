@@ -310,9 +310,9 @@ def test_costs_are_cached_per_cpu_and_checkpoint(tiny_default, monkeypatch, caps
 
 
 def test_cached_costs_that_choose_no_model_drafter_never_read_the_target_for_it(tiny_default, monkeypatch) -> None:
-    """Checking that the drafter was made for this target reads the target's embedding (on
-    llama.cpp it loads ~40 MB of torch weights): done before a measurement, never on a load
-    whose cached costs choose `none` or `ngram`."""
+    """Checking that the drafter was made for this target reads the target's embedding (rows of it:
+    on llama.cpp from its file in numpy; before session 48 ~40 MB of torch weights): done before a
+    measurement, never on a load whose cached costs choose `none` or `ngram`."""
     import moaspec.nn.fingerprint as fingerprint_module
 
     target, _, set_costs, calls = tiny_default

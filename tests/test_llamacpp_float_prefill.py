@@ -120,7 +120,7 @@ def test_final_hidden_states_kept_unasked_equal_those_asked(llama_target, catego
     prefill path, through a verified tree's commit and an append; `verified_hidden` gives the
     same bits as asking for them, and refuses positions not kept."""
     monkeypatch.setenv(PREFILL_ENV, path)
-    kept, asked = sibling(llama_target), sibling(llama_target)
+    kept, asked, bare = sibling(llama_target), sibling(llama_target), sibling(llama_target)
     require_exact_trees(kept)
     kept.keep_final_hidden()
     last = (kept.num_layers,)
@@ -128,6 +128,8 @@ def test_final_hidden_states_kept_unasked_equal_those_asked(llama_target, catego
     n = len(prompt)
     plain, wanted = kept.set_context(prompt), asked.set_context(prompt, last)
     assert plain.hidden is None and np.array_equal(plain.logits, wanted.logits)
+    # every row an output does not change the last row's logits: the first token is plain decoding's
+    assert np.array_equal(plain.logits, bare.set_context(prompt).logits)
     assert kept._moved_from == asked._moved_from == {40: None, 450: "prompt context", None: "float"}[length]
     assert torch.equal(kept.verified_hidden(0, n), wanted.hidden)
     tree = DraftTree(torch.tensor([int(wanted.logits.argmax()), 5, 6]), torch.tensor([-1, 0, 0]))
@@ -143,6 +145,16 @@ def test_final_hidden_states_kept_unasked_equal_those_asked(llama_target, catego
         kept.verified_hidden(0, n + 5)
     with pytest.raises(MoaspecError, match="not kept"):
         sibling(llama_target).verified_hidden(0, 1)
+    # asked for after a context that kept none: this append's own (an audit: they were refused)
+    reference = sibling(llama_target)
+    reference.set_context(prompt, last)
+    for target, asking in ((bare, ()), (reference, last)):
+        target.prefill(torch.tensor([7]), asking)
+    assert torch.equal(bare.prefill(torch.tensor([8]), last).hidden, reference.prefill(torch.tensor([8]), last).hidden)
+    kept.forget_final_hidden()
+    kept.prefill(torch.tensor([9]))
+    with pytest.raises(MoaspecError, match="not kept"):
+        kept.verified_hidden(n + 4, n + 5)
 
 
 def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_target, category_prompts, monkeypatch) -> None:

@@ -501,6 +501,7 @@ def _apply(target, chosen: Option, model, spec: str, gate: LookupGate | None, ba
     target.use_layout(chosen.layout)
     if chosen.drafter in ("none", "ngram"):
         target.forget_layer_kv()  # a model drafter made for the measurement is not used
+        target.forget_final_hidden()
     if chosen.drafter == "none":
         return NoDrafter.for_target(target)
     if chosen.drafter == "ngram" or model is None:

@@ -65,7 +65,13 @@ def can_build_in_background(spec: str, target_name: str, runtime: str) -> bool:
         return False
     record = drafter_record(spec, target_name)
     config = None if record is None else record.get("config")
-    return isinstance(config, dict) and record.get("method") in ("moa", "eagle")
+    if not isinstance(config, dict) or record.get("method") not in ("moa", "eagle"):
+        return False
+    try:
+        reads_of(record)
+    except (KeyError, TypeError, ValueError, MoaspecError):  # a damaged config: built first, it says why
+        return False
+    return True
 
 
 def drafter_record(spec: str, target_name: str) -> dict | None:

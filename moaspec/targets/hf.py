@@ -284,6 +284,9 @@ class HFTarget:
     def forget_layer_kv(self) -> None:
         """Nothing to do (see keep_layer_kv)."""
 
+    def forget_final_hidden(self) -> None:
+        """Nothing to do: hidden states are computed where asked for only."""
+
     def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Per-layer keys (post-RoPE) and values of verified positions start..end-1.
 

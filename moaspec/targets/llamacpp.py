@@ -508,6 +508,10 @@ class LlamaCppTarget:
         then outputs llama.cpp's embeddings, and with them every token's logits."""
         self.keeps_hidden = True
 
+    def forget_final_hidden(self) -> None:
+        """Keep final hidden states only where asked for again (`keep_final_hidden`)."""
+        self.keeps_hidden = False
+
     def verified_hidden(self, start: int, end: int) -> torch.Tensor:
         """The final hidden states of verified positions start..end-1, kept while they were decoded
         (asked for, or since `keep_final_hidden`): [end - start, 1, D] float32, a copy."""
@@ -620,7 +624,7 @@ class LlamaCppTarget:
         self._hidden.truncate(keep)
         stores_hidden = self._stores_hidden(hidden_layers)
         self._use_embeddings(ctx, stores_hidden)
-        logits = self._decode_in_chunks(ctx, ids[keep:], keep, PROMPT_CHUNK, stores_hidden, self._prompt_tokens)
+        logits, _ = self._decode_in_chunks(ctx, ids[keep:], keep, PROMPT_CHUNK, stores_hidden, self._prompt_tokens)
         self._move_prompt_cells(len(ids))
         self._tokens = list(ids)
         return TargetOutput(logits, self.verified_hidden(0, len(ids)) if hidden_layers else None)
@@ -671,7 +675,7 @@ class LlamaCppTarget:
         stores_hidden = self._stores_hidden(hidden_layers)
         if stores_hidden:
             self._hidden.write(0, cache.hidden[: len(body)])
-        logits = self._decode_in_chunks(self.ctx, ids[boundary:], boundary, MAX_BATCH, stores_hidden, self._tokens)
+        logits, _ = self._decode_in_chunks(self.ctx, ids[boundary:], boundary, MAX_BATCH, stores_hidden, self._tokens)
         return TargetOutput(logits, self.verified_hidden(0, len(ids)) if hidden_layers else None)
 
     def _float_cells(self, ctx, cache: FloatPrefillCache, count: int) -> SequenceState:
@@ -720,15 +724,20 @@ class LlamaCppTarget:
             raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
         self._drop_pending()
         self._make_room(len(ids))
-        first = self.num_cached
-        logits = self._decode_in_chunks(self.ctx, ids, first, batch, self._stores_hidden(hidden_layers), self._tokens)
-        return TargetOutput(logits, self.verified_hidden(first, first + len(ids)) if hidden_layers else None)
+        logits, hidden = self._decode_in_chunks(
+            self.ctx, ids, self.num_cached, batch, self._stores_hidden(hidden_layers), self._tokens
+        )
+        return TargetOutput(logits, _torch_rows(hidden)[:, None] if hidden_layers else None)
 
-    def _decode_in_chunks(self, ctx, ids: list[int], first: int, size: int, stores_hidden: bool, held: list[int]) -> np.ndarray:
+    def _decode_in_chunks(
+        self, ctx, ids: list[int], first: int, size: int, stores_hidden: bool, held: list[int]
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """Decode ids [T] at positions first.. in sequence 0 of `ctx`, `size` tokens per
         llama_decode; their captured keys/values (and final hidden states, where `stores_hidden`)
-        go to the verified rows, the tokens to `held`. -> logits [1, V] after the last."""
-        logits = None
+        go to the verified rows, the tokens to `held`. -> (logits [1, V] after the last, the
+        final hidden states [T, D] where stored: a context whose earlier rows were not kept
+        keeps none of these, VerifiedRows, but the caller that asked for them gets them)."""
+        logits, hidden_chunks = None, []
         for start in range(0, len(ids), size):
             if self._cancel is not None and self._cancel.is_set():
                 self.reset()
@@ -739,13 +748,14 @@ class LlamaCppTarget:
             self._fill(chunk, range(position, position + len(chunk)), [[0]] * len(chunk), outputs)
             self._decode(ctx)
             if stores_hidden:
-                self._hidden.write(position, self._hidden_outputs(len(chunk), ctx))
+                hidden_chunks.append(self._hidden_outputs(len(chunk), ctx))
+                self._hidden.write(position, hidden_chunks[-1])
             if last:
                 logits = self._outputs(self.lib.llama_get_logits, len(outputs), self.vocab_size, ctx)[-1:]
             if self.capture is not None:
                 self._kv.write(position, self.capture.rows(len(chunk)))
             held.extend(chunk)
-        return logits
+        return logits, np.concatenate(hidden_chunks) if stores_hidden else None
 
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Score every node of `tree` in one llama_decode.  -> logits [N, V] (numpy float32),
@@ -829,7 +839,7 @@ class LlamaCppTarget:
     # -- internals ----------------------------------------------------------------------------
     def _check_hidden(self, hidden_layers: tuple[int, ...]) -> None:
         """Refuse hidden states this runtime cannot give; switch llama.cpp's embeddings output
-        (every token an output, logits included) on only when they are asked for."""
+        (every token an output, logits included) on only when they are asked for or kept."""
         if hidden_layers and tuple(hidden_layers) != (self.num_layers,):
             raise MoaspecError(
                 f"the llama.cpp runtime provides the hidden state after the final norm (layer {self.num_layers}) "

@@ -170,8 +170,11 @@ def _load_llama_cpp(spec: str, threads: int | None, gpu_layers: int, light_token
     tokenizer = (load_light_tokenizer(model_dir) if light_tokenizer else None) or load_tokenizer(model_dir)
     config = SimpleNamespace(**json.loads((model_dir / "config.json").read_text()))
     model = LlamaCppModel(gguf, gpu_layers)
-    with SafetensorsWeights(model_dir) as weights:  # where _torch_parts reads the embedding
-        embedding_file = (model_dir / weights.file_of(EMBEDDING), EMBEDDING)
+    try:  # where _torch_parts reads the embedding (its fingerprint is read there without torch)
+        with SafetensorsWeights(model_dir) as weights:
+            embedding_file: tuple[Path, str] | None = (model_dir / weights.file_of(EMBEDDING), EMBEDDING)
+    except MoaspecError:  # named otherwise: the fingerprint reads it through torch's parts (nn/fingerprint.py)
+        embedding_file = None
     return LlamaCppTarget(
         model, tokenizer, config, name, threads=threads or default_threads(),
         parts_loader=lambda tli_layers: _torch_parts(model_dir, config, tli_layers),
