@@ -734,9 +734,9 @@ class LlamaCppTarget:
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """Decode ids [T] at positions first.. in sequence 0 of `ctx`, `size` tokens per
         llama_decode; their captured keys/values (and final hidden states, where `stores_hidden`)
-        go to the verified rows, the tokens to `held`. -> (logits [1, V] after the last, the
-        final hidden states [T, D] where stored: a context whose earlier rows were not kept
-        keeps none of these, VerifiedRows, but the caller that asked for them gets them)."""
+        go to the verified rows, the tokens to `held`. -> (logits [1, V] after the last, their
+        final hidden states [T, D] where `stores_hidden`: the caller's, even where the verified
+        rows drop them, after earlier positions whose rows were not kept)."""
         logits, hidden_chunks = None, []
         for start in range(0, len(ids), size):
             if self._cancel is not None and self._cancel.is_set():
