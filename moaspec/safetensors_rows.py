@@ -52,8 +52,7 @@ class TensorRows:
     def read_rows(self, wanted: Sequence[int], into: memoryview) -> None:
         """The rows at indices `wanted` (0..V-1), stored bytes one after another into `into`;
         indices that follow each other are read in one call."""
-        if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
-            raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
+        self.check_indices(wanted)
         start = 0
         while start < len(wanted):
             stop = start + 1
@@ -61,6 +60,11 @@ class TensorRows:
                 stop += 1
             self.read(wanted[start], stop - start, into[start * self.row_bytes : stop * self.row_bytes])
             start = stop
+
+    def check_indices(self, wanted: Sequence[int]) -> None:
+        """IndexError unless every index is a row (0..V-1), as indexing the whole matrix says."""
+        if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
+            raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
 
     def read(self, first: int, count: int, into: memoryview) -> None:
         """Rows first..first+count-1, stored bytes, into `into`."""

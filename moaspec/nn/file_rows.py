@@ -50,8 +50,7 @@ class FileRows:
         indexing the whole matrix gives them. Ids that follow each other are read in one call."""
         wanted = ids.detach().reshape(-1).tolist()
         if self._full is not None:
-            if wanted and (min(wanted) < 0 or max(wanted) >= self.shape[0]):
-                raise IndexError(f"row index out of range for {self.name} with {self.shape[0]} rows")
+            self.tensor.check_indices(wanted)
             return self._full[ids.cpu()]
         out = torch.empty((len(wanted), self.shape[1]), dtype=self.stored_dtype)
         self.tensor.read_rows(wanted, memoryview(out.view(torch.uint8).numpy().reshape(-1)))

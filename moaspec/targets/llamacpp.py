@@ -727,16 +727,16 @@ class LlamaCppTarget:
         logits, hidden = self._decode_in_chunks(
             self.ctx, ids, self.num_cached, batch, self._stores_hidden(hidden_layers), self._tokens
         )
-        return TargetOutput(logits, _torch_rows(hidden)[:, None] if hidden_layers else None)
+        return TargetOutput(logits, _torch_rows(np.concatenate(hidden))[:, None] if hidden_layers else None)
 
     def _decode_in_chunks(
         self, ctx, ids: list[int], first: int, size: int, stores_hidden: bool, held: list[int]
-    ) -> tuple[np.ndarray, np.ndarray | None]:
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Decode ids [T] at positions first.. in sequence 0 of `ctx`, `size` tokens per
         llama_decode; their captured keys/values (and final hidden states, where `stores_hidden`)
         go to the verified rows, the tokens to `held`. -> (logits [1, V] after the last, their
-        final hidden states [T, D] where `stores_hidden`: the caller's, even where the verified
-        rows drop them, after earlier positions whose rows were not kept)."""
+        final hidden states per chunk, [n, D] each, where `stores_hidden`: the caller's, even
+        where the verified rows drop them, after earlier positions whose rows were not kept)."""
         logits, hidden_chunks = None, []
         for start in range(0, len(ids), size):
             if self._cancel is not None and self._cancel.is_set():
@@ -755,7 +755,7 @@ class LlamaCppTarget:
             if self.capture is not None:
                 self._kv.write(position, self.capture.rows(len(chunk)))
             held.extend(chunk)
-        return logits, np.concatenate(hidden_chunks) if stores_hidden else None
+        return logits, hidden_chunks
 
     def verify(self, tree: DraftTree, hidden_layers: tuple[int, ...] = ()) -> TargetOutput:
         """Score every node of `tree` in one llama_decode.  -> logits [N, V] (numpy float32),
