@@ -4,7 +4,8 @@ The header is the file's first 8 bytes (its length, little-endian) and that much
 its dtype, shape and byte span after the header. `TensorRows` checks it and reads rows into the
 caller's buffer (nn/file_rows.py's `FileRows` gives them to torch) or, for the numpy float dtypes,
 as a numpy array (the target's fingerprint on llama.cpp, where torch is not loaded:
-nn/fingerprint.py).
+nn/fingerprint.py). `layout_problem` checks a whole file's header the way the safetensors loader
+does, so that a damaged drafter checkpoint is found before torch is (drafters/background.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from moaspec.errors import MoaspecError
 
 ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # the float dtypes a row may be stored in
 NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # those numpy holds
+DTYPE_BYTES = {  # every dtype of the safetensors format -> bytes per element
+    **ITEM_BYTES, "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8,
+}
 
 
 class TensorRows:
@@ -84,3 +89,57 @@ class TensorRows:
         out = np.empty((len(wanted), self.shape[1]), dtype=dtype)
         self.read_rows(list(wanted), memoryview(out.reshape(-1).view(np.uint8)))
         return out
+
+
+def layout_problem(path: str | Path) -> str | None:
+    """Why the safetensors file at `path` would not load, or None: its header is not a JSON object
+    of tensors (dtype, shape, data_offsets) whose byte spans follow one another from the data's
+    start and end exactly at the file's end, as the safetensors loader requires. Bytes damaged
+    inside a tensor's span are not seen."""
+    try:
+        with open(path, "rb") as file:
+            prefix = file.read(8)
+            size = os.fstat(file.fileno()).st_size
+            if len(prefix) < 8:
+                return "shorter than its header's length"
+            (header_size,) = struct.unpack("<Q", prefix)
+            if header_size > size - 8:
+                return "ends inside its header"
+            header = json.loads(file.read(header_size).decode("utf-8"))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    except ValueError as exc:  # not UTF-8 or not JSON
+        return f"its header is not JSON: {exc}"
+    if not isinstance(header, dict):
+        return "its header is not a JSON object"
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        problem = _tensor_problem(info)
+        if problem is not None:
+            return f"tensor '{name}' {problem}"
+        spans.append(tuple(info["data_offsets"]))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            return "its tensors' byte spans overlap or leave gaps"
+        end = stop
+    if end != size - 8 - header_size:
+        return f"its tensors cover {end} bytes of the {size - 8 - header_size} after the header (truncated?)"
+    return None
+
+
+def _tensor_problem(info: object) -> str | None:
+    """Why one header entry is not a tensor (dtype, shape, data_offsets agreeing), or None."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        return "lacks its dtype, shape or data_offsets"
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        return f"has an unknown dtype {dtype!r}"
+    whole = all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in (*shape, *offsets))
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 or not whole:
+        return "has a shape or data_offsets that are not whole numbers"
+    if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]:
+        return f"spans {offsets[1] - offsets[0]} bytes, not {shape} of {dtype}"
+    return None

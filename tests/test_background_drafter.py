@@ -168,7 +168,8 @@ def test_the_stats_line_says_how_much_was_decoded_plainly() -> None:
 def test_which_drafters_are_built_in_the_background(monkeypatch, tmp_path) -> None:
     """MoA and EAGLE-2 checkpoints on llama.cpp, shipped or a directory (a checkpoint's or a
     training run's) with its weights; not a model-free drafter, not a directory without weights or
-    record, not on transformers, not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
+    record or with weights that would not load (truncated, a garbled header), not on transformers,
+    not when MOASPEC_NO_BACKGROUND_DRAFTER is set."""
     import shutil
 
     monkeypatch.delenv("MOASPEC_NO_BACKGROUND_DRAFTER", raising=False)
@@ -187,7 +188,13 @@ def test_which_drafters_are_built_in_the_background(monkeypatch, tmp_path) -> No
     del record["config"]["num_target_layers"]  # an audit: a KeyError's traceback before the first token
     (damaged / "config.json").write_text(json.dumps(record))
     (run / "checkpoint" / "model.safetensors").unlink()
-    for spec in ("ngram", "none", str(run), str(tmp_path / "nowhere"), str(damaged)):
+    truncated, garbled = tmp_path / "truncated", tmp_path / "garbled"
+    for copy in (truncated, garbled):
+        shutil.copytree(shipped, copy)
+    weights = (shipped / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(weights[:-1000])  # would fail mid-answer: built first
+    (garbled / "model.safetensors").write_bytes(weights[:20] + b"\xff" * 30 + weights[50:])
+    for spec in ("ngram", "none", str(run), str(tmp_path / "nowhere"), str(damaged), str(truncated), str(garbled)):
         assert not can_build_in_background(spec, "smollm2-135m", "llama.cpp"), spec
     assert not can_build_in_background("moa", "smollm2-135m", "transformers")
     assert not can_build_in_background("moa", "another-target", "llama.cpp")
@@ -349,6 +356,22 @@ def test_a_directory_made_for_another_target_is_refused_before_the_first_token_w
     code, lines, seen, torch_at_the_end, stderr = _run_generate(str(other))
     assert code == 2 and lines == [] and seen == [] and not torch_at_the_end
     assert stderr.strip().count("\n") == 0 and "was trained for target" in stderr and "0123456789abcdef" in stderr
+
+
+def test_a_directory_whose_weights_would_not_load_is_refused_before_the_first_token(tmp_path) -> None:
+    """A checkpoint directory whose weights file is truncated is built first, so its one-line
+    error comes before any text (built in the background, it came mid-answer: session 48's note)."""
+    import shutil
+
+    from moaspec.drafters import SHIPPED_DIR
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(SHIPPED_DIR / "smollm2-135m" / "moa", truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    code, lines, seen, _, stderr = _run_generate(str(truncated))
+    assert code == 2 and lines == [] and seen == []
+    assert stderr.strip().count("\n") == 0 and "the checkpoint is damaged" in stderr
 
 
 def test_the_fingerprint_read_without_torch_equals_torchs(llama_target) -> None:

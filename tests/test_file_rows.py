@@ -128,3 +128,60 @@ def test_a_copy_reads_its_own_file_and_ids_are_checked_after_a_full_read(matrice
     other.full()
     with pytest.raises(IndexError, match="out of range"):
         other.rows(torch.tensor([-1]))
+
+
+def test_a_files_layout_problem_is_found_exactly_when_the_safetensors_loader_refuses_it(matrices, tmp_path) -> None:
+    """safetensors_rows.layout_problem, which decides before torch whether a drafter checkpoint may
+    be built in the background: None for a whole file; a reason wherever safetensors' own loader
+    refuses a damaged one (header bytes changed, its numbers changed, truncated, bytes appended),
+    and never where it loads."""
+    import json
+    import random
+    import struct
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from moaspec.safetensors_rows import layout_problem
+
+    path, _ = matrices
+    assert layout_problem(path) is None
+    whole = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", whole[:8])
+    digits = [i for i in range(8, 8 + header_size) if chr(whole[i]).isdigit()]
+    rng = random.Random(0)
+    damaged = tmp_path / "damaged.safetensors"
+    refused = 0
+    for trial in range(240):
+        data = bytearray(whole)
+        kind = trial % 4
+        if kind == 0:
+            for _ in range(rng.randint(1, 3)):
+                data[rng.randrange(8, 8 + header_size)] = rng.randrange(256)
+        elif kind == 1:
+            data = data[: rng.randrange(len(data))]
+        elif kind == 2:
+            data += bytes(rng.randrange(1, 64))
+        else:
+            at = rng.choice(digits)
+            data[at] = ord(str((int(chr(data[at])) + rng.randint(1, 9)) % 10))
+        damaged.write_bytes(bytes(data))
+        problem = layout_problem(damaged)
+        try:
+            load_file(str(damaged))
+        except SafetensorError as exc:
+            refused += 1
+            assert problem is not None, (trial, exc)
+        else:
+            assert problem is None, (trial, problem)
+    assert refused >= 200  # most changes damage the file: the comparison was not vacuous
+    # two tensors of one size on the same bytes, then one beyond a gap: sizes agree, spans do not
+    for offsets in ([[0, 16], [0, 16]], [[0, 16], [32, 48]]):
+        header = {"x": {"dtype": "F32", "shape": [4], "data_offsets": offsets[0]},
+                  "y": {"dtype": "F32", "shape": [4], "data_offsets": offsets[1]}}
+        text = json.dumps(header).encode()
+        damaged.write_bytes(struct.pack("<Q", len(text)) + text + bytes(offsets[1][1]))
+        assert layout_problem(damaged) == "its tensors' byte spans overlap or leave gaps"
+        with pytest.raises(SafetensorError):
+            load_file(str(damaged))
+    assert layout_problem(tmp_path / "missing.safetensors") is not None

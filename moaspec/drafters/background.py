@@ -18,8 +18,9 @@ Qualify: MoA and EAGLE-2 checkpoints, shipped or a directory (`can_build_in_back
 check against the target (nn/fingerprint.check_made_for, without torch on llama.cpp) the caller
 runs before the first token. Meanwhile the import holds the interpreter's lock for long
 stretches: plain steps take 2-3x their time and the first ~0.3 s stalls once (measured on a
-2-core AVX2 EPYC; README, *Start-up*). What the build finds wrong that the record did not say (a
-damaged weights file) is raised mid-answer, at the step that finds it.
+2-core AVX2 EPYC; README, *Start-up*). A weights file whose header would not load is built first
+(it says so before the first token); what the build finds wrong beyond that is raised
+mid-answer, at the step that finds it.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def can_build_in_background(spec: str, target_name: str, runtime: str) -> bool:
 def drafter_record(spec: str, target_name: str) -> dict | None:
     """The config.json of model drafter `spec` (`moa`, `moa+ngram`, a checkpoint or training run
     directory, ...) for a target by name, or None for a model-free drafter, a shipped name the
-    target lacks, or a checkpoint whose record cannot be read or whose weights file is missing
-    (built first, it says why)."""
+    target lacks, or a checkpoint whose record cannot be read or whose weights file is missing or
+    would not load (its header: safetensors_rows.layout_problem; built first, it says why before
+    the first token, not mid-answer)."""
     from moaspec.drafters import MODEL_FREE, checkpoint_directory, split_lookup
+    from moaspec.safetensors_rows import layout_problem
 
     if split_lookup(spec)[0] in MODEL_FREE:
         return None
@@ -88,7 +91,8 @@ def drafter_record(spec: str, target_name: str) -> dict | None:
         record = json.loads((directory / "config.json").read_text())
     except (MoaspecError, OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and (directory / "model.safetensors").is_file() else None
+    weights = directory / "model.safetensors"
+    return record if isinstance(record, dict) and weights.is_file() and layout_problem(weights) is None else None
 
 
 def reads_of(record: dict) -> DrafterReads:
