@@ -143,16 +143,19 @@ class VerifiedRows:
         self.valid = 0
 
     def write(self, start: int, rows: np.ndarray | torch.Tensor) -> None:
-        """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid)."""
+        """rows [n, ...] for positions start..start+n-1; ignored past a gap (start > valid). Rows
+        of another shape than those held may only start again from position 0 (ValueError)."""
         if start > self.valid:
             return
         if not isinstance(rows, np.ndarray):
             rows = rows.numpy()  # the float prefill's (CPU torch)
+        if start > 0 and self.buffer is not None and self.buffer.shape[1:] != rows.shape[1:]:
+            raise ValueError(f"rows of shape {rows.shape[1:]} at position {start} after rows of {self.buffer.shape[1:]}")
         end = start + rows.shape[0]
         if self.buffer is None or self.buffer.shape[0] < end or self.buffer.shape[1:] != rows.shape[1:]:
             capacity = 0 if self.buffer is None else self.buffer.shape[0]
             grown = np.empty((max(end, 2 * capacity, 256), *rows.shape[1:]), dtype=np.float32)
-            if self.buffer is not None and self.buffer.shape[1:] == rows.shape[1:]:
+            if start > 0:
                 grown[:start] = self.buffer[:start]
             self.buffer = grown
         self.buffer[start:end] = rows
