@@ -448,8 +448,9 @@ def usable_standard_streams() -> None:
 
 
 def entry() -> None:
-    """The `moaspec` console script: main(), then for `generate` an exit that skips the interpreter's
-    teardown of torch and llama.cpp (~0.5 s after the text is out; bench/startup.py measures it)."""
+    """The `moaspec` console script: main(), then for `generate` and `serve` (FAST_EXIT_COMMANDS)
+    an exit that skips the interpreter's teardown of torch and llama.cpp (~0.5 s after the text is
+    out; bench/startup.py measures it)."""
     usable_standard_streams()
     code, command = _main(None)
     try:

@@ -332,6 +332,20 @@ def test_reclaiming_parked_cells_decodes_nothing(llama_target, category_prompts,
     assert np.array_equal(out.logits[3], logits[11])
 
 
+def test_a_prompt_or_later_turn_the_context_cannot_hold_is_a_clear_error(llama_target) -> None:
+    """Beyond the context's cells: a first prompt says its length, a later turn (an append after
+    the verified context) counts both (it used to name its own length only, below the limit)."""
+    target = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, cells=64, threads=2,
+    )
+    with pytest.raises(MoaspecError, match="the prompt has 65 tokens but the target's context holds 64"):
+        target.prefill(torch.arange(100, 165))
+    target.prefill(torch.arange(100, 140))
+    with pytest.raises(MoaspecError, match="30 more tokens after the 40 verified make 70, but the target's context holds 64"):
+        target.prefill(torch.arange(100, 130))
+    assert target.num_cached == 40
+
+
 def test_uncommitted_tree_rollback_and_reset_leave_a_consistent_context(llama_target, category_prompts) -> None:
     require_exact_trees(llama_target)
     prompt = category_prompts["qa"][:120]

@@ -138,8 +138,12 @@ def test_prefill_beyond_context_is_a_clear_error() -> None:
     from moaspec.errors import MoaspecError
 
     target = make_tiny_target("llama", max_position_embeddings=16)
-    with pytest.raises(MoaspecError, match="context"):
+    with pytest.raises(MoaspecError, match="the prompt has 17 tokens but the target's context holds 16"):
         target.prefill(torch.arange(17))
+    target.prefill(torch.arange(10))  # a later turn after a verified context counts both
+    with pytest.raises(MoaspecError, match="7 more tokens after the 10 verified make 17, but the target's context holds 16"):
+        target.prefill(torch.arange(7))
+    assert target.num_cached == 10
 
 
 def test_the_cache_goes_by_the_name_this_transformers_takes() -> None:

@@ -3,7 +3,8 @@ networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired in
 
     moaspec bench --client-server --out DIR [--network lan,5g,4g,3g] [--methods ngram,moa,eagle,DIR,...]
                   [--categories ...] [--limit N] [--max-new-tokens N] [--temperature T] [--seed S]
-                  [--target NAME|PATH] [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]] [--no-progress]
+                  [--target NAME|PATH] [--adaptive] [--disconnect-after N [--offline-tokens M] [--offline-min-prob P]]
+                  [--no-plots] [--no-progress]
 
 - `--network`: profiles of moaspec/split/netem.py (default all four), measured one after another,
   the cases interleaved prompt by prompt within each;
@@ -19,7 +20,8 @@ networks (protocol and metrics: moaspec/bench/client_server_runner.py), wired in
   each drafter continues alone for up to `--offline-tokens` M tokens, default 16, stopping earlier
   with `--offline-min-prob P` as `moaspec generate --server` does).
 Writes results.json (`client_server` and `disconnection` rows, config, machine, command; schema
-in schema.py) and results.md into DIR, all or nothing, and prints the markdown. No plots.
+in schema.py) and results.md into DIR, all or nothing, and prints the markdown; draws
+client_server.png (moaspec/bench/plots.py) unless `--no-plots`.
 """
 
 from __future__ import annotations

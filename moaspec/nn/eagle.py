@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.layers import DecoderLayer, additive_mask
+from moaspec.nn.target_config import target_norm_eps, target_rope_theta
 from moaspec.nn.target_parts import TargetParts
 
 

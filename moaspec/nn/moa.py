@@ -32,9 +32,10 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from moaspec.nn.drafter_net import DrafterNet, target_norm_eps, target_rope_theta
+from moaspec.nn.drafter_net import DrafterNet
 from moaspec.nn.layers import MLP, Attention, DecoderLayer, RMSNorm, additive_mask, rope_cos_sin
 from moaspec.nn.moa_layers import memory_layer_ids
+from moaspec.nn.target_config import target_norm_eps, target_rope_theta
 from moaspec.nn.target_layers import target_layer_forward, target_rope
 from moaspec.nn.target_parts import TargetParts
 

@@ -35,6 +35,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from moaspec.errors import MoaspecError
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -47,6 +49,16 @@ if TYPE_CHECKING:
 
 class PrefillCancelled(Exception):
     """A prefill inside `Target.cancellable` was stopped; the target's context is empty."""
+
+
+def context_overflow(cached: int, count: int, max_positions: int) -> MoaspecError:
+    """The error of a prefill of `count` tokens after `cached` verified ones that the target's
+    context of `max_positions` cannot hold."""
+    if cached == 0:
+        return MoaspecError(f"the prompt has {count} tokens but the target's context holds {max_positions}")
+    return MoaspecError(
+        f"{count} more tokens after the {cached} verified make {cached + count}, but the target's context holds {max_positions}"
+    )
 
 
 @dataclass(frozen=True)

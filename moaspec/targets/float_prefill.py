@@ -27,17 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from moaspec.nn.layers import RMSNorm, apply_rope
+from moaspec.nn.target_config import target_norm_eps, target_rope_theta
 from moaspec.targets.float_weights import float16_matrices
 
 LAYER_MATRICES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
 )
-
-
-def _rope_theta(config) -> float:
-    rope = getattr(config, "rope_parameters", None) or {}
-    return float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 @dataclass
@@ -59,8 +55,8 @@ class FloatLlama:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.hidden_size = int(config.hidden_size)
         half = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        self.inv_freq = 1.0 / (_rope_theta(config) ** half)  # [head_dim / 2]
-        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.inv_freq = 1.0 / (target_rope_theta(config) ** half)  # [head_dim / 2]
+        eps = target_norm_eps(config)
 
         def norm(weights, name: str) -> RMSNorm:
             module = RMSNorm(self.hidden_size, eps).requires_grad_(False)

@@ -35,7 +35,7 @@ from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from moaspec.errors import MoaspecError
 from moaspec.nn.fast_linear import layout_of, use_layout
 from moaspec.nn.target_parts import TargetParts
-from moaspec.targets.base import PrefillCancelled, TargetOutput
+from moaspec.targets.base import PrefillCancelled, TargetOutput, context_overflow
 from moaspec.targets.hf_attention import AttentionLayout
 from moaspec.tree import DraftTree, depths
 
@@ -235,9 +235,7 @@ class HFTarget:
         input_ids = torch.as_tensor(input_ids, dtype=torch.long)
         count = input_ids.numel()
         if self.num_cached + count > self.max_positions:
-            raise MoaspecError(
-                f"the prompt has {count} tokens but the target's context holds {self.max_positions}"
-            )
+            raise context_overflow(self.num_cached, count, self.max_positions)
         positions = torch.arange(self.num_cached, self.num_cached + count)
         out = self._forward(input_ids, positions, None, hidden_layers, logits_to_keep=1)
         self.num_cached += count

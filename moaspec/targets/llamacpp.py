@@ -112,7 +112,7 @@ import numpy as np
 from moaspec.chat import generation_prompt_ids
 from moaspec.errors import MoaspecError
 from moaspec.signals import signals_held
-from moaspec.targets.base import PrefillCancelled, TargetOutput
+from moaspec.targets.base import PrefillCancelled, TargetOutput, context_overflow
 from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import CapturedKV, VerifiedRows, transformers_head_order
@@ -577,7 +577,7 @@ class LlamaCppTarget:
         if not ids:
             raise ValueError("set_context needs at least one token")
         if len(ids) > self.max_positions:
-            raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
+            raise context_overflow(0, len(ids), self.max_positions)
         self._check_hidden(hidden_layers)
         self._drop_pending()
         boundary = self._float_boundary(ids)
@@ -721,7 +721,7 @@ class LlamaCppTarget:
         self._check_hidden(hidden_layers)
         ids = np.asarray(input_ids, dtype=np.int64).tolist()
         if self.num_cached + len(ids) > self.max_positions:
-            raise MoaspecError(f"the prompt has {len(ids)} tokens but the target's context holds {self.max_positions}")
+            raise context_overflow(self.num_cached, len(ids), self.max_positions)
         self._drop_pending()
         self._make_room(len(ids))
         logits, hidden = self._decode_in_chunks(

@@ -195,13 +195,14 @@ def _torch_parts(model_dir: Path, config, tli_layers: int) -> TargetParts:
     layers with its rotary embedding."""
     from moaspec.nn.file_rows import RowEmbedding
     from moaspec.nn.layers import RMSNorm
+    from moaspec.nn.target_config import target_norm_eps
     from moaspec.nn.target_parts import TargetParts
 
     with SafetensorsWeights(model_dir) as weights:
         embedding = weights.rows(EMBEDDING)
         tied = getattr(config, "tie_word_embeddings", True)
         head = embedding if tied else weights.rows("lm_head.weight")
-        norm = RMSNorm(embedding.shape[1], float(getattr(config, "rms_norm_eps", 1e-5)))
+        norm = RMSNorm(embedding.shape[1], target_norm_eps(config))
         norm.weight.data.copy_(weights.get_tensor("model.norm.weight"))
         layers, rotary_emb = _last_decoder_layers(model_dir, weights, tli_layers) if tli_layers else ([], None)
     return TargetParts(

@@ -6,7 +6,7 @@ MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; e
 outside the learned spans (prompt, user turns) and every span position with index % T == 0 is an
 anchor; s(i) = the last anchor <= i; the CA at i sees memory up to s(i). Staircase SA curriculum:
 a sequence uses the staircase mask with probability 1 - min(1, step / (staircase_fraction *
-total_steps)), annealed by steps.
+steps)), annealed by steps.
 EAGLE (§4.3): true features in, next feature out, U(-noise/2, noise/2) added to the input features.
 Loss inside the learned spans only (a response, or every assistant turn of a conversation; a
 position predicts the token after it); accuracy against the target's argmax. A step's loss is the
@@ -277,8 +277,8 @@ def validation_counts(
     on_first_guesses: Callable[[TrainSample, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> ValidationCounts:
     """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
-    outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) on a
-    fixed anchor grid of max_depth + 1; EAGLE: depth 1, true features), and the losses.
+    outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) + 1 on a
+    fixed anchor grid of max_depth + 1, as `scored_positions` says; EAGLE: depth 1, true features), and the losses.
     on_first_guesses(sample, roots [R], guesses [R], target_next [T]): called per sample with its
     draft-depth-1 guesses (`first_guesses`' view), for a caller that splits them further (by turn)."""
     net.eval()
