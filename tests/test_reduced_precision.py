@@ -19,7 +19,8 @@ from moaspec.errors import MoaspecError
 from moaspec.nn.checkpoint import target_fingerprint
 from moaspec.nn.eagle import EagleConfig, EagleDrafterNet
 from moaspec.targets.hf import HFTarget
-from moaspec.targets.load import SafetensorsWeights, _torch_parts, load_target, torch_dtype
+from moaspec.targets.load import _torch_parts, load_target, torch_dtype
+from moaspec.targets.safetensors_weights import SafetensorsWeights
 from moaspec.tree import DraftTree
 
 PROMPT = torch.tensor([5, 17, 3, 42, 8, 61, 29, 11])

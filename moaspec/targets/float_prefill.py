@@ -47,7 +47,7 @@ class FloatLlama:
     """A Llama decoder's weights (float16) and its float32 forward over prompt chunks."""
 
     def __init__(self, model_dir: Path, config) -> None:
-        from moaspec.targets.load import SafetensorsWeights
+        from moaspec.targets.safetensors_weights import SafetensorsWeights
 
         self.num_layers = int(config.num_hidden_layers)
         self.num_heads = int(config.num_attention_heads)

@@ -31,7 +31,7 @@ def float16_matrices(model_dir: Path, names: list[str]) -> dict[str, torch.Tenso
     """{name: float16 [out, in]} for `names` (2-D tensors of model_dir's safetensors weights):
     mapped from FILE_NAME where it holds them for these weights, else narrowed from them (and
     that file written for the next process)."""
-    from moaspec.targets.load import SafetensorsWeights
+    from moaspec.targets.safetensors_weights import SafetensorsWeights
 
     model_dir = Path(model_dir)
     with SafetensorsWeights(model_dir) as weights:
