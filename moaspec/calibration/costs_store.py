@@ -97,8 +97,7 @@ def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], 
         found[layout] = measure_verify(target, context_len(target), REPEATS, VERIFY_NODE_COUNTS)
         warning = found[layout].irregularity()
         if warning is not None:
-            again = cache_root() / "calibration" / target.name
-            print(f"moaspec: warning: {warning} (remove {again} to measure again)", file=sys.stderr)
+            print(f"moaspec: warning: {warning} (remove {cache_dir(target.name)} to measure again)", file=sys.stderr)
     target.reset()
     return found
 
