@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     source = build_feature_cache(target, samples, mtbench_top1.feature_cache_dir(args.cache), fingerprint, tli_max=1, kv_layers=layers)
     learned = [s.learned_tokens() for s in load_samples([Path(d) for d in args.data], 100_000)]
     wanted = torch.cat([  # the target's next token at every answer position
-        source.features(sample, 0, ()).teacher_argmax[loss_mask(sample.input_ids.numel(), sample.spans()).bool()]
+        source.features(sample, 0, ()).target_argmax[loss_mask(sample.input_ids.numel(), sample.spans()).bool()]
         for sample in samples
     ])
     full = target.parts(0).lm_head_weight

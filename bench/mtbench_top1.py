@@ -171,7 +171,7 @@ def depth_one_counts(net, parts, source, samples, config, with_lookup: bool) -> 
         features = source.features(sample, config.tli_layers, kv_layers_read(net, config))
         with torch.inference_mode():
             roots, model_guesses = first_guesses(net, parts, sample, features, config, MAX_DEPTH)
-        count_by_turn(turns, sample, roots, model_guesses, features.teacher_argmax.cpu(), with_lookup)
+        count_by_turn(turns, sample, roots, model_guesses, features.target_argmax.cpu(), with_lookup)
     return turns
 
 

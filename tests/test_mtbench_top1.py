@@ -44,7 +44,7 @@ def test_depth_one_counts_take_the_lookup_first_then_the_model_per_turn() -> Non
             roots, model = first_guesses(net.eval(), parts, sample, features, config)
         lookup = script.lookup_guesses(sample.input_ids.tolist())
         for root, guess in zip(roots.tolist(), model.tolist()):
-            wanted = int(features.teacher_argmax[root])
+            wanted = int(features.target_argmax[root])
             if lookup[root] is not None:
                 expected["lookup_answered"] += 1
                 expected["lookup_hits"] += lookup[root] == wanted

@@ -561,8 +561,8 @@ def test_feature_cache_matches_online_features_and_resumes(tmp_path, monkeypatch
             scale = dict(rtol=2e-3, atol=2e-3)
             torch.testing.assert_close(got.layer_kv, expected.layer_kv, **scale)
             torch.testing.assert_close(got.final_hidden, expected.final_hidden, **scale)
-            torch.testing.assert_close(got.teacher_logsumexp, expected.teacher_logsumexp, **scale)
-            assert torch.equal(got.teacher_argmax, expected.teacher_argmax)
+            torch.testing.assert_close(got.target_logsumexp, expected.target_logsumexp, **scale)
+            assert torch.equal(got.target_argmax, expected.target_argmax)
             assert len(got.tli_kv) == tli
             for (k, v), (k_ref, v_ref) in zip(got.tli_kv, expected.tli_kv):
                 torch.testing.assert_close(k, k_ref, **scale)
@@ -688,7 +688,7 @@ def test_first_guesses_are_the_positions_validation_scores_at_draft_depth_one(tm
         with torch.inference_mode():
             roots, guesses = first_guesses(net, parts, sample, features, config, 6)
         assert bool((roots >= sample.response_start).all()) and bool((roots < sample.input_ids.numel() - 1).all())
-        hits += int((guesses == features.teacher_argmax[roots]).sum())
+        hits += int((guesses == features.target_argmax[roots]).sum())
         positions += roots.numel()
     assert positions == int(counts.counts[depth]) > 0
     assert hits == int(counts.hits[depth]) > 0
@@ -766,9 +766,9 @@ def test_target_features_of_a_padded_batch_are_those_of_each_sequence(family: st
     for sequence, got in zip(sequences, together, strict=True):
         expected = target_features(target, sequence, tli_layers=1, kv_layers=(0, 2))
         assert got.layer_kv.shape == (sequence.numel(), 2, expected.layer_kv.shape[-1])
-        for name in ("layer_kv", "final_hidden", "teacher_logsumexp", "tli_hidden"):
+        for name in ("layer_kv", "final_hidden", "target_logsumexp", "tli_hidden"):
             torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-9, atol=1e-9, msg=name)
-        assert torch.equal(got.teacher_argmax, expected.teacher_argmax)
+        assert torch.equal(got.target_argmax, expected.target_argmax)
         (k, v), (k_expected, v_expected) = got.tli_kv[0], expected.tli_kv[0]
         torch.testing.assert_close((k, v), (k_expected, v_expected), rtol=1e-9, atol=1e-9)
     assert target.num_cached == 0  # the verified context is left empty, as after target_features

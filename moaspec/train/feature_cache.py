@@ -2,7 +2,7 @@
 
 Why (measured on this 2-core machine, SmolLM2-135M, MoA TLI 0, 8192-token draft vocabulary):
 computing the features online costs about half of every training step (12 s of 24.5 s for 3,191
-tokens: the target's prefill plus its full-vocabulary LM head for the teacher). A data set is
+tokens: the target's prefill plus its full-vocabulary LM head for the soft labels). A data set is
 trained on for several epochs and by three drafters (MoA TLI 0, MoA TLI k, EAGLE-2), so running
 the target once per token and reading fp16 features back from the page cache is the better deal.
 A cache holds what its drafter reads and no more (`kv_layers`, `tli_max`), except that an
@@ -37,7 +37,7 @@ import torch
 from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError
 from moaspec.targets.hf import HFTarget
-from moaspec.train.features import TargetFeatures, TrainSample, teacher_summary
+from moaspec.train.features import TargetFeatures, TrainSample, target_summary
 
 CACHE_VERSION = 2
 INDEX = "index.json"
@@ -114,8 +114,8 @@ class FeatureCache:
         return TargetFeatures(
             layer_kv=kv[:, : len(kv_layers)] if kv_layers else torch.empty(0),
             final_hidden=hidden[:, -1],
-            teacher_logsumexp=torch.from_numpy(np.array(self.lse[start:end])),
-            teacher_argmax=torch.from_numpy(np.array(self.argmax[start:end])).long(),
+            target_logsumexp=torch.from_numpy(np.array(self.lse[start:end])),
+            target_argmax=torch.from_numpy(np.array(self.argmax[start:end])).long(),
             tli_kv=tli_kv,
             tli_hidden=hidden[:, self.tli_max - tli_layers] if tli_layers else None,
         )
@@ -213,7 +213,7 @@ def build_feature_cache(
             if stored:
                 arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
             arrays["hidden"][start:end] = hidden.numpy()
-            lse, argmax = teacher_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
+            lse, argmax = target_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
             arrays["lse"][start:end] = lse.cpu().numpy()
             arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
             bar.update(end - start)

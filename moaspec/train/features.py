@@ -2,7 +2,7 @@
 micro-batch of them in one padded forward).
 
 One frozen target forward (prefill) gives everything: per-layer keys/values (MoA memory input),
-the post-norm last hidden state (feature targets, and the teacher distribution through the LM
+the post-norm last hidden state (feature targets, and the target's distribution through the LM
 head), and for TLI the residual stream entering layer L-k plus the last k layers' keys/values.
 `OnlineFeatures` runs that forward at every step; `feature_cache.FeatureCache` stores it once on
 disk for every epoch and every run (the measured trade-off is in feature_cache.py).
@@ -48,17 +48,17 @@ class TargetFeatures:
     layer_kv:          [T, Lk, kv_dim] per-layer [k_h, v_h] of the requested layers (MoA memory
                        input; empty for EAGLE).
     final_hidden:      [T, D] post-norm last hidden state (h_t: predicts token t+1).
-    teacher_logsumexp: [T] log-sum-exp of the target's full-vocabulary logits final_hidden @ W.T,
-                       so the teacher's probabilities of any vocabulary subset are exp(logit - lse).
-    teacher_argmax:    [T] long, the target's most likely next token (full vocabulary) after t.
+    target_logsumexp: [T] log-sum-exp of the target's full-vocabulary logits final_hidden @ W.T,
+                       so the target's probabilities of any vocabulary subset are exp(logit - lse).
+    target_argmax:    [T] long, the target's most likely next token (full vocabulary) after t.
     tli_kv:            the last k layers' keys/values, each [Hkv, T, d] (empty without TLI).
     tli_hidden:        [T, D] residual stream entering layer L-k, or None without TLI.
     """
 
     layer_kv: torch.Tensor
     final_hidden: torch.Tensor
-    teacher_logsumexp: torch.Tensor
-    teacher_argmax: torch.Tensor
+    target_logsumexp: torch.Tensor
+    target_argmax: torch.Tensor
     tli_kv: list[tuple[torch.Tensor, torch.Tensor]]
     tli_hidden: torch.Tensor | None
 
@@ -75,7 +75,7 @@ class FeatureSource(Protocol):
         ...
 
 
-def teacher_summary(
+def target_summary(
     hidden: torch.Tensor, lm_head_weight: torch.Tensor, chunk: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [T, D], lm_head_weight [V, D] -> ([T] float32 log-sum-exp, [T] long argmax) of the
@@ -103,13 +103,13 @@ def collected_features(
     [Hkv, T, d]. Everything is copied, so the tensors can feed trainable layers (inference
     tensors cannot be saved for backward)."""
     final_hidden = final_hidden.clone()
-    lse, argmax = teacher_summary(final_hidden, target.lm_head.weight)
+    lse, argmax = target_summary(final_hidden, target.lm_head.weight)
     kv = torch.stack([per_head_kv(*layer_caches[i]) for i in kv_layers], dim=1) if kv_layers else torch.empty(0)
     return TargetFeatures(
         layer_kv=kv,
         final_hidden=final_hidden,
-        teacher_logsumexp=lse,
-        teacher_argmax=argmax,
+        target_logsumexp=lse,
+        target_argmax=argmax,
         tli_kv=[(k.clone(), v.clone()) for k, v in layer_caches[target.num_layers - tli_layers :]] if tli_layers else [],
         tli_hidden=tli_hidden.clone() if tli_layers else None,
     )

@@ -50,7 +50,7 @@ def drafter_loss(
     drafter_state: torch.Tensor,
     target_state: torch.Tensor,
     head_weight: torch.Tensor,
-    teacher_logsumexp: torch.Tensor,
+    target_logsumexp: torch.Tensor,
     mask: torch.Tensor,
     pre_tli: torch.Tensor | None = None,
     tli_target: torch.Tensor | None = None,
@@ -61,22 +61,22 @@ def drafter_loss(
     feature_weight: float = FEATURE_WEIGHT,
 ) -> LossParts:
     """drafter_state, target_state [T, D]; head_weight [Vd, D] (the target's LM head rows of the
-    draft vocabulary); teacher_logsumexp [T] (over the full vocabulary); mask [T];
+    draft vocabulary); target_logsumexp [T] (over the full vocabulary); mask [T];
     with TLI: pre_tli, tli_target [T, D] and tli_mask [T]; tli_rms_scaled: compare the pre-TLI
     state and its target divided by the target's per-token RMS (see the module docstring);
     wanted_ids [T]: the target's own next token as a draft-vocabulary row (-1 outside it) for
-    `top1`, None to compare with the best of the draft vocabulary's teacher logits.
+    `top1`, None to compare with the best of the draft vocabulary's target logits.
     total = ce_weight * soft CE + feature_weight * feature term.
     The mask may weigh positions (values in [0, 1]): every term is a weighted mean.
     A padded batch of B sequences passes [B, T, ...] and masks [B, T] (0 on the padding): every
     term, and top1, is then the mean over the sequences of each one's own value."""
     rows = mask.bool()
-    with torch.autocast(device_type=target_state.device.type, enabled=False):  # the teacher stays float32
-        teacher_logits = at_least_fp32(target_state[rows].to(head_weight.dtype) @ head_weight.T)
-    teacher = torch.exp(teacher_logits - at_least_fp32(teacher_logsumexp[rows, None]))  # [M, Vd]
+    with torch.autocast(device_type=target_state.device.type, enabled=False):  # the target's probabilities stay float32
+        target_logits = at_least_fp32(target_state[rows].to(head_weight.dtype) @ head_weight.T)
+    target_probs = torch.exp(target_logits - at_least_fp32(target_logsumexp[rows, None]))  # [M, Vd]
     draft_log_probs = torch.log_softmax(at_least_fp32(drafter_state[rows] @ head_weight.T), dim=-1)
     soft_ce = torch.zeros(mask.shape, dtype=draft_log_probs.dtype, device=mask.device)
-    soft_ce[rows] = -(teacher * draft_log_probs).sum(-1)  # [..., T], 0 off the mask
+    soft_ce[rows] = -(target_probs * draft_log_probs).sum(-1)  # [..., T], 0 off the mask
     feature = F.smooth_l1_loss(at_least_fp32(drafter_state), at_least_fp32(target_state), reduction="none", beta=1.0).mean(-1)
     feature_loss = masked_mean(feature, mask)
     if pre_tli is not None and tli_target is not None and tli_mask is not None:
@@ -87,7 +87,7 @@ def drafter_loss(
         pre = F.smooth_l1_loss(predicted, wanted, reduction="none", beta=1.0).mean(-1)
         feature_loss = 0.5 * feature_loss + 0.5 * masked_mean(pre, tli_mask)
     ce_loss = masked_mean(soft_ce, mask)
-    wanted = teacher_logits.argmax(-1) if wanted_ids is None else wanted_ids[rows]
+    wanted = target_logits.argmax(-1) if wanted_ids is None else wanted_ids[rows]
     hits = torch.zeros(mask.shape, device=mask.device)
     hits[rows] = (draft_log_probs.argmax(-1) == wanted).float()
     top1 = masked_mean(hits, rows.float())

@@ -145,8 +145,8 @@ def stacked_features(features: list[TargetFeatures], length: int) -> TargetFeatu
     return TargetFeatures(
         layer_kv=layer_kv,
         final_hidden=padded_stack([f.final_hidden for f in features], length),
-        teacher_logsumexp=padded_stack([f.teacher_logsumexp for f in features], length),
-        teacher_argmax=padded_stack([f.teacher_argmax for f in features], length),
+        target_logsumexp=padded_stack([f.target_logsumexp for f in features], length),
+        target_argmax=padded_stack([f.target_argmax for f in features], length),
         tli_kv=tli_kv,
         tli_hidden=None if first.tli_hidden is None else padded_stack([f.tli_hidden for f in features], length),
     )
@@ -169,7 +169,7 @@ def batch_loss(
     batch = stacked_features(features, length)
     head = net.head_weight(parts).to(next(net.parameters()).dtype)
     mask = padded_stack([loss_mask(d.sample.input_ids.numel(), d.sample.spans()) for d in draws], length).to(device)
-    wanted = target_choice_in_draft_vocab(net, batch.teacher_argmax)  # [B, T]
+    wanted = target_choice_in_draft_vocab(net, batch.target_argmax)  # [B, T]
     if config.method == "moa":
         positions = torch.arange(length)
         anchors = torch.stack([  # the padding: anchors (s(i) = i), never read by the sequence's tokens
@@ -187,14 +187,14 @@ def batch_loss(
         anchor_weight = 0.0 if config.memory_hidden else config.anchor_loss_weight
         weights = mask * torch.where(at_anchor, anchor_weight, 1.0)
         return drafter_loss(
-            out.final, batch.final_hidden, head, batch.teacher_logsumexp, weights,
+            out.final, batch.final_hidden, head, batch.target_logsumexp, weights,
             out.pre_tli, batch.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
             ce_weight=config.ce_weight, feature_weight=config.feature_weight,
         )
     noise = padded_stack([draw.noise for draw in draws], length).to(device=device, dtype=batch.final_hidden.dtype)
     predicted = net.forward_train(parts, ids, batch.final_hidden + noise)  # [B, T-1, D]
     return drafter_loss(
-        predicted, batch.final_hidden[:, 1:], head, batch.teacher_logsumexp[:, 1:], mask[:, 1:], wanted_ids=wanted[:, 1:],
+        predicted, batch.final_hidden[:, 1:], head, batch.target_logsumexp[:, 1:], mask[:, 1:], wanted_ids=wanted[:, 1:],
         ce_weight=config.ce_weight, feature_weight=config.feature_weight,
     )
 
@@ -294,7 +294,7 @@ def validation_counts(
             totals.loss_sum += float(parts_loss.total)
             totals.sequences += 1
             predicted = predicted_tokens(net, parts, sample, features, config, max_depth).cpu()
-        target_next = features.teacher_argmax.cpu()  # [T]: the target's token after t
+        target_next = features.target_argmax.cpu()  # [T]: the target's token after t
         positions, rows, depth = scored_positions(length, sample.spans(), config.method, max_depth)
         if on_first_guesses is not None:
             on_first_guesses(sample, *_at_first_draft(predicted, positions, rows, depth, config.method), target_next)
