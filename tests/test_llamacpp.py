@@ -620,9 +620,13 @@ def test_final_hidden_state_comes_with_the_logits(llama_target, category_prompts
     tree = DraftTree(torch.tensor([int(out.logits.argmax()), 5, 6]), torch.tensor([-1, 0, 0]))
     verified = llama_target.verify(tree, (last,))
     assert verified.hidden.shape == (3, 1, llama_target.hidden_size)
-    # the LM head over the returned state gives the logits (tied embeddings)
+    # the LM head over the returned state gives the logits (tied embeddings): close, not equal, as
+    # llama.cpp's head runs on its quantized embedding (measured 0.32 on logits up to ~30, AVX2
+    # EPYC); another node's state is ~38 off, far outside the bound
     head = llama_target.parts(0).lm_head_weight
-    assert torch.allclose(verified.hidden[:, 0] @ head.T, torch.from_numpy(verified.logits), atol=0.5)
+    logits = torch.from_numpy(verified.logits)
+    assert torch.allclose(verified.hidden[:, 0] @ head.T, logits, atol=0.5)
+    assert not torch.allclose(verified.hidden[[1, 2, 0], 0] @ head.T, logits, atol=0.5)
 
 
 def test_target_layer_inference_runs_the_targets_own_last_layers(llama_target, category_prompts) -> None:
