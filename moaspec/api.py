@@ -94,7 +94,7 @@ class SpeculativeLM:
         top_k: int = 0,
         seed: int = 0,
         raw: bool = False,
-        streamer=None,
+        streamer: Any = None,
     ) -> GenerationOutput:
         """Generate from a text prompt (chat template applied unless `raw`) or from token ids (a
         list or tuple, or a numpy array or torch tensor, [T] or a tokenizer's [1, T]).
@@ -246,7 +246,7 @@ def generate(
     gpu_layers: int = 0,
     tree_overrides: dict | None = None,
     calibrate: bool = True,
-    **kwargs,
+    **kwargs: Any,
 ) -> GenerationOutput:
     """One-shot convenience: `load(target, drafter, ...)` with the keywords that say where and how
     the target and drafter run, then `.generate(prompt, **kwargs)` (max_new_tokens, temperature,

@@ -3,6 +3,8 @@ the target's chat template with the generation prompt (plain tokenisation when t
 
 from __future__ import annotations
 
+from typing import Any
+
 from moaspec.errors import MoaspecError
 
 
@@ -20,12 +22,12 @@ def check_prompt_text(text: object) -> str:
     return text
 
 
-def encode_chat_prompt(tokenizer, text: str) -> list[int]:
+def encode_chat_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of `text` as a single user turn, ready for the assistant's answer."""
     return encode_chat_messages(tokenizer, [{"role": "user", "content": text}])
 
 
-def encode_chat_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def encode_chat_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation (`{"role", "content"}` dicts ending with a user turn), ready for
     the assistant's answer. Without a chat template the contents are joined by blank lines."""
     if not getattr(tokenizer, "chat_template", None):
@@ -35,7 +37,7 @@ def encode_chat_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]
     return list(encoded["input_ids"])
 
 
-def generation_prompt_ids(tokenizer) -> tuple[int, ...]:
+def generation_prompt_ids(tokenizer: Any) -> tuple[int, ...]:
     """The tokens the chat template appends to a conversation for the assistant's answer (SmolLM2:
     `<|im_start|>assistant\n`); empty without a template or where they are not a plain suffix."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

@@ -27,6 +27,8 @@ from moaspec.tree import DraftTree, depths, prune_to_depth
 if TYPE_CHECKING:
     import torch
 
+    from moaspec.drafters.base import Drafter
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -55,7 +57,7 @@ class Step:
 
 
 def decode_step(
-    drafter,
+    drafter: Drafter,
     root: int,
     remaining: int,
     sampling: SamplingConfig,

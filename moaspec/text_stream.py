@@ -10,7 +10,10 @@ does not import transformers (its import alone is ~0.5 s of start-up).
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    import torch
 
 # CJK Unified Ideographs and their extensions (and compatibility ideographs), as transformers checks
 CJK_RANGES = (
@@ -26,7 +29,9 @@ class TextPrinter:
 
     takes_token_lists = True  # SpeculativeLM.generate puts lists, not torch tensors
 
-    def __init__(self, tokenizer, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs) -> None:
+    def __init__(
+        self, tokenizer: Any, skip_prompt: bool = True, out: TextIO | None = None, **decode_kwargs: Any
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_prompt = skip_prompt
         self.decode_kwargs = decode_kwargs
@@ -36,7 +41,7 @@ class TextPrinter:
         self.next_tokens_are_prompt = True
         self.any_tokens = False  # since the prompt
 
-    def put(self, value) -> None:
+    def put(self, value: list[int] | list[list[int]] | torch.Tensor) -> None:
         ids = _token_list(value)
         if self.skip_prompt and self.next_tokens_are_prompt:
             self.next_tokens_are_prompt = False
@@ -79,7 +84,7 @@ class TokenCollector:
         self.token_ids: list[int] = []
         self._prompt_seen = False
 
-    def put(self, value) -> None:
+    def put(self, value: list[int] | list[list[int]] | torch.Tensor) -> None:
         if self._prompt_seen:
             self.token_ids.extend(_token_list(value))
         self._prompt_seen = True

@@ -30,12 +30,18 @@ import hashlib
 import json
 from dataclasses import asdict, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.config import MAX_TREE_BUDGET, MAX_TREE_DEPTH, MAX_TREE_TOP_K, TreeConfig
 from moaspec.env_flags import env_flag
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
 
 TREE_FIELDS = ("depth", "top_k", "budget")
 DISABLE_ENV = "MOASPEC_NO_TUNED"
@@ -56,7 +62,7 @@ def checkpoint_key(directory: Path) -> str:
     return f"{method}-{digest.hexdigest()[:16]}"
 
 
-def device_kind(device) -> str:
+def device_kind(device: torch.device | str) -> str:
     """"cpu" or "cuda" (a torch.device or a --device string such as "cuda:1")."""
     kind = str(getattr(device, "type", device)).partition(":")[0]
     if kind not in DEVICE_KINDS:
@@ -64,14 +70,16 @@ def device_kind(device) -> str:
     return kind
 
 
-def tuned_path(target_name: str, directory: Path, device="cpu") -> Path:
+def tuned_path(target_name: str, directory: Path, device: torch.device | str = "cpu") -> Path:
     """Where `moaspec tune` keeps its choice for this target, checkpoint and kind of device."""
     kind = device_kind(device)
     suffix = "" if kind == "cpu" else f"-{kind}"
     return cache_root() / "tuned" / target_name / f"{checkpoint_key(directory)}{suffix}.json"
 
 
-def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details: dict, device="cpu") -> Path:
+def save_tuned_tree(
+    target_name: str, directory: Path, tree: TreeConfig, details: dict, device: torch.device | str = "cpu"
+) -> Path:
     """Write the choice measured on `device` atomically; -> its path."""
     path = tuned_path(target_name, directory, device)
     record = {
@@ -81,7 +89,7 @@ def save_tuned_tree(target_name: str, directory: Path, tree: TreeConfig, details
     return write_file_atomically(path, json.dumps(record, indent=1) + "\n")
 
 
-def load_tuned_tree(target_name: str, directory: Path, device="cpu") -> TreeConfig | None:
+def load_tuned_tree(target_name: str, directory: Path, device: torch.device | str = "cpu") -> TreeConfig | None:
     """The choice saved for `device`'s kind, or None (none saved, disabled by MOASPEC_NO_TUNED,
     or unreadable)."""
     if env_flag(DISABLE_ENV):
@@ -95,7 +103,7 @@ def load_tuned_tree(target_name: str, directory: Path, device="cpu") -> TreeConf
         return None  # a damaged cache file must never break generation; `moaspec tune` rewrites it
 
 
-def add_tree_arguments(parser, applies_to: str) -> None:
+def add_tree_arguments(parser: argparse.ArgumentParser, applies_to: str) -> None:
     """--tree-depth / --tree-top-k / --tree-budget (each None unless given; see `tree_overrides`)."""
     for name, what in (("depth", "drafted levels"), ("top-k", "beams and children per level"), ("budget", "drafted nodes")):
         parser.add_argument(
@@ -105,7 +113,7 @@ def add_tree_arguments(parser, applies_to: str) -> None:
         )
 
 
-def tree_overrides(args) -> dict:
+def tree_overrides(args: argparse.Namespace) -> dict:
     """The --tree-* values as `make_drafter` overrides; MoaspecError for a value < 1."""
     overrides = {"depth": args.tree_depth, "top_k": args.tree_top_k, "budget": args.tree_budget}
     bounds = {"depth": MAX_TREE_DEPTH, "top_k": MAX_TREE_TOP_K, "budget": MAX_TREE_BUDGET}
@@ -116,8 +124,8 @@ def tree_overrides(args) -> dict:
 
 
 def resolve_tree(
-    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None, device="cpu",
-    runtime: str = TUNED_RUNTIME,
+    base: TreeConfig, target_name: str, directory: Path | None, overrides: dict | None,
+    device: torch.device | str = "cpu", runtime: str = TUNED_RUNTIME,
 ) -> tuple[TreeConfig, str]:
     """Apply the precedence above to a drafter whose checkpoint tree is `base` and whose target
     runs on `device` and `runtime`.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 from moaspec.bench.machine import machine_info
 from moaspec.bench.prompts import CATEGORIES
@@ -26,8 +27,13 @@ from moaspec.cli_support import EXIT_MISMATCH, command_line, output_dir
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 
+if TYPE_CHECKING:
+    from pathlib import Path
 
-def add_bench_parser(commands, default_target: str) -> None:
+    from moaspec.bench.runner import BenchData
+
+
+def add_bench_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
     bench = commands.add_parser("bench", help="benchmark decoding methods side by side (tokens/s, speedup, tau)")
     bench.add_argument("--out", required=True, help="output directory for results.json, results.md and plots")
     bench.add_argument(
@@ -214,7 +220,7 @@ def _tree_record(method) -> dict | None:
     return record if lookup is None else {**record, "lookup": asdict(lookup.config)}
 
 
-def write_report(data, config: dict, out, command: str, plots: bool = True) -> dict:
+def write_report(data: BenchData, config: dict, out: Path, command: str, plots: bool = True) -> dict:
     """Build, validate and write results.json, results.md (and plots); -> the results dict."""
     from moaspec.bench.output import timestamp, write_results
     from moaspec.bench.plots import ALL_PLOT_FILES, render_plots
@@ -228,7 +234,7 @@ def write_report(data, config: dict, out, command: str, plots: bool = True) -> d
 
 
 # -- moaspec tune -------------------------------------------------------------------------------
-def add_tune_parser(commands, default_target: str) -> None:
+def add_tune_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
     tune = commands.add_parser("tune", help="measure this machine and save the best draft tree per drafter")
     tune.add_argument(
         "--drafters", required=True, help="comma-separated model drafters: eagle, moa, moa-tli1 or checkpoint DIRs"

@@ -30,8 +30,15 @@ import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError
+
+if TYPE_CHECKING:
+    from moaspec.bench.client_server_runner import ClientServerData
+    from moaspec.bench.methods import MethodSpec
+    from moaspec.config import SamplingConfig
+    from moaspec.targets.base import Target
 
 DEFAULT_OFFLINE_TOKENS = 16
 MAX_STREAM_TEMPERATURE = 2.0  # the OpenAI API's range, which the streamed cases go through
@@ -113,7 +120,7 @@ def parse_network(value: str | None) -> tuple[str, ...]:
     return parse_names(",".join(PROFILES) if value is None else value, "--network", tuple(PROFILES), "network profile")
 
 
-def client_server_methods(value: str | None, target_name: str):
+def client_server_methods(value: str | None, target_name: str) -> tuple[MethodSpec, ...]:
     """`--methods` for client-server: drafters only; default ngram plus the target's shipped drafters."""
     from moaspec.bench.methods import DEFAULT_METHOD, HF_METHODS, check_available, default_methods, parse_methods
 
@@ -130,7 +137,8 @@ def client_server_methods(value: str | None, target_name: str):
 
 
 def run_client_server_bench(
-    args: argparse.Namespace, categories: tuple[str, ...], sampling, out: Path, target_name: str, runtime: dict
+    args: argparse.Namespace, categories: tuple[str, ...], sampling: SamplingConfig, out: Path, target_name: str,
+    runtime: dict,
 ) -> int:
     """The rest of `run_bench` for --client-server: cheap checks, load, run, write, print.
     runtime: load_target's runtime keywords from the flags (targets/options.py): the servers'
@@ -192,7 +200,7 @@ def run_client_server_bench(
     return 0
 
 
-def conversations(target, items: dict) -> tuple[list, list[str]]:
+def conversations(target: Target, items: dict) -> tuple[list, list[str]]:
     """Every item's first user turn (after its fixed history) as token ids, with its later turns to
     follow; -> (prompts, skipped): an item that does not fit the target's context is skipped, with a
     warning."""
@@ -261,7 +269,7 @@ def _turns_phrase(config: dict) -> str:
     return "first user turn"
 
 
-def build_results(data, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
+def build_results(data: ClientServerData, disconnection: list, skipped: list[str], config: dict, command: str) -> dict:
     """The results.json document (validated against schema.CLIENT_SERVER_SCHEMA)."""
     from moaspec.bench.client_server_runner import summarize
     from moaspec.bench.machine import machine_info

@@ -44,6 +44,7 @@ from moaspec.metrics import SpecStats
 
 if TYPE_CHECKING:
     from moaspec.config import SamplingConfig
+    from moaspec.drafters.base import Drafter
     from moaspec.targets.base import Target
     from moaspec.targets.hf import HFTarget
 
@@ -154,7 +155,7 @@ def check_available(specs: tuple[MethodSpec, ...], target_name: str) -> None:
 def build_method(
     spec: MethodSpec,
     target: Target,
-    calibrated=None,
+    calibrated: Drafter | None = None,
     tree_overrides: dict | None = None,
     ignore_eos: bool = False,
     hf_target: HFTarget | None = None,
@@ -231,7 +232,7 @@ class EngineMethod:
 
     lossless = True  # greedy output must equal plain decoding's (the benchmark checks)
 
-    def __init__(self, label: str, target: Target, drafter, stop_ids: frozenset[int]) -> None:
+    def __init__(self, label: str, target: Target, drafter: Drafter, stop_ids: frozenset[int]) -> None:
         from moaspec.engine import Engine
 
         self.label = label

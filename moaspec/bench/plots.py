@@ -8,8 +8,14 @@
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from moaspec.extras import require_modules
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.figure import Figure
 
 PLOT_FILES = ("speedup.png", "tau.png")
 
@@ -103,7 +109,7 @@ def _decoding(results: dict) -> str:
     return "greedy" if temperature == 0 else f"T={temperature}"
 
 
-def figure_png(plt, fig) -> bytes:
+def figure_png(plt: ModuleType, fig: Figure) -> bytes:
     """A matplotlib figure, laid out tightly, as PNG bytes (110 dpi); the figure is closed."""
     buffer = io.BytesIO()
     fig.tight_layout()

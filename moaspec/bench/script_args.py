@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from moaspec.errors import MoaspecError
 
@@ -77,7 +77,7 @@ def existing_file(text: str) -> Path:
     return path
 
 
-def read_json(path: Path):
+def read_json(path: Path) -> Any:
     """A JSON document a script reads (a results.json, a curves file): MoaspecError, one line
     through run_script, when it cannot be read or is not JSON."""
     import json
@@ -130,7 +130,7 @@ class ScriptParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def script_parser(doc: str | None, **kwargs) -> ScriptParser:
+def script_parser(doc: str | None, **kwargs: Any) -> ScriptParser:
     """A bench script's parser, its --help description from its docstring (help_description)."""
     return ScriptParser(description=help_description(doc), **kwargs)
 

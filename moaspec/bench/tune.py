@@ -17,6 +17,7 @@ Cost per cycle: measured on this machine (moaspec/calibration/costs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moaspec.calibration.costs import CycleCosts, VerifyCosts
 from moaspec.calibration.tree_ranking import (
@@ -28,6 +29,10 @@ from moaspec.calibration.tree_ranking import (
     rates_from_hit_rates,
 )
 from moaspec.config import TreeConfig
+
+if TYPE_CHECKING:
+    from moaspec.drafters.tree_drafter import TreeDrafter
+    from moaspec.targets.base import Target
 
 DEFAULT_TOP1 = 0.6  # a middling EAGLE-2-style top-1 acceptance on chat; used only without calibration
 
@@ -62,7 +67,7 @@ class TuneResult:
         }
 
 
-def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def calibrate(drafter: TreeDrafter, target: Target, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """Greedy generation with a one-level tree of each top-k in TOP_KS.
 
     -> {"hit_rate_by_top_k": [P(target token among the drafter's top k) for k in TOP_KS]
@@ -88,8 +93,8 @@ def calibrate(drafter, target, prompts: list[list[int]], max_new_tokens: int) ->
 
 
 def tune_drafter(
-    drafter,
-    target,
+    drafter: TreeDrafter,
+    target: Target,
     verify: VerifyCosts,
     context_len: int,
     repeats: int,

@@ -41,6 +41,9 @@ from moaspec.tree import DraftTree
 if TYPE_CHECKING:
     import torch
 
+    from moaspec.drafters.tree_drafter import TreeDrafter
+    from moaspec.targets.base import Target
+
 NODE_COUNTS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
 
 
@@ -142,7 +145,8 @@ PENALTY_TREES = (2, 4, 8)  # the trees after which the penalty is timed, each on
 
 
 def measure_verify(
-    target, context_len: int, repeats: int, node_counts=NODE_COUNTS, hidden_layers=()
+    target: Target, context_len: int, repeats: int, node_counts: tuple[int, ...] = NODE_COUNTS,
+    hidden_layers: tuple[int, ...] = (),
 ) -> VerifyCosts:
     """Median seconds of target.verify + commit for each tree size the target takes, each right
     after a forward of another size; of a plain step; and the tree penalty per node (module
@@ -212,7 +216,7 @@ def penalty_per_node(samples: list[tuple[int, float]]) -> float:
 
 
 def measure_drafter(
-    drafter, target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
+    drafter: TreeDrafter, target: Target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
 ) -> tuple[dict, tuple[float, float]]:
     """-> (propose_s per (depth, top_k), accept_s (fixed, per_token)); restores the drafter's tree."""
     import torch

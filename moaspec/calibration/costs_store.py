@@ -19,6 +19,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.calibration.costs import CycleCosts, VerifyCosts, measure_drafter, measure_verify
@@ -26,6 +27,13 @@ from moaspec.calibration.machine import key_of
 from moaspec.errors import MoaspecError
 from moaspec.model_store import cache_root
 from moaspec.signals import load_library_held
+
+if TYPE_CHECKING:
+    from moaspec.calibration.profile import LookupSequence, LookupStats
+    from moaspec.config import NgramConfig
+    from moaspec.drafters.lookup_gate import LookupGate
+    from moaspec.drafters.tree_drafter import TreeDrafter
+    from moaspec.targets.base import Target
 
 FORMAT_VERSION = 2  # 2: the plain step and the tree penalty (costs.py)
 CONTEXT_LEN = 128  # a chat prompt's length; the verify cost of this model moves little with it
@@ -37,7 +45,7 @@ LOOKUP_REPLAY_VERSION = 2  # bumped when the drafter's or the gate's rules chang
 RANK_MODEL_VERSION = 1  # bumped when something besides the two modules rank_model_taus reads changes a tau
 
 
-def context_len(target) -> int:
+def context_len(target: Target) -> int:
     """CONTEXT_LEN, or a quarter of a smaller target's context."""
     return max(1, min(CONTEXT_LEN, target.max_positions // 4))
 
@@ -88,7 +96,9 @@ def _weights(target, layout: str) -> str:
     return f"{target.runtime} (drafter weights {layout}-major)"
 
 
-def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], None]) -> dict[str, VerifyCosts]:
+def measure_verify_costs(
+    target: Target, layouts: tuple[str, ...], say: Callable[[str], None]
+) -> dict[str, VerifyCosts]:
     """Verify costs in each layout (the target is left in the last layout)."""
     found = {}
     for layout in layouts:
@@ -103,7 +113,8 @@ def measure_verify_costs(target, layouts: tuple[str, ...], say: Callable[[str], 
 
 
 def measure_drafter_costs(
-    drafter, target, layouts: tuple[str, ...], shapes: list[tuple[int, int]], say: Callable[[str], None]
+    drafter: TreeDrafter, target: Target, layouts: tuple[str, ...], shapes: list[tuple[int, int]],
+    say: Callable[[str], None],
 ) -> dict[str, tuple[dict, tuple[float, float]]]:
     """Drafter propose / accept seconds in each layout (target and drafter left in the last one)."""
     needed = context_len(target) + 5 * REPEATS + (REPEATS + 1) * len(shapes) + 8  # see costs.py
@@ -120,7 +131,7 @@ def measure_drafter_costs(
     return found
 
 
-def measure_lookup_s(sequences) -> float:
+def measure_lookup_s(sequences: list[LookupSequence]) -> float:
     """The prompt lookup's seconds per cycle (profile.measure_lookup_s), 0 without a profile."""
     from moaspec.calibration.profile import measure_lookup_s
 
@@ -132,7 +143,7 @@ def save(path: Path, record: dict) -> None:
     write_file_atomically(path, json.dumps({"format_version": FORMAT_VERSION, **record}, indent=1) + "\n")
 
 
-def read_field(path: Path, key: str):
+def read_field(path: Path, key: str) -> Any:
     """One field of a cached record (None when absent or unreadable)."""
     return _read(path).get(key)
 
@@ -173,7 +184,13 @@ def _read(path: Path) -> dict:
     return record if isinstance(record, dict) and record.get("format_version") == FORMAT_VERSION else {}
 
 
-def simulated_lookups(target_name: str, sequences, configs, simulate, gate=None) -> list:
+def simulated_lookups(
+    target_name: str,
+    sequences: list[LookupSequence],
+    configs: list[NgramConfig],
+    simulate: Callable[[list[LookupSequence], NgramConfig, LookupGate | None], LookupStats],
+    gate: LookupGate | None = None,
+) -> list:
     """[(config, LookupStats)] for every lookup config over the profile's sequences, replayed once
     (`simulate(sequences, config, gate)`, ~1.3 s for the shipped profile's 36 tries) and cached
     by content (the gate's costs included)."""

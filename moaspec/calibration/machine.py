@@ -13,6 +13,10 @@ import hashlib
 import importlib.metadata
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moaspec.targets.base import Target
 
 KERNEL_FLAGS = (
     "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "fma", "f16c",  # x86
@@ -43,7 +47,7 @@ def cpu_description(cpuinfo: str | None = None) -> str:
     return f"{model} [{present}]" if present else model
 
 
-def runtime_description(target) -> str:
+def runtime_description(target: Target) -> str:
     """'transformers <ver> torch <ver> <dtype> <attention> <n> threads[ on <GPU name>]', or
     'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads' (torch's version, which
     the drafters' costs depend on, read from its installed metadata: a generation that needs no

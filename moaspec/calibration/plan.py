@@ -62,6 +62,8 @@ from moaspec.tuned import checkpoint_key
 
 if TYPE_CHECKING:
     from moaspec.config import NgramConfig, TreeConfig
+    from moaspec.drafters.base import Drafter
+    from moaspec.drafters.tree_drafter import TreeDrafter
     from moaspec.targets.base import Target
 
 DISABLE_ENV = NO_CALIBRATION_ENV
@@ -140,8 +142,9 @@ def calibration_enabled() -> bool:
 
 
 def drafter_for(
-    target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None, background: bool = False
-):
+    target: Target, spec: str | None, tree_overrides: dict | None = None, layout: str | None = None,
+    background: bool = False,
+) -> tuple[Drafter, Calibration | None]:
     """-> (drafter, Calibration or None): calibrated unless MOASPEC_NO_CALIBRATION is set, else
     the named drafter (or the target's default) as configured. layout: keep the target's weights
     in this layout (a benchmark compares drafters on one layout) instead of choosing it.
@@ -156,7 +159,9 @@ def drafter_for(
     return configured_drafter(target, spec, tree_overrides, background), None
 
 
-def configured_drafter(target, spec: str | None, tree_overrides: dict | None = None, background: bool = False):
+def configured_drafter(
+    target: Target, spec: str | None, tree_overrides: dict | None = None, background: bool = False
+) -> Drafter:
     """The named drafter (or the target's default) as configured, without a calibration;
     background: as `drafter_for`."""
     if spec is None:
@@ -169,7 +174,7 @@ def configured_drafter(target, spec: str | None, tree_overrides: dict | None = N
     return make_drafter(spec, target, tree_overrides)
 
 
-def in_background(target, base: str) -> bool:
+def in_background(target: Target, base: str) -> bool:
     """Whether model drafter `base` would be built in the background for `target` (module
     docstring of drafters/background.py): before torch is loaded, where it qualifies
     (`can_build_in_background`)."""
@@ -204,13 +209,13 @@ def _model_drafter(model: LazyModelDrafter, tree, tree_source: str, finish, back
 
 
 def calibrated_drafter(
-    target,
+    target: Target,
     spec: str | None,
     tree_overrides: dict | None = None,
     progress: bool = True,
     layout: str | None = None,
     background: bool = False,
-):
+) -> tuple[Drafter, Calibration | None]:
     """-> (drafter, Calibration) for `spec` (None = the default), with the target re-laid out
     (in `layout`, else MOASPEC_WEIGHT_LAYOUT's, else the fastest measured); background: as
     `drafter_for`.
@@ -318,7 +323,7 @@ class LazyModelDrafter:
     load whose cached costs choose `none` or `ngram` never builds it, nor reads the target's
     embedding that `check_target` compares (llama.cpp: ~40 MB more peak memory, tested)."""
 
-    def __init__(self, base: str, target, tree_overrides: dict | None) -> None:
+    def __init__(self, base: str, target: Target, tree_overrides: dict | None) -> None:
         import json
 
         from moaspec.config import TreeConfig
@@ -359,7 +364,7 @@ class LazyModelDrafter:
             except MoaspecError as exc:  # the user's error, not a failed measurement
                 raise DrafterUnavailable(str(exc)) from exc
 
-    def drafter(self):
+    def drafter(self) -> TreeDrafter:
         if self._drafter is None:
             try:
                 self._drafter = make_drafter(self.base, self.target, self.tree_overrides)
@@ -405,7 +410,7 @@ def _recost(trees, costs):
     ]
 
 
-def target_identity(target) -> str:
+def target_identity(target: Target) -> str:
     """What the measured costs belong to besides the CPU and runtime: the target's name, and for
     a llama.cpp target its file (path, size, modification time: two different `model.gguf` files
     share a name) and the layers it offloads to a GPU."""

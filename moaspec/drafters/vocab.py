@@ -30,7 +30,7 @@ def most_frequent_token_ids(
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
-def target_token_ids(rows, draft_vocab_ids: torch.Tensor | None):
+def target_token_ids(rows: int | torch.Tensor, draft_vocab_ids: torch.Tensor | None) -> int | torch.Tensor:
     """Rows of a reduced draft vocabulary (an index or a tensor of them) -> the target's token ids
     at those rows; the rows themselves with the full vocabulary (draft_vocab_ids None)."""
     return rows if draft_vocab_ids is None else draft_vocab_ids[rows]

@@ -17,6 +17,7 @@ token y of a node at position p enters as fc([embed(y), f_p]) at position p.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ class EagleConfig:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
 
     @staticmethod
-    def for_target(target_config, draft_vocab_size: int = 0) -> EagleConfig:
+    def for_target(target_config: Any, draft_vocab_size: int = 0) -> EagleConfig:
         hidden = target_config.hidden_size
         heads = target_config.num_attention_heads
         return EagleConfig(

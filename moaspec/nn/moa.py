@@ -28,6 +28,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +91,7 @@ class MoAConfig:
 
     @staticmethod
     def for_target(
-        target_config,
+        target_config: Any,
         tli_layers: int = 0,
         draft_vocab_size: int = 0,
         ca_recency_bias: bool = True,

@@ -10,9 +10,13 @@ adds are left out, so the exposition holds exactly the names docs/protocol.md li
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
+
+if TYPE_CHECKING:
+    from moaspec.metrics import SpecStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -83,7 +87,7 @@ class ServerMetrics:
         forwards = self._totals["forwards"]
         return self._totals["forward_tokens"] / forwards if forwards else 0.0
 
-    def record_stats(self, stats) -> None:
+    def record_stats(self, stats: SpecStats) -> None:
         """Add one generation's SpecStats to the counters."""
         self.generated_tokens.inc(stats.new_tokens)
         self.target_forwards.inc(stats.target_forwards)

@@ -10,12 +10,13 @@ the non-streaming answer would not contain, and the concatenated deltas equal th
 from __future__ import annotations
 
 import json
+from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
         self.text = ""  # everything decoded so far

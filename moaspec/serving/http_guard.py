@@ -33,6 +33,7 @@ import signal
 import ssl
 from collections.abc import Callable
 from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
@@ -40,6 +41,9 @@ from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, L
 from moaspec.errors import MoaspecError
 from moaspec.serving.errors import APIError, error_response
 from moaspec.serving.limits import ServerLimits
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
 
 logger = logging.getLogger("moaspec.serve")
 # After a response sent before its request's body was read (408 body_timeout, 413, 400 cut off),
@@ -64,7 +68,7 @@ class ConnectionGuard:
 
 
 class GuardedHandler(web.RequestHandler):
-    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs) -> None:
+    def __init__(self, manager: web.Server, guard: ConnectionGuard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.guard = guard
         self.over_capacity = False
@@ -147,7 +151,7 @@ class GuardedHandler(web.RequestHandler):
             raise ConnectionError("a response was already sent on this connection")
         return error_response(error)
 
-    def log_exception(self, *args, **kwargs) -> None:
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
         """aiohttp's log of what its connection loop raised. After a response sent without reading
         its request's body (a 401, 404, 405), aiohttp reads the rest and drops it; a body that
         does not decode as its Content-Encoding raises there: the client's error, logged in one
@@ -186,7 +190,7 @@ class GuardedHandler(web.RequestHandler):
 
 
 @web.middleware
-async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def guard_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """First in the application: stops the header clock, refuses connections over the cap."""
     protocol = request.protocol
     if isinstance(protocol, GuardedHandler):

@@ -21,6 +21,7 @@ from moaspec.serving.limits import ServerLimits
 from moaspec.signals import Terminated, load_library_held
 
 if TYPE_CHECKING:
+    from moaspec.split.server import SplitServer
     from moaspec.targets.base import Target
 
 API_KEY_ENV = "MOASPEC_API_KEY"
@@ -95,7 +96,7 @@ def _log_to_stderr() -> None:
     log.propagate = False
 
 
-def build_server(args: argparse.Namespace, keys: list[str]):
+def build_server(args: argparse.Namespace, keys: list[str]) -> tuple[SplitServer, str]:
     """`moaspec serve`'s SplitServer (not started) and a line saying what it runs.
 
     The split's drafter is the named form, else the target's default model drafter (split clients

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Self
 
 
 class LoopThread:
@@ -19,7 +20,7 @@ class LoopThread:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
-    def start(self, timeout_s: float = 30.0):
+    def start(self, timeout_s: float = 30.0) -> Self:
         self._thread.start()
         if not self._ready.wait(timeout_s):
             raise self.start_error(self.start_message)

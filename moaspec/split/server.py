@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from aiohttp import web
@@ -49,6 +50,9 @@ from moaspec.split.budget import Reservation, SessionBudget
 from moaspec.split.loop_thread import LoopThread
 from moaspec.targets.base import Target
 from moaspec.tree import DraftTree, depths, leaf_groups
+
+if TYPE_CHECKING:
+    import ssl
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
@@ -589,7 +593,9 @@ class ServerThread(LoopThread):
     start_error = MoaspecError
     start_message = "the server did not start in time"
 
-    def __init__(self, server: SplitServer, host: str = "127.0.0.1", port: int = 0, ssl_context=None) -> None:
+    def __init__(
+        self, server: SplitServer, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self.server, self.host, self.port, self.ssl_context = server, host, port, ssl_context
         super().__init__()
 

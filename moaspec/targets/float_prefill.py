@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ import torch.nn.functional as F
 from moaspec.nn.layers import RMSNorm, apply_rope
 from moaspec.nn.target_config import target_norm_eps, target_rope_theta
 from moaspec.targets.float_weights import float16_matrices
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 LAYER_MATRICES = (
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -46,7 +50,7 @@ class _Layer:
 class FloatLlama:
     """A Llama decoder's weights (float16) and its float32 forward over prompt chunks."""
 
-    def __init__(self, model_dir: Path, config) -> None:
+    def __init__(self, model_dir: Path, config: Any) -> None:
         from moaspec.targets.safetensors_weights import SafetensorsWeights
 
         self.num_layers = int(config.num_hidden_layers)
@@ -83,7 +87,7 @@ class FloatLlama:
     @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, start: int, chunk_size: int, keys: torch.Tensor, values: torch.Tensor,
-        cancelled=lambda: False,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> torch.Tensor | None:
         """Prefill ids [T] at positions start..start+T-1 (start a multiple of chunk_size) after the
         keys/values in keys/values[:, :start] ([L, >= start + T, n_kv, head_dim], float16, rotated),
@@ -154,7 +158,7 @@ class FloatPrefillCache:
         self.hidden = torch.empty(0, model.hidden_size)  # [capacity, D] final-normed hidden states
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], cancelled=lambda: False) -> int:
+    def prefill(self, ids: list[int], cancelled: Callable[[], bool] = lambda: False) -> int:
         """Make `ids` the held prompt; -> how many leading tokens were kept from the one held.
         `cancelled()` is asked before each layer (True: stop, the held prompt cut to those kept)."""
         shared = 0

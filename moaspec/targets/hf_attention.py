@@ -16,12 +16,16 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from moaspec.errors import MoaspecError
 from moaspec.tree import tree_attention_bias
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -34,7 +38,7 @@ class AttentionLayout:
     window: int | None  # None when no layer slides
 
     @classmethod
-    def of(cls, config, name: str, model=None) -> AttentionLayout:
+    def of(cls, config: Any, name: str, model: PreTrainedModel | None = None) -> AttentionLayout:
         """From a transformers config (and the model: how it builds its masks); MoaspecError for
         layers whose trees cannot be verified."""
         text_config = config.get_text_config(decoder=True)
@@ -71,7 +75,7 @@ class AttentionLayout:
 PER_KIND = "per_kind"
 
 
-def mask_building(model) -> str | None:
+def mask_building(model: PreTrainedModel) -> str | None:
     """How the model's forward masks its layers: PER_KIND (a mask per layer kind,
     `causal_mask_mapping`: Qwen2, Gemma 2 / 3, Cohere 2, ...; the config's `layer_types` say which
     layer takes which), SLIDING (one mask for every layer, windowed when `config.sliding_window`

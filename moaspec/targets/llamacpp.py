@@ -128,8 +128,10 @@ from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_
 from moaspec.tree import DraftTree, depths, leaf_groups
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
+    import llama_cpp
     import torch
 
     from moaspec.nn.target_parts import TargetParts
@@ -169,7 +171,7 @@ class LlamaCppTarget:
         *,
         cells: int = DEFAULT_CELLS,
         threads: int | None = None,
-        parts_loader=None,
+        parts_loader: Callable[[int], TargetParts] | None = None,
         parts: dict[int, TargetParts] | None = None,
         value_cache: int | None = None,
         float_llama: SharedFloatLlama | None = None,
@@ -253,12 +255,12 @@ class LlamaCppTarget:
         return self.float_prefill_start != NEVER
 
     @property
-    def ctx(self):
+    def ctx(self) -> llama_cpp.llama_context_p:
         """The verified context: q8_0 keys, every sequence a tree needs (module docstring)."""
         return self._context()
 
     @property
-    def memory(self):
+    def memory(self) -> llama_cpp.llama_memory_t:
         """The verified context's memory (its cache's sequence operations)."""
         self._context()
         return self._memory
@@ -283,20 +285,20 @@ class LlamaCppTarget:
             self._free_llama_context(self._ctx)
             self._ctx = self._memory = None
 
-    def new_measuring_context(self, cells: int, value_type: int):
+    def new_measuring_context(self, cells: int, value_type: int) -> llama_cpp.llama_context_p:
         """A one-sequence context with q8_0 keys and `value_type` values and no eval callback, for
         a measurement (llamacpp_value_cache.py); free it with free_measuring_context."""
         return self._new_llama_context(cells, KEY_CACHE_TYPE, value_type, 1, MAX_BATCH, capture=False)
 
-    def free_measuring_context(self, ctx) -> None:
+    def free_measuring_context(self, ctx: llama_cpp.llama_context_p) -> None:
         """Free a context new_measuring_context made."""
         self._free_llama_context(ctx)
 
-    def clear_measuring_context(self, ctx) -> None:
+    def clear_measuring_context(self, ctx: llama_cpp.llama_context_p) -> None:
         """Empty a context new_measuring_context made."""
         self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
 
-    def measure_prefill(self, ctx, prompt: list[int], through_float: bool) -> None:
+    def measure_prefill(self, ctx: llama_cpp.llama_context_p, prompt: list[int], through_float: bool) -> None:
         """Prefill `prompt` into the empty measuring context `ctx` as set_context would: in one
         llama.cpp decode, or `through_float` (a fresh float forward, the move, the last token decoded)."""
         first = 0

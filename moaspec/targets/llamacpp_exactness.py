@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from moaspec.calibration.machine import cpu_description, key_of
 from moaspec.model_store import cache_root, gguf_key
 from moaspec.targets.base import Target
 from moaspec.tree import DraftTree
+
+if TYPE_CHECKING:
+    from moaspec.targets.llamacpp import LlamaCppTarget
 
 EXACTNESS_VERSION = 3  # 3: the largest tree is filled up to max_nodes (2: up to 120 nodes; 1: 64)
 EXACTNESS_CONTEXT = 300  # tokens before the check's decodes: past 256 cells, where kernels change
@@ -35,20 +38,24 @@ EXACTNESS_STEPS = 8
 DECOYS = ((1, 1), (8, 1), (8, 2))
 
 
-def saved_or_measured(target, measure: Callable[[], int]) -> int:
+def saved_or_measured(target: LlamaCppTarget, measure: Callable[[], int]) -> int:
     """The exact tree size saved for `target` (a LlamaCppTarget: its name, `weights`, `threads`
     and value cache) on this machine, else `measure()`'s answer, saved."""
     return saved_or_measured_record(_record_path(target), "exact_tree_nodes", target, measure)
 
 
-def saved_exact_tree_nodes(target) -> int | None:
+def saved_exact_tree_nodes(target: LlamaCppTarget) -> int | None:
     """The exact tree size saved for `target` on this machine, None where none is (or the
     record is unreadable)."""
     return _read_saved(_record_path(target), "exact_tree_nodes")
 
 
 def saved_or_measured_record(
-    path: Path, field: str, target, measure: Callable[[], Any], valid: Callable[[Any], bool] | None = None
+    path: Path,
+    field: str,
+    target: LlamaCppTarget,
+    measure: Callable[[], Any],
+    valid: Callable[[Any], bool] | None = None,
 ) -> Any:
     """The `field` of the record at `path` where `valid` (default: a positive int), else
     `measure()`'s answer, saved there (a cache that cannot be written costs a measurement next
@@ -77,7 +84,7 @@ def _read_saved(path: Path, field: str, valid: Callable[[Any], bool] | None = No
     return saved if (valid or _positive_int)(saved) else None
 
 
-def machine_record_path(target, kind: str, *parts: str) -> Path:
+def machine_record_path(target: LlamaCppTarget, kind: str, *parts: str) -> Path:
     """`<cache root>/calibration/<target>/<kind>-<key>.json`, the key naming this CPU, llama.cpp's
     build, the GGUF file, the layers offloaded, the thread count and `parts`."""
     import llama_cpp

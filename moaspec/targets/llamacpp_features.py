@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import torch
 
 
@@ -81,7 +83,7 @@ def transformers_head_order(head_dim: int) -> np.ndarray:
 class CapturedKV:
     """The eval callback of one context: keeps the keys/values of `layers` from the last decode."""
 
-    def __init__(self, llama_cpp, layers: Sequence[int], num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, llama_cpp: ModuleType, layers: Sequence[int], num_kv_heads: int, head_dim: int) -> None:
         self.layers = tuple(layers)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.ggml = _ggml(llama_cpp)

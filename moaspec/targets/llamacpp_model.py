@@ -6,12 +6,16 @@ from __future__ import annotations
 import ctypes
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError
 from moaspec.signals import signals_held
 
+if TYPE_CHECKING:
+    from types import ModuleType
 
-def load_bindings():
+
+def load_bindings() -> ModuleType:
     """The llama-cpp-python bindings, imported on first use (a clear error when missing)."""
     try:
         with signals_held():  # an interrupt half-way would leave it half-imported

@@ -32,7 +32,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
@@ -41,6 +41,7 @@ from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_mea
 
 if TYPE_CHECKING:
     from moaspec.targets.float_prefill import FloatLlama
+    from moaspec.targets.llamacpp import LlamaCppTarget
 
 PREFILL_ENV = "MOASPEC_LLAMA_PREFILL"
 PREFILL_PATHS = ("float", "llama.cpp")
@@ -52,7 +53,7 @@ MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
 
 
-def float_prefill_unsupported(config) -> str | None:
+def float_prefill_unsupported(config: Any) -> str | None:
     """Why a target of this configuration (config.json's fields) cannot be prefilled here, or None."""
     if getattr(config, "model_type", None) != "llama":
         return f"model type {getattr(config, 'model_type', None)!r} (only 'llama')"
@@ -70,7 +71,7 @@ def float_prefill_unsupported(config) -> str | None:
 class SharedFloatLlama:
     """A target's FloatLlama, loaded on first use and shared by all its contexts."""
 
-    def __init__(self, model_dir: Path, config) -> None:
+    def __init__(self, model_dir: Path, config: Any) -> None:
         self.model_dir, self.config = Path(model_dir), config
         self.unsupported = float_prefill_unsupported(config)  # None: this forward computes it
         self._model: FloatLlama | None = None
@@ -97,7 +98,7 @@ def fixed_float_prefill_start() -> int | None:
     return NEVER if env_flag(NO_CALIBRATION_ENV) else None
 
 
-def float_prefill_start(target) -> int:
+def float_prefill_start(target: LlamaCppTarget) -> int:
     """The fewest tokens of a prompt's first turn (its last included) that `target` (a
     LlamaCppTarget whose model the float path supports) prefills in float32 torch, or NEVER:
     fixed (fixed_float_prefill_start), else saved or measured here (module docstring)."""
@@ -110,7 +111,7 @@ def float_prefill_start(target) -> int:
     )
 
 
-def valid_start(value) -> bool:
+def valid_start(value: object) -> bool:
     """Whether a saved start is one this module answers."""
     if not isinstance(value, int) or isinstance(value, bool):
         return False
@@ -138,7 +139,7 @@ def start_from_timings(short: tuple[float, float], long: tuple[float, float] | N
     return min(FLOAT_PREFILL_LONG_TOKENS, math.ceil(meet))
 
 
-def measure_float_prefill_start(target) -> int:
+def measure_float_prefill_start(target: LlamaCppTarget) -> int:
     """Time prompts' prefills both ways (module docstring); -> the start."""
     ctx = None
     try:

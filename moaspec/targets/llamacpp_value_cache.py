@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
+
+if TYPE_CHECKING:
+    from moaspec.targets.llamacpp import LlamaCppTarget
 
 VALUE_CACHE_ENV = "MOASPEC_LLAMA_VALUE_CACHE"
 VALUE_CACHE_TYPES = {"f16": 1, "q8_0": 8}  # ggml types: the value caches the per-query kernel keeps exact
@@ -52,7 +56,7 @@ def fixed_value_cache_type() -> int | None:
     return VALUE_CACHE_TYPES[DEFAULT_VALUE_CACHE] if env_flag(NO_CALIBRATION_ENV) else None
 
 
-def value_cache_type(target) -> int:
+def value_cache_type(target: LlamaCppTarget) -> int:
     """The ggml type of the verified context's values for `target` (a LlamaCppTarget): fixed
     (fixed_value_cache_type), else saved or measured here (module docstring)."""
     fixed = fixed_value_cache_type()
@@ -67,7 +71,7 @@ def faster_value_cache(f16_s: float, q8_0_s: float) -> int:
     return VALUE_CACHE_TYPES["q8_0"] if q8_0_s <= Q8_0_MARGIN * f16_s else VALUE_CACHE_TYPES["f16"]
 
 
-def measure_value_cache_type(target) -> int:
+def measure_value_cache_type(target: LlamaCppTarget) -> int:
     """Time one-token decoding with each value cache, in two contexts of the target's own
     prefilled once with the same MEASURE_CONTEXT tokens and then decoding in turns (module
     docstring); -> the faster's ggml type."""

@@ -23,6 +23,7 @@ from moaspec.targets.safetensors_weights import SafetensorsWeights
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from moaspec.nn.target_parts import TargetParts
 
@@ -139,7 +140,9 @@ def check_architecture(spec: str, model_dir: Path) -> None:
         )
 
 
-def load_causal_lm(model_dir, dtype: torch.dtype, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION):
+def load_causal_lm(
+    model_dir: Path, dtype: torch.dtype, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION
+) -> PreTrainedModel:
     """transformers' causal LM from `model_dir` (offline). The default attention (sdpa) falls back
     to eager for the models that have no sdpa path (Gemma 2: its logits are soft-capped)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -233,7 +236,7 @@ def _last_decoder_layers(model_dir: Path, weights, count: int) -> tuple[list[tor
     return layers, type(decoder.rotary_emb)(config=hf_config)
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The fast tokenizer straight from tokenizer.json when there is one (2 s faster than AutoTokenizer)."""
     if (model_dir / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast

@@ -7,9 +7,13 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError
 from moaspec.model_store import BUILTIN_TARGETS, check_target_spec
+
+if TYPE_CHECKING:
+    import argparse
 
 RUNTIMES = ("transformers", "llama.cpp")
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype (targets/load.py takes float64 too)
@@ -43,7 +47,7 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def add_runtime_arguments(parser) -> None:
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """--runtime, --device, --dtype, --threads, --n-gpu-layers (argparse; llama.cpp's own name for it, with
     --gpu-layers and -ngl as aliases)."""
     group = parser.add_argument_group("target runtime")
@@ -66,7 +70,7 @@ def add_runtime_arguments(parser) -> None:
     )
 
 
-def runtime_options(args, target: str) -> dict:
+def runtime_options(args: argparse.Namespace, target: str) -> dict:
     """Checked load_target keyword arguments from the flags of add_runtime_arguments."""
     runtime = check_runtime(args.runtime, target)
     check_placement(runtime, args.device, args.dtype, args.threads, args.gpu_layers, FLAG_NAMES)

@@ -18,6 +18,14 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+    import torch
+    from tokenizers import Tokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -25,7 +33,7 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 class LightTokenizer:
     """See the module docstring."""
 
-    def __init__(self, backend, config: dict, chat_template: str | None) -> None:
+    def __init__(self, backend: Tokenizer, config: dict, chat_template: str | None) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.special_tokens = {name: config[name] for name in SPECIAL_TOKENS if isinstance(config.get(name), str)}
@@ -47,7 +55,9 @@ class LightTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self(text, add_special_tokens)["input_ids"]
 
-    def decode(self, token_ids, skip_special_tokens: bool = False, **_: object) -> str:
+    def decode(
+        self, token_ids: Sequence[int] | np.ndarray | torch.Tensor, skip_special_tokens: bool = False, **_: object
+    ) -> str:
         ids = token_ids.tolist() if hasattr(token_ids, "tolist") else list(token_ids)
         text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.clean_up_tokenization_spaces else text
@@ -55,7 +65,7 @@ class LightTokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = False, tokenize: bool = True,
         return_dict: bool = False,
-    ):
+    ) -> str | list[int] | dict[str, list[int]]:
         """The conversation through the chat template; tokenized without adding special tokens."""
         if self._template is None:
             self._template = _compile(self.chat_template)

@@ -14,13 +14,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.cli_support import command_line, output_dir
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 
+if TYPE_CHECKING:
+    from moaspec.config import TreeConfig
+    from moaspec.train.config import TrainConfig
 
-def add_train_parser(commands, default_target: str) -> None:
+
+def add_train_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
     from moaspec.config import TreeConfig
     from moaspec.train.config import TrainConfig
 
@@ -130,7 +135,7 @@ def add_train_parser(commands, default_target: str) -> None:
     train.add_argument("--tree-budget", type=int, default=tree.budget, help=f"default drafted nodes (default {tree.budget})")
 
 
-def check_train_values(args: argparse.Namespace):
+def check_train_values(args: argparse.Namespace) -> tuple[TrainConfig, TreeConfig]:
     """`train`'s settings checked without data, target or output (MoaspecError naming the flag)
     -> (TrainConfig, TreeConfig). Also run by `check_arguments`, so scripts/recipe refuses them
     before its half-hour distillation."""
@@ -316,7 +321,7 @@ def _check_against_target(args: argparse.Namespace, model_dir: Path) -> None:
         raise MoaspecError(f"--max-seq-len {args.max_seq_len} exceeds the target's context of {positions} positions")
 
 
-def add_data_parser(commands, default_target: str) -> None:
+def add_data_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
     data = commands.add_parser("data", help="build drafter-training data")
     actions = data.add_subparsers(
         dest="data_command", metavar="{distill,sharegpt,stats}", required=True, parser_class=type(data)

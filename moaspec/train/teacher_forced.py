@@ -23,11 +23,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError
 from moaspec.train.distill import MANIFEST, ShardWriter, check_resume, log_progress, read_shards
+
+if TYPE_CHECKING:
+    from moaspec.train.sharegpt import Conversation
 
 MODE = "teacher-forced"
 
@@ -71,7 +74,7 @@ def _encode(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) 
 
 
 def encode_conversation(
-    tokenizer, turns: list[dict[str, str]], max_seq_len: int, eos_id: int | None
+    tokenizer: Any, turns: list[dict[str, str]], max_seq_len: int, eos_id: int | None
 ) -> tuple[list[int], list[tuple[int, int]]] | None:
     """(input_ids [<= max_seq_len], assistant spans) of a conversation, or None when the chat
     template is not prefix-stable on it or no span of >= 2 tokens fits."""
@@ -98,7 +101,9 @@ def encode_conversation(
     return ids[:max_seq_len], spans
 
 
-def build_records(conversations, tokenizer, config: TeacherForcedConfig, progress: bool = True) -> tuple[list[dict], dict]:
+def build_records(
+    conversations: list[Conversation], tokenizer: Any, config: TeacherForcedConfig, progress: bool = True
+) -> tuple[list[dict], dict]:
     """The records of the first `num_conversations` usable conversations after a seed shuffle,
     passing over the first `skip_conversations` usable ones (so the same seed with `skip = N`
     continues exactly where `num_conversations = N` stopped)."""

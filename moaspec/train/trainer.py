@@ -226,7 +226,7 @@ def features_on(features: TargetFeatures, device: torch.device) -> TargetFeature
     return TargetFeatures(**moved)
 
 
-def mixed_precision(device: torch.device, enabled: bool):
+def mixed_precision(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager[None]:
     """bfloat16 autocast on `device` when enabled (the drafter's matmuls; losses stay float32),
     else nothing. CUDA training uses it; tests run the same path on the CPU."""
     if not enabled:
@@ -266,8 +266,8 @@ class ValidationCounts:
 
 @torch.no_grad()
 def validation_counts(
-    net,
-    parts,
+    net: torch.nn.Module,
+    parts: TargetParts,
     source: FeatureSource,
     samples: list[TrainSample],
     config: TrainConfig,
@@ -325,8 +325,8 @@ def scored_positions(
 
 
 def validate(
-    net,
-    parts,
+    net: torch.nn.Module,
+    parts: TargetParts,
     source: FeatureSource,
     samples: list[TrainSample],
     config: TrainConfig,
@@ -338,7 +338,10 @@ def validate(
     return validation_counts(net, parts, source, samples, config, max_depth, device, autocast).summary()
 
 
-def predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int):
+def predicted_tokens(
+    net: torch.nn.Module, parts: TargetParts, sample: TrainSample, features: TargetFeatures, config: TrainConfig,
+    max_depth: int,
+) -> torch.Tensor:
     """The drafter's argmax (full-vocabulary ids) teacher-forced: MoA [T] on the fixed anchor grid
     of max_depth + 1 (row i predicts the token after i); EAGLE [T - 1] with the true features
     (row t predicts the token after t + 1)."""
@@ -356,7 +359,12 @@ def predicted_tokens(net, parts, sample: TrainSample, features: TargetFeatures, 
 
 
 def first_guesses(
-    net, parts, sample: TrainSample, features: TargetFeatures, config: TrainConfig, max_depth: int = 6
+    net: torch.nn.Module,
+    parts: TargetParts,
+    sample: TrainSample,
+    features: TargetFeatures,
+    config: TrainConfig,
+    max_depth: int = 6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's guesses at draft depth 1, teacher-forced, where `validation_counts` scores
     them: (roots [R], guesses [R]): at root position r (the target's own token, the verified
@@ -578,7 +586,18 @@ def _check_same_network(saved: dict, net, state_path: Path) -> None:
         )
 
 
-def save_state(net, optimizer, state: TrainState, config: TrainConfig, rng, generator, out_dir: Path, target, tree, provenance) -> None:
+def save_state(
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    config: TrainConfig,
+    rng: random.Random,
+    generator: torch.Generator,
+    out_dir: Path,
+    target: HFTarget,
+    tree: dict | None,
+    provenance: dict | None,
+) -> None:
     """The resumable state (fp32) and a float16 drafter checkpoint with the full config."""
     staging = out_dir / f".{STATE_FILE}.tmp"  # hidden: a run directory may hold it (--out's check)
     state_record = {
