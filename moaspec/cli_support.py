@@ -18,11 +18,13 @@ from moaspec.errors import MoaspecError
 EXIT_MISMATCH = 1
 
 
-def output_dir(value: str, flag: str = "--out", files: tuple[str, ...] = ()) -> Path:
+def output_dir(
+    value: str, flag: str = "--out", files: tuple[str, ...] = (), directories: tuple[str, ...] = ()
+) -> Path:
     """A directory that exists or can be created (its parent exists) and can be written: probed
     by making and removing a hidden directory in it (or in its parent), so nothing is left.
-    files: the files a run writes there, none of which may be in the way as something else (a
-    directory of that name would fail the run at its end)."""
+    files / directories: the files and directories a run writes there, none of which may be in
+    the way as something else (a directory of a file's name would fail the run at its end)."""
     if not value.strip():
         raise MoaspecError(f"{flag} is empty (name a directory)")
     out = Path(value).expanduser()
@@ -39,6 +41,9 @@ def output_dir(value: str, flag: str = "--out", files: tuple[str, ...] = ()) -> 
     in_the_way = [name for name in files if (out / name).exists() and not (out / name).is_file()]
     if in_the_way:
         raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a file, and this run writes a file there")
+    in_the_way = [name for name in directories if (out / name).exists() and not (out / name).is_dir()]
+    if in_the_way:
+        raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a directory, and this run writes a directory there")
     return out
 
 

@@ -363,6 +363,25 @@ def test_an_output_directory_under_a_file_is_named_as_such(tmp_path: Path) -> No
     with pytest.raises(MoaspecError, match=r"bench/speedup.png is not a file, and this run writes a file there"):
         output_dir(str(tmp_path / "bench"), files=("results.json", "speedup.png"))
     assert output_dir(str(tmp_path / "bench"), files=("results.json",)) == tmp_path / "bench"
+    (tmp_path / "run" / "checkpoint").parent.mkdir()
+    (tmp_path / "run" / "checkpoint").write_text("x")  # an audit's: `train` failed on it after its steps
+    with pytest.raises(MoaspecError, match=r"run/checkpoint is not a directory, and this run writes a directory there"):
+        output_dir(str(tmp_path / "run"), directories=("checkpoint",))
+
+
+def test_train_refuses_an_out_whose_state_or_checkpoint_is_in_the_way_before_loading(tmp_path: Path, capsys) -> None:
+    """`moaspec train --out RUN` where RUN/train_state.pt is a directory or RUN/checkpoint a file:
+    refused in one line before the target loads (an audit's: found after the training)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-00000.jsonl").write_text('{"id": "0", "prompt_ids": [1, 2], "response_ids": [3, 4], "mode": "greedy", "seed": 0}\n')
+    for name, make in (("train_state.pt", Path.mkdir), ("checkpoint", lambda path: path.write_text("x"))):
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
+        make(run / name)
+        assert main(["train", "--method", "moa", "--data", str(data), "--out", str(run), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{run / name} is not a" in err, err
 
 
 @pytest.mark.parametrize(("stdin", "message"), [

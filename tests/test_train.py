@@ -240,6 +240,18 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     (checkpoint / "config.json").write_text(json.dumps(stale))
     with pytest.raises(MoaspecError, match="other validation records"):
         run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+    stale["training"]["val_indices"] = [0, 3]
+    (checkpoint / "config.json").write_text(json.dumps(stale))
+    # other data (an audit's: it resumed on it and recorded it as the run's) or another
+    # --val-conversations are refused naming them
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "shard-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:5]))
+    with pytest.raises(MoaspecError, match=rf"started on other data \(--data {data}: 4 training sequences of 72 tokens; "
+                       rf"--data {other}: 3 of 54\)"):
+        run_training(dataclasses.replace(spec, data_dirs=(other,)), config, TreeConfig(depth=2, top_k=2, budget=3))
+    with pytest.raises(MoaspecError, match="started with --val-conversations 2, not 1"):
+        run_training(dataclasses.replace(spec, val_conversations=1), config, TreeConfig(depth=2, top_k=2, budget=3))
 
     # an interrupted run is logged too, with the step it saved
     import moaspec.train.trainer
@@ -258,6 +270,22 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
         run_training(cut, config, TreeConfig())
     logged = json.loads((tmp_path / "cut" / "runs.jsonl").read_text())
     assert (logged["steps_done"], logged["ended"]) == (1, "interrupted")
+    from moaspec.signals import Terminated
+
+    calls.clear()
+    real_cut = cut_in_step_2
+
+    def terminated_in_step_2(*args, **kwargs):
+        try:
+            return real_cut(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise Terminated from None
+
+    monkeypatch.setattr(moaspec.train.trainer, "batch_loss", terminated_in_step_2)
+    with pytest.raises(Terminated):
+        run_training(dataclasses.replace(spec, out_dir=tmp_path / "terminated"), config, TreeConfig())
+    logged = json.loads((tmp_path / "terminated" / "runs.jsonl").read_text())
+    assert (logged["steps_done"], logged["ended"]) == (1, "terminated")
 
 
 def test_validation_records_are_spaced_through_the_data() -> None:
@@ -501,6 +529,57 @@ def test_an_interrupt_during_the_optimizer_update_lands_after_it(tmp_path, monke
     train(resumed, target, data, [], config, out, progress=False)
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_second_interrupt_while_the_first_ones_save_runs_waits_for_it(tmp_path, monkeypatch) -> None:
+    """An audit's: Ctrl-C twice (the second while the first one's save was writing) left only the
+    staging file, no state: the whole run lost. The save holds signals; the second is delivered
+    after it."""
+    import signal
+
+    import moaspec.train.trainer as trainer
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    config = TrainConfig(method="moa", steps=6, batch_size=2, warmup_steps=1, val_every=100, ckpt_every=100)
+    real_batch_loss, real_save, calls = trainer.batch_loss, torch.save, []
+
+    def cut_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return real_batch_loss(*args, **kwargs)
+
+    def save_then_ctrl_c(record, path):
+        real_save(record, path)  # the staging file written, not yet moved into place
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "batch_loss", cut_in_step_3)
+    monkeypatch.setattr(trainer.torch, "save", save_then_ctrl_c)
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(make_net("moa", target), target, samples(4, 1), [], config, out, progress=False, micro_batch=1)
+    assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 2
+    assert not [path.name for path in out.iterdir() if "tmp" in path.name]
+
+
+def test_a_damaged_state_is_one_error_naming_it(tmp_path) -> None:
+    """An audit's: a truncated or foreign train_state.pt ended `moaspec train` in torch's traceback."""
+    from moaspec.train.trainer import saved_state
+
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    config = TrainConfig(method="moa", steps=2, batch_size=1, warmup_steps=1, val_every=100, ckpt_every=1)
+    run = tmp_path / "run"
+    train(make_net("moa", target), target, samples(2, 1), [], config, run, progress=False)
+    whole = (run / "train_state.pt").read_bytes()
+    for damaged in (whole[:1000], b"not a torch file", None):
+        if damaged is None:
+            torch.save({"step": 2}, run / "train_state.pt")  # torch's, lacking the rest
+        else:
+            (run / "train_state.pt").write_bytes(damaged)
+        with pytest.raises(MoaspecError, match=r"train_state.pt is not a readable training state \(.+\); remove it"):
+            saved_state(run)
+        with pytest.raises(MoaspecError, match="is not a readable training state"):
+            train(make_net("moa", target), target, samples(2, 1), [], config, run, progress=False)
 
 
 def test_resuming_with_other_settings_names_them(tmp_path) -> None:

@@ -238,7 +238,10 @@ def run_train(args: argparse.Namespace) -> int:
     _inherit_architecture(args, init_from)
     config, tree = check_train_values(args)
     data = _checked_data(args.data)
-    out = _own_directory(output_dir(args.out), "--out", RUN_FILES, "a `moaspec train` run")
+    out = _own_directory(
+        output_dir(args.out, files=("train_state.pt", "runs.jsonl"), directories=("checkpoint",)), "--out", RUN_FILES,
+        "a `moaspec train` run",
+    )
     feature_cache = None
     if args.feature_cache is not None:
         feature_cache = _own_directory(output_dir(args.feature_cache, "--feature-cache"), "--feature-cache",

@@ -250,14 +250,33 @@ def split_validation(samples: list[TrainSample], count: int) -> tuple[list[Train
     return validation, [sample for position, sample in enumerate(samples) if position not in held]
 
 
-def check_same_validation(out_dir: Path, val_indices: list[int]) -> None:
-    """A run resumes only with the validation records it started with (older versions held out
-    the first records: resuming such a run would move records between the two sets)."""
+def check_same_data(out_dir: Path, data_dirs: tuple[Path, ...], train_samples: list[TrainSample], val_indices: list[int]) -> None:
+    """A run resumes only on the data and validation records it started with: as many held out
+    (--val-conversations), the same training sequences and tokens as recorded (whatever path
+    names the same data), then the same validation records (older versions held out the first
+    records: resuming such a run would move records between the two sets)."""
     config_path = out_dir / "checkpoint" / "config.json"
     if not (out_dir / STATE_FILE).is_file() or not config_path.is_file():
         return
-    recorded = json.loads(config_path.read_text()).get("training", {}).get("val_indices")
-    if recorded != val_indices:
+    try:
+        training = json.loads(config_path.read_text()).get("training", {})
+    except (OSError, ValueError, AttributeError) as exc:
+        raise MoaspecError(f"{config_path} is not a readable drafter config ({exc}); use a new --out") from None
+    held = training.get("val_indices")
+    if isinstance(held, list) and len(held) != len(val_indices):
+        raise MoaspecError(
+            f"{out_dir} was started with --val-conversations {len(held)}, not {len(val_indices)}; "
+            "rerun with the same options to resume, or use a new --out"
+        )
+    recorded = (training.get("num_train_sequences"), training.get("num_train_tokens"))
+    now = (len(train_samples), sum(sample.input_ids.numel() for sample in train_samples))
+    if None not in recorded and recorded != now:
+        raise MoaspecError(
+            f"{out_dir} was started on other data (--data {' '.join(map(str, training.get('data', [])))}: "
+            f"{recorded[0]} training sequences of {recorded[1]} tokens; --data {' '.join(map(str, data_dirs))}: "
+            f"{now[0]} of {now[1]}); rerun with the same --data to resume, or use a new --out"
+        )
+    if held != val_indices:
         raise MoaspecError(
             f"{out_dir} was started with other validation records (an older moaspec, or other data); use a new --out"
         )
@@ -291,7 +310,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     samples = load_samples(spec.data_dirs, config.max_seq_len)
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
-    check_same_validation(spec.out_dir, val_indices)
+    check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
     vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
     width = initial_feed_forward_width(config, spec.init_from)
@@ -336,9 +355,12 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
             tree=tree.__dict__, provenance=provenance, stop_after_s=spec.time_limit_s, source=source,
             micro_batch=spec.micro_batch,
         )
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: train() saved the last completed step
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: train() saved the last completed step
+        from moaspec.signals import Terminated
+
         saved = saved_state(spec.out_dir)
-        log_run(spec, None if saved is None else int(saved["step"]), time.perf_counter() - started, "interrupted")
+        ended = "terminated" if isinstance(stop, Terminated) else "interrupted"
+        log_run(spec, None if saved is None else int(saved["step"]), time.perf_counter() - started, ended)
         raise
     ended = "complete" if state.step >= config.steps else "time limit"
     log_run(spec, state.step, time.perf_counter() - started, ended)
@@ -353,7 +375,8 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
 
 def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) -> None:
     """One line per invocation in `<out>/runs.jsonl`: the command, the steps done when it ended,
-    its wall time (loading included) and how it ended (complete, time limit, interrupted)."""
+    its wall time (loading included) and how it ended (complete, time limit, interrupted by
+    Ctrl-C, terminated by SIGTERM)."""
     record = {"command": spec.command, "steps_done": steps_done, "wall_s": round(wall_s, 1), "ended": ended}
     with (spec.out_dir / "runs.jsonl").open("a") as log:
         log.write(json.dumps(record) + "\n")

@@ -434,7 +434,7 @@ def train(
     generator = torch.Generator().manual_seed(config.seed)
     state_path = out_dir / STATE_FILE
     if state_path.is_file():
-        saved = torch.load(state_path, weights_only=False, map_location="cpu")
+        saved = _read_state(state_path, mmap=False)
         _check_same_config(saved, config, state_path)
         _check_same_network(saved, net, state_path)
         net.load_state_dict(saved["net"])
@@ -547,7 +547,28 @@ def saved_state(out_dir: Path) -> dict | None:
     state_path = out_dir / STATE_FILE
     if not state_path.is_file():
         return None
-    return torch.load(state_path, weights_only=False, map_location="cpu", mmap=True)
+    return _read_state(state_path, mmap=True)
+
+
+STATE_KEYS = ("config", "net", "optimizer", "step", "history", "python_rng", "torch_rng")
+
+
+def _read_state(state_path: Path, mmap: bool) -> dict:
+    """The saved state at `state_path`; MoaspecError naming it when it is damaged (truncated,
+    not torch's, lacking a field)."""
+    try:
+        saved = torch.load(state_path, weights_only=False, map_location="cpu", mmap=mmap)
+    except Exception as exc:  # noqa: BLE001  torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
+        saved, problem = None, first_line(exc)
+    else:
+        missing = [key for key in STATE_KEYS if key not in saved] if isinstance(saved, dict) else ["a dict"]
+        problem = f"no {', '.join(missing)}" if missing else None
+    if problem is not None:
+        raise MoaspecError(
+            f"{state_path} is not a readable training state ({problem}); remove it to start the run again "
+            "(--init-from its checkpoint keeps the weights)"
+        )
+    return saved
 
 
 def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
@@ -598,7 +619,24 @@ def save_state(
     tree: dict | None,
     provenance: dict | None,
 ) -> None:
-    """The resumable state (fp32) and a float16 drafter checkpoint with the full config."""
+    """The resumable state (fp32) and a float16 drafter checkpoint with the full config, written
+    with signals held: a second Ctrl-C while the first one's save runs waits for it."""
+    with signals_held():
+        _save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+
+
+def _save_state(
+    net: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    config: TrainConfig,
+    rng: random.Random,
+    generator: torch.Generator,
+    out_dir: Path,
+    target: HFTarget,
+    tree: dict | None,
+    provenance: dict | None,
+) -> None:
     staging = out_dir / f".{STATE_FILE}.tmp"  # hidden: a run directory may hold it (--out's check)
     state_record = {
         "config": asdict(config),
@@ -615,10 +653,11 @@ def save_state(
         torch.save(state_record, staging)
         staging.replace(out_dir / STATE_FILE)
     except (OSError, RuntimeError) as exc:  # a full disk surfaces as torch's RuntimeError ("unexpected pos")
-        staging.unlink(missing_ok=True)
         raise MoaspecError(
             f"cannot write the training state into {out_dir} ({first_line(exc)}); the run resumes from its last saved step"
         ) from None
+    finally:
+        staging.unlink(missing_ok=True)
     training = {
         "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
         "last": state.history[-1] if state.history else {}, **(provenance or {}),
