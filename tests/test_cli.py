@@ -205,7 +205,7 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "eagle", "--data", "/no/such/dir", "--out", "run", "--tli-layers", "1"], "--method moa only"),
         (["--method", "eagle", "--data", "/no/such/dir", "--out", "run", "--memory-hidden"], "--method moa only"),
         (["--method", "moa", "--data", "d", "--out", "run", "--anchor-every", "5", "2"], "--anchor-every needs 1 <= MIN <= MAX"),
-        (["--method", "moa", "--data", "d", "--out", "run", "--ce-weight", "-1"], "--ce-weight and --feature-weight must be >= 0"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--ce-weight", "-1"], "--ce-weight and --feature-weight must be finite and >= 0"),
         (["--method", "moa", "--data", "d", "--out", "run", "--ce-weight", "0", "--feature-weight", "0"], "not both 0"),
         (["--method", "eagle", "--data", "d", "--out", "run", "--no-layer-attention"], "--method moa only"),
         (["--method", "eagle", "--data", "d", "--out", "run", "--no-cross-attention"], "--method moa only"),
@@ -220,6 +220,11 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         (["--method", "moa", "--data", "d", "--out", "run", "--tli-layers", "-1"], "--tli-layers must be >= 0"),
         (["--method", "moa", "--data", "d", "--out", "run", "--intermediate-size", "-1"], "--intermediate-size must be >= 0"),
         (["--method", "eagle", "--data", "d", "--out", "run", "--intermediate-size", "1728"], "--method moa only"),
+        # an audit's: internal names instead of flags, or values accepted that the rest refuses
+        (["--method", "moa", "--data", "d", "--out", "run", "--anchor-loss-weight", "2"], "--anchor-loss-weight must be within [0, 1], got 2"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--feature-weight", "inf"], "must be finite and >= 0"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--tree-depth", "0"], "--tree-depth / --tree-top-k / --tree-budget: tree depth"),
     ],
 )
 def test_train_bad_input(flags: list[str], message: str, capsys) -> None:
@@ -245,6 +250,10 @@ def test_train_init_from_must_be_a_checkpoint(tmp_path, capsys) -> None:
     assert main(["train", *flags, "--init-from", "moa+ngram"]) == 2
     assert "--init-from takes a checkpoint: 'moa'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    assert main(["train", *flags, "--init-from", "eagle"]) == 2  # an audit's: refused only once the target had loaded
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "holds a drafter of method 'eagle', not 'moa'" in lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_train_init_from_takes_the_checkpoints_architecture_unless_named(tmp_path, monkeypatch) -> None:
@@ -264,10 +273,10 @@ def test_train_init_from_takes_the_checkpoints_architecture_unless_named(tmp_pat
     assert main(["train", "--method", "moa", *flags, "--init-from", "moa-tli1"]) == 0
     assert main(["train", "--method", "moa", *flags, "--init-from", "moa", "--memory-layers", "0", "--no-cross-attention"]) == 0
     assert main(["train", "--method", "moa", *flags]) == 0
-    assert main(["train", "--method", "eagle", *flags, "--init-from", "moa"]) == 0  # another method's: the defaults
+    assert main(["train", "--method", "eagle", *flags, "--init-from", "moa"]) == 2  # another method's: refused up front
     assert main(["train", "--method", "moa", *flags, "--init-from", "moa", "--intermediate-size", "1728"]) == 0
     shapes = [(c.memory_layers, c.tli_layers, c.cross_attention, c.intermediate_size) for c in configs]
-    assert shapes == [(4, 0, True, 0), (4, 1, True, 0), (0, 0, False, 0), (0, 0, True, 0), (0, 0, True, 0), (4, 0, True, 1728)]
+    assert shapes == [(4, 0, True, 0), (4, 1, True, 0), (0, 0, False, 0), (0, 0, True, 0), (4, 0, True, 1728)]
 
 
 

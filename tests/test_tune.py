@@ -248,6 +248,11 @@ def test_rank_rates_come_from_a_tune_on_either_device(tiny_with_checkpoint) -> N
         (["--drafters", "moa"], "no shipped 'moa' drafter"),
         (["--drafters", "moa", "--top1-rate", "1.5"], "--top1-rate must be in (0, 1)"),
         (["--drafters", "moa", "--repeats", "0"], "--repeats"),
+        # an audit's: dropped without a word (the calibration they set does not run)
+        (["--drafters", "moa", "--top1-rate", "0.5", "--calibration-prompts", "3"],
+         "--top1-rate replaces the calibration: --calibration-prompts cannot be given with it"),
+        (["--drafters", "moa", "--top1-rate", "0.5", "--calibration-prompts", "1", "--calibration-tokens", "8"],
+         "--calibration-prompts and --calibration-tokens cannot"),
     ],
 )
 def test_tune_bad_flags(tiny_with_checkpoint, capsys, extra, message) -> None:

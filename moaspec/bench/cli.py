@@ -234,6 +234,9 @@ def write_report(data: BenchData, config: dict, out: Path, command: str, plots: 
 
 
 # -- moaspec tune -------------------------------------------------------------------------------
+TUNE_CALIBRATION_PROMPTS, TUNE_CALIBRATION_TOKENS = 4, 64  # the calibration's defaults (not with --top1-rate)
+
+
 def add_tune_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
     tune = commands.add_parser("tune", help="measure this machine and save the best draft tree per drafter")
     tune.add_argument(
@@ -253,10 +256,12 @@ def add_tune_parser(commands: argparse._SubParsersAction, default_target: str) -
         help="assume this top-1 acceptance, geometric over ranks, instead of calibrating",
     )
     tune.add_argument(
-        "--calibration-prompts", type=int, default=4, help="greedy calibration generations, 0 = none (default 4)"
+        "--calibration-prompts", type=int, default=None,
+        help=f"greedy calibration generations, 0 = none (default {TUNE_CALIBRATION_PROMPTS})",
     )
     tune.add_argument(
-        "--calibration-tokens", type=int, default=64, help="tokens per calibration generation (default 64)"
+        "--calibration-tokens", type=int, default=None,
+        help=f"tokens per calibration generation (default {TUNE_CALIBRATION_TOKENS})",
     )
     tune.add_argument(
         "--device", default="cpu",
@@ -268,9 +273,20 @@ def add_tune_parser(commands: argparse._SubParsersAction, default_target: str) -
 
 def check_tune_values(args: argparse.Namespace) -> None:
     """`tune`'s settings checked without the target or drafters (MoaspecError naming the flag);
-    also run by `check_arguments` (scripts/recipe, before its distillation)."""
+    also run by `check_arguments` (scripts/recipe, before its distillation). The calibration's
+    flags not given take their defaults here; given beside --top1-rate, which replaces the
+    calibration, they are refused."""
     from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
     from moaspec.targets.options import check_device
+
+    calibration = {"--calibration-prompts": args.calibration_prompts, "--calibration-tokens": args.calibration_tokens}
+    if args.top1_rate is not None and any(value is not None for value in calibration.values()):
+        given = " and ".join(flag for flag, value in calibration.items() if value is not None)
+        raise MoaspecError(f"--top1-rate replaces the calibration: {given} cannot be given with it")
+    if args.calibration_prompts is None:
+        args.calibration_prompts = TUNE_CALIBRATION_PROMPTS
+    if args.calibration_tokens is None:
+        args.calibration_tokens = TUNE_CALIBRATION_TOKENS
 
     for flag, value, least in (("--repeats", args.repeats, 1), ("--context", args.context, 8),
                                ("--calibration-prompts", args.calibration_prompts, 0),

@@ -12,6 +12,7 @@ Progress goes to stderr, the result's path or totals in one last `[moaspec] ...`
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -167,8 +168,13 @@ def check_train_values(args: argparse.Namespace) -> tuple[TrainConfig, TreeConfi
         )
     if not 1 <= args.anchor_every[0] <= args.anchor_every[1]:
         raise MoaspecError("--anchor-every needs 1 <= MIN <= MAX")
-    if not (args.ce_weight >= 0 and args.feature_weight >= 0 and args.ce_weight + args.feature_weight > 0):
-        raise MoaspecError("--ce-weight and --feature-weight must be >= 0, not both 0")
+    weights = (args.ce_weight, args.feature_weight)
+    if not (all(0 <= weight < math.inf for weight in weights) and sum(weights) > 0):
+        raise MoaspecError("--ce-weight and --feature-weight must be finite and >= 0, not both 0")
+    if not 0.0 <= args.anchor_loss_weight <= 1.0:
+        raise MoaspecError(f"--anchor-loss-weight must be within [0, 1], got {args.anchor_loss_weight:g}")
+    if args.seed < 0:
+        raise MoaspecError(f"--seed must be >= 0, got {args.seed}")
     if args.time_limit_min is not None and not args.time_limit_min > 0:
         raise MoaspecError("--time-limit-min must be > 0")
     try:
@@ -182,9 +188,12 @@ def check_train_values(args: argparse.Namespace) -> tuple[TrainConfig, TreeConfi
             ce_weight=args.ce_weight, feature_weight=args.feature_weight,
             anchor_min=args.anchor_every[0], anchor_max=args.anchor_every[1], anchor_loss_weight=args.anchor_loss_weight,
         )
-        tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
     except ValueError as exc:
         raise MoaspecError(str(exc)) from exc
+    try:
+        tree = TreeConfig(depth=args.tree_depth, top_k=args.tree_top_k, budget=args.tree_budget)
+    except ValueError as exc:
+        raise MoaspecError(f"--tree-depth / --tree-top-k / --tree-budget: {exc}") from exc
     check_device(args.device)
     return config, tree
 
@@ -234,7 +243,7 @@ def run_train(args: argparse.Namespace) -> int:
     from moaspec.model_store import target_name
 
     name = target_name(args.target)  # checks the target exists, converts nothing: the cheap refusals come first
-    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, name)
+    init_from = None if args.init_from is None else _initial_checkpoint(args.init_from, name, args.method)
     _inherit_architecture(args, init_from)
     config, tree = check_train_values(args)
     data = _checked_data(args.data)
@@ -376,8 +385,11 @@ def add_data_parser(commands: argparse._SubParsersAction, default_target: str) -
     stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
 
-def _initial_checkpoint(value: str, target_name: str) -> Path:
-    """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its checkpoint/)."""
+def _initial_checkpoint(value: str, target_name: str, method: str) -> Path:
+    """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its
+    checkpoint/), of `method` where its config says (a damaged one is named when it loads)."""
+    import json
+
     from moaspec.drafters import checkpoint_directory, split_lookup
 
     base, lookup = split_lookup(value)
@@ -386,6 +398,12 @@ def _initial_checkpoint(value: str, target_name: str) -> Path:
     directory = checkpoint_directory(value, target_name)
     if not (directory / "config.json").is_file():
         raise MoaspecError(f"--init-from {value} is not a drafter checkpoint (no config.json)")
+    try:
+        recorded = json.loads((directory / "config.json").read_text()).get("method")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if isinstance(recorded, str) and recorded != method:
+        raise MoaspecError(f"--init-from {directory} holds a drafter of method '{recorded}', not '{method}'")
     return directory
 
 

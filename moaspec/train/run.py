@@ -244,7 +244,7 @@ def split_validation(samples: list[TrainSample], count: int) -> tuple[list[Train
     (all greedy or all sampled), which makes validation accuracy optimistic or pessimistic.
     """
     if len(samples) <= count:
-        raise MoaspecError(f"{len(samples)} records cannot spare {count} for validation")
+        raise MoaspecError(f"{len(samples)} records cannot spare {count} for validation (--val-conversations {count})")
     held = {i * len(samples) // count for i in range(count)}
     validation = [sample for position, sample in enumerate(samples) if position in held]
     return validation, [sample for position, sample in enumerate(samples) if position not in held]
@@ -303,14 +303,14 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
 
     started = time.perf_counter()
     check_resumable(spec.out_dir, config)
+    samples = load_samples(spec.data_dirs, config.max_seq_len)  # the data's refusals before the target loads
+    val_samples, train_samples = split_validation(samples, spec.val_conversations)
+    val_indices = [sample.index for sample in val_samples]
+    check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)
     check_data_target(spec.data_dirs, target.name)
-    samples = load_samples(spec.data_dirs, config.max_seq_len)
-    val_samples, train_samples = split_validation(samples, spec.val_conversations)
-    val_indices = [sample.index for sample in val_samples]
-    check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
     vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
     width = initial_feed_forward_width(config, spec.init_from)
