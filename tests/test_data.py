@@ -221,15 +221,16 @@ def test_select_prompts_skip_continues_where_a_shorter_selection_stopped() -> No
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("batch_size", 0, "batch-size must be >= 1"),
-        ("max_new_tokens", -1, "max-new-tokens must be >= 1"),
-        ("num_conversations", 0, "num-conversations must be >= 1"),
-        ("skip_conversations", -1, "skip-conversations must be >= 0"),
-        ("sampled_fraction", 1.01, "sampled-fraction must be in"),
-        ("sampled_fraction", float("nan"), "sampled-fraction must be in"),
+        ("batch_size", 0, "--batch-size must be >= 1"),
+        ("max_new_tokens", -1, "--max-new-tokens must be >= 1"),
+        ("num_conversations", 0, "--num-conversations must be >= 1"),
+        ("skip_conversations", -1, "--skip-conversations must be >= 0"),
+        ("sampled_fraction", 1.01, "--sampled-fraction must be in"),
+        ("sampled_fraction", float("nan"), "--sampled-fraction must be in"),
     ],
 )
 def test_config_rejects_bad_values(field, value, message) -> None:
+    """An audit's: the messages named settings without their flag's `--` (num-conversations)."""
     with pytest.raises(MoaspecError, match=message):
         ds.DistillConfig(**{field: value})
 
@@ -398,7 +399,7 @@ BAD_DATA_INPUTS = {
     "shard-size 0": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--shard-size", "0"], "shard-size"),
     "num-conversations 0": (
         lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--num-conversations", "0"],
-        "num-conv",
+        "--num-conversations must be >= 1",
     ),
     "sampled-fraction 2": (
         lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--sampled-fraction", "2"],
@@ -410,18 +411,38 @@ BAD_DATA_INPUTS = {
     ),
     "negative seed": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--seed", "-1"], "seed"),
     "unknown target": (lambda tmp: ["data", "distill", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"),
-    "resume with other settings": (lambda tmp: ["data", "distill", "--out", str(_old_run(tmp)), "--seed", "5"], "seed"),
+    "resume with other settings": (  # an audit's: named as "(seed)", not as the flag
+        lambda tmp: ["data", "distill", "--out", str(_old_run(tmp)), "--seed", "5"], "different settings (--seed)"
+    ),
+    "resume over a manifest whose settings are a list": (  # an audit's: TypeError
+        lambda tmp: ["data", "distill", "--out", str(_old_run(tmp, settings=[1]))],
+        "manifest.json is not a data manifest (settings is [1], not a JSON object)",
+    ),
+    "resume over a record without an id": (  # an audit's: KeyError once the target had loaded
+        lambda tmp: ["data", "distill", "--out", str(_old_run(tmp, record='{"mode": "greedy"}'))],
+        "shard-00000.jsonl:1 is not a record of this data (id, prompt_ids, response_ids missing or mistyped)",
+    ),
+    "resume of a complete run whose totals lack a key": (  # an audit's: KeyError 'response_tokens'
+        lambda tmp: ["data", "distill", "--out", str(_old_run(tmp, complete=True, totals={"num_records": 1}))],
+        "manifest.json says complete but its totals lack response_tokens",
+    ),
+    "distill over sharegpt data": (  # an audit's: "different settings ()"
+        lambda tmp: ["data", "distill", "--out", str(_old_run(tmp, settings={"kind": "teacher-forced"}))],
+        "holds `moaspec data sharegpt` data, not `moaspec data distill` data",
+    ),
     "sharegpt max-seq-len 0": (
-        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--max-seq-len", "0"], "max-seq-len must be >= 8"
+        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--max-seq-len", "0"], "--max-seq-len must be >= 8"
     ),
     "sharegpt num-conversations 0": (
-        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--num-conversations", "0"], "num-conversations"
+        lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--num-conversations", "0"],
+        "--num-conversations must be >= 1",
     ),
     "sharegpt unknown target": (
         lambda tmp: ["data", "sharegpt", "--out", str(tmp / "d"), "--target", "nope"], "unknown target"
     ),
     "sharegpt over distilled data": (
-        lambda tmp: ["data", "sharegpt", "--out", str(_old_run(tmp))], "different settings"
+        lambda tmp: ["data", "sharegpt", "--out", str(_old_run(tmp))],
+        "holds `moaspec data distill` data, not `moaspec data sharegpt` data",
     ),
     "stats of a missing dir": (lambda tmp: ["data", "stats", str(tmp / "none")], "shard-*.jsonl"),
     "stats of an empty dir": (lambda tmp: ["data", "stats", str(tmp)], "shard-*.jsonl"),
@@ -431,7 +452,25 @@ BAD_DATA_INPUTS = {
     "stats of records of another kind": (
         lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))], "holds a record that is not training data"
     ),
-    "stats of a shard that is not UTF-8": (lambda tmp: ["data", "stats", str(_binary_shard(tmp))], "is not UTF-8 text"),
+    "stats of a shard line that is a list": (  # an audit's: AttributeError
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, record="[1, 2]"))],
+        "shard-00000.jsonl:1 is not a record (a JSON list, not an object)",
+    ),
+    "stats with counts that are a number": (  # an audit's: AttributeError
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, manifest='{"counts": 5}'))],
+        "manifest.json is not a data manifest (counts is 5, not a JSON object)",
+    ),
+    "stats with a wall time that is not a number": (  # an audit's: half the table printed, then the error
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, manifest='{"wall_s_total": "1 h"}'))],
+        'manifest.json is not a data manifest (wall_s_total is "1 h", not a number)',
+    ),
+    "stats of a shard that is not UTF-8": (  # an audit's: "after line 0" for the first line
+        lambda tmp: ["data", "stats", str(_binary_shard(tmp))], "shard-00000.jsonl:1 is not UTF-8 text"
+    ),
+    "stats of a shard whose third line is not UTF-8": (
+        lambda tmp: ["data", "stats", str(_binary_shard(tmp, b'{"a": 1}\n{"b": 2}\n'))],
+        "shard-00000.jsonl:3 is not UTF-8 text",
+    ),
     "stats of a shard that is a directory": (  # an audit's: "Is a directory", exit 1
         lambda tmp: ["data", "stats", str(_directory_shard(tmp))], "cannot read"
     ),
@@ -440,9 +479,9 @@ BAD_DATA_INPUTS = {
 }
 
 
-def _binary_shard(tmp: Path) -> Path:
+def _binary_shard(tmp: Path, before: bytes = b"") -> Path:
     directory = _data_dir(tmp)
-    (directory / "shard-00000.jsonl").write_bytes(b"\xff\xfe\n")
+    (directory / "shard-00000.jsonl").write_bytes(before + b"\xff\xfe\n" + b'{"c": 3}\n' * 2000)  # past a read chunk
     return directory
 
 
@@ -467,11 +506,16 @@ def _touch(path: Path) -> Path:
     return path
 
 
-def _old_run(tmp: Path) -> Path:
+def _old_run(tmp: Path, settings: object = None, record: str | None = None, **manifest: object) -> Path:
+    """A data directory of `data distill` at its defaults (or `settings`), with one shard of this
+    `record` if given and these other manifest entries."""
     run = tmp / "old"
     run.mkdir(exist_ok=True)
-    settings = {"target": "smollm2-135m", **asdict(ds.DistillConfig())}
-    (run / ds.MANIFEST).write_text(json.dumps({"settings": settings}))
+    if settings is None:
+        settings = {"target": "smollm2-135m", **asdict(ds.DistillConfig())}
+    (run / ds.MANIFEST).write_text(json.dumps({"settings": settings, **manifest}))
+    if record is not None:
+        (run / "shard-00000.jsonl").write_text(record + "\n")
     return run
 
 
@@ -558,8 +602,94 @@ def test_resume_accepts_a_manifest_from_before_a_setting_existed(tmp_path) -> No
     older = {k: v for k, v in settings.items() if k != "skip_conversations"}
     (tmp_path / ds.MANIFEST).write_text(json.dumps({"settings": older}))
     assert ds.check_resume(tmp_path, settings) == {"settings": older}
-    with pytest.raises(MoaspecError, match=r"different settings \(skip_conversations\)"):
+    with pytest.raises(MoaspecError, match=r"different settings \(--skip-conversations\)"):
         ds.check_resume(tmp_path, {**settings, "skip_conversations": 3})
+
+
+def test_a_changed_setting_is_named_on_either_side(tmp_path) -> None:
+    """An audit's: a setting only the manifest has (or only the new command) was not named."""
+    settings = {"target": "t", **asdict(ds.DistillConfig(num_conversations=4))}
+    (tmp_path / ds.MANIFEST).write_text(json.dumps({"settings": {**settings, "top_p": 0.9}}))
+    with pytest.raises(MoaspecError, match=r"different settings \(--top-p\)"):
+        ds.check_resume(tmp_path, settings)
+
+
+def test_no_prompt_within_max_prompt_tokens_says_so_with_the_shortest_length() -> None:
+    """An audit's: `--max-prompt-tokens 1` was reported as "--skip-conversations 0 passes over all
+    0 distinct prompts"."""
+    convs = [_conv("a", "four"), _conv("b", "three"), _conv("c", "seven!!")]
+    for config, message in [
+        (
+            ds.DistillConfig(max_prompt_tokens=1),
+            "none of the 3 distinct prompts fits --max-prompt-tokens 1 (the shortest has 4 tokens)",
+        ),
+        (
+            ds.DistillConfig(max_prompt_tokens=5, skip_conversations=2),
+            "--skip-conversations 2 passes over all 2 distinct prompts within --max-prompt-tokens 5",
+        ),
+    ]:
+        prompts, counts = ds.select_prompts(convs, _FakeTokenizer(), config)
+        assert prompts == []
+        assert message in str(ds.no_prompts_error(convs, _FakeTokenizer(), config, counts))
+
+
+class _ChatTokenizer:
+    """A chat template over characters: <start> role content <end> per turn."""
+
+    chat_template = "chars"
+    eos_token_id = 3
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+        ids = []
+        for message in messages:
+            ids += [5, 1 if message["role"] == "user" else 2, *(6 + ord(c) % 90 for c in message["content"]), 3]
+        return {"input_ids": ids + ([5, 2] if add_generation_prompt else [])}
+
+
+def test_an_interrupted_sharegpt_run_is_flagged_and_resumes(tmp_path, monkeypatch, capsys) -> None:
+    """An audit's: `data sharegpt` stopped while writing its shards left them without a manifest:
+    `data stats` showed them as whole, `train --data` took them without its note, and the same
+    command refused to run again ("holds shards but no manifest.json"). Not flaky: the interrupt is
+    raised at a fixed shard write, and the conversion is deterministic."""
+    from moaspec.signals import EXIT_INTERRUPTED
+    from moaspec.train.cli import _checked_data
+
+    conversations = [sg.Conversation(f"c{i}", [{"role": "user", "content": f"question {i}"},
+                                               {"role": "assistant", "content": f"answer {i}"}]) for i in range(7)]
+    monkeypatch.setattr(sg, "load_training_conversations", lambda log: (conversations, {"kept": 7}))
+    monkeypatch.setattr(sg, "sharegpt_path", lambda: tmp_path)
+    # load_tokenizer first: importing moaspec.api binds the real resolve_target into targets/load.py
+    monkeypatch.setattr("moaspec.api.load_tokenizer", lambda directory: _ChatTokenizer())
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: ("tiny", tmp_path))
+
+    def command(out: Path) -> list[str]:
+        return ["data", "sharegpt", "--out", str(out), "--shard-size", "2", "--max-seq-len", "64"]
+
+    assert main(command(tmp_path / "whole")) == 0
+    write = ds.ShardWriter._write
+
+    def write_two_shards(self, shard: int, records: list[dict]) -> None:
+        if shard == 2:
+            raise KeyboardInterrupt
+        write(self, shard, records)
+
+    monkeypatch.setattr(ds.ShardWriter, "_write", write_two_shards)
+    out = tmp_path / "cut"
+    assert main(command(out)) == EXIT_INTERRUPTED
+    monkeypatch.setattr(ds.ShardWriter, "_write", write)
+    manifest = json.loads((out / ds.MANIFEST).read_text())
+    assert manifest["complete"] is False and manifest["totals"]["num_records"] == 4
+    capsys.readouterr()
+    assert main(["data", "stats", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "; 4/7 conversations done" in text and f"incomplete       rerun `moaspec data sharegpt --out {out}" in text
+    _checked_data([str(out)])
+    assert f"{out} is not complete yet" in capsys.readouterr().err
+    assert main(command(out)) == 0  # the same command continues
+    assert json.loads((out / ds.MANIFEST).read_text())["complete"] is True
+    whole = {path.name: path.read_bytes() for path in ds.shard_files(tmp_path / "whole")}
+    assert {path.name: path.read_bytes() for path in ds.shard_files(out)} == whole and len(whole) == 4
+    assert main(command(out)) == 0 and "complete already" in capsys.readouterr().err
 
 
 def test_data_is_not_written_in_among_other_files(tmp_path) -> None:

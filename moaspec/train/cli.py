@@ -497,23 +497,28 @@ def _print_data_stats(records: list[dict], manifest: dict) -> int:
 
     if records and records[0].get("mode") == MODE:
         summary = summarize_teacher_forced(records)
-        print(f"records          {summary['num_records']} teacher-forced conversations")
+        n = summary["num_records"]
+        print(f"records          {n} teacher-forced conversations")
         print(f"tokens           {summary['tokens']} (mean {summary['mean_tokens']:.1f})")
         print(f"assistant tokens {summary['assistant_tokens']} in {summary['assistant_spans']} turns")
-        if manifest:
-            print(f"target           {manifest.get('target')}")
-        return 0
-    summary = summarize(records, manifest.get("eos_ids", ()))
-    n = summary["num_records"]
-    print(f"records          {n} ({summary['num_greedy']} greedy, {summary['num_sampled']} sampled)")
-    print(f"prompt tokens    {summary['prompt_tokens']} (mean {summary['mean_prompt_tokens']:.1f})")
-    print(f"response tokens  {summary['response_tokens']} (mean {summary['mean_response_tokens']:.1f})")
-    if "fraction_ended_with_eos" in summary:
-        print(f"ended with eos   {summary['fraction_ended_with_eos']:.1%}")
-    if manifest:
+        done = "conversations"
+    else:
+        summary = summarize(records, manifest.get("eos_ids", ()))
+        n = summary["num_records"]
+        print(f"records          {n} ({summary['num_greedy']} greedy, {summary['num_sampled']} sampled)")
+        print(f"prompt tokens    {summary['prompt_tokens']} (mean {summary['mean_prompt_tokens']:.1f})")
+        print(f"response tokens  {summary['response_tokens']} (mean {summary['mean_response_tokens']:.1f})")
+        if "fraction_ended_with_eos" in summary:
+            print(f"ended with eos   {summary['fraction_ended_with_eos']:.1%}")
+        done = "prompts"
+    if manifest:  # read_manifest checked the types of what is read here
         selected = manifest.get("counts", {}).get("selected")
-        print(f"target           {manifest.get('target')}; {n}/{selected} prompts done")
+        progress = f"; {n}/{selected} {done} done" if selected is not None else ""
+        print(f"target           {manifest.get('target')}{progress}")
         print(f"wall time        {manifest.get('wall_s_total', 0.0):.0f} s")
+    if manifest.get("complete") is False:
+        how = f"`{manifest['command']}`" if "command" in manifest else "the command that wrote it"
+        print(f"incomplete       rerun {how} to finish it")
     return 0
 
 

@@ -58,17 +58,22 @@ class DistillConfig:
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_prompt_tokens", "batch_size", "shard_size"):
             if getattr(self, name) < 1:
-                raise MoaspecError(f"{name.replace('_', '-')} must be >= 1")
+                raise MoaspecError(f"{flag(name)} must be >= 1")
         if self.num_conversations is not None and self.num_conversations < 1:
-            raise MoaspecError("num-conversations must be >= 1")
+            raise MoaspecError("--num-conversations must be >= 1")
         if self.skip_conversations < 0:
-            raise MoaspecError("skip-conversations must be >= 0")
+            raise MoaspecError("--skip-conversations must be >= 0")
         if not 0.0 <= self.sampled_fraction <= 1.0:  # also rejects nan
-            raise MoaspecError("sampled-fraction must be in [0, 1]")
+            raise MoaspecError("--sampled-fraction must be in [0, 1]")
         if not self.temperature > 0.0:
-            raise MoaspecError("temperature must be > 0")
+            raise MoaspecError("temperature must be > 0")  # no flag: fixed at 0.7 from the CLI
         if not 0 <= self.seed < 2**63:
-            raise MoaspecError("seed must be in [0, 2**63)")
+            raise MoaspecError("--seed must be in [0, 2**63)")
+
+
+def flag(setting: str) -> str:
+    """The command-line spelling of a setting: num_conversations -> --num-conversations."""
+    return "--" + setting.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -212,23 +217,32 @@ def shard_files(out_dir: Path) -> list[Path]:
     return sorted(out_dir.glob("shard-*.jsonl"))
 
 
-def read_shards(out_dir: str | Path) -> list[dict]:
-    """All records of a distillation directory, in write order."""
+def read_shards(out_dir: str | Path, fields: dict[str, type] | None = None) -> list[dict]:
+    """All records of a data directory, in write order; MoaspecError naming the file and line of
+    one that is not UTF-8 JSON, not a JSON object, or lacks one of `fields` (name: type)."""
     records = []
     for path in shard_files(Path(out_dir)):
         try:
-            handle = path.open(encoding="utf-8")
+            handle = path.open("rb")  # lines decoded one by one: a decoding error names its line
         except OSError as exc:  # a directory of that name, unreadable
             raise MoaspecError(f"cannot read {path}: {exc.strerror or exc}") from None
         with handle:
-            number = 0
-            try:
-                for number, line in enumerate(handle, 1):
-                    records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise MoaspecError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
-            except UnicodeDecodeError:
-                raise MoaspecError(f"{path} is not UTF-8 text (after line {number})") from None
+            for number, line in enumerate(handle, 1):
+                try:
+                    record = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise MoaspecError(f"{path}:{number} is not UTF-8 text") from None
+                except json.JSONDecodeError as exc:
+                    raise MoaspecError(f"{path}:{number} is not valid JSON ({exc.msg})") from exc
+                if not isinstance(record, dict):
+                    found = type(record).__name__
+                    raise MoaspecError(f"{path}:{number} is not a record (a JSON {found}, not an object)")
+                wrong = [name for name, kind in (fields or {}).items() if not isinstance(record.get(name), kind)]
+                if wrong:
+                    raise MoaspecError(
+                        f"{path}:{number} is not a record of this data ({', '.join(wrong)} missing or mistyped)"
+                    )
+                records.append(record)
     return records
 
 
@@ -239,7 +253,7 @@ class ShardWriter:
         self.out_dir, self.shard_size = out_dir, shard_size
         for stale in out_dir.glob(".shard-*.tmp"):
             stale.unlink()
-        existing = read_shards(out_dir)
+        existing = read_shards(out_dir, {"id": str})
         self.done_ids = {r["id"] for r in existing}
         self.num_records = len(existing)
         self.pending = existing[len(existing) // shard_size * shard_size :]
@@ -350,23 +364,56 @@ def check_data_target(data_dirs: Iterable[Path], target_name: str) -> None:
             raise MoaspecError(f"{directory} was made by target '{made_by}', not '{target_name}' (--target)")
 
 
+# What a manifest's entries must be (those it has), what each kind's records hold (checked before
+# a resume loads the target) and what each command reports from a complete manifest's totals.
+_MANIFEST_TYPES = {
+    "settings": (dict, "a JSON object"), "counts": (dict, "a JSON object"), "totals": (dict, "a JSON object"),
+    "complete": (bool, "true or false"), "wall_s_total": ((int, float), "a number"), "target": (str, "a string"),
+    "command": (str, "a string"), "eos_ids": (list, "a list of token ids"),
+}
+DISTILL_FIELDS = {"id": str, "prompt_ids": list, "response_ids": list, "mode": str}
+TEACHER_FORCED_FIELDS = {"id": str, "input_ids": list, "loss_spans": list}
+_KINDS = {  # settings["kind"] -> (command, record fields, totals reported)
+    None: ("data distill", DISTILL_FIELDS, ("num_records", "response_tokens")),
+    "teacher-forced": ("data sharegpt", TEACHER_FORCED_FIELDS, ("num_records", "tokens", "assistant_tokens")),
+}
+
+
 def read_manifest(directory: Path) -> dict:
-    """A data directory's manifest.json ({} without one); MoaspecError naming it when unreadable."""
+    """A data directory's manifest.json ({} without one); MoaspecError naming it when unreadable
+    or when an entry the commands read has the wrong type."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         return {}
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise MoaspecError(f"{path} is not readable JSON ({exc})") from exc
     if not isinstance(manifest, dict):
         raise MoaspecError(f"{path} is not a data manifest (not a JSON object)")
+    for key, (kind, what) in _MANIFEST_TYPES.items():
+        if key not in manifest:
+            continue
+        value = manifest[key]
+        right = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))  # true is no number
+        if key == "eos_ids" and right:
+            right = all(type(token) is int for token in value)
+        if not right:
+            raise MoaspecError(f"{path} is not a data manifest ({key} is {json.dumps(value)[:40]}, not {what})")
     return manifest
 
 
+def _made_by(settings: dict[str, Any]) -> str:
+    kind = settings.get("kind")
+    if (kind is None or isinstance(kind, str)) and kind in _KINDS:
+        return f"`moaspec {_KINDS[kind][0]}` data"
+    return f"data of kind {json.dumps(kind)}"
+
+
 def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | None = None) -> dict[str, Any] | None:
-    """The previous manifest, after checking it was written with the same settings (a setting of
-    `config_type`, a dataclass, that the manifest lacks was added since, at its default)."""
+    """The previous manifest, after checking it was written by the same command with the same
+    settings (a setting of `config_type`, a dataclass, that the manifest lacks was added since, at
+    its default), that its records are whole and, if it says complete, that it has its totals."""
     path = out_dir / MANIFEST
     if not path.is_file():
         if shard_files(out_dir):
@@ -380,13 +427,26 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
         previous = read_manifest(out_dir)
     except MoaspecError as exc:
         raise MoaspecError(f"{exc}; use a new --out directory") from exc
-    defaults = {f.name: f.default for f in fields(config_type or DistillConfig)}  # fields added since the run began
-    written = {**{key: defaults[key] for key in settings if key in defaults}, **previous.get("settings", {})}
-    if written != settings:
-        changed = sorted(k for k in settings if written.get(k) != settings[k])
+    written_settings = previous.get("settings", {})
+    if _made_by(written_settings) != _made_by(settings):
         raise MoaspecError(
-            f"{out_dir} was written with different settings ({', '.join(changed)}); "
+            f"{out_dir} holds {_made_by(written_settings)}, not {_made_by(settings)}; use a new --out directory"
+        )
+    defaults = {f.name: f.default for f in fields(config_type or DistillConfig)}  # fields added since the run began
+    written = {**{key: defaults[key] for key in settings if key in defaults}, **written_settings}
+    if written != settings:
+        changed = sorted(k for k in written.keys() | settings.keys() if written.get(k) != settings.get(k))
+        raise MoaspecError(
+            f"{out_dir} was written with different settings ({', '.join(flag(k) for k in changed)}); "
             "rerun with the same options to resume, or use a new --out directory"
+        )
+    _, record_fields, reported = _KINDS[settings.get("kind")]
+    read_shards(out_dir, record_fields)  # a damaged record is refused now, not after the target loads
+    missing = [key for key in reported if key not in previous.get("totals", {})]
+    if previous.get("complete") and previous.get("totals") and missing:
+        raise MoaspecError(
+            f"{path} says complete but its totals lack {', '.join(missing)}: delete its \"totals\" to have "
+            "the same command count them again, or use a new --out directory"
         )
     return previous
 
@@ -413,11 +473,7 @@ def run_distill(
     tokenizer, model = loaded.tokenizer, loaded.model.to(device)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     if not prompts:
-        raise MoaspecError(
-            f"no prompts to distil: --skip-conversations {config.skip_conversations} passes over all "
-            f"{prompt_counts['unique_prompts'] - prompt_counts['skipped_too_long']} distinct prompts within "
-            f"--max-prompt-tokens {config.max_prompt_tokens}"
-        )
+        raise no_prompts_error(conversations, tokenizer, config, prompt_counts)
     out_dir.mkdir(exist_ok=True)  # only now: a refused target or selection leaves no directory
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)
@@ -451,6 +507,24 @@ def run_distill(
         )
         write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def no_prompts_error(
+    conversations: list, tokenizer: Any, config: DistillConfig, counts: dict[str, int]
+) -> MoaspecError:
+    """Why `select_prompts` (which gave `counts`) selected nothing: no prompt fits
+    --max-prompt-tokens (the shortest's length said), or --skip-conversations passes over all that do."""
+    fitting = counts["unique_prompts"] - counts["skipped_too_long"]
+    if counts["unique_prompts"] and not fitting:
+        shortest = min(len(encode_chat_prompt(tokenizer, c.first_prompt)) for c in conversations)
+        return MoaspecError(
+            f"no prompts to distil: none of the {counts['unique_prompts']} distinct prompts fits --max-prompt-tokens "
+            f"{config.max_prompt_tokens} (the shortest has {shortest} tokens)"
+        )
+    return MoaspecError(
+        f"no prompts to distil: --skip-conversations {config.skip_conversations} passes over all {fitting} "
+        f"distinct prompts within --max-prompt-tokens {config.max_prompt_tokens}"
+    )
 
 
 def log_progress(message: str) -> None:

@@ -13,6 +13,10 @@ the first end-of-sequence token); the sequence is cut at `max_seq_len` tokens an
 fewer than 2 tokens inside the cut are dropped. Conversations the template does not encode
 prefix-stably (the encoding of the first k turns is not a prefix of the first k + 1) are skipped
 and counted, so a span never covers a user's words.
+
+Resume: the records are a pure function of (data, tokenizer, config), and the manifest says
+`complete: false` until every shard is written, so the same command continues an interrupted run
+(`moaspec data stats` and `train --data` say it is incomplete meanwhile).
 """
 
 from __future__ import annotations
@@ -47,15 +51,15 @@ class TeacherForcedConfig:
 
     def __post_init__(self) -> None:
         if self.max_seq_len < 8:
-            raise MoaspecError("max-seq-len must be >= 8")
+            raise MoaspecError("--max-seq-len must be >= 8")
         if self.shard_size < 1:
-            raise MoaspecError("shard-size must be >= 1")
+            raise MoaspecError("--shard-size must be >= 1")
         if self.num_conversations is not None and self.num_conversations < 1:
-            raise MoaspecError("num-conversations must be >= 1")
+            raise MoaspecError("--num-conversations must be >= 1")
         if self.skip_conversations < 0:
-            raise MoaspecError("skip-conversations must be >= 0")
+            raise MoaspecError("--skip-conversations must be >= 0")
         if not 0 <= self.seed < 2**63:
-            raise MoaspecError("seed must be in [0, 2**63)")
+            raise MoaspecError("--seed must be in [0, 2**63)")
 
     def settings(self, target: str) -> dict[str, Any]:
         """What a manifest records and a rerun must repeat; `skip_conversations` only when set,
@@ -151,12 +155,18 @@ def summarize_teacher_forced(records: list[dict]) -> dict[str, Any]:
 
 def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedConfig, command: str) -> dict[str, Any]:
     """The `moaspec data sharegpt` pipeline: conversations, tokenizer, records, manifest.
-    A rerun with the same settings finds the work done and only rewrites the manifest."""
+
+    The manifest is written first with `complete: false`, then the shards, then the manifest
+    again. The records are a pure function of (data, tokenizer, config), so a rerun of an
+    interrupted run rebuilds them, checks the shards on disk are their prefix and writes the
+    rest; a rerun of a complete one finds it done."""
     started = time.perf_counter()
     out_dir = Path(out_dir)
     settings = config.settings(target)
-    if out_dir.is_dir():
-        check_resume(out_dir, settings, TeacherForcedConfig)
+    previous = check_resume(out_dir, settings, TeacherForcedConfig) if out_dir.is_dir() else None
+    if previous and previous.get("complete") and previous.get("totals"):
+        log_progress(f"{out_dir} is complete already: nothing to write")
+        return previous
     from moaspec.api import load_tokenizer
     from moaspec.model_store import resolve_target
     from moaspec.train.sharegpt import load_training_conversations
@@ -172,17 +182,25 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     out_dir.mkdir(parents=True, exist_ok=True)  # only now: a refused target or selection leaves no directory
     existing = read_shards(out_dir)
     if existing and [r["id"] for r in existing] != [r["id"] for r in records[: len(existing)]]:
-        raise MoaspecError(f"{out_dir} holds other records; use a new --out directory")
-    writer = ShardWriter(out_dir, config.shard_size)
-    writer.add(records[len(existing) :])
+        raise MoaspecError(f"{out_dir} holds other records than these settings give now; use a new --out directory")
     manifest = {
         "command": command,
         "target": name,
         "settings": settings,
-        "counts": {**data_counts, **skipped},
-        "complete": True,
-        "wall_s_total": round(time.perf_counter() - started, 1),
-        "totals": summarize_teacher_forced(records),
+        "counts": {**data_counts, **skipped, "selected": len(records)},
+        "complete": False,
+        "wall_s_total": previous.get("wall_s_total", 0.0) if previous else 0.0,
     }
     write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    written = False
+    try:
+        ShardWriter(out_dir, config.shard_size).add(records[len(existing) :])
+        written = True
+    finally:  # interrupted too: what the shards hold now, still `complete: false`
+        manifest.update(
+            complete=written,
+            wall_s_total=round(manifest["wall_s_total"] + time.perf_counter() - started, 1),
+            totals=summarize_teacher_forced(records if written else read_shards(out_dir)),
+        )
+        write_file_atomically(out_dir / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
