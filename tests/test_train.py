@@ -167,7 +167,7 @@ def test_a_state_that_cannot_be_written_is_one_error_and_leaves_the_run_resumabl
     assert train(make_net("moa", target), target, samples(4, 1), [], config, tmp_path / "run", progress=False).step == 2
 
 
-def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> None:
+def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch, capsys) -> None:
     """`moaspec train`'s driver: distilled shards in, a loadable checkpoint out, provenance kept."""
     import json
 
@@ -233,8 +233,15 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch) -> No
     with pytest.raises(ValueError, match=r"another training config \(memory_layers 0 -> 2\)"):
         run_training(dataclasses.replace(spec, feature_cache=tmp_path / "features"), narrowed, TreeConfig())
 
-    # a run resumes only with the validation records it started with
+    # a finished run rerun says so without loading the target (an audit's: it loaded it and showed the bar)
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded for a finished run")
+
+    monkeypatch.setattr(moaspec.api, "load_target", no_load)
     assert run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3)) == checkpoint
+    assert "is complete already (3 steps): nothing to train" in capsys.readouterr().err
+    monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, **kwargs: target)
+    # a run resumes only with the validation records it started with
     stale = json.loads((checkpoint / "config.json").read_text())
     stale["training"]["val_indices"] = [0, 1]  # as an older moaspec held out the first records
     (checkpoint / "config.json").write_text(json.dumps(stale))

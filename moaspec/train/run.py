@@ -307,6 +307,9 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
     check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
+    if _finished(spec.out_dir, config):
+        print(f"[moaspec] {spec.out_dir} is complete already ({config.steps} steps): nothing to train", file=sys.stderr)
+        return spec.out_dir / "checkpoint"
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)
@@ -371,6 +374,16 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
             file=sys.stderr,
         )
     return spec.out_dir / "checkpoint"
+
+
+def _finished(out_dir: Path, config: TrainConfig) -> bool:
+    """Whether the run in `out_dir` has done every step, validated the last and written its
+    checkpoint (a rerun of the same command then has nothing to do)."""
+    saved = saved_state(out_dir)
+    if saved is None or saved["step"] < config.steps or not (out_dir / "checkpoint" / "config.json").is_file():
+        return False
+    last = saved["history"][-1] if saved["history"] else {}
+    return "val_loss" in last
 
 
 def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) -> None:

@@ -524,7 +524,8 @@ def _missing_validation(state: TrainState, config: TrainConfig, val_samples: lis
 
 def _validate_step(record: dict, net, parts, source, val_samples, config: TrainConfig, target, tree, device, autocast, bar) -> None:
     """Add the validation figures to a step's record (in place, all at once: an interrupt leaves
-    none) and print it."""
+    none) and print it; the bar says it is validating meanwhile (5-35 s a held-out record on 2 cores)."""
+    bar.set_postfix_str(f"validating step {record['step']} on {len(val_samples)} held-out records", refresh=True)
     figures = validate(net, parts, source, val_samples, config, device=device, autocast=autocast)
     if device.type == "cpu":
         figures["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
