@@ -118,24 +118,24 @@ def build_records(
     wanted = config.num_conversations or len(order)
     records, seen, skipped = [], set(), {"not_prefix_stable_or_empty": 0, "duplicate_id": 0}
     bar = tqdm(total=wanted, unit="conv", desc="encode conversations", disable=not progress, file=sys.stderr)
-    for position in order:
-        if len(records) == wanted:
-            break
-        conversation = conversations[position]
-        if conversation.id in seen:
-            skipped["duplicate_id"] += 1
-            continue
-        encoded = encode_conversation(tokenizer, conversation.turns, config.max_seq_len, tokenizer.eos_token_id)
-        if encoded is None:
-            skipped["not_prefix_stable_or_empty"] += 1
-            continue
-        seen.add(conversation.id)
-        if len(seen) <= config.skip_conversations:
-            continue
-        ids, spans = encoded
-        records.append({"id": conversation.id, "input_ids": ids, "loss_spans": [list(s) for s in spans], "mode": MODE})
-        bar.update(1)
-    bar.close()
+    with bar:  # closed on an interrupt too: "moaspec: interrupted" on a line of its own
+        for position in order:
+            if len(records) == wanted:
+                break
+            conversation = conversations[position]
+            if conversation.id in seen:
+                skipped["duplicate_id"] += 1
+                continue
+            encoded = encode_conversation(tokenizer, conversation.turns, config.max_seq_len, tokenizer.eos_token_id)
+            if encoded is None:
+                skipped["not_prefix_stable_or_empty"] += 1
+                continue
+            seen.add(conversation.id)
+            if len(seen) <= config.skip_conversations:
+                continue
+            ids, spans = encoded
+            records.append({"id": conversation.id, "input_ids": ids, "loss_spans": [list(s) for s in spans], "mode": MODE})
+            bar.update(1)
     return records, skipped
 
 

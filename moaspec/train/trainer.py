@@ -503,9 +503,9 @@ def train(
             rng.setstate(step_start[1])
             generator.set_state(step_start[2])
         save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
-        bar.close()
         raise
-    bar.close()
+    finally:  # whatever ends the loop: an error's line starts on a line of its own, not after the bar
+        bar.close()
     return state
 
 
