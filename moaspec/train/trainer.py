@@ -623,21 +623,19 @@ def save_state(
     """The resumable state (fp32) and a float16 drafter checkpoint with the full config, written
     with signals held: a second Ctrl-C while the first one's save runs waits for it."""
     with signals_held():
-        _save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+        _write_state(net, optimizer, state, config, rng, generator, out_dir)
+        training = {
+            "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
+            "last": state.history[-1] if state.history else {}, **(provenance or {}),
+        }
+        net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
 
 
-def _save_state(
-    net: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-    config: TrainConfig,
-    rng: random.Random,
-    generator: torch.Generator,
-    out_dir: Path,
-    target: HFTarget,
-    tree: dict | None,
-    provenance: dict | None,
+def _write_state(
+    net: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, config: TrainConfig,
+    rng: random.Random, generator: torch.Generator, out_dir: Path,
 ) -> None:
+    """train_state.pt, through a hidden staging file that no end leaves behind."""
     staging = out_dir / f".{STATE_FILE}.tmp"  # hidden: a run directory may hold it (--out's check)
     state_record = {
         "config": asdict(config),
@@ -659,11 +657,6 @@ def _save_state(
         ) from None
     finally:
         staging.unlink(missing_ok=True)
-    training = {
-        "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
-        "last": state.history[-1] if state.history else {}, **(provenance or {}),
-    }
-    net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
 
 
 __all__ = [
