@@ -11,6 +11,7 @@ does, so that a damaged drafter checkpoint is found before torch is (drafters/ba
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import weakref
@@ -137,9 +138,10 @@ def _tensor_problem(info: object) -> str | None:
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         return f"has an unknown dtype {dtype!r}"
-    whole = all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in (*shape, *offsets))
-    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2 or not whole:
+    if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+        return "has a shape or data_offsets that are not lists"
+    if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0 for value in (*shape, *offsets)):
         return "has a shape or data_offsets that are not whole numbers"
-    if offsets[1] - offsets[0] != int(np.prod(shape, dtype=np.int64)) * DTYPE_BYTES[dtype]:
+    if offsets[1] - offsets[0] != math.prod(shape) * DTYPE_BYTES[dtype]:  # exact: no overflow
         return f"spans {offsets[1] - offsets[0]} bytes, not {shape} of {dtype}"
     return None

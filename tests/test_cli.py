@@ -223,7 +223,8 @@ def test_help_exits_zero_with_usage(capsys: pytest.CaptureFixture[str]) -> None:
         # an audit's: internal names instead of flags, or values accepted that the rest refuses
         (["--method", "moa", "--data", "d", "--out", "run", "--anchor-loss-weight", "2"], "--anchor-loss-weight must be within [0, 1], got 2"),
         (["--method", "moa", "--data", "d", "--out", "run", "--feature-weight", "inf"], "must be finite and >= 0"),
-        (["--method", "moa", "--data", "d", "--out", "run", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+        (["--method", "moa", "--data", "d", "--out", "run", "--seed", str(2**64)], "--seed must be in [0, 2**63)"),
         (["--method", "moa", "--data", "d", "--out", "run", "--tree-depth", "0"], "--tree-depth / --tree-top-k / --tree-budget: tree depth"),
     ],
 )

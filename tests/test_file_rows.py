@@ -184,4 +184,12 @@ def test_a_files_layout_problem_is_found_exactly_when_the_safetensors_loader_ref
         assert layout_problem(damaged) == "its tensors' byte spans overlap or leave gaps"
         with pytest.raises(SafetensorError):
             load_file(str(damaged))
+    # a review's: fields of the wrong type or sizes past int64 raised instead of answering
+    for info in ({"shape": 5, "data_offsets": [0, 16]}, {"shape": [4], "data_offsets": None},
+                 {"shape": [2**40, 2**40], "data_offsets": [0, 0]}):
+        text = json.dumps({"x": {"dtype": "F32", **info}}).encode()
+        damaged.write_bytes(struct.pack("<Q", len(text)) + text + bytes(16))
+        assert layout_problem(damaged) is not None, info
+        with pytest.raises(SafetensorError):
+            load_file(str(damaged))
     assert layout_problem(tmp_path / "missing.safetensors") is not None

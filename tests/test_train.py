@@ -240,7 +240,14 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(moaspec.api, "load_target", no_load)
     assert run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3)) == checkpoint
     assert "is complete already (3 steps): nothing to train" in capsys.readouterr().err
+    logged = json.loads((tmp_path / "run" / "runs.jsonl").read_text().splitlines()[-1])
+    assert (logged["steps_done"], logged["ended"]) == (3, "complete")
+    # another --draft-vocab is not in the training config: the full path, whose checks refuse it
+    with pytest.raises(AssertionError, match="the target was loaded"):
+        run_training(dataclasses.replace(spec, draft_vocab=30), config, TreeConfig(depth=2, top_k=2, budget=3))
     monkeypatch.setattr(moaspec.api, "load_target", lambda name, dtype=None, **kwargs: target)
+    with pytest.raises(ValueError, match=r"another shape \(draft_vocab_size 20 -> 30"):
+        run_training(dataclasses.replace(spec, draft_vocab=30), config, TreeConfig(depth=2, top_k=2, budget=3))
     # a run resumes only with the validation records it started with
     stale = json.loads((checkpoint / "config.json").read_text())
     stale["training"]["val_indices"] = [0, 1]  # as an older moaspec held out the first records
@@ -259,6 +266,10 @@ def test_run_training_end_to_end_with_reduced_vocab(tmp_path, monkeypatch, capsy
         run_training(dataclasses.replace(spec, data_dirs=(other,)), config, TreeConfig(depth=2, top_k=2, budget=3))
     with pytest.raises(MoaspecError, match="started with --val-conversations 2, not 1"):
         run_training(dataclasses.replace(spec, val_conversations=1), config, TreeConfig(depth=2, top_k=2, budget=3))
+    (checkpoint / "config.json").write_text(json.dumps({**stale, "training": None}))
+    with pytest.raises(MoaspecError, match=r"config.json is not a readable drafter config \(its 'training' is not an object\)"):
+        run_training(spec, config, TreeConfig(depth=2, top_k=2, budget=3))
+    (checkpoint / "config.json").write_text(json.dumps(stale))
 
     # an interrupted run is logged too, with the step it saved
     import moaspec.train.trainer
@@ -567,6 +578,20 @@ def test_a_second_interrupt_while_the_first_ones_save_runs_waits_for_it(tmp_path
         train(make_net("moa", target), target, samples(4, 1), [], config, out, progress=False, micro_batch=1)
     assert torch.load(out / "train_state.pt", weights_only=False)["step"] == 2
     assert not [path.name for path in out.iterdir() if "tmp" in path.name]
+    # SIGTERM first, Ctrl-C during its save: the first decides how the command ends (143, not 130)
+    from moaspec.signals import Terminated
+
+    def terminated_in_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise Terminated
+        return real_batch_loss(*args, **kwargs)
+
+    calls.clear()
+    monkeypatch.setattr(trainer, "batch_loss", terminated_in_step_3)
+    with pytest.raises(Terminated):
+        train(make_net("moa", target), target, samples(4, 1), [], config, tmp_path / "term", progress=False, micro_batch=1)
+    assert torch.load(tmp_path / "term" / "train_state.pt", weights_only=False)["step"] == 2
 
 
 def test_a_damaged_state_is_one_error_naming_it(tmp_path) -> None:

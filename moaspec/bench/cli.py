@@ -253,7 +253,8 @@ def add_tune_parser(commands: argparse._SubParsersAction, default_target: str) -
         "--top1-rate",
         type=float,
         default=None,
-        help="assume this top-1 acceptance, geometric over ranks, instead of calibrating",
+        help="assume this top-1 acceptance, geometric over ranks, instead of calibrating "
+        "(not with --calibration-prompts / --calibration-tokens)",
     )
     tune.add_argument(
         "--calibration-prompts", type=int, default=None,

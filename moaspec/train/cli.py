@@ -173,8 +173,8 @@ def check_train_values(args: argparse.Namespace) -> tuple[TrainConfig, TreeConfi
         raise MoaspecError("--ce-weight and --feature-weight must be finite and >= 0, not both 0")
     if not 0.0 <= args.anchor_loss_weight <= 1.0:
         raise MoaspecError(f"--anchor-loss-weight must be within [0, 1], got {args.anchor_loss_weight:g}")
-    if args.seed < 0:
-        raise MoaspecError(f"--seed must be >= 0, got {args.seed}")
+    if not 0 <= args.seed < 2**63:
+        raise MoaspecError(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.time_limit_min is not None and not args.time_limit_min > 0:
         raise MoaspecError("--time-limit-min must be > 0")
     try:
@@ -403,7 +403,10 @@ def _initial_checkpoint(value: str, target_name: str, method: str) -> Path:
     except (OSError, ValueError, AttributeError):
         recorded = None
     if isinstance(recorded, str) and recorded != method:
-        raise MoaspecError(f"--init-from {directory} holds a drafter of method '{recorded}', not '{method}'")
+        raise MoaspecError(
+            f"--init-from {directory} holds a drafter of method '{recorded}', not '{method}': "
+            f"pass --method {recorded} to continue it, or --init-from a {method} checkpoint"
+        )
     return directory
 
 

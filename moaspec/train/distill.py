@@ -441,13 +441,15 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
             "rerun with the same options to resume, or use a new --out directory"
         )
     _, record_fields, reported = _KINDS[settings.get("kind")]
-    read_shards(out_dir, record_fields)  # a damaged record is refused now, not after the target loads
     missing = [key for key in reported if key not in previous.get("totals", {})]
-    if previous.get("complete") and previous.get("totals") and missing:
-        raise MoaspecError(
-            f"{path} says complete but its totals lack {', '.join(missing)}: delete its \"totals\" to have "
-            "the same command count them again, or use a new --out directory"
-        )
+    if previous.get("complete") and previous.get("totals"):  # found done: its shards are not read again
+        if missing:
+            raise MoaspecError(
+                f"{path} says complete but its totals lack {', '.join(missing)}: delete its \"totals\" to have "
+                "the same command count them again, or use a new --out directory"
+            )
+        return previous
+    read_shards(out_dir, record_fields)  # a damaged record is refused now, not after the target loads
     return previous
 
 

@@ -260,6 +260,8 @@ def check_same_data(out_dir: Path, data_dirs: tuple[Path, ...], train_samples: l
         return
     try:
         training = json.loads(config_path.read_text()).get("training", {})
+        if not isinstance(training, dict):
+            raise ValueError("its 'training' is not an object")
     except (OSError, ValueError, AttributeError) as exc:
         raise MoaspecError(f"{config_path} is not a readable drafter config ({exc}); use a new --out") from None
     held = training.get("val_indices")
@@ -307,8 +309,9 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
     check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
-    if _finished(spec.out_dir, config):
+    if _finished(spec, config):
         print(f"[moaspec] {spec.out_dir} is complete already ({config.steps} steps): nothing to train", file=sys.stderr)
+        log_run(spec, config.steps, time.perf_counter() - started, "complete")
         return spec.out_dir / "checkpoint"
     torch.manual_seed(config.seed)
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
@@ -339,6 +342,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     provenance = {
         "command": spec.command,
         "data": [str(directory) for directory in spec.data_dirs],
+        "draft_vocab": spec.draft_vocab,  # --draft-vocab and --init-from: what a finished run's rerun compares
         "data_manifest": [read_manifest(directory) for directory in spec.data_dirs],
         "val_indices": val_indices,
         "num_train_sequences": len(train_samples),
@@ -376,14 +380,23 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     return spec.out_dir / "checkpoint"
 
 
-def _finished(out_dir: Path, config: TrainConfig) -> bool:
-    """Whether the run in `out_dir` has done every step, validated the last and written its
-    checkpoint (a rerun of the same command then has nothing to do)."""
-    saved = saved_state(out_dir)
-    if saved is None or saved["step"] < config.steps or not (out_dir / "checkpoint" / "config.json").is_file():
+def _finished(spec: RunSpec, config: TrainConfig) -> bool:
+    """Whether the run in `spec.out_dir` has done every step, validated the last and written its
+    checkpoint with this --draft-vocab and --init-from (not in the training config: a rerun that
+    changed them takes the full path, whose checks refuse a drafter of another shape); a rerun of
+    the same command then has nothing to do."""
+    saved = saved_state(spec.out_dir)
+    config_path = spec.out_dir / "checkpoint" / "config.json"
+    if saved is None or saved["step"] < config.steps or not config_path.is_file():
         return False
     last = saved["history"][-1] if saved["history"] else {}
-    return "val_loss" in last
+    try:
+        training = json.loads(config_path.read_text()).get("training", {})
+        initial = (training.get("init_from") or {}).get("path")
+    except (OSError, ValueError, AttributeError):
+        return False
+    given = None if spec.init_from is None else str(spec.init_from)
+    return "val_loss" in last and training.get("draft_vocab") == spec.draft_vocab and initial == given
 
 
 def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) -> None:

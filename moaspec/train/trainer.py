@@ -502,7 +502,10 @@ def train(
         if state.step == step_start[0]:  # cut before its update: its draws are drawn again on resume
             rng.setstate(step_start[1])
             generator.set_state(step_start[2])
-        save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+        try:
+            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+        except KeyboardInterrupt:  # a second signal, held during the save: the first one decides the exit
+            pass
         raise
     finally:  # whatever ends the loop: an error's line starts on a line of its own, not after the bar
         bar.close()
