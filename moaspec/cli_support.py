@@ -38,12 +38,10 @@ def output_dir(
         os.rmdir(new_hidden_directory(out if out.is_dir() else parent, "moaspec-write-probe"))
     except OSError as exc:
         raise MoaspecError(f"cannot write {flag} {out}: {exc.strerror or exc}") from exc
-    in_the_way = [name for name in files if (out / name).exists() and not (out / name).is_file()]
-    if in_the_way:
-        raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a file, and this run writes a file there")
-    in_the_way = [name for name in directories if (out / name).exists() and not (out / name).is_dir()]
-    if in_the_way:
-        raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a directory, and this run writes a directory there")
+    for names, kind, is_kind in ((files, "file", Path.is_file), (directories, "directory", Path.is_dir)):
+        in_the_way = [name for name in names if (out / name).exists() and not is_kind(out / name)]
+        if in_the_way:
+            raise MoaspecError(f"{flag} {out}: {out / in_the_way[0]} is not a {kind}, and this run writes a {kind} there")
     return out
 
 

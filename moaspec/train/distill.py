@@ -410,6 +410,11 @@ def _made_by(settings: dict[str, Any]) -> str:
     return f"data of kind {json.dumps(kind)}"
 
 
+def found_done(manifest: dict[str, Any] | None) -> bool:
+    """Whether a data directory's manifest says its run finished: complete, with its totals."""
+    return bool(manifest) and bool(manifest.get("complete")) and bool(manifest.get("totals"))
+
+
 def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | None = None) -> dict[str, Any] | None:
     """The previous manifest, after checking it was written by the same command with the same
     settings (a setting of `config_type`, a dataclass, that the manifest lacks was added since, at
@@ -442,7 +447,7 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
         )
     _, record_fields, reported = _KINDS[settings.get("kind")]
     missing = [key for key in reported if key not in previous.get("totals", {})]
-    if previous.get("complete") and previous.get("totals"):  # found done: its shards are not read again
+    if found_done(previous):  # its shards are not read again
         if missing:
             raise MoaspecError(
                 f"{path} says complete but its totals lack {', '.join(missing)}: delete its \"totals\" to have "
@@ -461,7 +466,7 @@ def run_distill(
     out_dir = Path(out_dir)
     settings = {"target": target, **asdict(config)}
     previous = check_resume(out_dir, settings) if out_dir.is_dir() else None  # before torch loads: fails fast
-    if previous and previous.get("complete") and previous.get("totals"):
+    if found_done(previous):
         log_progress(f"{out_dir} is complete already: nothing to distil")
         return previous  # no model loaded, nothing counted in the manifest's time
 

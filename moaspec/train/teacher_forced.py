@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError
-from moaspec.train.distill import MANIFEST, ShardWriter, check_resume, log_progress, read_shards
+from moaspec.train.distill import MANIFEST, ShardWriter, check_resume, found_done, log_progress, read_shards
 
 if TYPE_CHECKING:
     from moaspec.train.sharegpt import Conversation
@@ -164,7 +164,7 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     out_dir = Path(out_dir)
     settings = config.settings(target)
     previous = check_resume(out_dir, settings, TeacherForcedConfig) if out_dir.is_dir() else None
-    if previous and previous.get("complete") and previous.get("totals"):
+    if found_done(previous):
         log_progress(f"{out_dir} is complete already: nothing to write")
         return previous
     from moaspec.api import load_tokenizer
