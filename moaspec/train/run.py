@@ -250,20 +250,32 @@ def split_validation(samples: list[TrainSample], count: int) -> tuple[list[Train
     return validation, [sample for position, sample in enumerate(samples) if position not in held]
 
 
-def check_same_data(out_dir: Path, data_dirs: tuple[Path, ...], train_samples: list[TrainSample], val_indices: list[int]) -> None:
-    """A run resumes only on the data and validation records it started with: as many held out
-    (--val-conversations), the same training sequences and tokens as recorded (whatever path
-    names the same data), then the same validation records (older versions held out the first
-    records: resuming such a run would move records between the two sets)."""
+def recorded_training(out_dir: Path) -> dict | None:
+    """What the checkpoint of the run in `out_dir` records of its training (config.json's
+    `training`: data, validation records, --draft-vocab, --init-from, ...), or None before its
+    first saved step; MoaspecError naming the file when it cannot be read."""
     config_path = out_dir / "checkpoint" / "config.json"
     if not (out_dir / STATE_FILE).is_file() or not config_path.is_file():
-        return
+        return None
     try:
         training = json.loads(config_path.read_text()).get("training", {})
         if not isinstance(training, dict):
             raise ValueError("its 'training' is not an object")
     except (OSError, ValueError, AttributeError) as exc:
         raise MoaspecError(f"{config_path} is not a readable drafter config ({exc}); use a new --out") from None
+    return training
+
+
+def check_same_data(
+    out_dir: Path, training: dict | None, data_dirs: tuple[Path, ...], train_samples: list[TrainSample], val_indices: list[int]
+) -> None:
+    """A run resumes only on the data and validation records it started with (`training`: its
+    `recorded_training`, None for a new run): as many held out (--val-conversations), the same
+    training sequences and tokens as recorded (whatever path names the same data), then the same
+    validation records (older versions held out the first records: resuming such a run would
+    move records between the two sets)."""
+    if training is None:
+        return
     held = training.get("val_indices")
     if isinstance(held, list) and len(held) != len(val_indices):
         raise MoaspecError(
@@ -308,8 +320,9 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     samples = load_samples(spec.data_dirs, config.max_seq_len)  # the data's refusals before the target loads
     val_samples, train_samples = split_validation(samples, spec.val_conversations)
     val_indices = [sample.index for sample in val_samples]
-    check_same_data(spec.out_dir, spec.data_dirs, train_samples, val_indices)
-    if _finished(spec, config):
+    training = recorded_training(spec.out_dir)
+    check_same_data(spec.out_dir, training, spec.data_dirs, train_samples, val_indices)
+    if training is not None and _finished(spec, config, training):
         print(f"[moaspec] {spec.out_dir} is complete already ({config.steps} steps): nothing to train", file=sys.stderr)
         log_run(spec, config.steps, time.perf_counter() - started, "complete")
         return spec.out_dir / "checkpoint"
@@ -380,23 +393,19 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     return spec.out_dir / "checkpoint"
 
 
-def _finished(spec: RunSpec, config: TrainConfig) -> bool:
-    """Whether the run in `spec.out_dir` has done every step, validated the last and written its
-    checkpoint with this --draft-vocab and --init-from (not in the training config: a rerun that
-    changed them takes the full path, whose checks refuse a drafter of another shape); a rerun of
-    the same command then has nothing to do."""
+def _finished(spec: RunSpec, config: TrainConfig, training: dict) -> bool:
+    """Whether the run in `spec.out_dir` (its checkpoint's `recorded_training`) has done every
+    step, validated the last and was trained with this --draft-vocab and --init-from (not in the
+    training config: a rerun that changed them takes the full path, whose checks refuse a drafter
+    of another shape); a rerun of the same command then has nothing to do."""
     saved = saved_state(spec.out_dir)
-    config_path = spec.out_dir / "checkpoint" / "config.json"
-    if saved is None or saved["step"] < config.steps or not config_path.is_file():
+    if saved is None or saved["step"] < config.steps:
         return False
     last = saved["history"][-1] if saved["history"] else {}
-    try:
-        training = json.loads(config_path.read_text()).get("training", {})
-        initial = (training.get("init_from") or {}).get("path")
-    except (OSError, ValueError, AttributeError):
-        return False
+    initial = training.get("init_from")
+    recorded_init = initial.get("path") if isinstance(initial, dict) else initial
     given = None if spec.init_from is None else str(spec.init_from)
-    return "val_loss" in last and training.get("draft_vocab") == spec.draft_vocab and initial == given
+    return "val_loss" in last and training.get("draft_vocab") == spec.draft_vocab and recorded_init == given
 
 
 def log_run(spec: RunSpec, steps_done: int | None, wall_s: float, ended: str) -> None:
