@@ -287,8 +287,6 @@ def run_train(args: argparse.Namespace) -> int:
 def _inherit_architecture(args: argparse.Namespace, init_from: Path | None) -> None:
     """Fill MoA's architecture flags not given: those of --init-from's checkpoint when it is one of
     this --method (fine-tuning the shipped `moa` needs no --memory-layers 4), else the defaults."""
-    import json
-
     from moaspec.train.config import TrainConfig
 
     defaults = TrainConfig()
@@ -297,11 +295,8 @@ def _inherit_architecture(args: argparse.Namespace, init_from: Path | None) -> N
         "no_layer_attention": not defaults.layer_attention, "no_cross_attention": not defaults.cross_attention,
     }
     recorded: dict = {}
-    try:  # a damaged config.json is named when the weights load (read_checkpoint)
-        record = json.loads((init_from / "config.json").read_text()) if init_from is not None else None
-    except (OSError, ValueError):
-        record = None
-    if isinstance(record, dict):
+    record = _checkpoint_record(init_from)
+    if record:
         net = record.get("config") if record.get("method") == args.method else None
         if isinstance(net, dict):
             recorded = {
@@ -385,11 +380,21 @@ def add_data_parser(commands: argparse._SubParsersAction, default_target: str) -
     stats.add_argument("dir", help="a directory written by `moaspec data distill` or `moaspec data sharegpt`")
 
 
+def _checkpoint_record(directory: Path | None) -> dict:
+    """--init-from's config.json as far as it reads ({} for none, or one unreadable or not an
+    object: a damaged config is named when the weights load, read_checkpoint)."""
+    import json
+
+    try:
+        record = json.loads((directory / "config.json").read_text()) if directory is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def _initial_checkpoint(value: str, target_name: str, method: str) -> Path:
     """--init-from: a shipped drafter name, a checkpoint directory, or a run directory (its
     checkpoint/), of `method` where its config says (a damaged one is named when it loads)."""
-    import json
-
     from moaspec.drafters import checkpoint_directory, split_lookup
 
     base, lookup = split_lookup(value)
@@ -398,10 +403,7 @@ def _initial_checkpoint(value: str, target_name: str, method: str) -> Path:
     directory = checkpoint_directory(value, target_name)
     if not (directory / "config.json").is_file():
         raise MoaspecError(f"--init-from {value} is not a drafter checkpoint (no config.json)")
-    try:
-        recorded = json.loads((directory / "config.json").read_text()).get("method")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
+    recorded = _checkpoint_record(directory).get("method")
     if isinstance(recorded, str) and recorded != method:
         raise MoaspecError(
             f"--init-from {directory} holds a drafter of method '{recorded}', not '{method}': "
