@@ -37,18 +37,19 @@ def set_context_ms(target, length: int, path: str, generator: random.Random) -> 
     import torch
 
     import moaspec.targets.llamacpp as llamacpp
+    import moaspec.targets.llamacpp_prompt_paths as prompt_paths
 
     ids = torch.tensor([generator.randrange(100, 20_000) for _ in range(length)])
-    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start
+    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start
     llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if path == "prompt context" else length + 1
-    llamacpp.FLOAT_PREFILL_MIN_TOKENS = 2  # the float path needs a token besides the last
-    target._float_start = 2 if path == "float32 torch" else llamacpp.NEVER
+    prompt_paths.FLOAT_PREFILL_MIN_TOKENS = 2  # the float path needs a token besides the last
+    target._float_start = 2 if path == "float32 torch" else prompt_paths.NEVER
     try:
         started = time.perf_counter()
         target.set_context(ids)
         return (time.perf_counter() - started) * 1000
     finally:
-        llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start = thresholds
+        llamacpp.PROMPT_CONTEXT_MIN_TOKENS, prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start = thresholds
 
 
 def main() -> int:

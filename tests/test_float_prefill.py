@@ -138,10 +138,10 @@ def test_float_cells_are_a_sequence_state_llama_cpp_reads() -> None:
 
 def test_a_prompts_first_turn_ends_after_the_first_generation_prompt() -> None:
     from moaspec.chat import generation_prompt_ids
-    from moaspec.targets.llamacpp import _end_of_first
+    from moaspec.targets.llamacpp_prompt_paths import end_of_first
 
-    assert _end_of_first((7, 8), [1, 7, 8, 2, 7, 8]) == 3
-    assert _end_of_first((7, 8), [1, 7, 2, 8]) == 4  # none: the whole prompt
-    assert _end_of_first((), [1, 2, 3]) == 3
+    assert end_of_first((7, 8), [1, 7, 8, 2, 7, 8]) == 3
+    assert end_of_first((7, 8), [1, 7, 2, 8]) == 4  # none: the whole prompt
+    assert end_of_first((), [1, 2, 3]) == 3
     assert generation_prompt_ids(None) == ()
     assert generation_prompt_ids(SimpleNamespace(chat_template=None)) == ()

@@ -25,10 +25,10 @@ from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import (
     MAX_LEAVES,
     MAX_TREE_NODES,
-    PROMPT_CHUNK,
     PROMPT_CONTEXT_MIN_TOKENS,
     LlamaCppTarget,
 )
+from moaspec.targets.llamacpp_prompt_paths import PROMPT_CHUNK
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV, VALUE_CACHE_TYPES
 from moaspec.tree import DraftTree, ancestor_mask, depths, leaf_groups
 from moaspec.verify import verify_greedy
@@ -1390,7 +1390,7 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
     each move; an engine with a keys/values-reading drafter gives plain decoding's tokens across
     the moves."""
     require_exact_trees(llama_target)
-    import moaspec.targets.llamacpp as llamacpp
+    import moaspec.targets.llamacpp_contexts as llamacpp_contexts
 
     text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
     prompt = category_prompts["qa"][:length] if length >= PROMPT_CONTEXT_MIN_TOKENS else text[:length]
@@ -1399,7 +1399,7 @@ def test_a_context_that_grows_mid_generation_keeps_every_bit(llama_target, categ
     assert fresh.lib.llama_n_ctx(fresh.ctx) == 1280 and fresh.max_positions == llama_target.max_positions  # 1,024 + 128
     decoded = 512 - length + 48  # verified tokens that take the context well past 512 positions
     tokens, logits = plain_decode(llama_target, prompt, decoded + 10)
-    monkeypatch.setattr(llamacpp, "SESSION_CELLS_MIN", 256)
+    monkeypatch.setattr(llamacpp_contexts, "SESSION_CELLS_MIN", 256)
     target = llama_target.new_session()
     assert target.lib.llama_n_ctx(target.ctx) == 512  # 256 + TREE_HEADROOM, as llama.cpp rounds it up
     generator = random.Random(length)
@@ -1437,10 +1437,10 @@ def test_a_context_that_cannot_grow_leaves_an_empty_target(llama_target, categor
     """Bug (audit): when making the larger context failed (memory, a signal), the target kept its
     verified tokens with no context holding their cells, and the next call decoded after positions
     that had none: wrong logits, no error. Now the target is reset and the error raised."""
-    import moaspec.targets.llamacpp as llamacpp
+    import moaspec.targets.llamacpp_contexts as llamacpp_contexts
 
     text = [t for name in sorted(category_prompts) for t in category_prompts[name]]
-    monkeypatch.setattr(llamacpp, "SESSION_CELLS_MIN", 256)
+    monkeypatch.setattr(llamacpp_contexts, "SESSION_CELLS_MIN", 256)
     target = llama_target.new_session()
     target.prefill(torch.tensor(text[:200]))
     made = target._new_llama_context

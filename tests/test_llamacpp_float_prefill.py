@@ -18,8 +18,9 @@ from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
 from moaspec.engine import Engine
 from moaspec.errors import MoaspecError
-from moaspec.targets.llamacpp import FLOAT_CHUNK, LlamaCppTarget
+from moaspec.targets.llamacpp import LlamaCppTarget
 from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, NEVER, PREFILL_ENV
+from moaspec.targets.llamacpp_prompt_paths import FLOAT_CHUNK
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
 from moaspec.tree import DraftTree
 

@@ -12,11 +12,11 @@ from conftest import load_bench_script
 
 def test_each_case_times_the_path_it_names_and_restores_the_thresholds() -> None:
     from moaspec.api import load_target
-    from moaspec.targets import llamacpp
+    from moaspec.targets import llamacpp, llamacpp_prompt_paths
 
     script = load_bench_script("prompt_context_gain")
     target = load_target("smollm2-135m", runtime="llama.cpp", threads=2).new_session()
-    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start
+    thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp_prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start
     generator = random.Random(0)
     assert script.set_context_ms(target, 40, "prompt context", generator) > 0
     assert target._moved == 40 and len(target._prompt_tokens) == 40
@@ -24,7 +24,7 @@ def test_each_case_times_the_path_it_names_and_restores_the_thresholds() -> None
     assert target._moved == 0 and target.num_cached == 40
     assert script.set_context_ms(target, 40, "float32 torch", generator) > 0
     assert target._moved == 39 and len(target._float_cache.tokens) == 39
-    assert (llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp.FLOAT_PREFILL_MIN_TOKENS, target._float_start) == thresholds
+    assert (llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp_prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start) == thresholds
 
 
 def test_value_caches_are_checked_with_a_usage_message() -> None:

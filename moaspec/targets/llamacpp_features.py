@@ -23,6 +23,13 @@ What a decode captured for verified positions (keys/values, final hidden states)
 `VerifiedRows`, so a drafter reads it without decoding again. Both are kept in numpy, so a
 context keeps them without torch (a model drafter built in the background while the target
 decodes reads them when it joins: drafters/background.py).
+
+What `LlamaCppTarget` gives drafters (`DrafterFeatures`): hidden states after the final norm
+come with the logits (llama.cpp's embeddings output), where asked for or kept throughout
+(`keep_final_hidden`); per-layer keys/values through the eval callback for the layers a drafter
+asks for (`keep_layer_kv`). Both are kept for the verified tokens, in numpy. Other intermediate
+hidden states and the torch layers Target Layer Inference runs are not available on this
+runtime: drafters that need them are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -169,3 +178,91 @@ class VerifiedRows:
 
     def truncate(self, length: int) -> None:
         self.valid = min(self.valid, length)
+
+
+class DrafterFeatures:
+    """What a `LlamaCppTarget` (llamacpp.py) gives drafters (module docstring): keys/values of the
+    layers asked for, final hidden states, and the refusal of what this runtime cannot give. Its
+    methods use the target's state (`capture`, `_kv`, `_hidden`, ...)."""
+
+    def keep_layer_kv(self, layers: Sequence[int]) -> None:
+        """Capture the keys/values of `layers` from now on (a drafter that reads `layer_kv` asks
+        at its creation). Recreates the context with the eval callback: the context is reset."""
+        wanted = sorted(set(layers) | set(self.capture.layers if self.capture else ()))
+        if self.capture is not None and len(wanted) == len(self.capture.layers):
+            return
+        if not all(0 <= layer < self.num_layers for layer in wanted):
+            raise MoaspecError(f"layers {wanted} are not all in 0..{self.num_layers - 1}")
+        config = self.config
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.capture = CapturedKV(self.lib, wanted, num_kv_heads, self._head_dim)
+        self._drop_contexts()
+        self.reset()
+
+    def forget_layer_kv(self) -> None:
+        """Stop capturing keys/values (the eval callback costs time on every decode): a context
+        without the callback, reset."""
+        if self.capture is not None:
+            self.capture = None
+            self._drop_contexts()
+            self.reset()
+
+    def layer_kv(self, start: int, end: int, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """Per-layer keys (post-RoPE) and values of verified positions start..end-1, captured
+        while they were decoded (keep_layer_kv): [end - start, len(layers), 2 * n_kv * head_dim],
+        in the transformers runtime's layout (llamacpp_features.py)."""
+        if self.capture is None:
+            raise MoaspecError("this llama.cpp context does not capture keys/values (keep_layer_kv)")
+        if not 0 <= start <= end <= self.num_cached:
+            raise ValueError(f"positions {start}..{end} are not all verified ({self.num_cached})")
+        captured = self.capture.layers
+        layers = captured if layers is None else tuple(layers)
+        missing = sorted(set(layers) - set(captured))
+        if missing:
+            raise MoaspecError(f"layers {missing} are not captured (keep_layer_kv)")
+        index = [captured.index(layer) for layer in layers]
+        import torch  # a model drafter's read: it has loaded torch
+
+        return torch.from_numpy(self._kv.read(start, end)[:, index])
+
+    def keep_final_hidden(self) -> None:
+        """Keep the final hidden state of every verified token from now on, asked for or not (a
+        drafter built in the background reads them when it joins: `verified_hidden`). Every decode
+        then outputs llama.cpp's embeddings, and with them every token's logits."""
+        self.keeps_hidden = True
+
+    def forget_final_hidden(self) -> None:
+        """Keep final hidden states only where asked for again (`keep_final_hidden`)."""
+        self.keeps_hidden = False
+
+    def verified_hidden(self, start: int, end: int) -> torch.Tensor:
+        """The final hidden states of verified positions start..end-1, kept while they were decoded
+        (asked for, or since `keep_final_hidden`): [end - start, 1, D] float32, a copy."""
+        if not 0 <= start <= end <= min(self._hidden.valid, self.num_cached):
+            raise MoaspecError(
+                f"the hidden states of positions {start}..{end} are not kept "
+                f"({min(self._hidden.valid, self.num_cached)} are: keep_final_hidden)"
+            )
+        import torch  # a model drafter's read: it has loaded torch
+
+        return torch.from_numpy(self._hidden.read(start, end).copy())[:, None]
+
+    def _check_hidden(self, hidden_layers: tuple[int, ...]) -> None:
+        """Refuse hidden states this runtime cannot give; switch llama.cpp's embeddings output
+        (every token an output, logits included) on only when they are asked for or kept."""
+        if hidden_layers and tuple(hidden_layers) != (self.num_layers,):
+            raise MoaspecError(
+                f"the llama.cpp runtime provides the hidden state after the final norm (layer {self.num_layers}) "
+                f"only, not layers {list(hidden_layers)}: use the transformers runtime for this drafter "
+                "(`--runtime transformers`, `runtime='transformers'`)"
+            )
+        self._use_embeddings(self.ctx, self._stores_hidden(hidden_layers))
+
+    def _stores_hidden(self, hidden_layers: tuple[int, ...]) -> bool:
+        """Whether a decode keeps its tokens' final hidden states: asked for, or kept throughout."""
+        return bool(hidden_layers) or self.keeps_hidden
+
+    def _use_embeddings(self, ctx, wanted: bool) -> None:
+        if wanted != self._embeddings_on[ctx]:
+            self.lib.llama_set_embeddings(ctx, wanted)
+            self._embeddings_on[ctx] = wanted
