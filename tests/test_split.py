@@ -169,11 +169,9 @@ def test_the_server_verifies_sampled_trees_with_the_clients_laws(pair: SplitPair
     """A sampled tree reaches the verifier with the rows its drafter drew from, exactly (a server
     verifying them as point masses would be lossy, and the seeded test above cannot see it: the
     in-process run it compares with shares the verifier)."""
-    from moaspec.split.server import SplitServer
-
     sent, verified = [], []
-    read_tree = SplitServer._tree
-    monkeypatch.setattr(SplitServer, "_tree", lambda self, message: verified.append(read_tree(self, message)) or verified[-1])
+    parse_tree = wire.parse_tree
+    monkeypatch.setattr(wire, "parse_tree", lambda *args: verified.append(parse_tree(*args)) or verified[-1])
     propose = pair.client_drafter.propose
     monkeypatch.setattr(pair.client_drafter, "propose", lambda *args: sent.append(propose(*args)) or sent[-1])
     generation = GenerationConfig(max_new_tokens=16, seed=3)
@@ -389,7 +387,7 @@ class _KeptTarget:
 
 
 def test_idle_targets_go_back_to_their_key_as_they_are_and_to_another_key_emptied() -> None:
-    from moaspec.split.server import IdleTargets
+    from moaspec.split.idle_targets import IdleTargets
 
     idle = IdleTargets(capacity=2)
     first, second, third = _KeptTarget(), _KeptTarget(), _KeptTarget()
@@ -447,8 +445,8 @@ def test_sampled_trees_are_cut_to_the_servers_drafter_probability_limit(monkeypa
     limit = 2 * vocab + 1  # about two full rows
     made = SplitPair("moa", TreeConfig(depth=3, top_k=2, budget=5, sampled=True), ServerLimits(max_draft_prob_entries=limit))
     verified = []
-    read_tree = SplitServer._tree
-    monkeypatch.setattr(SplitServer, "_tree", lambda self, message: verified.append(read_tree(self, message)) or verified[-1])
+    parse_tree = wire.parse_tree
+    monkeypatch.setattr(wire, "parse_tree", lambda *args: verified.append(parse_tree(*args)) or verified[-1])
     try:
         generation = GenerationConfig(max_new_tokens=16, seed=3)
         result = made.generator(context_dtype="f32").generate(PROMPT, SamplingConfig(temperature=0.9), generation)

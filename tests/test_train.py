@@ -596,7 +596,7 @@ def test_a_second_interrupt_while_the_first_ones_save_runs_waits_for_it(tmp_path
 
 def test_a_damaged_state_is_one_error_naming_it(tmp_path) -> None:
     """An audit's: a truncated or foreign train_state.pt ended `moaspec train` in torch's traceback."""
-    from moaspec.train.trainer import saved_state
+    from moaspec.train.train_state import saved_state
 
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
     config = TrainConfig(method="moa", steps=2, batch_size=1, warmup_steps=1, val_every=100, ckpt_every=1)

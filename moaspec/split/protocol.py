@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from moaspec.serving.strict_json import ProtocolError, parse_json
+from moaspec.tree import DraftTree, leaf_groups
 
 PROTOCOL_VERSION = 1
 MSGPACK = "application/msgpack"
@@ -33,6 +34,7 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
 CONTEXT_DTYPES = ("f16", "i8", "f32")  # what a client may ask the context to be sent as
 MAX_TENSOR_ELEMENTS = 1 << 24
 MAX_STOP_IDS = 64  # an open request's stop_ids
+DRAFT_PROB_SLACK = 1e-6  # rounding allowed above 1 in a node's drafter distribution
 
 
 # -- body codecs --------------------------------------------------------------------------------
@@ -253,3 +255,51 @@ def parse_verification(message: dict, vocab_size: int, num_nodes: int, num_token
     if not isinstance(closed, bool):
         raise ProtocolError("'closed' must be a boolean")
     return Verification(path, next_token, start_pos, context, server_s, closed)
+
+
+def parse_tree(
+    message: dict, vocab_size: int, max_nodes: int, max_leaves: int | None, max_draft_prob_entries: int
+) -> DraftTree:
+    """A verify request's draft tree: `token_ids` [N] (at most `max_nodes`), `parents` [N] (-1 for
+    the root), and, for a stochastic verifier, the drafter's sparse distributions (`draft_ids`,
+    `draft_probs`: `parse_draft_probs`); at most `max_leaves` leaves (None: any). ProtocolError
+    naming what is wrong."""
+    token_ids = get_ids(message, "token_ids", vocab_size, 1, max_nodes)
+    parents = message.get("parents")
+    if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(
+        isinstance(p, int) and not isinstance(p, bool) and -1 <= p < len(token_ids) for p in parents
+    ):
+        raise ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
+    draft_probs = None
+    if "draft_probs" in message:
+        draft_probs = parse_draft_probs(message, len(token_ids), vocab_size, max_draft_prob_entries)
+    try:
+        tree = DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from exc
+    if max_leaves is not None and len(leaf_groups(tree.parents)[0]) > max_leaves:
+        raise ProtocolError(f"a tree may have at most {max_leaves} leaves on this server ('max_tree_leaves')")
+    return tree
+
+
+def parse_draft_probs(message: dict, num_nodes: int, vocab_size: int, max_entries: int) -> torch.Tensor:
+    """Sparse per-node drafter distributions (`draft_ids`: a list of token ids per node,
+    `draft_probs`: their probabilities, float64, at most `max_entries`) -> dense [N, V] float64 rows."""
+    ids = message.get("draft_ids")
+    if not isinstance(ids, list) or len(ids) != num_nodes or not all(isinstance(row, list) for row in ids):
+        raise ProtocolError("'draft_ids' must hold one list of token ids per node")
+    lengths = [len(row) for row in ids]
+    if sum(lengths) > max_entries:
+        raise ProtocolError(f"more than {max_entries} drafter probabilities")
+    flat_ids = get_ids({"ids": [t for row in ids for t in row]}, "ids", vocab_size, 0, sum(lengths))
+    values = decode_tensor(message["draft_probs"], "draft_probs", max_entries)
+    if values.dtype != torch.float64 or values.shape != (len(flat_ids),):
+        raise ProtocolError("'draft_probs' must be float64 with one value per draft id")
+    if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
+        raise ProtocolError("'draft_probs' must be finite and non-negative")
+    dense = torch.zeros(num_nodes, vocab_size, dtype=torch.float64)
+    rows = torch.repeat_interleave(torch.arange(num_nodes), torch.tensor(lengths, dtype=torch.long))
+    dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values
+    if bool((dense.sum(dim=1) > 1.0 + DRAFT_PROB_SLACK).any()):
+        raise ProtocolError("each node's 'draft_probs' must be a distribution: they sum to more than 1")
+    return dense

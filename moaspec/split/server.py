@@ -47,16 +47,16 @@ from moaspec.serving.strict_json import ProtocolError
 from moaspec.session import TargetSession, resumed_seed
 from moaspec.split import protocol as wire
 from moaspec.split.budget import Reservation, SessionBudget
+from moaspec.split.idle_targets import IdleTargets
 from moaspec.split.loop_thread import LoopThread
 from moaspec.targets.base import Target
-from moaspec.tree import DraftTree, depths, leaf_groups
+from moaspec.tree import depths
 
 if TYPE_CHECKING:
     import ssl
 
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
-DRAFT_PROB_SLACK = 1e-6  # rounding allowed above 1 in a node's drafter distribution
 logger = logging.getLogger("moaspec.serve")
 # target sessions kept after their split session ends (IdleTargets): on SmolLM2-135M a llama.cpp
 # context holds ~17 KB of cache a cell, up to ~155 MB once grown to 8,192 positions
@@ -72,45 +72,6 @@ class HTTPError(APIError):
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(status, message, None, code)
-
-
-class IdleTargets:
-    """Target sessions whose split session ended, kept for the next ones, most recent first.
-
-    Only targets that keep what a new prompt shares with their context (`keeps_shared_start`,
-    llama.cpp) are kept: a llama.cpp context costs ~100 ms to create, and one holding a key's
-    previous turn lets the next turn's prefill skip what the two share (where that is bit for bit:
-    not on GGUFs whose products change with the batch size, which prefill afresh). Of those large enough for
-    the new session (a session's context is sized to its reservation), a key gets back its own
-    most recent one as it is; otherwise the oldest one, emptied first (`reset` on the worker), so
-    no cache content ever crosses keys. At most `capacity` are kept; the reaper drops stale ones.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.entries: list[tuple[int, Target, float]] = []  # (key index, target, released at)
-
-    def put(self, key_index: int, target: Target) -> None:
-        if target.keeps_shared_start and self.capacity > 0:
-            self.entries.insert(0, (key_index, target, time.monotonic()))
-            del self.entries[self.capacity :]
-
-    def take(self, key_index: int, positions: int) -> tuple[Target, bool] | None:
-        """A kept target holding `positions` or more -> (it, whether it must be reset before use),
-        or None when none is kept."""
-        fitting = [index for index, (_, target, _) in enumerate(self.entries) if target.max_positions >= positions]
-        for index in fitting:
-            if self.entries[index][0] == key_index:
-                return self.entries.pop(index)[1], False
-        if fitting:
-            return self.entries.pop(fitting[-1])[1], True
-        return None
-
-    def expire(self, released_before: float) -> None:
-        self.entries = [entry for entry in self.entries if entry[2] >= released_before]
-
-    def clear(self) -> None:
-        self.entries.clear()
 
 
 class ModelFailed(Exception):
@@ -390,7 +351,10 @@ class SplitServer:
             return _reply(request, session.last_reply)  # a retry after a lost reply: same answer
         if seq != session.next_seq:
             raise HTTPError(409, "out_of_order", f"expected request seq {session.next_seq}, got {seq}")
-        tree = self._tree(message)
+        tree = wire.parse_tree(
+            message, self.target.vocab_size, self.limits.max_tree_nodes, self.info["max_tree_leaves"],
+            self.limits.max_draft_prob_entries,
+        )
         if int(tree.token_ids[0]) != session.root_id:
             raise HTTPError(409, "wrong_root", "the tree's root is not the last token this session emitted")
         depth = int(depths(tree.parents).max())
@@ -508,45 +472,6 @@ class SplitServer:
         if session is None or session.key_index != request[KEY_INDEX]:
             raise HTTPError(404, "no_session", "no such session (expired, closed or the server restarted)")
         return session
-
-    def _tree(self, message: dict) -> DraftTree:
-        limit = self.limits.max_tree_nodes
-        token_ids = wire.get_ids(message, "token_ids", self.target.vocab_size, 1, limit)
-        parents = message.get("parents")
-        if not isinstance(parents, list) or len(parents) != len(token_ids) or not all(
-            isinstance(p, int) and not isinstance(p, bool) and -1 <= p < len(token_ids) for p in parents
-        ):
-            raise ProtocolError("'parents' must hold one node index (or -1 for the root) per node")
-        draft_probs = self._draft_probs(message, len(token_ids)) if "draft_probs" in message else None
-        try:
-            tree = DraftTree(torch.tensor(token_ids), torch.tensor(parents), draft_probs)
-        except ValueError as exc:
-            raise ProtocolError(str(exc)) from exc
-        max_leaves = self.info["max_tree_leaves"]
-        if max_leaves is not None and len(leaf_groups(tree.parents)[0]) > max_leaves:
-            raise ProtocolError(f"a tree may have at most {max_leaves} leaves on this server ('max_tree_leaves')")
-        return tree
-
-    def _draft_probs(self, message: dict, num_nodes: int) -> torch.Tensor:
-        """Sparse per-node drafter distributions -> dense [N, V] float64 rows."""
-        ids = message.get("draft_ids")
-        if not isinstance(ids, list) or len(ids) != num_nodes or not all(isinstance(row, list) for row in ids):
-            raise ProtocolError("'draft_ids' must hold one list of token ids per node")
-        lengths = [len(row) for row in ids]
-        if sum(lengths) > self.limits.max_draft_prob_entries:
-            raise ProtocolError(f"more than {self.limits.max_draft_prob_entries} drafter probabilities")
-        flat_ids = wire.get_ids({"ids": [t for row in ids for t in row]}, "ids", self.target.vocab_size, 0, sum(lengths))
-        values = wire.decode_tensor(message["draft_probs"], "draft_probs", self.limits.max_draft_prob_entries)
-        if values.dtype != torch.float64 or values.shape != (len(flat_ids),):
-            raise ProtocolError("'draft_probs' must be float64 with one value per draft id")
-        if not bool(torch.isfinite(values).all()) or bool((values < 0).any()):
-            raise ProtocolError("'draft_probs' must be finite and non-negative")
-        dense = torch.zeros(num_nodes, self.target.vocab_size, dtype=torch.float64)
-        rows = torch.repeat_interleave(torch.arange(num_nodes), torch.tensor(lengths, dtype=torch.long))
-        dense[rows, torch.tensor(flat_ids, dtype=torch.long)] = values
-        if bool((dense.sum(dim=1) > 1.0 + DRAFT_PROB_SLACK).any()):
-            raise ProtocolError("each node's 'draft_probs' must be a distribution: they sum to more than 1")
-        return dense
 
     async def _read(self, request: web.Request) -> dict:
         body = await read_body(request, self.limits.body_timeout_s)

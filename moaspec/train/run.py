@@ -30,7 +30,8 @@ from moaspec.errors import MoaspecError
 from moaspec.train.config import TrainConfig
 from moaspec.train.distill import check_data_target, read_manifest
 from moaspec.train.features import TrainSample
-from moaspec.train.trainer import STATE_FILE, check_resumable, kv_layers_read, saved_state, train
+from moaspec.train.train_state import STATE_FILE, check_resumable, saved_state
+from moaspec.train.trainer import kv_layers_read, train
 
 if TYPE_CHECKING:
     from moaspec.nn.drafter_net import DrafterNet

@@ -1,6 +1,6 @@
 """Drafter training loop (nanoGPT-style): online target features, MoA anchors and staircase
 curriculum, AdamW with warm-up and decay, clipping, validation (teacher-forced accuracy per
-depth, and a short τ measurement: tau_probe.py), checkpoints and resume.
+depth, and a short τ measurement: tau_probe.py), checkpoints and resume (train_state.py).
 
 MoA (moa_reference.md §2.2): per sequence draw T in [anchor_min, anchor_max]; every position
 outside the learned spans (prompt, user turns) and every span position with index % T == 0 is an
@@ -26,13 +26,12 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moaspec.config import TreeConfig
-from moaspec.errors import MoaspecError, first_line
 from moaspec.nn.target_layers import check_tli_layers
 from moaspec.nn.target_parts import TargetParts
 from moaspec.signals import signals_held
@@ -41,15 +40,7 @@ from moaspec.train.config import TrainConfig
 from moaspec.train.features import FeatureSource, OnlineFeatures, TargetFeatures, TrainSample
 from moaspec.train.losses import LossParts, drafter_loss
 from moaspec.train.tau_probe import measure_tau
-
-STATE_FILE = "train_state.pt"
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    history: list[dict] = field(default_factory=list)
-    train_wall_s: float = 0.0  # time spent in train() over all resumed calls
+from moaspec.train.train_state import TrainState, resume_state, save_state
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -429,19 +420,9 @@ def train(
     for param in target.model.parameters():
         param.requires_grad_(False)
     optimizer = torch.optim.AdamW(net.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    state = TrainState()
     rng = random.Random(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
-    state_path = out_dir / STATE_FILE
-    if state_path.is_file():
-        saved = _read_state(state_path, mmap=False)
-        _check_same_config(saved, config, state_path)
-        _check_same_network(saved, net, state_path)
-        net.load_state_dict(saved["net"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = TrainState(saved["step"], saved["history"], saved.get("train_wall_s", 0.0))
-        rng.setstate(saved["python_rng"])
-        generator.set_state(saved["torch_rng"])
+    state = resume_state(out_dir, config, net, optimizer, rng, generator)
     bar = tqdm(total=config.steps, initial=state.step, disable=not progress, desc=f"train {config.method}", unit="step")
     run_started = time.perf_counter()
     wall_before = state.train_wall_s
@@ -465,24 +446,11 @@ def train(
                 group["lr"] = learning_rate(config, state.step)
             staircase_p = staircase_probability(config, state.step)
             optimizer.zero_grad(set_to_none=True)
-            totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
             draws = [
                 draw_sequence(train_samples, config, staircase_p, rng, generator, net.config.hidden_size)
                 for _ in range(config.batch_size)
             ]
-            for sequences in micro_batches(draws, micro_batch):
-                features = [
-                    features_on(one, device)
-                    for one in source.batch_features([draw.sample for draw in sequences], config.tli_layers, kv_layers_read(net, config))
-                ]
-                with mixed_precision(device, autocast):
-                    parts_loss = batch_loss(net, parts, sequences, features, config)
-                share = len(sequences) / config.batch_size  # the step's loss is the mean over its sequences
-                (parts_loss.total * share).backward()
-                totals["loss"] += float(parts_loss.total.detach()) * share
-                totals["ce"] += float(parts_loss.soft_ce) * share
-                totals["feat"] += float(parts_loss.feature) * share
-                totals["top1"] += float(parts_loss.top1) * share
+            totals = _accumulate_gradients(net, parts, source, draws, config, micro_batch, device, autocast)
             num_tokens = sum(draw.sample.input_ids.numel() for draw in draws)
             grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
             with signals_held():  # an update cut half-way would be saved as the step before it
@@ -512,6 +480,28 @@ def train(
     return state
 
 
+def _accumulate_gradients(
+    net: torch.nn.Module, parts: TargetParts, source: FeatureSource, draws: list[Draw], config: TrainConfig,
+    micro_batch: int, device: torch.device, autocast: bool,
+) -> dict[str, float]:
+    """Backpropagate one step's loss, the mean over its `draws`, `micro_batch` sequences per forward
+    pass. -> the step's mean loss, soft CE, feature loss and top-1 ({"loss", "ce", "feat", "top1"})."""
+    totals = {"loss": 0.0, "ce": 0.0, "feat": 0.0, "top1": 0.0}
+    for sequences in micro_batches(draws, micro_batch):
+        samples = [draw.sample for draw in sequences]
+        batch = source.batch_features(samples, config.tli_layers, kv_layers_read(net, config))
+        features = [features_on(one, device) for one in batch]
+        with mixed_precision(device, autocast):
+            parts_loss = batch_loss(net, parts, sequences, features, config)
+        share = len(sequences) / len(draws)  # the step's loss is the mean over its sequences
+        (parts_loss.total * share).backward()
+        totals["loss"] += float(parts_loss.total.detach()) * share
+        totals["ce"] += float(parts_loss.soft_ce) * share
+        totals["feat"] += float(parts_loss.feature) * share
+        totals["top1"] += float(parts_loss.top1) * share
+    return totals
+
+
 def _validates_at(step: int, config: TrainConfig) -> bool:
     return step % config.val_every == 0 or step == config.steps
 
@@ -534,132 +524,6 @@ def _validate_step(record: dict, net, parts, source, val_samples, config: TrainC
         figures["val_tau"] = round(measure_tau(net, config.method, target, val_samples, TreeConfig(**(tree or {}))), 4)
     record.update(figures)
     bar.write(json.dumps({k: float(f"{v:.4g}") if k == "lr" else round(v, 4) if isinstance(v, float) else v for k, v in record.items()}))
-
-
-def check_resumable(out_dir: Path, config: TrainConfig) -> None:
-    """ValueError naming the changed settings when `out_dir` holds a run begun with another
-    config (checked before the features are prepared: a feature cache of other layers would
-    otherwise be the first complaint)."""
-    saved = saved_state(out_dir)
-    if saved is not None:
-        _check_same_config(saved, config, out_dir / STATE_FILE)
-
-
-def saved_state(out_dir: Path) -> dict | None:
-    """The resumable state in `out_dir` memory-mapped, for its config and step without reading
-    its weights and optimizer state (train() loads those); None when there is none yet."""
-    state_path = out_dir / STATE_FILE
-    if not state_path.is_file():
-        return None
-    return _read_state(state_path, mmap=True)
-
-
-STATE_KEYS = ("config", "net", "optimizer", "step", "history", "python_rng", "torch_rng")
-
-
-def _read_state(state_path: Path, mmap: bool) -> dict:
-    """The saved state at `state_path`; MoaspecError naming it when it is damaged (truncated,
-    not torch's, lacking a field)."""
-    try:
-        saved = torch.load(state_path, weights_only=False, map_location="cpu", mmap=mmap)
-    except Exception as exc:  # noqa: BLE001  torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
-        saved, problem = None, first_line(exc)
-    else:
-        missing = [key for key in STATE_KEYS if key not in saved] if isinstance(saved, dict) else ["a dict"]
-        problem = f"no {', '.join(missing)}" if missing else None
-    if problem is not None:
-        raise MoaspecError(
-            f"{state_path} is not a readable training state ({problem}); remove it to start the run again "
-            "(--init-from its checkpoint keeps the weights)"
-        )
-    return saved
-
-
-def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
-    written, wanted = {**defaults, **saved["config"]}, asdict(config)
-    if written != wanted:
-        raise ValueError(
-            f"{state_path} was written with another training config ({', '.join(_changes(written, wanted))}); "
-            "rerun with the same options to resume, continue a finished run with --init-from it and a new --out"
-        )
-
-
-def _changes(written: dict, wanted: dict) -> list[str]:
-    """'key old -> new' for every setting of `wanted` that `written` holds otherwise."""
-    return [f"{key} {written.get(key)} -> {wanted[key]}" for key in sorted(wanted) if written.get(key) != wanted[key]]
-
-
-def _check_same_network(saved: dict, net, state_path: Path) -> None:
-    """ValueError naming what differs when the saved drafter is not of `net`'s shape (the network
-    settings, e.g. --draft-vocab or --memory-layers, changed since the run began)."""
-    wanted = net.config.to_dict()
-    written = saved.get("net_config")
-    if written is not None and written != wanted:
-        changes = _changes(written, wanted)
-    else:  # states saved before net_config: compare the tensors' shapes
-        current = net.state_dict()
-        changes = [
-            f"{name} {tuple(tensor.shape)} -> {tuple(current[name].shape) if name in current else 'absent'}"
-            for name, tensor in saved["net"].items()
-            if name not in current or current[name].shape != tensor.shape
-        ]
-    if changes:
-        raise ValueError(
-            f"{state_path} holds a drafter of another shape ({', '.join(changes)}): the network settings "
-            "(--draft-vocab, --memory-layers, --tli-layers, ...) changed; rerun with the same options to resume"
-        )
-
-
-def save_state(
-    net: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-    config: TrainConfig,
-    rng: random.Random,
-    generator: torch.Generator,
-    out_dir: Path,
-    target: HFTarget,
-    tree: dict | None,
-    provenance: dict | None,
-) -> None:
-    """The resumable state (fp32) and a float16 drafter checkpoint with the full config, written
-    with signals held: a second Ctrl-C while the first one's save runs waits for it."""
-    with signals_held():
-        _write_state(net, optimizer, state, config, rng, generator, out_dir)
-        training = {
-            "train_config": asdict(config), "step": state.step, "train_wall_s": round(state.train_wall_s, 1),
-            "last": state.history[-1] if state.history else {}, **(provenance or {}),
-        }
-        net.save_pretrained(out_dir / "checkpoint", target, tree=tree, training=training)
-
-
-def _write_state(
-    net: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, config: TrainConfig,
-    rng: random.Random, generator: torch.Generator, out_dir: Path,
-) -> None:
-    """train_state.pt, through a hidden staging file that no end leaves behind."""
-    staging = out_dir / f".{STATE_FILE}.tmp"  # hidden: a run directory may hold it (--out's check)
-    state_record = {
-        "config": asdict(config),
-        "net_config": net.config.to_dict(),  # the network's shape: a resume must build the same
-        "net": net.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": state.step,
-        "history": state.history,
-        "train_wall_s": state.train_wall_s,
-        "python_rng": rng.getstate(),
-        "torch_rng": generator.get_state(),
-    }
-    try:
-        torch.save(state_record, staging)
-        staging.replace(out_dir / STATE_FILE)
-    except (OSError, RuntimeError) as exc:  # a full disk surfaces as torch's RuntimeError ("unexpected pos")
-        raise MoaspecError(
-            f"cannot write the training state into {out_dir} ({first_line(exc)}); the run resumes from its last saved step"
-        ) from None
-    finally:
-        staging.unlink(missing_ok=True)
 
 
 __all__ = [
