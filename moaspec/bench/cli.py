@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -343,15 +344,23 @@ def run_tune(args: argparse.Namespace) -> int:
         f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len}{capped})...",
         file=sys.stderr,
     )
-    verify = measure_verify(target, context_len, args.repeats)
+    bars = _PartBars()
+    try:
+        verify = measure_verify(target, context_len, args.repeats, progress=partial(bars, "verify costs"))
+    finally:
+        bars.close()
     irregular = verify.irregularity()
     if irregular is not None:
         print(f"moaspec: warning: {irregular}", file=sys.stderr)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
-        result = tune_drafter(
-            drafters[spec], target, verify, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
-        )
+        try:
+            result = tune_drafter(
+                drafters[spec], target, verify, context_len, args.repeats, args.top1_rate, prompts,
+                args.calibration_tokens, bars,
+            )
+        finally:
+            bars.close()
         print(_tune_table(spec, result))
         if result.best.tokens_per_s < result.plain_tokens_per_s:
             print(
@@ -373,6 +382,28 @@ def run_tune(args: argparse.Namespace) -> int:
             where = "GPU" if device_kind(args.device) == "cuda" else "CPU"
             print(f"saved: {path} (used by default for this drafter and target on a {where}; see moaspec/tuned.py)\n")
     return 0
+
+
+class _PartBars:
+    """tune's progress on stderr: a tqdm bar per measured part, `bars(what, done, total)` after
+    each of its jobs; a part's bar closes when it completes (or at `close`, when it stopped early)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=what, unit="run", file=sys.stderr, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _tune_table(spec: str, result) -> str:
