@@ -217,10 +217,13 @@ def shard_files(out_dir: Path) -> list[Path]:
     return sorted(out_dir.glob("shard-*.jsonl"))
 
 
-def read_shards(out_dir: str | Path, fields: dict[str, type] | None = None) -> list[dict]:
+def read_shards(
+    out_dir: str | Path, fields: dict[str, type] | Callable[[dict], dict[str, type]] | None = None
+) -> list[dict]:
     """All records of a data directory, in write order; MoaspecError naming the file and line of
-    one that is not UTF-8 JSON, not a JSON object, or lacks one of `fields` (name: type)."""
-    records = []
+    one that is not UTF-8 JSON, not a JSON object, or lacks one of `fields` (name: type; or a
+    function of the first record giving them for every record, as `record_fields`)."""
+    records, wanted = [], fields
     for path in shard_files(Path(out_dir)):
         try:
             handle = path.open("rb")  # lines decoded one by one: a decoding error names its line
@@ -237,7 +240,9 @@ def read_shards(out_dir: str | Path, fields: dict[str, type] | None = None) -> l
                 if not isinstance(record, dict):
                     found = type(record).__name__
                     raise MoaspecError(f"{path}:{number} is not a record (a JSON {found}, not an object)")
-                wrong = [name for name, kind in (fields or {}).items() if not isinstance(record.get(name), kind)]
+                if callable(wanted):
+                    wanted = wanted(record)  # a directory holds one kind of data: the first record's
+                wrong = [name for name, kind in (wanted or {}).items() if not isinstance(record.get(name), kind)]
                 if wrong:
                     raise MoaspecError(
                         f"{path}:{number} is not a record of this data ({', '.join(wrong)} missing or mistyped)"
@@ -377,6 +382,11 @@ _KINDS = {  # settings["kind"] -> (command, record fields, totals reported)
     None: ("data distill", DISTILL_FIELDS, ("num_records", "response_tokens")),
     "teacher-forced": ("data sharegpt", TEACHER_FORCED_FIELDS, ("num_records", "tokens", "assistant_tokens")),
 }
+
+
+def record_fields(record: dict) -> dict[str, type]:
+    """The fields of the kind of data `record` is: teacher-forced when its mode says so, else distilled."""
+    return _KINDS["teacher-forced" if record.get("mode") == "teacher-forced" else None][1]
 
 
 def read_manifest(directory: Path) -> dict:
