@@ -657,6 +657,30 @@ class _ChatTokenizer:
         return {"input_ids": ids + ([5, 2] if add_generation_prompt else [])}
 
 
+def test_distill_with_no_prompt_that_fits_stops_before_the_target_loads(tmp_path, monkeypatch, capsys) -> None:
+    """An audit's (journal): `--max-prompt-tokens` that no prompt fits was refused ~45 s in, after
+    the target had loaded; the selection needs only its tokenizer, so now it comes before."""
+    import moaspec.api
+
+    conversations = [_conv("a", "four"), _conv("b", "three"), _conv("c", "seven!!")]
+    monkeypatch.setattr(sg, "load_training_conversations", lambda log: (conversations, {"kept": 3}))
+    monkeypatch.setattr(sg, "sharegpt_path", lambda: tmp_path)
+    # load_tokenizer first: importing moaspec.api binds the real resolve_target into targets/load.py
+    monkeypatch.setattr(moaspec.api, "load_tokenizer", lambda directory: _ChatTokenizer())
+    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: ("tiny", tmp_path))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompts were selected")
+
+    monkeypatch.setattr(moaspec.api, "load_target", no_loading)
+    out = tmp_path / "out"
+    assert main(["data", "distill", "--out", str(out), "--max-prompt-tokens", "6"]) == EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("moaspec: error: no prompts to distil: none of the 3 distinct prompts fits "
+                       "--max-prompt-tokens 6 (the shortest has 9 tokens)")  # <start> user f o u r <end> <start> asst
+    assert not out.exists()
+
+
 def test_an_interrupted_sharegpt_run_is_flagged_and_resumes(tmp_path, monkeypatch, capsys) -> None:
     """An audit's: `data sharegpt` stopped while writing its shards left them without a manifest:
     `data stats` showed them as whole, `train --data` took them without its note, and the same

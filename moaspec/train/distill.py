@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.chat import encode_chat_prompt
-from moaspec.errors import MoaspecError
+from moaspec.errors import MoaspecError, first_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -480,17 +480,25 @@ def run_distill(
         log_progress(f"{out_dir} is complete already: nothing to distil")
         return previous  # no model loaded, nothing counted in the manifest's time
 
-    from moaspec.api import load_target
+    from moaspec.api import load_target, load_tokenizer
+    from moaspec.model_store import resolve_target
     from moaspec.train.sharegpt import load_training_conversations
 
     conversations, data_counts = load_training_conversations(log_progress)
-    # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
-    # on 2 cores (eager only wins at batch 1).
-    loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
-    tokenizer, model = loaded.tokenizer, loaded.model.to(device)
+    # The prompts are chosen by the target's tokenizer alone (the one load_target reads), so a
+    # selection of none is refused before the model loads.
+    _, model_dir = resolve_target(target)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MoaspecError(f"cannot load target {target}: {first_line(exc)}") from exc
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     if not prompts:
         raise no_prompts_error(conversations, tokenizer, config, prompt_counts)
+    # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
+    # on 2 cores (eager only wins at batch 1).
+    loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
+    model = loaded.model.to(device)
     out_dir.mkdir(exist_ok=True)  # only now: a refused target or selection leaves no directory
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)
