@@ -661,13 +661,12 @@ def test_distill_with_no_prompt_that_fits_stops_before_the_target_loads(tmp_path
     """An audit's (journal): `--max-prompt-tokens` that no prompt fits was refused ~45 s in, after
     the target had loaded; the selection needs only its tokenizer, so now it comes before."""
     import moaspec.api
+    import moaspec.targets.load
 
     conversations = [_conv("a", "four"), _conv("b", "three"), _conv("c", "seven!!")]
     monkeypatch.setattr(sg, "load_training_conversations", lambda log: (conversations, {"kept": 3}))
     monkeypatch.setattr(sg, "sharegpt_path", lambda: tmp_path)
-    # load_tokenizer first: importing moaspec.api binds the real resolve_target into targets/load.py
-    monkeypatch.setattr(moaspec.api, "load_tokenizer", lambda directory: _ChatTokenizer())
-    monkeypatch.setattr("moaspec.model_store.resolve_target", lambda name: ("tiny", tmp_path))
+    monkeypatch.setattr(moaspec.targets.load, "target_tokenizer", lambda spec: ("tiny", _ChatTokenizer()))
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the target was loaded before the prompts were selected")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.chat import encode_chat_prompt
-from moaspec.errors import MoaspecError, first_line
+from moaspec.errors import MoaspecError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -480,18 +480,14 @@ def run_distill(
         log_progress(f"{out_dir} is complete already: nothing to distil")
         return previous  # no model loaded, nothing counted in the manifest's time
 
-    from moaspec.api import load_target, load_tokenizer
-    from moaspec.model_store import resolve_target
+    from moaspec.api import load_target
+    from moaspec.targets.load import target_tokenizer
     from moaspec.train.sharegpt import load_training_conversations
 
     conversations, data_counts = load_training_conversations(log_progress)
     # The prompts are chosen by the target's tokenizer alone (the one load_target reads), so a
     # selection of none is refused before the model loads.
-    _, model_dir = resolve_target(target)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except (OSError, ValueError, KeyError) as exc:
-        raise MoaspecError(f"cannot load target {target}: {first_line(exc)}") from exc
+    _, tokenizer = target_tokenizer(target)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     if not prompts:
         raise no_prompts_error(conversations, tokenizer, config, prompt_counts)
