@@ -239,11 +239,15 @@ def _generate(args: argparse.Namespace) -> int:
         from moaspec.split.commands import read_api_keys
 
         require_modules("serve", SPLIT_CLIENT_MODULES, "a split client (generate --server)")
-        server_address(args.server)
+        scheme, _, _ = server_address(args.server)
         if not args.timeout > 0:
             raise MoaspecError("--timeout must be > 0")
         if not args.offline_deadline_s >= 0:
             raise MoaspecError("--offline-deadline-s must be >= 0")
+        if not 0.0 <= args.offline_min_prob <= 1.0:
+            raise MoaspecError(f"--offline-min-prob must be in [0, 1], got {args.offline_min_prob:g}")
+        if args.cafile is not None and scheme != "https":
+            raise MoaspecError("--cafile applies to an https:// server (it verifies the server's certificate)")
         api_key = read_api_keys(args.api_key_file)[0]
     from moaspec.targets.options import runtime_options
 
