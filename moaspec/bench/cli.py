@@ -126,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # 2. load and run
     load_library_held()
     import moaspec.api
-    from moaspec.bench.methods import build_method, llama_cpp_threads, needs_hf_copy
+    from moaspec.bench.methods import build_method, needs_hf_copy
     from moaspec.bench.runner import run_benchmark
 
     target = moaspec.api.load_target(args.target, **options)
@@ -145,7 +145,26 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
     # 3. report
-    config = {
+    config = _run_config(args, target, options, categories, specs, methods, calibration)
+    results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
+    print(render_markdown(results), end="")
+    irregular = timing_warning(results)
+    if irregular:
+        print(f"moaspec: warning: {irregular}", file=sys.stderr)
+    if results["mismatches"]:
+        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def _run_config(
+    args: argparse.Namespace, target, options: dict, categories: tuple[str, ...], specs: list, methods: list,
+    calibration: dict | None,
+) -> dict:
+    """results.json's `config`: what the run compared, on which target, runtime and trees."""
+    from moaspec.bench.methods import llama_cpp_threads
+
+    return {
         "target": target.name,
         "runtime": target.runtime,
         "dtype": options["dtype"] if target.runtime == "transformers" else None,  # --dtype
@@ -163,15 +182,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "weight_layout": target.weight_layout,
         "tree_limit": _tree_limit(target),
     }
-    results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
-    print(render_markdown(results), end="")
-    irregular = timing_warning(results)
-    if irregular:
-        print(f"moaspec: warning: {irregular}", file=sys.stderr)
-    if results["mismatches"]:
-        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
-        return EXIT_MISMATCH
-    return 0
 
 
 def _calibrated_default(target):
