@@ -225,43 +225,22 @@ def _generate(args: argparse.Namespace) -> int:
     _check_named(args, "--drafter", "--target")
     if args.server is None:
         _refuse_split_flags(args)
-    from moaspec.drafters import MODEL_FREE, check_drafter_spec, default_drafter, tree_settings_given
+    from moaspec.drafters import check_drafter_spec, default_drafter, tree_settings_given
     from moaspec.model_store import check_target_exists, target_name
     from moaspec.tuned import tree_overrides
 
     if args.drafter is not None:
         check_drafter_spec(args.drafter)
     overrides = tree_overrides(args)
-    api_key = None
-    if args.server is not None:  # before resolve_target, which may convert the target first (~30 s)
-        from moaspec.extras import SPLIT_CLIENT_MODULES, require_modules
-        from moaspec.split.address import server_address
-        from moaspec.split.commands import read_api_keys
-
-        require_modules("serve", SPLIT_CLIENT_MODULES, "a split client (generate --server)")
-        server_address(args.server)
-        if not args.timeout > 0:
-            raise MoaspecError("--timeout must be > 0")
-        if not args.offline_deadline_s >= 0:
-            raise MoaspecError("--offline-deadline-s must be >= 0")
-        api_key = read_api_keys(args.api_key_file)[0]
+    # before resolve_target, which may convert the target first (~30 s)
+    api_key = _split_client_key(args) if args.server is not None else None
     from moaspec.targets.options import runtime_options
 
     check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
     options = runtime_options(args, args.target)
     name = target_name(args.target)
     named = args.drafter or default_drafter(name)
-    tree_given = tree_settings_given(overrides)
-    if named in MODEL_FREE and tree_given:
-        if args.drafter is None:  # the default is model-free: no shipped model drafter for this target
-            raise MoaspecError(
-                f"--tree-* settings apply to model drafters, and target '{name}' has no shipped one: "
-                "name a checkpoint with --drafter DIR"
-            )
-        raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
-    if tree_given and args.drafter is None and args.server is None:
-        print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
-              file=sys.stderr)
+    _check_tree_flags(args, name, named, tree_settings_given(overrides))
     if args.server is not None:
         from moaspec.split.commands import generate_remote
 
@@ -312,6 +291,44 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _split_client_key(args: argparse.Namespace) -> str:
+    """`generate --server`'s flags checked (the split client's extra installed, the URL, the
+    time-outs, the offline probability, --cafile only for https) -> the API key to send."""
+    from moaspec.extras import SPLIT_CLIENT_MODULES, require_modules
+    from moaspec.split.address import server_address
+    from moaspec.split.commands import read_api_keys
+
+    require_modules("serve", SPLIT_CLIENT_MODULES, "a split client (generate --server)")
+    scheme, _, _ = server_address(args.server)
+    if not args.timeout > 0:
+        raise MoaspecError("--timeout must be > 0")
+    if not args.offline_deadline_s >= 0:
+        raise MoaspecError("--offline-deadline-s must be >= 0")
+    if not 0.0 <= args.offline_min_prob <= 1.0:
+        raise MoaspecError(f"--offline-min-prob must be in [0, 1], got {args.offline_min_prob:g}")
+    if args.cafile is not None and scheme != "https":
+        raise MoaspecError("--cafile applies to an https:// server (it verifies the server's certificate)")
+    return read_api_keys(args.api_key_file)[0]
+
+
+def _check_tree_flags(args: argparse.Namespace, name: str, named: str, tree_given: bool) -> None:
+    """--tree-* settings shape a model drafter's tree: refused for a model-free drafter `named`
+    (the default of target `name` when --drafter is not given), noted when they replace the
+    calibrated default by the default model drafter."""
+    from moaspec.drafters import MODEL_FREE
+
+    if named in MODEL_FREE and tree_given:
+        if args.drafter is None:  # the default is model-free: no shipped model drafter for this target
+            raise MoaspecError(
+                f"--tree-* settings apply to model drafters, and target '{name}' has no shipped one: "
+                "name a checkpoint with --drafter DIR"
+            )
+        raise MoaspecError(f"--tree-* settings apply to model drafters only, not to '{named}'")
+    if tree_given and args.drafter is None and args.server is None:
+        print(f"moaspec: note: --tree-* name the default model drafter, {named}, rather than the calibrated default",
+              file=sys.stderr)
 
 
 def _background_note(drafter, prompt_length: int) -> str:

@@ -399,6 +399,11 @@ def test_limit_draws_from_every_mt_bench_subcategory() -> None:
     assert max(subcategories.count(name) for name in subcategories) == 3  # 20 = 8 + 8 + 4
     assert len({p.prompt_id for p in twenty}) == 20
     assert [p.prompt_id for p in load_prompts(("mt_bench",), None)["mt_bench"]][:2] == ["81", "82"]
+    # a partial round is spread too (an audit, session 50: `--limit 2` took writing and roleplay,
+    # the two highest-entropy sub-categories, and `--limit 20` the first four of its third round)
+    assert [p.subcategory for p in load_prompts(("mt_bench",), 2)["mt_bench"]] == ["writing", "coding"]
+    assert [p.subcategory for p in load_prompts(("mt_bench",), 3)["mt_bench"]] == ["writing", "reasoning", "extraction"]
+    assert [p.subcategory for p in twenty[16:]] == ["writing", "reasoning", "coding", "stem"]
 
 
 def test_default_methods_include_the_default_drafter() -> None:
@@ -421,6 +426,29 @@ def test_schema_specs_are_json_schema_and_refuse_bools_for_numbers() -> None:
     with pytest.raises(ValueError, match=r"results.config.networks.lan.rtt_s: expected int or float, got str"):
         schema.validate({"config": {"networks": {"lan": {"rtt_s": "fast"}}}}, schema.CLIENT_SERVER_SCHEMA)
 
+
+
+def test_committed_results_follow_the_schema_of_their_kind_and_version() -> None:
+    """An audit (session 50): the committed client-server results.json (version 1) failed its own
+    schema version, the disconnection scores having been made required without a new version.
+    The client-server kind is at version 2 now, and every committed `moaspec bench` document is
+    checked against the schema of its kind and version; one of another version is refused."""
+    import json
+    from pathlib import Path
+
+    results_dir = Path(__file__).resolve().parents[1] / "bench" / "results"
+    documents = [json.loads(path.read_text()) for path in sorted(results_dir.rglob("results.json"))]
+    written = [doc for doc in documents if isinstance(doc, dict) and "schema_version" in doc]
+    assert {doc.get("kind") for doc in written} == {None, "client_server"}
+    for doc in written:
+        schema.validate(doc, schema.schema_of(doc))
+    old = next(doc for doc in written if doc.get("kind") == "client_server" and doc["schema_version"] == 1)
+    assert schema.schema_of(old) is schema.CLIENT_SERVER_SCHEMA_V1
+    with pytest.raises(ValueError, match=r"results.disconnection\[0\]: missing key 'first_token_agreement'"):
+        schema.validate(old, schema.schema_of({**old, "schema_version": schema.CLIENT_SERVER_SCHEMA_VERSION}))
+    for version in (0, 3, True, "2"):
+        with pytest.raises(ValueError, match="results.schema_version: .* is not one of"):
+            schema.schema_of({**old, "schema_version": version})
 
 def test_results_name_the_cpu_as_the_calibration_does() -> None:
     """Speed depends on the CPU (the machines of this project differ): results.json's machine names

@@ -379,6 +379,8 @@ def test_partly_finished_batch_is_regenerated_identically(tiny_model, eos_ids, r
 # ---------------------------------------------------------------------------------------------
 # CLI
 
+DISTILLED = '{"id": "a", "prompt_ids": [1], "response_ids": [2, 3], "mode": "greedy"}'
+TEACHER_FORCED = '{"id": "c", "input_ids": [1, 2, 3], "loss_spans": [[1, 3]], "mode": "teacher-forced"}'
 BAD_DATA_INPUTS = {
     "no action": (lambda tmp: ["data"], "distill,sharegpt,stats"),
     "missing --out": (lambda tmp: ["data", "distill"], "--out"),
@@ -449,8 +451,17 @@ BAD_DATA_INPUTS = {
     "stats with a broken manifest": (
         lambda tmp: ["data", "stats", str(_data_dir(tmp, manifest="{bad"))], "manifest.json is not readable JSON"
     ),
-    "stats of records of another kind": (
-        lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))], "holds a record that is not training data"
+    "stats of records of another kind": (  # named the directory only, not the file and line
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, record='{"foo": 1}'))],
+        "shard-00000.jsonl:1 is not a record of this data (id, prompt_ids, response_ids, mode missing or mistyped)",
+    ),
+    "stats of a distilled record with a mistyped field": (
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, record=f'{DISTILLED}\n{DISTILLED.replace("[2, 3]", "7")}'))],
+        "shard-00000.jsonl:2 is not a record of this data (response_ids missing or mistyped)",
+    ),
+    "stats of a distilled record among teacher-forced ones": (  # the first record's kind is the directory's
+        lambda tmp: ["data", "stats", str(_data_dir(tmp, record=f'{TEACHER_FORCED}\n{DISTILLED}'))],
+        "shard-00000.jsonl:2 is not a record of this data (input_ids, loss_spans missing or mistyped)",
     ),
     "stats of a shard line that is a list": (  # an audit's: AttributeError
         lambda tmp: ["data", "stats", str(_data_dir(tmp, record="[1, 2]"))],
@@ -468,7 +479,7 @@ BAD_DATA_INPUTS = {
         lambda tmp: ["data", "stats", str(_binary_shard(tmp))], "shard-00000.jsonl:1 is not UTF-8 text"
     ),
     "stats of a shard whose third line is not UTF-8": (
-        lambda tmp: ["data", "stats", str(_binary_shard(tmp, b'{"a": 1}\n{"b": 2}\n'))],
+        lambda tmp: ["data", "stats", str(_binary_shard(tmp, f"{DISTILLED}\n{DISTILLED}\n".encode()))],
         "shard-00000.jsonl:3 is not UTF-8 text",
     ),
     "stats of a shard that is a directory": (  # an audit's: "Is a directory", exit 1
@@ -644,6 +655,29 @@ class _ChatTokenizer:
         for message in messages:
             ids += [5, 1 if message["role"] == "user" else 2, *(6 + ord(c) % 90 for c in message["content"]), 3]
         return {"input_ids": ids + ([5, 2] if add_generation_prompt else [])}
+
+
+def test_distill_with_no_prompt_that_fits_stops_before_the_target_loads(tmp_path, monkeypatch, capsys) -> None:
+    """An audit's (journal): `--max-prompt-tokens` that no prompt fits was refused ~45 s in, after
+    the target had loaded; the selection needs only its tokenizer, so now it comes before."""
+    import moaspec.api
+    import moaspec.targets.load
+
+    conversations = [_conv("a", "four"), _conv("b", "three"), _conv("c", "seven!!")]
+    monkeypatch.setattr(sg, "load_training_conversations", lambda log: (conversations, {"kept": 3}))
+    monkeypatch.setattr(sg, "sharegpt_path", lambda: tmp_path)
+    monkeypatch.setattr(moaspec.targets.load, "target_tokenizer", lambda spec: ("tiny", _ChatTokenizer()))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the prompts were selected")
+
+    monkeypatch.setattr(moaspec.api, "load_target", no_loading)
+    out = tmp_path / "out"
+    assert main(["data", "distill", "--out", str(out), "--max-prompt-tokens", "6"]) == EXIT_USAGE
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("moaspec: error: no prompts to distil: none of the 3 distinct prompts fits "
+                       "--max-prompt-tokens 6 (the shortest has 9 tokens)")  # <start> user f o u r <end> <start> asst
+    assert not out.exists()
 
 
 def test_an_interrupted_sharegpt_run_is_flagged_and_resumes(tmp_path, monkeypatch, capsys) -> None:

@@ -183,6 +183,37 @@ def test_stop_sequences_cut_the_text(server, stream: bool) -> None:
         assert text == want and finish == "stop"
 
 
+def test_time_to_first_token_is_the_first_released_text_in_both_response_kinds() -> None:
+    """Bug: a non-streamed answer timed its first token when the token existed, a streamed one when
+    its text was released, so text held back (here all of it, being the start of a stop sequence
+    that never comes) counted early in one kind only, and a generation whose text a stop sequence
+    cut to nothing had a time there. Not flaky: each engine step sleeps DELAY_S in the drafter, so
+    text released only after the last step is timed at >= num_verifications * DELAY_S (about 0.5 s
+    here), against one prefill step (milliseconds, no sleep) if timed at the first token."""
+    delay_s = 0.05
+    started = start_server("ngram", delay_s=delay_s)
+    try:
+        base = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+        full = client(started).completions.create(**base).choices[0].text
+
+        def extension(stop: str, stream: bool) -> dict:
+            if not stream:
+                return client(started).completions.create(**base, stop=stop).model_extra["moaspec"]
+            chunks = list(client(started).completions.create(**base, stop=stop, stream=True))
+            return next(c.model_extra["moaspec"] for c in chunks if c.choices and c.choices[0].finish_reason)
+
+        count = "moaspec_time_to_first_token_seconds_count"
+        for stream in (False, True):
+            held = extension(full + "\n\n", stream)  # the whole answer may become this stop: released only at the end
+            assert held["new_tokens"] == 12 and held["num_verifications"] >= 1
+            assert held["time_to_first_token_s"] >= held["num_verifications"] * delay_s
+            before = _metric(started, count)
+            assert extension(full[:3], stream)["time_to_first_token_s"] is None  # no text at all
+            assert _metric(started, count) == before
+    finally:
+        started.stop()
+
+
 def test_text_stream_holds_back_possible_stop_prefixes() -> None:
     class Chars:  # token id = character code
         @staticmethod

@@ -19,7 +19,7 @@ from moaspec.bench.client_server_runner import (
     summarize,
     text_mismatches,
 )
-from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
+from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, CLIENT_SERVER_SCHEMA_VERSION, validate
 from moaspec.cli import main
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters.ngram import NgramDrafter
@@ -67,6 +67,7 @@ def test_cli_writes_valid_results_with_all_four_cases(tmp_path, tiny_bench, caps
     assert code == 0, captured.err
     results = json.loads((out / "results.json").read_text())
     validate(results, CLIENT_SERVER_SCHEMA)
+    assert results["schema_version"] == CLIENT_SERVER_SCHEMA_VERSION == 2
     cases = {(row["method"], row["mode"]) for row in results["client_server"]}
     assert cases == {("none", "server"), ("moa", "split"), ("moa", "server"), ("eagle", "split"), ("eagle", "server")}
     assert {row["profile"] for row in results["client_server"]} == {"lan"} and results["mismatches"] == []

@@ -29,12 +29,20 @@ from moaspec.errors import MoaspecError
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--timeout", "0"], "--timeout must be > 0"),
         (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-deadline-s", "-1"],
          "--offline-deadline-s must be >= 0"),
+        # an audit (session 50): the range error named no flag, and --cafile was ignored over http
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-min-prob", "2"],
+         "--offline-min-prob must be in [0, 1], got 2"),
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--offline-min-prob", "nan"],
+         "--offline-min-prob must be in [0, 1], got nan"),
+        (["generate", "--prompt", "hi", "--server", "http://127.0.0.1:9", "--cafile", "ca.pem"],
+         "--cafile applies to an https:// server"),
     ],
 )
 def test_split_cli_bad_input(argv: list[str], message: str, capsys, monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("MOASPEC_API_KEY", raising=False)
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))  # as on a fresh machine: no converted target yet
-    if any(flag in argv for flag in ("--ssl-certfile", "--timeout", "--max-tree-nodes", "--offline-deadline-s")):
+    given_key = ("--ssl-certfile", "--timeout", "--max-tree-nodes", "--offline-deadline-s", "--offline-min-prob", "--cafile")
+    if any(flag in argv for flag in given_key):
         monkeypatch.setenv("MOASPEC_API_KEY", "k")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

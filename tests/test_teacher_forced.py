@@ -114,3 +114,27 @@ def test_a_selection_left_empty_is_an_error_and_leaves_no_directory(tmp_path, ca
     assert main(["data", "sharegpt", "--out", str(out), "--skip-conversations", "10"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("moaspec: error:")]
     assert len(errors) == 1 and "no conversations to write" in errors[0] and not out.exists()
+
+
+@pytest.mark.parametrize("command", ["sharegpt", "distill"])
+def test_a_target_whose_tokenizer_cannot_be_read_is_one_line(tmp_path, capsys, command: str) -> None:
+    """Bug (session 50): `data sharegpt` on a target directory whose tokenizer.json is damaged
+    ended in a traceback; both data commands now read the tokenizer alone first and say which
+    target cannot be loaded, before anything is written."""
+    import shutil
+
+    from moaspec.cli import main
+    from moaspec.model_store import resolve_target
+
+    _, model_dir = resolve_target("smollm2-135m")
+    broken = tmp_path / "broken-target"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, broken / name)
+    (broken / "tokenizer.json").write_text("{not a tokenizer")
+    out = tmp_path / "data"
+    assert main(["data", command, "--target", str(broken), "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("moaspec: error:")]
+    assert "Traceback" not in err and len(errors) == 1 and f"cannot load target {broken}" in errors[0], err
+    assert not out.exists()

@@ -639,6 +639,13 @@ def test_training_data_of_another_target_or_shape_is_refused_naming_it(tmp_path)
     data = tmp_path / "data"
     data.mkdir()
     (data / "shard-00000.jsonl").write_text('{"foo": 1}\n')
+    with pytest.raises(MoaspecError, match=r"shard-00000.jsonl:1 is not a record of this data \(id, prompt_ids, response_ids"):
+        load_samples([data], 64)
+    good = {"id": "c0", "input_ids": list(range(10)), "loss_spans": [[2, 8]], "mode": "teacher-forced"}
+    (data / "shard-00000.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({**good, "input_ids": "0 1 2"}) + "\n")
+    with pytest.raises(MoaspecError, match=r"shard-00000.jsonl:2 is not a record of this data \(input_ids missing or mistyped\)"):
+        load_samples([data], 64)
+    (data / "shard-00000.jsonl").write_text(json.dumps({**good, "loss_spans": [[2]]}) + "\n")  # well typed, wrong shape
     with pytest.raises(MoaspecError, match="holds a record that is not training data"):
         load_samples([data], 64)
     (data / "manifest.json").write_text(json.dumps({"target": "smollm2-135m"}))

@@ -198,6 +198,33 @@ def test_a_context_beyond_half_the_targets_is_said_to_be_capped(tiny_with_checkp
     assert "context 512 (--context 100000: at most half the target's 1024)" in capsys.readouterr().err
 
 
+def test_tune_shows_each_measured_part_as_a_progress_bar_on_stderr(tiny_with_checkpoint, capsys) -> None:
+    """Bug (journal, session 30's leads): tune printed two lines in its ~1 min of measuring. Each
+    part now has a tqdm bar on stderr (as bench, distill and train), done/total runs of it; stdout
+    keeps the table alone. The totals follow from the flags: --repeats 1 is a warm-up round and
+    one timed round of every draft shape, 2 prompts a generation each per top-k."""
+    import re
+
+    _, checkpoint = tiny_with_checkpoint
+    args = ["tune", "--drafters", str(checkpoint), "--target", "tiny", "--repeats", "1", "--context", "32",
+            "--calibration-prompts", "2", "--calibration-tokens", "4", "--dry-run"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+
+    def finished(what: str, total: str) -> int:
+        """Where the completed bar of `what` is in stderr (total: its run count, as a regex)."""
+        found = re.search(rf"{what}: 100%\|[^|]*\| ({total})/\1 ", captured.err)
+        assert found is not None, captured.err
+        return found.start()
+
+    verify = finished("verify costs", r"\d+")
+    drafts = finished("draft costs", str(2 * len(DEPTHS) * len(TOP_KS)))
+    calibration = finished("calibration", str(2 * len(TOP_KS)))
+    heading = captured.err.find("measuring drafter")
+    assert captured.err.find("measuring target verify costs") < verify < heading < drafts < calibration
+    assert captured.out.startswith("## ") and "%|" not in captured.out
+
+
 def test_saved_choice_depends_on_the_checkpoint_and_survives_a_damaged_file(tiny_with_checkpoint) -> None:
     from moaspec.drafters import make_drafter
     from moaspec.tuned import save_tuned_tree, tuned_path

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -125,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
     # 2. load and run
     load_library_held()
     import moaspec.api
-    from moaspec.bench.methods import build_method, llama_cpp_threads, needs_hf_copy
+    from moaspec.bench.methods import build_method, needs_hf_copy
     from moaspec.bench.runner import run_benchmark
 
     target = moaspec.api.load_target(args.target, **options)
@@ -144,7 +145,26 @@ def run_bench(args: argparse.Namespace) -> int:
     )
 
     # 3. report
-    config = {
+    config = _run_config(args, target, options, categories, specs, methods, calibration)
+    results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
+    print(render_markdown(results), end="")
+    irregular = timing_warning(results)
+    if irregular:
+        print(f"moaspec: warning: {irregular}", file=sys.stderr)
+    if results["mismatches"]:
+        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def _run_config(
+    args: argparse.Namespace, target, options: dict, categories: tuple[str, ...], specs: list, methods: list,
+    calibration: dict | None,
+) -> dict:
+    """results.json's `config`: what the run compared, on which target, runtime and trees."""
+    from moaspec.bench.methods import llama_cpp_threads
+
+    return {
         "target": target.name,
         "runtime": target.runtime,
         "dtype": options["dtype"] if target.runtime == "transformers" else None,  # --dtype
@@ -162,15 +182,6 @@ def run_bench(args: argparse.Namespace) -> int:
         "weight_layout": target.weight_layout,
         "tree_limit": _tree_limit(target),
     }
-    results = write_report(data, config, out, command_line(args), plots=not args.no_plots)
-    print(render_markdown(results), end="")
-    irregular = timing_warning(results)
-    if irregular:
-        print(f"moaspec: warning: {irregular}", file=sys.stderr)
-    if results["mismatches"]:
-        print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
-        return EXIT_MISMATCH
-    return 0
 
 
 def _calibrated_default(target):
@@ -343,15 +354,23 @@ def run_tune(args: argparse.Namespace) -> int:
         f"[moaspec] measuring target verify costs ({target.name} on {args.device}, context {context_len}{capped})...",
         file=sys.stderr,
     )
-    verify = measure_verify(target, context_len, args.repeats)
+    bars = _PartBars()
+    try:
+        verify = measure_verify(target, context_len, args.repeats, progress=partial(bars, "verify costs"))
+    finally:
+        bars.close()
     irregular = verify.irregularity()
     if irregular is not None:
         print(f"moaspec: warning: {irregular}", file=sys.stderr)
     for spec in specs:
         print(f"[moaspec] measuring drafter {spec}...", file=sys.stderr)
-        result = tune_drafter(
-            drafters[spec], target, verify, context_len, args.repeats, args.top1_rate, prompts, args.calibration_tokens
-        )
+        try:
+            result = tune_drafter(
+                drafters[spec], target, verify, context_len, args.repeats, args.top1_rate, prompts,
+                args.calibration_tokens, bars,
+            )
+        finally:
+            bars.close()
         print(_tune_table(spec, result))
         if result.best.tokens_per_s < result.plain_tokens_per_s:
             print(
@@ -373,6 +392,28 @@ def run_tune(args: argparse.Namespace) -> int:
             where = "GPU" if device_kind(args.device) == "cuda" else "CPU"
             print(f"saved: {path} (used by default for this drafter and target on a {where}; see moaspec/tuned.py)\n")
     return 0
+
+
+class _PartBars:
+    """tune's progress on stderr: a tqdm bar per measured part, `bars(what, done, total)` after
+    each of its jobs; a part's bar closes when it completes (or at `close`, when it stopped early)."""
+
+    def __init__(self) -> None:
+        self.bar = None
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=what, unit="run", file=sys.stderr, dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+        if done == total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _tune_table(spec: str, result) -> str:

@@ -274,11 +274,10 @@ def build_results(data: ClientServerData, disconnection: list, skipped: list[str
     from moaspec.bench.client_server_runner import summarize
     from moaspec.bench.machine import machine_info
     from moaspec.bench.output import timestamp
-    from moaspec.bench.report import SCHEMA_VERSION
-    from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, validate
+    from moaspec.bench.schema import CLIENT_SERVER_SCHEMA, CLIENT_SERVER_SCHEMA_VERSION, validate
 
     results = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": CLIENT_SERVER_SCHEMA_VERSION,
         "kind": "client_server",
         "created": timestamp(),
         "command": command,

@@ -166,18 +166,28 @@ def parse_categories(value: str) -> tuple[str, ...]:
 
 def spread(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:
     """`limit` prompts drawn evenly (all when None or more than there are), in set order within a
-    sub-category: round-robin over sub-categories when the set has them, else evenly spaced."""
+    sub-category: round-robin over sub-categories when the set has them (a last, partial round
+    takes sub-categories evenly spaced: `--limit 2` on MT-bench is writing and coding, not the two
+    first), else evenly spaced."""
     if limit is None or limit >= len(prompts):
         return list(prompts)
     groups: dict[str, list[BenchPrompt]] = {}
     for prompt in prompts:
         groups.setdefault(prompt.subcategory, []).append(prompt)
     if len(groups) == 1:
-        return [prompts[(i * len(prompts)) // limit] for i in range(limit)]
+        return evenly_spaced(prompts, limit)
     picked: list[BenchPrompt] = []
-    for rank in range(max(len(group) for group in groups.values())):
-        picked += [group[rank] for group in groups.values() if rank < len(group)]
-    return picked[:limit]
+    rank = 0
+    while len(picked) < limit:
+        row = [group[rank] for group in groups.values() if rank < len(group)]
+        picked += evenly_spaced(row, min(len(row), limit - len(picked)))
+        rank += 1
+    return picked
+
+
+def evenly_spaced(items: list, count: int) -> list:
+    """`count` of `items` (at most all), evenly spaced from the first, in order."""
+    return [items[(i * len(items)) // count] for i in range(count)]
 
 
 def load_prompts(categories: tuple[str, ...], limit: int | None) -> dict[str, list[BenchPrompt]]:

@@ -1,6 +1,8 @@
-"""The results.json schemas (version report.SCHEMA_VERSION), validated with jsonschema:
-`RESULTS_SCHEMA` for `moaspec bench`, `CLIENT_SERVER_SCHEMA` for `moaspec bench --client-server`
-(its documents say `"kind": "client_server"`).
+"""The results.json schemas, validated with jsonschema: `RESULTS_SCHEMA` for `moaspec bench`
+(version report.SCHEMA_VERSION), `CLIENT_SERVER_SCHEMA` for `moaspec bench --client-server` (its
+documents say `"kind": "client_server"`; version CLIENT_SERVER_SCHEMA_VERSION). A document is
+checked against the schema of its kind and version (`schema_of`): committed results of an
+earlier version stay valid.
 
 A spec is written compactly and turned into JSON Schema (`json_schema`): a type (or tuple of
 types) is that JSON type, a dict is an object with those required keys, a one-element list
@@ -156,6 +158,14 @@ CLIENT_SERVER_ROW = {
     "bytes_per_token": NUMBER,
     "time_to_first_token_s": NUMBER,
 }
+# 2: the disconnection rows' first-token agreement and task F1 (DISCONNECTION_SCORES); 1 lacked them
+CLIENT_SERVER_SCHEMA_VERSION = 2
+DISCONNECTION_SCORES = {
+    "first_token_agreement": NUMBER,
+    "num_scored": int,
+    "task_f1": NULLABLE_NUMBER,
+    "target_task_f1": NULLABLE_NUMBER,
+}
 CLIENT_SERVER_SCHEMA = {
     **HEADER,
     "kind": str,
@@ -175,10 +185,7 @@ CLIENT_SERVER_SCHEMA = {
             "num_offline": int,
             "num_agreeing": int,
             "agreement": NULLABLE_NUMBER,  # null: nothing was drafted alone
-            "first_token_agreement": NUMBER,
-            "num_scored": int,
-            "task_f1": NULLABLE_NUMBER,
-            "target_task_f1": NULLABLE_NUMBER,
+            **DISCONNECTION_SCORES,
         }
     ],
     "mismatches": [{"profile": str, "prompt": str, "method": str, "mode": str, "first_divergence": int}],
@@ -197,3 +204,22 @@ CLIENT_SERVER_SCHEMA = {
         }
     ],
 }
+CLIENT_SERVER_SCHEMA_V1 = {
+    **CLIENT_SERVER_SCHEMA,
+    "disconnection": [
+        {key: spec for key, spec in CLIENT_SERVER_SCHEMA["disconnection"][0].items() if key not in DISCONNECTION_SCORES}
+    ],
+}
+
+
+def schema_of(document: dict) -> Any:
+    """The spec a results.json document follows: that of its kind (`"kind": "client_server"`, else
+    `moaspec bench`'s) at its `schema_version`; SchemaError for a version no writer produced."""
+    from moaspec.bench.report import SCHEMA_VERSION
+
+    client_server = document.get("kind") == "client_server"
+    versions = {1: CLIENT_SERVER_SCHEMA_V1, 2: CLIENT_SERVER_SCHEMA} if client_server else {SCHEMA_VERSION: RESULTS_SCHEMA}
+    version = document.get("schema_version")
+    if isinstance(version, bool) or version not in versions:
+        raise SchemaError(f"results.schema_version: {version!r} is not one of {sorted(versions)}")
+    return versions[version]

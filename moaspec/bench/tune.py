@@ -16,10 +16,12 @@ Cost per cycle: measured on this machine (moaspec/calibration/costs.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
-from moaspec.calibration.costs import CycleCosts, VerifyCosts
+from moaspec.calibration.costs import CycleCosts, Progress, VerifyCosts
 from moaspec.calibration.tree_ranking import (
     DEPTHS,
     TOP_KS,
@@ -67,11 +69,14 @@ class TuneResult:
         }
 
 
-def calibrate(drafter: TreeDrafter, target: Target, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def calibrate(
+    drafter: TreeDrafter, target: Target, prompts: list[list[int]], max_new_tokens: int, progress: Progress | None = None
+) -> dict:
     """Greedy generation with a one-level tree of each top-k in TOP_KS.
 
     -> {"hit_rate_by_top_k": [P(target token among the drafter's top k) for k in TOP_KS]
     (empty when a run verified nothing), "tau_by_top_k": [...]}. The drafter's tree is restored.
+    progress(done, total) follows every generation.
     """
     from moaspec.bench.report import merge_stats
     from moaspec.config import GenerationConfig
@@ -81,10 +86,17 @@ def calibrate(drafter: TreeDrafter, target: Target, prompts: list[list[int]], ma
     kept_tree = drafter.tree_config
     generation = GenerationConfig(max_new_tokens=max_new_tokens)
     hits, taus = [], []
+    done, total = 0, len(TOP_KS) * len(prompts)
     try:
         for top_k in TOP_KS:
             drafter.tree_config = TreeConfig(depth=1, top_k=top_k, budget=top_k)
-            stats = merge_stats([engine.generate(ids, generation=generation).stats for ids in prompts])
+            runs = []
+            for ids in prompts:
+                runs.append(engine.generate(ids, generation=generation).stats)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            stats = merge_stats(runs)
             hits.append(round(stats.acceptance_per_depth[0], 4) if stats.acceptance_per_depth else None)
             taus.append(round(stats.tau, 4))
     finally:
@@ -101,18 +113,23 @@ def tune_drafter(
     top1: float | None,
     calibration_prompts: list[list[int]],
     calibration_tokens: int,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> TuneResult:
-    """Measure the drafter's costs, settle its acceptance model, rank the trees."""
+    """Measure the drafter's costs, settle its acceptance model, rank the trees.
+    progress(what, done, total) follows every measured job of each part ("draft costs", "calibration")."""
     from moaspec.calibration.costs import measure_drafter
 
+    def part(what: str) -> Progress | None:
+        return None if progress is None else partial(progress, what)
+
     shapes = [(depth, top_k) for depth in DEPTHS for top_k in TOP_KS]
-    propose_s, accept_s = measure_drafter(drafter, target, context_len, repeats, shapes)
+    propose_s, accept_s = measure_drafter(drafter, target, context_len, repeats, shapes, part("draft costs"))
     costs = CycleCosts(verify.verify_s, propose_s, accept_s, verify.plain_step_s, verify.tree_penalty_s)
     calibration = None
     if top1 is not None:
         rates, source = geometric_rates(top1), "given"
     elif calibration_prompts:
-        calibration = calibrate(drafter, target, calibration_prompts, calibration_tokens)
+        calibration = calibrate(drafter, target, calibration_prompts, calibration_tokens, part("calibration"))
         measured = calibration["hit_rate_by_top_k"]
         rates, source = (
             (rates_from_hit_rates(measured), "calibrated") if measured else (geometric_rates(DEFAULT_TOP1), "default")

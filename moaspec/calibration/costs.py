@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from moaspec.targets.base import Target
 
 NODE_COUNTS = (1, 2, 3, 4, 5, 7, 9, 13, 17, 25, 33)
+# progress(done, total): called after each measured job (a configuration's run in one round)
+Progress = Callable[[int, int], None]
 
 
 # a tree this many times as slow as a larger one (few-row products may invert costs a little, never this)
@@ -146,7 +148,7 @@ PENALTY_TREES = (2, 4, 8)  # the trees after which the penalty is timed, each on
 
 def measure_verify(
     target: Target, context_len: int, repeats: int, node_counts: tuple[int, ...] = NODE_COUNTS,
-    hidden_layers: tuple[int, ...] = (),
+    hidden_layers: tuple[int, ...] = (), progress: Progress | None = None,
 ) -> VerifyCosts:
     """Median seconds of target.verify + commit for each tree size the target takes, each right
     after a forward of another size; of a plain step; and the tree penalty per node (module
@@ -198,7 +200,7 @@ def measure_verify(
     plain_jobs = len(penalty_sizes or [None]) if target.reuses_graphs else 0
     for size in (penalty_sizes or [None])[:plain_jobs]:
         jobs[("plain", size)] = lambda size=size: plain_job(size)
-    measured = _interleaved(jobs, repeats)
+    measured = _interleaved(jobs, repeats, progress=progress)
     for key in list(measured):
         if isinstance(key, tuple):
             del measured[key]
@@ -216,7 +218,8 @@ def penalty_per_node(samples: list[tuple[int, float]]) -> float:
 
 
 def measure_drafter(
-    drafter: TreeDrafter, target: Target, context_len: int, repeats: int, shapes: list[tuple[int, int]]
+    drafter: TreeDrafter, target: Target, context_len: int, repeats: int, shapes: list[tuple[int, int]],
+    progress: Progress | None = None,
 ) -> tuple[dict, tuple[float, float]]:
     """-> (propose_s per (depth, top_k), accept_s (fixed, per_token)); restores the drafter's tree."""
     import torch
@@ -268,18 +271,23 @@ def measure_drafter(
         return time.perf_counter() - begin
 
     try:
-        propose_s = _interleaved({shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, rounds)
+        propose_s = _interleaved(
+            {shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, rounds, progress=progress
+        )
     finally:
         drafter.tree_config = saved
     return propose_s, (max(0.0, one - per_token), per_token)
 
 
-def _interleaved(jobs: dict, repeats: int, clock: Callable[[], float] = time.perf_counter) -> dict:
+def _interleaved(
+    jobs: dict, repeats: int, clock: Callable[[], float] = time.perf_counter, progress: Progress | None = None
+) -> dict:
     """Run every job once per round (order rotated each round), one untimed warm-up round;
     -> {key: median seconds}. A job that returns a float reports the duration of its timed part
-    itself (its set-up excluded)."""
+    itself (its set-up excluded). progress(done, total) follows every job, warm-up included."""
     keys = list(jobs)
     samples: dict = {key: [] for key in keys}
+    done, total = 0, len(keys) * (repeats + 1)
     for round_index in range(repeats + 1):
         shift = round_index % len(keys)
         for key in keys[shift:] + keys[:shift]:
@@ -287,4 +295,7 @@ def _interleaved(jobs: dict, repeats: int, clock: Callable[[], float] = time.per
             reported = jobs[key]()
             if round_index > 0:
                 samples[key].append(reported if isinstance(reported, float) else clock() - begin)
+            done += 1
+            if progress is not None:
+                progress(done, total)
     return {key: statistics.median(values) for key, values in samples.items()}

@@ -236,10 +236,7 @@ class OpenAIRoutes:
         while generation.finish_reason is None:
             if _client_gone(request):
                 raise ClientGone
-            await generation.next_delta(lambda: _client_gone(request))
-            if generation.result.token_ids and generation.first_token_s is None:
-                generation.first_token_s = time.perf_counter() - started
-                self.metrics.ttft.observe(generation.first_token_s)
+            await self._next_delta(request, generation, started)
         body = schemas.response_body(
             job, schemas.new_id(job.chat), self.model_id, self.fingerprint, generation.text.released,
             generation.finish_reason, self._usage(job, generation), self._extension(generation, wait_s),
@@ -260,11 +257,8 @@ class OpenAIRoutes:
             while generation.finish_reason is None:
                 if _client_gone(request):
                     raise ClientGone
-                delta = await generation.next_delta(lambda: _client_gone(request))
+                delta = await self._next_delta(request, generation, started)
                 if delta:
-                    if generation.first_token_s is None:
-                        generation.first_token_s = time.perf_counter() - started
-                        self.metrics.ttft.observe(generation.first_token_s)
                     await response.write(sse(chunk(delta)))
         except (ClientGone, ConnectionError):
             request[STREAM_LEFT] = True
@@ -282,6 +276,17 @@ class OpenAIRoutes:
         await response.write(DONE)
         await response.write_eof()
         return response
+
+    async def _next_delta(self, request: web.Request, generation: _Generation, started: float) -> str:
+        """One engine step's newly released text. The first non-empty one times the first token
+        (the `time_to_first_token_s` field and the histogram), for both response kinds alike: a
+        token whose text is held back (an unfinished character, a possible stop-sequence start)
+        does not count until its text is released, and a generation releasing none has no time."""
+        delta = await generation.next_delta(lambda: _client_gone(request))
+        if delta and generation.first_token_s is None:
+            generation.first_token_s = time.perf_counter() - started
+            self.metrics.ttft.observe(generation.first_token_s)
+        return delta
 
     def _usage(self, job: GenerationJob, generation: _Generation) -> dict:
         return schemas.usage(len(job.prompt_ids), len(generation.result.token_ids))

@@ -236,6 +236,16 @@ def _last_decoder_layers(model_dir: Path, weights, count: int) -> tuple[list[tor
     return layers, type(decoder.rotary_emb)(config=hf_config)
 
 
+def target_tokenizer(spec: str) -> tuple[str, PreTrainedTokenizerBase]:
+    """The tokenizer of target `spec` alone, no model loaded: (the target's name, its tokenizer);
+    a one-line MoaspecError when it cannot be read."""
+    name, model_dir = resolve_target(spec)
+    try:
+        return name, load_tokenizer(model_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise MoaspecError(f"cannot load target {spec}: {first_line(exc)}") from exc
+
+
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
     """The fast tokenizer straight from tokenizer.json when there is one (2 s faster than AutoTokenizer)."""
     if (model_dir / "tokenizer.json").is_file():

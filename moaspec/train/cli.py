@@ -481,13 +481,13 @@ def _data_sharegpt(args: argparse.Namespace) -> int:
 
 
 def _data_stats(args: argparse.Namespace) -> int:
-    from moaspec.train.distill import read_manifest, read_shards, shard_files
+    from moaspec.train.distill import read_manifest, read_shards, record_fields, shard_files
 
     root = Path(args.dir)
     if not root.is_dir() or not shard_files(root):
         raise MoaspecError(f"{root} is not a directory with shard-*.jsonl files")
     manifest = read_manifest(root)
-    records = read_shards(root)
+    records = read_shards(root, record_fields)
     try:
         return _print_data_stats(records, manifest)
     except (KeyError, TypeError, ValueError) as exc:

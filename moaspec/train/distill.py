@@ -217,10 +217,13 @@ def shard_files(out_dir: Path) -> list[Path]:
     return sorted(out_dir.glob("shard-*.jsonl"))
 
 
-def read_shards(out_dir: str | Path, fields: dict[str, type] | None = None) -> list[dict]:
+def read_shards(
+    out_dir: str | Path, fields: dict[str, type] | Callable[[dict], dict[str, type]] | None = None
+) -> list[dict]:
     """All records of a data directory, in write order; MoaspecError naming the file and line of
-    one that is not UTF-8 JSON, not a JSON object, or lacks one of `fields` (name: type)."""
-    records = []
+    one that is not UTF-8 JSON, not a JSON object, or lacks one of `fields` (name: type; or a
+    function of the first record giving them for every record, as `record_fields`)."""
+    records, wanted = [], fields
     for path in shard_files(Path(out_dir)):
         try:
             handle = path.open("rb")  # lines decoded one by one: a decoding error names its line
@@ -237,7 +240,9 @@ def read_shards(out_dir: str | Path, fields: dict[str, type] | None = None) -> l
                 if not isinstance(record, dict):
                     found = type(record).__name__
                     raise MoaspecError(f"{path}:{number} is not a record (a JSON {found}, not an object)")
-                wrong = [name for name, kind in (fields or {}).items() if not isinstance(record.get(name), kind)]
+                if callable(wanted):
+                    wanted = wanted(record)  # a directory holds one kind of data: the first record's
+                wrong = [name for name, kind in (wanted or {}).items() if not isinstance(record.get(name), kind)]
                 if wrong:
                     raise MoaspecError(
                         f"{path}:{number} is not a record of this data ({', '.join(wrong)} missing or mistyped)"
@@ -379,6 +384,11 @@ _KINDS = {  # settings["kind"] -> (command, record fields, totals reported)
 }
 
 
+def record_fields(record: dict) -> dict[str, type]:
+    """The fields of the kind of data `record` is: teacher-forced when its mode says so, else distilled."""
+    return _KINDS["teacher-forced" if record.get("mode") == "teacher-forced" else None][1]
+
+
 def read_manifest(directory: Path) -> dict:
     """A data directory's manifest.json ({} without one); MoaspecError naming it when unreadable
     or when an entry the commands read has the wrong type."""
@@ -471,16 +481,20 @@ def run_distill(
         return previous  # no model loaded, nothing counted in the manifest's time
 
     from moaspec.api import load_target
+    from moaspec.targets.load import target_tokenizer
     from moaspec.train.sharegpt import load_training_conversations
 
     conversations, data_counts = load_training_conversations(log_progress)
-    # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
-    # on 2 cores (eager only wins at batch 1).
-    loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
-    tokenizer, model = loaded.tokenizer, loaded.model.to(device)
+    # The prompts are chosen by the target's tokenizer alone (the one load_target reads), so a
+    # selection of none is refused before the model loads.
+    _, tokenizer = target_tokenizer(target)
     prompts, prompt_counts = select_prompts(conversations, tokenizer, config)
     if not prompts:
         raise no_prompts_error(conversations, tokenizer, config, prompt_counts)
+    # sdpa, not the library's eager default: at batch 16 a decode step is ~20 % faster with sdpa
+    # on 2 cores (eager only wins at batch 1).
+    loaded = load_target(target, attn_implementation="sdpa", runtime="transformers")
+    model = loaded.model.to(device)
     out_dir.mkdir(exist_ok=True)  # only now: a refused target or selection leaves no directory
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_ids = {tokenizer.eos_token_id} | _as_set(model.generation_config.eos_token_id)

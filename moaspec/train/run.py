@@ -61,13 +61,13 @@ def load_samples(data_dirs: Iterable[Path], max_seq_len: int) -> list[TrainSampl
     """Records of every directory, in order, as TrainSamples cut to max_seq_len: distilled ones
     (prompt_ids + response_ids; under 2 response tokens inside the cut are skipped) and
     teacher-forced conversations (input_ids + loss_spans, `moaspec data sharegpt`)."""
-    from moaspec.train.distill import read_shards
+    from moaspec.train.distill import read_shards, record_fields
 
     samples = []
     for data_dir in data_dirs:
         found = len(samples)
         try:
-            _add_samples(samples, read_shards(data_dir), max_seq_len)
+            _add_samples(samples, read_shards(data_dir, record_fields), max_seq_len)
         except (KeyError, TypeError, ValueError) as exc:
             raise MoaspecError(f"{data_dir} holds a record that is not training data ({type(exc).__name__}: {exc})") from exc
         if len(samples) == found:

@@ -167,12 +167,10 @@ def run_teacher_forced(target: str, out_dir: str | Path, config: TeacherForcedCo
     if found_done(previous):
         log_progress(f"{out_dir} is complete already: nothing to write")
         return previous
-    from moaspec.api import load_tokenizer
-    from moaspec.model_store import resolve_target
+    from moaspec.targets.load import target_tokenizer
     from moaspec.train.sharegpt import load_training_conversations
 
-    name, model_dir = resolve_target(target)
-    tokenizer = load_tokenizer(model_dir)
+    name, tokenizer = target_tokenizer(target)
     if not getattr(tokenizer, "chat_template", None):
         raise MoaspecError(f"target {name} has no chat template: teacher-forced conversations need one")
     conversations, data_counts = load_training_conversations(log_progress)
