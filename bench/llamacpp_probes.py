@@ -207,17 +207,13 @@ def main() -> int:
     weights = target.weights
     def runtime_target(type_k: int, type_v: int):
         def make():
-            saved = llamacpp.KEY_CACHE_TYPE  # the runtime's, swapped for the probe
-            llamacpp.KEY_CACHE_TYPE = type_k
-            try:
-                made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name, value_cache=type_v)
-            finally:
-                llamacpp.KEY_CACHE_TYPE = saved
+            made = llamacpp.LlamaCppTarget(weights, target.tokenizer, target.config, target.name, value_cache=type_v)
+            made.key_cache_type = type_k  # before its contexts are made (on first need)
             weights.exact_nodes = llamacpp.MAX_TREE_NODES  # measure, do not refuse
             return made
         return make
 
-    runtime_kv = (llamacpp.KEY_CACHE_TYPE, target.value_cache_type)  # this machine's choice (llamacpp_value_cache.py)
+    runtime_kv = (target.key_cache_type, target.value_cache_type)  # this machine's choice (llamacpp_value_cache.py)
     runtime_values = target.value_cache_name
     result = {"command": " ".join(sys.argv), "cpu": cpu_description(), "threads": torch.get_num_threads()}
     if "1" in wanted:
@@ -265,7 +261,7 @@ def main() -> int:
         result["layer_kv_relative_error"] = relative
 
     if "5" in wanted:
-        prompt_path_kv = (llamacpp.KEY_CACHE_TYPE, VALUE_CACHE_TYPES["f16"])  # item 5 moves keys only: f16 values
+        prompt_path_kv = (target.key_cache_type, VALUE_CACHE_TYPES["f16"])  # item 5 moves keys only: f16 values
         rounds = [moved_prefill(weights, prompt_path_kv, (CONTEXT * 100)[:1000]) for _ in range(args.rounds)]
         moved = {key: round(statistics.median(r[i] for r in rounds), 1)
                  for i, key in enumerate(("f32_f16_prefill_ms", "move_ms", "runtime_prefill_ms"))}

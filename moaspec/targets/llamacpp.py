@@ -77,6 +77,7 @@ from moaspec.signals import signals_held
 from moaspec.targets.base import PrefillCancelled, TargetOutput, context_overflow
 from moaspec.targets.llamacpp_contexts import (
     DEFAULT_CELLS,
+    KEY_CACHE_TYPE,
     MAX_BATCH,
     MAX_LEAVES,
     MAX_TREE_NODES,
@@ -138,6 +139,7 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
         self.threads = threads or min(os.cpu_count() or 1, 8)
         # a ggml type, fixed here (a bad MOASPEC_LLAMA_VALUE_CACHE fails now) or measured on first need
         self._value_cache_type = value_cache if value_cache is not None else fixed_value_cache_type()
+        self.key_cache_type = KEY_CACHE_TYPE  # q8_0 (module docstring); a probe may set another before first use
         self._parts_loader = parts_loader  # tli_layers -> TargetParts (torch copies of frozen modules)
         self._parts = {} if parts is None else parts  # tli_layers -> loaded parts, shared by sessions
         self._float = float_llama  # the float32 prefill's weights, shared by sessions (None: no float path)
@@ -293,6 +295,7 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
             float_llama=self._float, float_prefill_start=self._float_start,  # prompts prefilled as this one's
             embedding_file=self.embedding_file,
         )
+        other.key_cache_type = self.key_cache_type  # set before its context is made
         if self.capture is not None:
             other.keep_layer_kv(self.capture.layers)
         other.keeps_hidden = self.keeps_hidden

@@ -61,7 +61,7 @@ class ContextCells:
         are captured)."""
         if self._ctx is None:
             self._ctx = self._new_llama_context(
-                self._allocated + TREE_HEADROOM, KEY_CACHE_TYPE, self.value_cache_type, PARKED + 1, MAX_BATCH
+                self._allocated + TREE_HEADROOM, self.key_cache_type, self.value_cache_type, PARKED + 1, MAX_BATCH
             )
             self._memory = self.lib.llama_get_memory(self._ctx)
             self._embeddings_on[self._ctx] = False
@@ -79,7 +79,7 @@ class ContextCells:
     def new_measuring_context(self, cells: int, value_type: int) -> llama_cpp.llama_context_p:
         """A one-sequence context with q8_0 keys and `value_type` values and no eval callback, for
         a measurement (llamacpp_value_cache.py); free it with free_measuring_context."""
-        return self._new_llama_context(cells, KEY_CACHE_TYPE, value_type, 1, MAX_BATCH, capture=False)
+        return self._new_llama_context(cells, self.key_cache_type, value_type, 1, MAX_BATCH, capture=False)
 
     def free_measuring_context(self, ctx: llama_cpp.llama_context_p) -> None:
         """Free a context new_measuring_context made."""
