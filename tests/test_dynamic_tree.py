@@ -144,3 +144,22 @@ def test_sampled_tree_nodes_are_drawn_from_their_recorded_laws(monkeypatch) -> N
     for node, law in enumerate(laws, start=1):
         torch.testing.assert_close(tree.draft_probs[node][vocab_map], law, rtol=0, atol=1e-12)
     torch.testing.assert_close(laws[0], torch.softmax(model.table(()).double() / 0.5, -1), rtol=0, atol=1e-12)
+
+
+def test_a_sampled_tree_takes_as_many_first_tokens_as_the_drafter_can_draw() -> None:
+    """A mutation audit (session 50): at a low temperature the drafter's softmax underflows to
+    fewer non-zero tokens than top_k; the first level then holds as many as it can draw, without
+    replacement (torch.multinomial refuses a row of zeros: the tree was lost)."""
+    from moaspec.drafters.dynamic_tree import build_sampled_tree
+
+    def start() -> torch.Tensor:
+        return torch.tensor([0.0, 8.99, 9.0, 1.0, -3.0])  # at T = 0.005: two tokens above 0 in float64
+
+    def expand(token_ids: torch.Tensor, parent: torch.Tensor, depth: int) -> torch.Tensor:
+        return torch.zeros(token_ids.shape[0], 5)
+
+    tree = build_sampled_tree(0, start, expand, TreeConfig(depth=2, top_k=4), 5, 0.005, torch.Generator().manual_seed(0))
+    assert int((torch.softmax(start().double() / 0.005, -1) > 0).sum()) == 2
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 2] and sorted(tree.token_ids[1:3].tolist()) == [1, 2]
+    for node in range(1, tree.num_nodes):
+        assert tree.draft_probs[node][tree.token_ids[node]] > 0

@@ -19,7 +19,7 @@ from moaspec.engine import Engine, GenerationResult
 from moaspec.errors import MoaspecError
 from moaspec.sampling import target_probs
 from moaspec.targets.hf import HFTarget
-from moaspec.tree import DraftTree
+from moaspec.tree import DraftTree, depths
 
 PROMPT = [5, 17, 33, 2, 71, 5, 17]
 NO_STOP: frozenset[int] = frozenset()
@@ -198,6 +198,11 @@ def test_context_limit_stops_generation_cleanly() -> None:
         Engine(target, NoDrafter()).generate(list(range(12)))
     with pytest.raises(MoaspecError):
         Engine(target, NoDrafter()).generate([])
+    # a budget that fills the context exactly ends for its length (a mutation audit, session 50)
+    room = 12 - len(PROMPT)
+    for max_new, reason in ((room, "length"), (room - 1, "length"), (room + 1, "context")):
+        result = Engine(target, NoDrafter()).generate(PROMPT, generation=GenerationConfig(max_new_tokens=max_new), stop_ids=NO_STOP)
+        assert (len(result.token_ids), result.stop_reason) == (min(max_new, room), reason), max_new
 
 
 def test_sampling_is_reproducible_and_seed_dependent() -> None:
@@ -235,6 +240,45 @@ class SampledTreeDrafter:
         child = int(torch.multinomial(self.q, 1, generator=generator))
         probs = torch.stack([self.q, self.q, q_rest, self.q])
         return DraftTree(torch.tensor([root_id, first, second, child]), torch.tensor([-1, 0, 0, 1]), probs)
+
+
+
+def test_sampled_drafts_are_reproducible_per_seed_on_one_engine() -> None:
+    """A mutation audit (session 50): the test above drafts by prompt lookup, which draws nothing,
+    so an engine reusing its drafter's generator across generations passed it. With a drafter that
+    samples its trees, the same seed gives the same tokens on one engine, run after run."""
+    target = make_tiny_target("llama")
+    q = torch.full((target.vocab_size,), 1.0 / target.vocab_size, dtype=torch.float64)
+    engine = Engine(target, SampledTreeDrafter(q))
+    sampling = SamplingConfig(temperature=1.0)
+    runs = [
+        engine.generate(PROMPT, sampling, GenerationConfig(max_new_tokens=30, seed=seed), NO_STOP).token_ids
+        for seed in (1, 1, 2, 1)
+    ]
+    assert runs[0] == runs[1] == runs[3] != runs[2]
+
+
+def test_the_engine_verifies_no_node_deeper_than_it_may_emit() -> None:
+    """A mutation audit (session 50): with one level too many allowed, the output was the same but
+    every tree near the end was verified a level deeper than could be emitted (wasted target work,
+    depth statistics off); only decode_step was tested for it, not the engine."""
+    target = make_tiny_target("llama")
+    q = torch.full((target.vocab_size,), 1.0 / target.vocab_size, dtype=torch.float64)
+    verify, seen = target.verify, []
+
+    def recording(tree, *args, **kwargs):
+        seen.append((target.num_cached, int(depths(tree.parents).max())))
+        return verify(tree, *args, **kwargs)
+
+    target.verify = recording
+    for max_new in range(1, 7):
+        seen.clear()
+        engine = Engine(target, SampledTreeDrafter(q))
+        engine.generate(PROMPT, SamplingConfig(temperature=1.0), GenerationConfig(max_new_tokens=max_new, seed=3), NO_STOP)
+        for cached, depth in seen:  # the root is emitted, not cached: cached - len(PROMPT) + 1 tokens out
+            remaining = max_new - (cached - len(PROMPT) + 1)
+            assert depth <= remaining - 1, (max_new, cached, depth)
+        assert max_new < 4 or any(depth == 2 for _, depth in seen)  # full trees verified while there was room
 
 
 def exact_joint(target: HFTarget, prompt: list[int], sampling: SamplingConfig, length: int) -> torch.Tensor:

@@ -345,6 +345,38 @@ def test_exact_p_equals_q_accepts_the_whole_chain() -> None:
     assert dist == {3: pytest.approx(1.0, abs=EXACT_ATOL)}
 
 
+
+def test_a_node_its_drafter_could_not_have_drawn_is_ignored_exactly() -> None:
+    """A mutation audit (session 50): a node whose own row gives its token probability 0 (the
+    split server takes rows from a client, which may send one) must be skipped, not divided by:
+    with `q_token <= 0` made `< 0` the verifier raised ZeroDivisionError. Placed first among the
+    root's children, before two properly drawn siblings, it leaves the first token's law exact."""
+    p_table, q_table = TABLES["dirichlet"]()
+    impossible = q_table[1].clone()
+    impossible[0] = 0.0
+    impossible /= impossible.sum()
+
+    def run(source: RandomSource) -> int:
+        drawn = draft_tree(1, SIBLINGS2, q_table, source)
+        tree = DraftTree(
+            torch.tensor([int(drawn.token_ids[0]), 0, *drawn.token_ids[1:].tolist()]),
+            torch.tensor([-1, 0, 0, 0]),
+            torch.cat([drawn.draft_probs[:1], impossible[None], drawn.draft_probs[1:]]),
+        )
+        return verify_stochastic(tree, target_rows(tree, p_table), source).emitted_ids[0]
+
+    assert_exact(as_vector(enumerate_exact(run)), p_table[1])
+
+
+def test_the_residual_of_equal_laws_is_a_law() -> None:
+    """p == q leaves no residual mass (rejection has probability 0 there, but rounding can reach
+    it): the residual is then p itself, never a division by zero (a mutation audit, session 50)."""
+    p = dirichlet_table(0)[2]
+    for q in (p, p * (1 + 1e-12)):
+        residual = moaspec.verify._residual(p, q)
+        assert bool(torch.isfinite(residual).all()) and abs(float(residual.sum()) - 1.0) <= EXACT_ATOL
+    torch.testing.assert_close(moaspec.verify._residual(p, p), p, rtol=0, atol=0)
+
 def test_enumerator_sums_a_known_distribution() -> None:
     """The enumerator itself: two coins and a draw, probabilities by hand."""
 
