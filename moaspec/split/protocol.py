@@ -3,7 +3,8 @@
 Bodies are msgpack (`application/msgpack`) or JSON (`application/json`); nothing received is
 unpickled or executed. Tensors travel as {"dtype", "shape", "data"} (+ "scale" for int8) with raw
 little-endian bytes (base64 in JSON). Every decoder validates types, ranges and sizes and raises
-`ProtocolError` (-> HTTP 400; moaspec/serving/strict_json.py) with a one-line reason.
+`ProtocolError` (-> HTTP 400; moaspec/serving/strict_json.py) with a one-line reason: a verify
+request's draft tree and drafter probabilities too (`parse_tree`).
 """
 
 from __future__ import annotations

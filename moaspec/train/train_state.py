@@ -43,9 +43,9 @@ def resume_state(
     state_path = out_dir / STATE_FILE
     if not state_path.is_file():
         return TrainState()
-    saved = read_state(state_path, mmap=False)
-    check_same_config(saved, config, state_path)
-    check_same_network(saved, net, state_path)
+    saved = _read_state(state_path, mmap=False)
+    _check_same_config(saved, config, state_path)
+    _check_same_network(saved, net, state_path)
     net.load_state_dict(saved["net"])
     optimizer.load_state_dict(saved["optimizer"])
     rng.setstate(saved["python_rng"])
@@ -59,7 +59,7 @@ def check_resumable(out_dir: Path, config: TrainConfig) -> None:
     otherwise be the first complaint)."""
     saved = saved_state(out_dir)
     if saved is not None:
-        check_same_config(saved, config, out_dir / STATE_FILE)
+        _check_same_config(saved, config, out_dir / STATE_FILE)
 
 
 def saved_state(out_dir: Path) -> dict | None:
@@ -68,10 +68,10 @@ def saved_state(out_dir: Path) -> dict | None:
     state_path = out_dir / STATE_FILE
     if not state_path.is_file():
         return None
-    return read_state(state_path, mmap=True)
+    return _read_state(state_path, mmap=True)
 
 
-def read_state(state_path: Path, mmap: bool) -> dict:
+def _read_state(state_path: Path, mmap: bool) -> dict:
     """The saved state at `state_path`; MoaspecError naming it when it is damaged (truncated,
     not torch's, lacking a field)."""
     try:
@@ -89,7 +89,7 @@ def read_state(state_path: Path, mmap: bool) -> dict:
     return saved
 
 
-def check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
+def _check_same_config(saved: dict, config: TrainConfig, state_path: Path) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # fields added since the run began
     written, wanted = {**defaults, **saved["config"]}, asdict(config)
     if written != wanted:
@@ -104,7 +104,7 @@ def _changes(written: dict, wanted: dict) -> list[str]:
     return [f"{key} {written.get(key)} -> {wanted[key]}" for key in sorted(wanted) if written.get(key) != wanted[key]]
 
 
-def check_same_network(saved: dict, net, state_path: Path) -> None:
+def _check_same_network(saved: dict, net: torch.nn.Module, state_path: Path) -> None:
     """ValueError naming what differs when the saved drafter is not of `net`'s shape (the network
     settings, e.g. --draft-vocab or --memory-layers, changed since the run began)."""
     wanted = net.config.to_dict()
