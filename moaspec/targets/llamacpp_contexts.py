@@ -37,7 +37,7 @@ MAX_TREE_NODES = 128  # nodes per verified tree (a node costs 0.3-0.9 of a step 
 TREE_HEADROOM = MAX_TREE_NODES
 MAX_LEAVES = 62  # leaves per verified tree (one llama.cpp sequence id each)
 PARKED = MAX_LEAVES + 1  # the sequence of parked cells (llamacpp.py's module docstring)
-KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0
+KEY_CACHE_TYPE = 8  # ggml_type of the key cache: q8_0 (a target's `key_cache_type` unless a probe sets another)
 
 
 class ContextCells:
@@ -47,7 +47,7 @@ class ContextCells:
 
     @property
     def ctx(self) -> llama_cpp.llama_context_p:
-        """The verified context: q8_0 keys, every sequence a tree needs (module docstring)."""
+        """The verified context: `key_cache_type` keys (q8_0), every sequence a tree needs (module docstring)."""
         return self._context()
 
     @property
