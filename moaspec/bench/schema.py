@@ -218,7 +218,10 @@ def schema_of(document: dict) -> Any:
     from moaspec.bench.report import SCHEMA_VERSION
 
     client_server = document.get("kind") == "client_server"
-    versions = {1: CLIENT_SERVER_SCHEMA_V1, 2: CLIENT_SERVER_SCHEMA} if client_server else {SCHEMA_VERSION: RESULTS_SCHEMA}
+    if client_server:
+        versions = {1: CLIENT_SERVER_SCHEMA_V1, CLIENT_SERVER_SCHEMA_VERSION: CLIENT_SERVER_SCHEMA}
+    else:
+        versions = {SCHEMA_VERSION: RESULTS_SCHEMA}
     version = document.get("schema_version")
     if isinstance(version, bool) or version not in versions:
         raise SchemaError(f"results.schema_version: {version!r} is not one of {sorted(versions)}")

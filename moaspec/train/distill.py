@@ -455,7 +455,7 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
             f"{out_dir} was written with different settings ({', '.join(flag(k) for k in changed)}); "
             "rerun with the same options to resume, or use a new --out directory"
         )
-    _, record_fields, reported = _KINDS[settings.get("kind")]
+    _, kind_fields, reported = _KINDS[settings.get("kind")]
     missing = [key for key in reported if key not in previous.get("totals", {})]
     if found_done(previous):  # its shards are not read again
         if missing:
@@ -464,7 +464,7 @@ def check_resume(out_dir: Path, settings: dict[str, Any], config_type: type | No
                 "the same command count them again, or use a new --out directory"
             )
         return previous
-    read_shards(out_dir, record_fields)  # a damaged record is refused now, not after the target loads
+    read_shards(out_dir, kind_fields)  # a damaged record is refused now, not after the target loads
     return previous
 
 
