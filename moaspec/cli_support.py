@@ -45,6 +45,18 @@ def output_dir(
     return out
 
 
+def comma_items(value: str, what: str) -> list[str]:
+    """A comma-separated flag value -> its items, stripped, in order. An empty value, or an empty
+    item (`math,,qa`, a trailing comma: a name left out by mistake), is a one-line MoaspecError
+    naming `what` (the flag)."""
+    items = [item.strip() for item in value.split(",")]
+    if items == [""]:
+        raise MoaspecError(f"{what} is empty")
+    if "" in items:
+        raise MoaspecError(f"{what} has an empty item: '{value}'")
+    return items
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The exact command, recorded in manifests and checkpoints."""
     return shlex.join(["moaspec", *(sys.argv[1:] if args.argv is None else args.argv)])

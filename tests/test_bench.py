@@ -305,6 +305,12 @@ def test_a_bench_scripts_json_appears_whole_or_not_at_all(tmp_path) -> None:
         (["--methods", "ngram", "--tree-depth", "3"], "--tree-* settings set the tree of model-drafter methods"),
         (["--out", ""], "--out is empty"),
         (["--client-server", "--network", ""], "--network is empty"),
+        # bug: an empty item (a name left out) was dropped without a word
+        (["--categories", "math,,qa"], "--categories has an empty item: 'math,,qa'"),
+        (["--categories", "math,"], "--categories has an empty item"),
+        (["--categories", " "], "--categories is empty"),
+        (["--methods", "ngram,,moa"], "--methods has an empty item"),
+        (["--methods", ""], "--methods is empty"),
     ],
 )
 def test_bad_flags_fail_with_one_line_before_loading(tmp_path, tiny_bench, monkeypatch, capsys, extra, message) -> None:

@@ -29,7 +29,9 @@ def test_values_are_checked_with_a_usage_message(tmp_path, capsys) -> None:
     assert dtype_list("float32,bfloat16") == ["float32", "bfloat16"]
     for parse, text, says in [
         (positive_int, "0", "must be >= 1, got 0"), (non_negative_int, "-1", "must be >= 0"),
-        (positive_ints, "abc", "not an integer"), (positive_ints, ",", "an empty list"),
+        (positive_ints, "abc", "not an integer"), (positive_ints, "", "the list is empty"),
+        (positive_ints, "1,,2", "the list has an empty item: '1,,2'"), (dtype_list, "float32,", "has an empty item"),
+        (category_list, "math,,qa", "--categories has an empty item"),
         (category_list, "nosuch", "unknown category nosuch"), (dtype_list, "float8", "unknown precision float8"), (existing_file, str(tmp_path / "no"), "no file"),
     ]:
         with pytest.raises(argparse.ArgumentTypeError, match=says):

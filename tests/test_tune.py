@@ -270,6 +270,8 @@ def test_rank_rates_come_from_a_tune_on_either_device(tiny_with_checkpoint) -> N
     "extra, message",
     [
         (["--drafters", "ngram"], "no draft tree to tune"),
+        (["--drafters", ""], "--drafters is empty"),
+        (["--drafters", "moa,"], "--drafters has an empty item: 'moa,'"),
         (["--drafters", "moa", "--device", "gpu"], "--device must be cpu or cuda[:N]"),
         (["--drafters", "moa", "--device", "cuda:99"], "no such CUDA device"),
         (["--drafters", "moa"], "no shipped 'moa' drafter"),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from moaspec.bench.machine import machine_info
 from moaspec.bench.prompts import CATEGORIES
-from moaspec.cli_support import EXIT_MISMATCH, command_line, output_dir
+from moaspec.cli_support import EXIT_MISMATCH, comma_items, command_line, output_dir
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 
@@ -318,9 +318,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     # 1. cheap checks before torch loads
     check_tune_values(args)
-    specs = list(dict.fromkeys(part.strip() for part in args.drafters.split(",") if part.strip()))
-    if not specs:
-        raise MoaspecError("--drafters is empty")
+    specs = list(dict.fromkeys(comma_items(args.drafters, "--drafters")))
     target_name = model_store.target_name(args.target)
     for spec in specs:
         check_drafter_spec(spec)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from moaspec.bench.method_run import Method, MethodRun
+from moaspec.cli_support import comma_items
 from moaspec.config import NgramConfig
 from moaspec.drafters import (
     MODEL_FREE,
@@ -87,9 +88,7 @@ class MethodSpec:
 def parse_methods(value: str) -> tuple[MethodSpec, ...]:
     """`--methods a,b,...` -> specs (checked cheaply; `none` is put first when missing)."""
     specs: list[MethodSpec] = []
-    for item in (part.strip() for part in value.split(",")):
-        if not item:
-            continue
+    for item in comma_items(value, "--methods"):
         label, _, path = item.partition("=") if "=" in item else (item, "", item)
         reference = path.endswith(REFERENCE_SUFFIX)
         path = path.removesuffix(REFERENCE_SUFFIX)
@@ -100,8 +99,6 @@ def parse_methods(value: str) -> tuple[MethodSpec, ...]:
         if path not in (*EXTERNAL_METHODS, DEFAULT_METHOD):
             check_drafter_spec(path)
         specs.append(MethodSpec(label, path, reference))
-    if not specs:
-        raise MoaspecError("--methods is empty")
     if any(spec.label == "none" and spec.source != "none" for spec in specs):
         raise MoaspecError("the label 'none' is reserved for plain decoding")
     labels = [spec.label for spec in specs]

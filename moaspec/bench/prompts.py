@@ -26,6 +26,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moaspec.cli_support import comma_items
 from moaspec.errors import MoaspecError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -149,10 +150,8 @@ CATEGORIES = tuple(LOADERS)
 
 def parse_names(value: str, flag: str, known: tuple[str, ...], noun: str) -> tuple[str, ...]:
     """A comma-separated flag value -> names in the given order (duplicates dropped), each one of
-    `known`; an empty list or an unknown name is a one-line MoaspecError."""
-    names = tuple(dict.fromkeys(name.strip() for name in value.split(",") if name.strip()))
-    if not names:
-        raise MoaspecError(f"{flag} is empty")
+    `known`; an empty list or item, or an unknown name, is a one-line MoaspecError."""
+    names = tuple(dict.fromkeys(comma_items(value, flag)))
     unknown = [name for name in names if name not in known]
     if unknown:
         raise MoaspecError(f"unknown {noun} {', '.join(unknown)} (known: {', '.join(known)})")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from moaspec.cli_support import comma_items
 from moaspec.errors import MoaspecError
 
 
@@ -38,10 +39,15 @@ def non_negative_ints(text: str) -> list[int]:
 
 
 def _int_list(text: str, parse: Callable[[str], int]) -> list[int]:
-    values = [parse(part.strip()) for part in text.split(",") if part.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("an empty list")
-    return values
+    return [parse(part) for part in _items(text)]
+
+
+def _items(text: str) -> list[str]:
+    """A list flag's comma-separated items; an empty list or item is argparse's usage error."""
+    try:
+        return comma_items(text, "the list")
+    except MoaspecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def category_list(text: str) -> tuple[str, ...]:
@@ -56,10 +62,10 @@ def category_list(text: str) -> tuple[str, ...]:
 
 def known_names(text: str, known: Sequence[str], what: str) -> list[str]:
     """Comma-separated names, each one of `known` ("a,b"); `what` names one in the error."""
-    names = [part.strip() for part in text.split(",") if part.strip()]
+    names = _items(text)
     unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or '(none)'} (known: {', '.join(known)})")
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
     return names
 
 
