@@ -136,5 +136,5 @@ def test_a_target_whose_tokenizer_cannot_be_read_is_one_line(tmp_path, capsys, c
     assert main(["data", command, "--target", str(broken), "--out", str(out)]) != 0
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("moaspec: error:")]
-    assert "Traceback" not in err and len(errors) == 1 and f"cannot load target {broken}" in errors[0], err
+    assert "Traceback" not in err and len(errors) == 1 and f"cannot read the tokenizer of target {broken}" in errors[0], err
     assert not out.exists()

@@ -243,7 +243,7 @@ def target_tokenizer(spec: str) -> tuple[str, PreTrainedTokenizerBase]:
     try:
         return name, load_tokenizer(model_dir)
     except (OSError, ValueError, KeyError) as exc:
-        raise MoaspecError(f"cannot load target {spec}: {first_line(exc)}") from exc
+        raise MoaspecError(f"cannot read the tokenizer of target {spec}: {first_line(exc)}") from exc
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerBase:
