@@ -312,11 +312,12 @@ def check_tune_values(args: argparse.Namespace) -> None:
     check_device(args.device)
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def _tune_specs(args: argparse.Namespace) -> list[str]:
+    """`tune`'s flags and drafters checked before torch loads: the model drafters named by
+    --drafters, each once, each a checkpoint (MoaspecError naming what is wrong)."""
     from moaspec import model_store
     from moaspec.drafters import MODEL_FREE, check_drafter_spec, checkpoint_directory, split_lookup
 
-    # 1. cheap checks before torch loads
     check_tune_values(args)
     specs = list(dict.fromkeys(comma_items(args.drafters, "--drafters")))
     target_name = model_store.target_name(args.target)
@@ -330,8 +331,11 @@ def run_tune(args: argparse.Namespace) -> int:
         directory = checkpoint_directory(spec, target_name)
         if not (directory / "config.json").is_file():
             raise MoaspecError(f"{spec} is not a drafter checkpoint (no config.json)")
+    return specs
 
-    # 2. measure and choose
+
+def run_tune(args: argparse.Namespace) -> int:
+    specs = _tune_specs(args)  # cheap checks before torch loads
     load_library_held()
     import moaspec.api
     from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
@@ -339,7 +343,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from moaspec.bench.tune import tune_drafter
     from moaspec.calibration.costs import measure_verify
     from moaspec.chat import encode_chat_prompt
-    from moaspec.drafters import make_drafter
+    from moaspec.drafters import checkpoint_directory, make_drafter
     from moaspec.tuned import device_kind, save_tuned_tree
 
     # tuned trees are per target and kind of device, measured there

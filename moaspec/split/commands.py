@@ -21,6 +21,8 @@ from moaspec.serving.limits import ServerLimits
 from moaspec.signals import Terminated, load_library_held
 
 if TYPE_CHECKING:
+    from moaspec.api import SpeculativeLM
+    from moaspec.split.generator import SplitGenerator, SplitResult
     from moaspec.split.server import SplitServer
     from moaspec.targets.base import Target
 
@@ -172,35 +174,19 @@ def generate_remote(
     client = None
     try:
         load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
-        import torch
-
-        from moaspec.api import SpeculativeLM, load_target
-        from moaspec.config import GenerationConfig, SamplingConfig
-        from moaspec.drafters import make_drafter
         from moaspec.split.client import SplitClient
-        from moaspec.split.generator import SplitGenerator, SplitOptions, SplitResult
 
-        options = SplitOptions(
-            context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
-            offline_min_prob=args.offline_min_prob, offline_deadline_s=args.offline_deadline_s,
-            notify=lambda line: print(f"[moaspec] {line}", file=sys.stderr, flush=True),
-        )
         client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
-        # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
-        # the runtime the flags choose (target_options: runtime_options), by default the target's: for
-        # a GGUF target llama.cpp, whose parts come from the converted copy without the float32
-        # model, and no llama.cpp context is ever made (README)
-        target = load_target(args.target, light_tokenizer=True, **(target_options or {}))
-        drafter = make_drafter(args.drafter, target, tree_overrides)
-        if not hasattr(drafter, "accept_context"):
-            raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
-        lm = SpeculativeLM(target, drafter)
-        prompt_ids = lm.encode_prompt(args.prompt, args.raw)
-        generator = SplitGenerator(client, drafter, options)  # waits for a server that is down (up to 120 s)
+        target, lm, prompt_ids, generator = _split_generator(args, client, tree_overrides, target_options)
     except KeyboardInterrupt:  # importing, loading or connecting: --json says nothing was verified
         if args.json:
             print(json.dumps(_interrupted_before_the_start(args, client)))
         raise
+    import torch
+
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.split.generator import SplitResult
+
     streamer = None
     if not args.json:
         from moaspec.text_stream import TextPrinter
@@ -224,7 +210,40 @@ def generate_remote(
     finally:
         if streamer is not None:
             streamer.end()
-    text = lm.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    _report_remote(args, lm.tokenizer.decode(result.token_ids, skip_special_tokens=True), result, head, client)
+    return 0
+
+
+def _split_generator(
+    args: argparse.Namespace, client, tree_overrides: dict | None, target_options: dict | None
+) -> tuple[Target, SpeculativeLM, list[int], SplitGenerator]:
+    """The client side of a split generation: the target (its tokenizer and frozen parts), the
+    drafter's SpeculativeLM, the prompt's ids and the generator (which waits for a server that is down, up to 120 s)."""
+    from moaspec.api import SpeculativeLM, load_target
+    from moaspec.drafters import make_drafter
+    from moaspec.split.generator import SplitGenerator, SplitOptions
+
+    options = SplitOptions(
+        context_dtype=args.context_dtype, adaptive=args.adaptive, accept_offline=args.accept_offline,
+        offline_min_prob=args.offline_min_prob, offline_deadline_s=args.offline_deadline_s,
+        notify=lambda line: print(f"[moaspec] {line}", file=sys.stderr, flush=True),
+    )
+    # only its tokenizer and frozen parts (embeddings, LM head) are used; the server verifies. On
+    # the runtime the flags choose (target_options: runtime_options), by default the target's: for
+    # a GGUF target llama.cpp, whose parts come from the converted copy without the float32
+    # model, and no llama.cpp context is ever made (README)
+    target = load_target(args.target, light_tokenizer=True, **(target_options or {}))
+    drafter = make_drafter(args.drafter, target, tree_overrides)
+    if not hasattr(drafter, "accept_context"):
+        raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
+    lm = SpeculativeLM(target, drafter)
+    prompt_ids = lm.encode_prompt(args.prompt, args.raw)
+    return target, lm, prompt_ids, SplitGenerator(client, drafter, options)
+
+
+def _report_remote(args: argparse.Namespace, text: str, result: SplitResult, head: dict, client) -> None:
+    """A finished split generation's --json object or stats lines; a MoaspecError (exit status 2,
+    after the text) when it ended refused or disconnected."""
     if args.json:
         # the fields of a local generation's --json (runtime: the server's; calibration: none runs
         # here, the client drafts with the drafter as configured), then the split's own
@@ -250,4 +269,3 @@ def generate_remote(
         if args.accept_offline:
             raise MoaspecError(f"the server stayed unreachable and nothing had been drafted alone; {kept}")
         raise MoaspecError(f"the server stayed unreachable; {kept} (--accept-offline keeps drafts)")
-    return 0

@@ -27,11 +27,9 @@ if TYPE_CHECKING:
 
 
 def add_train_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
-    from moaspec.config import TreeConfig
     from moaspec.train.config import TrainConfig
 
     defaults = TrainConfig()
-    tree = TreeConfig()
     train = commands.add_parser("train", help="train a MoA or EAGLE-2 drafter on distilled data (resumable)")
     train.add_argument("--method", choices=["moa", "eagle"], required=True, help="drafter architecture")
     train.add_argument(
@@ -40,100 +38,119 @@ def add_train_parser(commands: argparse._SubParsersAction, default_target: str) 
     )
     train.add_argument("--out", required=True, help="run directory (rerun the same command to resume)")
     train.add_argument("--target", default=default_target, help=f"target the drafter serves (default {default_target})")
-    train.add_argument(
+    _add_architecture_flags(train.add_argument_group("architecture"), defaults)
+    _add_loss_flags(train.add_argument_group("loss"), defaults)
+    _add_schedule_flags(train.add_argument_group("schedule and data"), defaults)
+    _add_run_flags(train.add_argument_group("run"), defaults)
+
+
+def _add_architecture_flags(group: argparse._ArgumentGroup, defaults: TrainConfig) -> None:
+    group.add_argument(
         "--tli-layers", type=int, default=None,
         help="MoA Target Layer Inference depth k (default: --init-from's, else 0)",
     )
-    train.add_argument(
-        "--tli-raw-feature-loss", action="store_true",
-        help="compare the pre-TLI state with the raw residual stream, as the reference code does "
-        "(default: both divided by the stream's per-token RMS)",
-    )
-    train.add_argument(
+    group.add_argument(
         "--memory-layers", type=int, default=None,
         help="MoA memory reads the last N target layers' keys/values, 0 = all of them as in the paper "
         f"(default: --init-from's, else {defaults.memory_layers})",
     )
-    train.add_argument(
+    group.add_argument(
         "--memory-hidden", action="store_true", default=None,
         help="MoA memory also reads the target's last hidden state (what EAGLE-2 reads; anchors then carry no loss) "
         "(default: --init-from's, else off)",
     )
-    train.add_argument(
+    group.add_argument(
         "--intermediate-size", type=int, default=0, metavar="N",
         help="width of MoA's two feed-forward layers (default: --init-from's, else 3/2 x the target's hidden size); "
         "with --init-from, a wider N widens its layers, the new units' output weights at zero (the same function)",
     )
-    train.add_argument(
-        "--ce-weight", type=float, default=defaults.ce_weight,
-        help=f"weight of the soft cross-entropy with the target's distribution (default {defaults.ce_weight}, the paper's)",
-    )
-    train.add_argument(
-        "--feature-weight", type=float, default=defaults.feature_weight,
-        help=f"weight of the SmoothL1 term on the target's hidden state (default {defaults.feature_weight}, the paper's)",
-    )
-    train.add_argument(
+    group.add_argument(
         "--no-layer-attention", action="store_true", default=None,
         help="MoA memory without the Layer Self-Attention: the layers' raw keys/values pooled (an ablation; "
         "default: --init-from's, else with it)",
     )
-    train.add_argument(
+    group.add_argument(
         "--no-cross-attention", action="store_true", default=None,
         help="MoA without the Cross-Attention's term: the drafter reads no target activations (an ablation; "
         "default: --init-from's, else with it)",
     )
-    train.add_argument(
+    group.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192; with --init-from: the checkpoint's)")
+
+
+def _add_loss_flags(group: argparse._ArgumentGroup, defaults: TrainConfig) -> None:
+    group.add_argument(
+        "--tli-raw-feature-loss", action="store_true",
+        help="compare the pre-TLI state with the raw residual stream, as the reference code does "
+        "(default: both divided by the stream's per-token RMS)",
+    )
+    group.add_argument(
+        "--ce-weight", type=float, default=defaults.ce_weight,
+        help=f"weight of the soft cross-entropy with the target's distribution (default {defaults.ce_weight}, the paper's)",
+    )
+    group.add_argument(
+        "--feature-weight", type=float, default=defaults.feature_weight,
+        help=f"weight of the SmoothL1 term on the target's hidden state (default {defaults.feature_weight}, the paper's)",
+    )
+    group.add_argument(
         "--anchor-every", type=int, nargs=2, metavar=("MIN", "MAX"), default=[defaults.anchor_min, defaults.anchor_max],
         help="MoA verified-block length: each sequence draws anchors every T tokens, T uniform in [MIN, MAX]; "
         f"position i - s(i) = d trains draft depth d (default {defaults.anchor_min} {defaults.anchor_max})",
     )
-    train.add_argument(
+    group.add_argument(
         "--anchor-loss-weight", type=float, default=defaults.anchor_loss_weight,
         help="MoA loss weight at anchor positions, where the drafter sees the token's own memory, which "
         f"inference never does (0-1, default {defaults.anchor_loss_weight})",
     )
-    train.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary size, 0 = full (default 8192; with --init-from: the checkpoint's)")
-    train.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
-    train.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
-    train.add_argument(
+
+
+def _add_schedule_flags(group: argparse._ArgumentGroup, defaults: TrainConfig) -> None:
+    group.add_argument("--steps", type=int, default=defaults.steps, help=f"optimizer steps (default {defaults.steps})")
+    group.add_argument("--batch-size", type=int, default=defaults.batch_size, help=f"sequences per step (default {defaults.batch_size})")
+    group.add_argument(
         "--micro-batch", type=int, default=1,
         help="sequences per forward pass, padded to the longest (same gradient, more memory; raise it on a GPU, "
         "and a run resumes with any value) (default 1)",
     )
-    train.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
-    train.add_argument("--min-lr", type=float, default=defaults.min_lr, help=f"final learning rate (default {defaults.min_lr})")
-    train.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help=f"linear warm-up steps (default {defaults.warmup_steps})")
-    train.add_argument(
+    group.add_argument("--lr", type=float, default=defaults.lr, help=f"peak learning rate (default {defaults.lr})")
+    group.add_argument("--min-lr", type=float, default=defaults.min_lr, help=f"final learning rate (default {defaults.min_lr})")
+    group.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps, help=f"linear warm-up steps (default {defaults.warmup_steps})")
+    group.add_argument(
         "--staircase-fraction", type=float, default=defaults.staircase_fraction,
         help=f"share of the steps over which MoA's staircase SA curriculum is annealed, 0 = none "
         f"(default {defaults.staircase_fraction})",
     )
-    train.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help=f"truncate sequences (default {defaults.max_seq_len})")
-    train.add_argument("--val-conversations", type=int, default=16, help="held-out conversations (default 16)")
-    train.add_argument("--val-every", type=int, default=defaults.val_every, help=f"validate every N steps (default {defaults.val_every})")
-    train.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help=f"checkpoint every N steps (default {defaults.ckpt_every})")
-    train.add_argument(
+    group.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help=f"truncate sequences (default {defaults.max_seq_len})")
+    group.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
+
+
+def _add_run_flags(group: argparse._ArgumentGroup, defaults: TrainConfig) -> None:
+    from moaspec.config import TreeConfig
+
+    tree = TreeConfig()
+    group.add_argument("--val-conversations", type=int, default=16, help="held-out conversations (default 16)")
+    group.add_argument("--val-every", type=int, default=defaults.val_every, help=f"validate every N steps (default {defaults.val_every})")
+    group.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every, help=f"checkpoint every N steps (default {defaults.ckpt_every})")
+    group.add_argument(
         "--feature-cache", default=None,
         help="directory of memory-mapped fp16 target features, built on first use and shared by runs on the same data "
         "reading the same features (about 2x faster training; per SmolLM2 token 1.2 KB for EAGLE-2, 4.2 KB for MoA "
         "with --memory-layers 4, 25 KB with all layers); default: run the target online",
     )
-    train.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
-    train.add_argument(
+    group.add_argument("--time-limit-min", type=float, default=None, help="stop (resumably) after this many minutes")
+    group.add_argument(
         "--device", default="cpu",
         help="where the target's features and the training run: cpu or cuda[:N] (bfloat16 autocast on a GPU; "
         "a run resumes on either) (default cpu)",
     )
-    train.add_argument(
+    group.add_argument(
         "--init-from", default=None,
         help="start from the weights of a drafter checkpoint, an earlier run directory or a shipped name, "
         "with a fresh optimizer and schedule (continued training, fine-tuning); MoA's architecture flags "
         "not given are the checkpoint's",
     )
-    train.add_argument("--seed", type=int, default=defaults.seed, help=f"data order and anchors (default {defaults.seed})")
-    train.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
-    train.add_argument("--tree-top-k", type=int, default=tree.top_k, help=f"default tree top-k (default {tree.top_k})")
-    train.add_argument("--tree-budget", type=int, default=tree.budget, help=f"default drafted nodes (default {tree.budget})")
+    group.add_argument("--tree-depth", type=int, default=tree.depth, help=f"default tree depth stored in the checkpoint (default {tree.depth})")
+    group.add_argument("--tree-top-k", type=int, default=tree.top_k, help=f"default tree top-k (default {tree.top_k})")
+    group.add_argument("--tree-budget", type=int, default=tree.budget, help=f"default drafted nodes (default {tree.budget})")
 
 
 def check_train_values(args: argparse.Namespace) -> tuple[TrainConfig, TreeConfig]:

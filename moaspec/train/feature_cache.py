@@ -137,6 +137,45 @@ def tli_kv_layers(num_layers: int, tli_layers: int) -> list[int]:
     return list(range(num_layers - tli_layers, num_layers))
 
 
+def _previous_build(directory: Path, index: dict) -> dict | None:
+    """The index of a build begun in `directory` (complete or not) when it is of the same version,
+    data and target and holds at least `index`'s layers and TLI depth; None when none was begun;
+    a MoaspecError naming the directory for any other."""
+    index_path = directory / INDEX
+    if not index_path.is_file():
+        return None
+    previous = json.loads(index_path.read_text())
+    if previous.get("version") != CACHE_VERSION:
+        raise MoaspecError(f"feature cache {directory} was written by another moaspec version; use another directory")
+    if previous.get("complete"):
+        return previous
+    compared = ("version", "data_key", "target_fingerprint")
+    same = {name: previous.get(name) for name in compared} == {name: index[name] for name in compared}
+    # a partial build holding more than asked (an all-layer cache's TLI stream) is finished as it was begun
+    covers = previous.get("tli_max", -1) >= index["tli_max"] and set(previous.get("kv_layers", ())) >= set(index["kv_layers"])
+    if not (same and covers):
+        raise MoaspecError(
+            f"{directory} holds a feature cache of other data, target, layers or TLI depth; use another directory"
+        )
+    return previous
+
+
+def _store_features(
+    target: HFTarget, ids: torch.Tensor, hidden_layers: tuple[int, ...], stored: list[int], arrays: dict,
+    start: int, end: int,
+) -> None:
+    """One sample's features (ids [T]) from a fresh prefill into rows start:end of the cache's arrays."""
+    target.reset()
+    out = target.prefill(ids, hidden_layers)
+    hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
+    if stored:
+        arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
+    arrays["hidden"][start:end] = hidden.numpy()
+    lse, argmax = target_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
+    arrays["lse"][start:end] = lse.cpu().numpy()
+    arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
+
+
 @torch.no_grad()
 def build_feature_cache(
     target: HFTarget,
@@ -167,22 +206,10 @@ def build_feature_cache(
         "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
         "done": 0, "complete": False, "build_wall_s": 0.0,
     }
-    if index_path.is_file():
-        previous = json.loads(index_path.read_text())
-        if previous.get("version") != CACHE_VERSION:
-            raise MoaspecError(
-                f"feature cache {directory} was written by another moaspec version; use another directory"
-            )
-        if previous.get("complete"):
-            return FeatureCache(directory)
-        compared = ("version", "data_key", "target_fingerprint")
-        same = {name: previous.get(name) for name in compared} == {name: index[name] for name in compared}
-        # a partial build holding more than asked (an all-layer cache's TLI stream) is finished as it was begun
-        covers = previous.get("tli_max", -1) >= tli_max and set(previous.get("kv_layers", ())) >= set(stored)
-        if not (same and covers):
-            raise MoaspecError(
-                f"{directory} holds a feature cache of other data, target, layers or TLI depth; use another directory"
-            )
+    previous = _previous_build(directory, index)
+    if previous is not None and previous["complete"]:
+        return FeatureCache(directory)
+    if previous is not None:  # a partial build, finished as it was begun
         index = previous
         tli_max, stored = index["tli_max"], index["kv_layers"]
     else:
@@ -205,17 +232,8 @@ def build_feature_cache(
     bar = tqdm(total=offsets[-1], initial=offsets[index["done"]], unit="tok", desc="target features", disable=not progress)
     with bar:  # closed on an interrupt too, so the CLI's last line starts on a line of its own
         for position in range(index["done"], len(samples)):
-            ids = samples[position].input_ids
             start, end = offsets[position], offsets[position + 1]
-            target.reset()
-            out = target.prefill(ids, hidden_layers)
-            hidden = out.hidden.to(torch.float16).cpu()  # [T, k_max + 1, D]
-            if stored:
-                arrays["layer_kv"][start:end] = target.layer_kv(0, ids.numel(), stored).to(torch.float16).cpu().numpy()
-            arrays["hidden"][start:end] = hidden.numpy()
-            lse, argmax = target_summary(hidden[:, -1].float().to(target.device), target.lm_head.weight)
-            arrays["lse"][start:end] = lse.cpu().numpy()
-            arrays["argmax"][start:end] = argmax.to(torch.int32).cpu().numpy()
+            _store_features(target, samples[position].input_ids, hidden_layers, stored, arrays, start, end)
             bar.update(end - start)
             if (position + 1) % SAVE_EVERY == 0 or position + 1 == len(samples):
                 for array in arrays.values():

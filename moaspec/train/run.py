@@ -331,20 +331,9 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     target = load_target(spec.target, dtype=torch.float32, runtime="transformers")
     target.model.to(spec.device)
     check_data_target(spec.data_dirs, target.name)
-    vocab_ids = None
     responses = [s.learned_tokens() for s in train_samples]
     width = initial_feed_forward_width(config, spec.init_from)
-    if spec.init_from is not None:  # its draft vocabulary comes with its weights (load_initial_weights)
-        size = checkpoint_vocab_size(spec.init_from)
-        vocab_ids = torch.zeros(size, dtype=torch.long) if size else None
-    elif spec.draft_vocab:
-        vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
-        if vocab_ids.numel() < spec.draft_vocab:
-            print(
-                f"moaspec: note: --draft-vocab {spec.draft_vocab} is more than the {vocab_ids.numel()} tokens the training "
-                f"answers hold (with the stop tokens): the draft vocabulary has those {vocab_ids.numel()}",
-                file=sys.stderr,
-            )
+    vocab_ids = _draft_vocabulary(spec, target, responses)
     net = build_net(
         config.method, target, config.tli_layers, vocab_ids, config.memory_layers, config.memory_hidden,
         config.layer_attention, config.cross_attention, width,
@@ -353,19 +342,7 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
     if spec.init_from is not None:
         initial = load_initial_weights(net, spec.init_from, target, config)
         vocab_ids = net.draft_vocab_ids if net.config.draft_vocab_size else None
-    provenance = {
-        "command": spec.command,
-        "data": [str(directory) for directory in spec.data_dirs],
-        "draft_vocab": spec.draft_vocab,  # --draft-vocab and --init-from: what a finished run's rerun compares
-        "data_manifest": [read_manifest(directory) for directory in spec.data_dirs],
-        "val_indices": val_indices,
-        "num_train_sequences": len(train_samples),
-        "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
-        "num_learned_tokens": int(sum(end - start for s in train_samples for start, end in s.spans())),
-        "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
-    }
-    if initial is not None:
-        provenance["init_from"] = initial
+    provenance = _provenance(spec, train_samples, val_indices, responses, vocab_ids, initial)
     source = None
     if spec.feature_cache is not None:
         source = open_feature_cache(target, samples, spec.feature_cache, config.tli_layers, kv_layers_read(net, config))
@@ -392,6 +369,47 @@ def run_training(spec: RunSpec, config: TrainConfig, tree: TreeConfig) -> Path:
             file=sys.stderr,
         )
     return spec.out_dir / "checkpoint"
+
+
+def _draft_vocabulary(spec: RunSpec, target: HFTarget, responses: list[torch.Tensor]) -> torch.Tensor | None:
+    """The draft vocabulary's full-vocabulary ids [V_draft] (None: the full vocabulary): --init-from's
+    size as placeholders (its ids come with its weights, `load_initial_weights`), else the
+    --draft-vocab most frequent tokens of the training answers, the stop tokens always in."""
+    if spec.init_from is not None:
+        size = checkpoint_vocab_size(spec.init_from)
+        return torch.zeros(size, dtype=torch.long) if size else None
+    if not spec.draft_vocab:
+        return None
+    vocab_ids = most_frequent_token_ids(responses, spec.draft_vocab, always_include=target.stop_ids)
+    if vocab_ids.numel() < spec.draft_vocab:
+        print(
+            f"moaspec: note: --draft-vocab {spec.draft_vocab} is more than the {vocab_ids.numel()} tokens the training "
+            f"answers hold (with the stop tokens): the draft vocabulary has those {vocab_ids.numel()}",
+            file=sys.stderr,
+        )
+    return vocab_ids
+
+
+def _provenance(
+    spec: RunSpec, train_samples: list[TrainSample], val_indices: list[int], responses: list[torch.Tensor],
+    vocab_ids: torch.Tensor | None, initial: dict | None,
+) -> dict:
+    """What the checkpoint records of its run: the command, the data and its manifests, the
+    validation split, the counts, the draft vocabulary's coverage, and --init-from's record."""
+    provenance = {
+        "command": spec.command,
+        "data": [str(directory) for directory in spec.data_dirs],
+        "draft_vocab": spec.draft_vocab,  # --draft-vocab and --init-from: what a finished run's rerun compares
+        "data_manifest": [read_manifest(directory) for directory in spec.data_dirs],
+        "val_indices": val_indices,
+        "num_train_sequences": len(train_samples),
+        "num_train_tokens": int(sum(s.input_ids.numel() for s in train_samples)),
+        "num_learned_tokens": int(sum(end - start for s in train_samples for start, end in s.spans())),
+        "draft_vocab_coverage": round(coverage(responses, vocab_ids), 4) if vocab_ids is not None else 1.0,
+    }
+    if initial is not None:
+        provenance["init_from"] = initial
+    return provenance
 
 
 def _finished(spec: RunSpec, config: TrainConfig, training: dict) -> bool:

@@ -431,53 +431,68 @@ def train(
         _validate_step, net=net, parts=parts, source=source, val_samples=val_samples, config=config, target=target,
         tree=tree, device=device, autocast=autocast, bar=bar,
     )
+    save = functools.partial(save_state, net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
     try:
         if _missing_validation(state, config, val_samples):  # an interrupt cut the last step's validation
             validate_step(state.history[-1])
-            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+            save()
         net.train()
         while state.step < min(config.steps, stop_at_step or config.steps):
             if stop_after_s is not None and time.perf_counter() - run_started > stop_after_s:
-                save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+                save()
                 break
             step_start = (state.step, rng.getstate(), generator.get_state())
-            started = time.perf_counter()
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(config, state.step)
-            staircase_p = staircase_probability(config, state.step)
-            optimizer.zero_grad(set_to_none=True)
-            draws = [
-                draw_sequence(train_samples, config, staircase_p, rng, generator, net.config.hidden_size)
-                for _ in range(config.batch_size)
-            ]
-            totals = _accumulate_gradients(net, parts, source, draws, config, micro_batch, device, autocast)
-            num_tokens = sum(draw.sample.input_ids.numel() for draw in draws)
-            grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
-            with signals_held():  # an update cut half-way would be saved as the step before it
-                optimizer.step()
-                state.step += 1
+            record = _optimizer_step(
+                net, optimizer, parts, source, train_samples, config, state, rng, generator, micro_batch, device, autocast
+            )
             state.train_wall_s = wall_before + time.perf_counter() - run_started
-            record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
-            record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
             state.history.append(record)  # before its validation, which _missing_validation finds cut
-            bar.set_postfix(loss=f"{totals['loss']:.3f}", top1=f"{totals['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{record['top1']:.2f}", tok_s=f"{record['tokens_per_s']:.0f}")
             bar.update(1)
             if val_samples and _validates_at(state.step, config):
                 validate_step(record)
             if state.step % config.ckpt_every == 0 or state.step in (config.steps, stop_at_step):
-                save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+                save()
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: keep the last completed step
         if state.step == step_start[0]:  # cut before its update: its draws are drawn again on resume
             rng.setstate(step_start[1])
             generator.set_state(step_start[2])
         try:
-            save_state(net, optimizer, state, config, rng, generator, out_dir, target, tree, provenance)
+            save()
         except KeyboardInterrupt:  # a second signal, held during the save: the first one decides the exit
             pass
         raise
     finally:  # whatever ends the loop: an error's line starts on a line of its own, not after the bar
         bar.close()
     return state
+
+
+def _optimizer_step(
+    net: torch.nn.Module, optimizer: torch.optim.Optimizer, parts: TargetParts, source: FeatureSource,
+    train_samples: list[TrainSample], config: TrainConfig, state: TrainState, rng: random.Random,
+    generator: torch.Generator, micro_batch: int, device: torch.device, autocast: bool,
+) -> dict:
+    """One optimizer step over `config.batch_size` drawn sequences; `state.step` advanced once the
+    update is applied (signals held, so an update is never saved half-made). Its history record:
+    step, learning rate, gradient norm, the losses and accuracies, tokens/s."""
+    started = time.perf_counter()
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, state.step)
+    staircase_p = staircase_probability(config, state.step)
+    optimizer.zero_grad(set_to_none=True)
+    draws = [
+        draw_sequence(train_samples, config, staircase_p, rng, generator, net.config.hidden_size)
+        for _ in range(config.batch_size)
+    ]
+    totals = _accumulate_gradients(net, parts, source, draws, config, micro_batch, device, autocast)
+    num_tokens = sum(draw.sample.input_ids.numel() for draw in draws)
+    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), config.grad_clip)
+    with signals_held():  # an update cut half-way would be saved as the step before it
+        optimizer.step()
+        state.step += 1
+    record = {"step": state.step, "lr": learning_rate(config, state.step - 1), "grad_norm": float(grad_norm), **totals}
+    record["tokens_per_s"] = num_tokens / (time.perf_counter() - started)
+    return record
 
 
 def _accumulate_gradients(
