@@ -183,7 +183,7 @@ def overfit(net: EagleDrafterNet, target: HFTarget, token_ids: list[int], steps:
     tokens = torch.tensor(token_ids)
     target.reset()
     with torch.no_grad():
-        hidden = target.prefill(tokens, (target.num_layers,)).hidden[:, 0].clone()  # [T, D]
+        hidden = target.prefill(tokens, (target.num_layers,)).hidden[:, 0].to(next(net.parameters()).dtype, copy=True)  # [T, D]
     target.reset()
     parts = target.parts(0)
     optimizer = torch.optim.Adam(net.parameters(), lr=3e-3)

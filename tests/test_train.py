@@ -424,7 +424,7 @@ def test_training_on_distilled_and_teacher_forced_data_with_a_narrowed_memory(tm
     assert size < 70 and f"--draft-vocab 70 is more than the {size} tokens" in capsys.readouterr().err  # said, not silent
     assert set(record["training"]["last"]) >= {"acc_depth1", "val_tau"}
     vocab = set(weights["draft_vocab_ids"].tolist())
-    assert not vocab & set(range(60, 97)) - set(rows[0]["input_ids"][:5]) or vocab <= set(range(60))
+    assert vocab <= set(range(60))  # learned tokens only (an audit's: the check read as its own alternative)
     narrowed = TrainConfig(method="moa", steps=2, batch_size=2, val_every=2, ckpt_every=2, memory_layers=1)
     spec = RunSpec((distilled, conversations), tmp_path / "last", "tiny", draft_vocab=70, val_conversations=2,
                    time_limit_s=None, command="moaspec train --memory-layers 1 ...", init_from=all_layers)
@@ -780,7 +780,7 @@ def test_training_from_the_feature_cache_follows_online_training(tmp_path, metho
         torch.manual_seed(0)
         net = make_net(method, target, tli)
         histories.append([r["loss"] for r in train(net, target, data, [], config, tmp_path / name, progress=False, source=source).history])
-    assert histories[0] == pytest.approx(histories[1], rel=1e-2)
+    assert histories[0] == pytest.approx(histories[1], rel=1e-3)  # fp16 features: measured 2e-5 apart
 
 
 @pytest.mark.parametrize("method", ["moa", "eagle"])
@@ -855,7 +855,10 @@ def test_mixed_precision_training_runs_the_gpu_code_path_on_the_cpu(tmp_path, me
         )
         losses.append(state.history[0]["loss"])
         assert "acc_depth1" in state.history[-1] and "val_tau" in state.history[-1]
-    assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=0.05)
+    # measured: bfloat16 moves the first loss by 1e-5-5e-5 of it, padded micro-batches alone by 2e-8,
+    # so autocast did engage, and stayed within bfloat16's error (the bound was 5 %, an audit's)
+    assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert losses[1] != pytest.approx(losses[0], rel=1e-6)
 
 
 def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:
