@@ -39,6 +39,7 @@ import json
 import os
 import sys
 
+from moaspec.calibration.busy_machine import busy_machine_note
 from moaspec.errors import MoaspecError
 from moaspec.signals import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated
 
@@ -290,6 +291,9 @@ def _generate(args: argparse.Namespace) -> int:
             f"{out.stats.tokens_per_s:.1f} tok/s{_background_note(lm.drafter, len(prompt_ids))}",
             file=sys.stderr,
         )
+    busy = busy_machine_note(out.stats, lm.calibration, lm.target)
+    if busy is not None:
+        print(f"moaspec: note: {busy}", file=sys.stderr)
     return 0
 
 

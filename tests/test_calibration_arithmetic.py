@@ -186,3 +186,32 @@ def test_the_warm_up_rounds_plain_steps_and_penalties_are_left_out(monkeypatch) 
     warm_up["forwards"], clock["forwards"] = clock["forwards"] // 2, 0
     measured = measure_verify(target, 16, 1, (1, 2, 4, 8))
     assert measured.plain_step_s == pytest.approx(1.0) and measured.tree_penalty_s == pytest.approx(0.0)
+
+
+def _generation(new_tokens: int, decoding_s: float):
+    from moaspec.metrics import SpecStats
+
+    return SpecStats(new_tokens=new_tokens, draft_s=decoding_s / 4, verify_s=decoding_s * 3 / 4, prefill_s=9.0)
+
+
+def test_a_generation_far_slower_than_calibrated_gets_the_busy_machine_note() -> None:
+    """Other work on the cores made llama.cpp's 2 threads decode 244x slower than calibrated (0.3
+    against 74 tok/s; session 51); the note says so and names the remedy. Not for a generation
+    within 4x of the prediction (τ's misses), for too few decoded tokens (the prefill's first token
+    not counted) or without a calibration."""
+    from types import SimpleNamespace
+
+    from moaspec.calibration.busy_machine import busy_machine_note
+
+    calibration = SimpleNamespace(chosen=Option("none", "row", 80.0))
+    llama = SimpleNamespace(runtime="llama.cpp", threads=2)
+    note = busy_machine_note(_generation(33, 32 / 4.0), calibration, llama)  # 4.0 tok/s decoded: 20x
+    assert note is not None and note.startswith("decoding ran at 4.0 tok/s, 20x below this machine's calibrated 80.0")
+    assert "the target's 2 threads wait" in note and "--threads N, with N no more than the idle cores" in note
+    transformers = busy_machine_note(_generation(33, 32 / 4.0), calibration, SimpleNamespace(runtime="transformers"))
+    assert "torch's threads wait" in transformers and "OMP_NUM_THREADS=N" in transformers
+    assert busy_machine_note(_generation(33, 32 / 20.0), calibration, llama) is None  # exactly 4x slower
+    assert busy_machine_note(_generation(33, 32 / 19.9), calibration, llama) is not None
+    assert busy_machine_note(_generation(8, 7 / 0.1), calibration, llama) is None  # 7 decoded tokens
+    assert busy_machine_note(_generation(9, 8 / 0.1), calibration, llama) is not None
+    assert busy_machine_note(_generation(33, 32 / 4.0), None, llama) is None

@@ -584,3 +584,23 @@ def test_a_target_of_an_unknown_architecture_is_named_as_such(tmp_path: Path, ca
     lines = capsys.readouterr().err.splitlines()
     assert rc == EXIT_USAGE and len(lines) == 1, lines
     assert lines[0].startswith(PREFIX) and "model_type 'nonesuch'" in lines[0]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_generate_ends_with_the_busy_machine_note_when_there_is_one(as_json: bool, monkeypatch, capsys) -> None:
+    """The note of calibration/busy_machine.py comes on stderr after the answer (and after the
+    stats line), with the generation's own stats; stdout keeps the text or the JSON object only."""
+    import json
+
+    import moaspec.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "busy_machine_note", lambda stats, calibration, target: seen.append(stats) or "slow here")
+    extra = ["--json"] if as_json else []
+    assert cli.main(["generate", "--prompt", "hi", "--drafter", "none", "--max-new-tokens", "4", *extra]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.endswith("moaspec: note: slow here\n") and len(seen) == 1 and seen[0].new_tokens == 4
+    if as_json:
+        assert json.loads(captured.out)["new_tokens"] == 4
+    else:
+        assert "slow here" not in captured.out and "[moaspec] 4 tokens" in captured.err
