@@ -48,7 +48,9 @@ def test_a_probe_target_holds_the_key_cache_it_was_given() -> None:
     target = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
     probe = target.new_session()
     probe.key_cache_type = 1  # f16
-    for made, key_type in ((target, KEY_CACHE_TYPE), (probe, 1)):
+    sibling = probe.new_session()  # carried by its sessions (a mutation audit's: untested)
+    assert sibling.key_cache_type == 1
+    for made, key_type in ((target, KEY_CACHE_TYPE), (probe, 1), (sibling, 1)):
         made.prefill(np.arange(100, 120))
         state = SequenceState.parse(memoryview(made._sequence_state(made.ctx)))
         assert {kind for kind, _ in state.keys} == {key_type}

@@ -22,6 +22,9 @@ def test_rows_read_back_as_written_through_growth_truncation_and_gaps() -> None:
     np.testing.assert_array_equal(rows.read(200, 300), second.numpy())
     rows.truncate(150)
     rows.write(160, first[:5])  # past a gap: ignored
+    rows.write(151, first[:5])  # past a gap of one position too (a mutation audit's)
+    assert rows.valid == 150
+    rows.truncate(400)  # beyond the valid rows: the rows after them were never written (an audit's)
     assert rows.valid == 150
     rows.write(150, first[:5])
     assert rows.valid == 155
