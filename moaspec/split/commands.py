@@ -218,7 +218,8 @@ def _split_generator(
     args: argparse.Namespace, client, tree_overrides: dict | None, target_options: dict | None
 ) -> tuple[Target, SpeculativeLM, list[int], SplitGenerator]:
     """The client side of a split generation: the target (its tokenizer and frozen parts), the
-    drafter's SpeculativeLM, the prompt's ids and the generator (which waits for a server that is down, up to 120 s)."""
+    drafter's SpeculativeLM, the prompt's ids and the generator (which waits for a server that
+    is down, up to 120 s)."""
     from moaspec.api import SpeculativeLM, load_target
     from moaspec.drafters import make_drafter
     from moaspec.split.generator import SplitGenerator, SplitOptions
