@@ -85,6 +85,24 @@ def tiny_llama() -> HFTarget:
     return make_tiny_target("llama")
 
 
+@pytest.fixture(scope="module")
+def llama_target():
+    """The built-in SmolLM2-135M GGUF on the llama.cpp runtime, 2 threads, loaded once per module."""
+    from moaspec.api import load_target
+
+    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
+
+
+@pytest.fixture(scope="module")
+def category_prompts(llama_target) -> dict[str, list[int]]:
+    """The first prompt of every benchmark category, through the chat template."""
+    from moaspec.bench.prompts import CATEGORIES, load_prompts
+    from moaspec.chat import encode_chat_prompt
+
+    prompts = load_prompts(CATEGORIES, 1)
+    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
+
+
 def make_random_drafter_net(net_class, config, target: HFTarget, draft_vocab: torch.Tensor | None = None, seed: int = 0):
     """A random drafter net (MoA or EAGLE) with weights large enough that its outputs are far
     from uniform (init std 0.2, RMSNorm weights 1), in the target's dtype."""

@@ -202,13 +202,6 @@ def test_which_drafters_are_built_in_the_background(monkeypatch, tmp_path) -> No
     assert not can_build_in_background("moa", "smollm2-135m", "llama.cpp")
 
 
-@pytest.fixture(scope="module")
-def llama_target():
-    from moaspec.api import load_target
-
-    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-
-
 def _hidden_by_position(drafter) -> dict[int, np.ndarray]:
     """Wraps `drafter.accept` to record the final hidden state [D] it is given for each position."""
     seen: dict[int, np.ndarray] = {}

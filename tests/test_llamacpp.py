@@ -15,8 +15,6 @@ import pytest
 import torch
 from llamacpp_helpers import check_oracle_trees, one_token, oracle_tree, plain_decode, require_exact_trees
 
-from moaspec.bench.prompts import CATEGORIES, load_prompts
-from moaspec.chat import encode_chat_prompt
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.decode_step import limit_nodes
 from moaspec.drafters import make_drafter
@@ -60,19 +58,9 @@ def test_a_chain_is_sequence_zero_alone() -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_target():
-    from moaspec.api import load_target
-
-    target = load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-    assert target.value_cache_name == "f16"  # the calibration is off in tests: chosen now, not by a test's variable
-    return target
-
-
-@pytest.fixture(scope="module")
-def category_prompts(llama_target) -> dict[str, list[int]]:
-    """The first prompt of every benchmark category, through the chat template."""
-    prompts = load_prompts(CATEGORIES, 1)
-    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
+def llama_target(llama_target):
+    assert llama_target.value_cache_name == "f16"  # the calibration is off in tests: chosen now, not by a test's variable
+    return llama_target
 
 
 

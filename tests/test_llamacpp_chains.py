@@ -30,13 +30,6 @@ LLAMA_FTYPE_MOSTLY_Q4_K_S = 14
 
 
 @pytest.fixture(scope="module")
-def llama_target():
-    from moaspec.api import load_target
-
-    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-
-
-@pytest.fixture(scope="module")
 def k_quant_target(tmp_path_factory):
     from moaspec.api import load_target
     from moaspec.model_store import builtin_gguf_path

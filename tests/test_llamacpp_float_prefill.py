@@ -12,7 +12,7 @@ import pytest
 import torch
 from llamacpp_helpers import check_oracle_trees, plain_decode, require_exact_trees
 
-from moaspec.bench.prompts import CATEGORIES, load_prompts
+from moaspec.bench.prompts import load_prompts
 from moaspec.chat import encode_chat_messages, encode_chat_prompt, generation_prompt_ids
 from moaspec.config import GenerationConfig, SamplingConfig
 from moaspec.drafters import make_drafter
@@ -23,20 +23,6 @@ from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, NEVER, PR
 from moaspec.targets.llamacpp_prompt_paths import FLOAT_CHUNK
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_ENV
 from moaspec.tree import DraftTree
-
-
-@pytest.fixture(scope="module")
-def llama_target():
-    from moaspec.api import load_target
-
-    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-
-
-@pytest.fixture(scope="module")
-def category_prompts(llama_target) -> dict[str, list[int]]:
-    """The first prompt of every benchmark category, through the chat template."""
-    prompts = load_prompts(CATEGORIES, 1)
-    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
 
 
 def sibling(target: LlamaCppTarget) -> LlamaCppTarget:

@@ -14,26 +14,10 @@ import pytest
 import torch
 from llamacpp_helpers import one_token, plain_decode, require_exact_trees
 
-from moaspec.bench.prompts import CATEGORIES, load_prompts
-from moaspec.chat import encode_chat_prompt
 from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import MAX_LEAVES, MAX_TREE_NODES, LlamaCppTarget
 from moaspec.tree import DraftTree, leaf_groups
 from moaspec.verify import verify_greedy
-
-
-@pytest.fixture(scope="module")
-def llama_target():
-    from moaspec.api import load_target
-
-    return load_target("smollm2-135m", runtime="llama.cpp", threads=2)
-
-
-@pytest.fixture(scope="module")
-def category_prompts(llama_target) -> dict[str, list[int]]:
-    """The first prompt of every benchmark category, through the chat template."""
-    prompts = load_prompts(CATEGORIES, 1)
-    return {name: encode_chat_prompt(llama_target.tokenizer, items[0].turns[0]) for name, items in prompts.items()}
 
 
 def verify_and_commit(target, tree: DraftTree, path: list[int], expected: list[torch.Tensor]) -> None:
