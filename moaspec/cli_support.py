@@ -1,7 +1,7 @@
 """Helpers the command-line entry points share (moaspec/cli.py, moaspec/bench/cli.py, moaspec/train/cli.py,
-moaspec/bench/client_server.py): the recorded command line, --out directories, and the exit
-status of a benchmark that found a greedy mismatch. No heavy imports: the CLI checks flags
-before torch loads.
+moaspec/bench/client_server.py): the recorded command line, --out directories, comma-separated
+flag values, and the exit status of a benchmark that found a greedy mismatch. No heavy imports:
+the CLI checks flags before torch loads.
 """
 
 from __future__ import annotations

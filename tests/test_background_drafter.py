@@ -272,8 +272,12 @@ def test_a_shipped_drafter_joining_mid_generation_gives_plain_decodings_tokens_a
             assert bool(np.allclose(a[:, :shared].numpy(), b[:, :shared].numpy(), atol=1e-5))
 
 
+# Ends as the console script ends a generation (cli.entry: os._exit, no interpreter teardown): a
+# build still running in its daemon thread when the interpreter tears down may be unwound inside
+# torch's C++ code, which ends in std::terminate (llama.cpp's handler then prints a gdb backtrace
+# onto stdout: seen once in CI, on a loaded machine, as the probe's last line).
 _FIRST_TOKEN_PROBE = """
-import json, sys
+import json, os, sys
 from moaspec import text_stream
 from moaspec.cli import main
 
@@ -285,7 +289,9 @@ def recording_put(self, ids):
 text_stream.TokenCollector.put = recording_put
 code = main(json.loads(sys.argv[1]))
 print()
-print(json.dumps([code, seen, "torch" in sys.modules]))
+print(json.dumps([code, seen, "torch" in sys.modules]), flush=True)
+sys.stderr.flush()
+os._exit(0)
 """
 
 

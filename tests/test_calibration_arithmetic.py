@@ -188,30 +188,40 @@ def test_the_warm_up_rounds_plain_steps_and_penalties_are_left_out(monkeypatch) 
     assert measured.plain_step_s == pytest.approx(1.0) and measured.tree_penalty_s == pytest.approx(0.0)
 
 
-def _generation(new_tokens: int, decoding_s: float):
+
+def _generation(verifications: int, verify_s: float):
     from moaspec.metrics import SpecStats
 
-    return SpecStats(new_tokens=new_tokens, draft_s=decoding_s / 4, verify_s=decoding_s * 3 / 4, prefill_s=9.0)
+    return SpecStats(new_tokens=2 * verifications + 1, num_verifications=verifications, verify_s=verify_s, draft_s=50.0,
+                     prefill_s=9.0)
 
 
-def test_a_generation_far_slower_than_calibrated_gets_the_busy_machine_note() -> None:
+def test_target_steps_far_slower_than_calibrated_get_the_busy_machine_note() -> None:
     """Other work on the cores made llama.cpp's 2 threads decode 244x slower than calibrated (0.3
-    against 74 tok/s; session 51); the note says so and names the remedy. Not for a generation
-    within 4x of the prediction (τ's misses), for too few decoded tokens (the prefill's first token
-    not counted) or without a calibration."""
+    against 74 tok/s; session 51); the note says so and names the remedy. It compares the target's
+    forwards alone (a drafter's seconds, here 50, never count) with the predicted cycle (τ 2 at 80
+    tok/s: 25 ms), beyond 10x; not for fewer than 8 verifications, without a calibration or on a
+    GPU."""
     from types import SimpleNamespace
+
+    import torch
 
     from moaspec.calibration.busy_machine import busy_machine_note
 
-    calibration = SimpleNamespace(chosen=Option("none", "row", 80.0))
-    llama = SimpleNamespace(runtime="llama.cpp", threads=2)
-    note = busy_machine_note(_generation(33, 32 / 4.0), calibration, llama)  # 4.0 tok/s decoded: 20x
-    assert note is not None and note.startswith("decoding ran at 4.0 tok/s, 20x below this machine's calibrated 80.0")
+    calibration = SimpleNamespace(chosen=Option("moa", "row", 80.0, expected_tau=2.0))
+    llama = SimpleNamespace(runtime="llama.cpp", threads=2, weights=SimpleNamespace(gpu_layers=0))
+    note = busy_machine_note(_generation(10, 10 * 0.5), calibration, llama)  # 500 ms a forward: 20x
+    assert note is not None and note.startswith("the target's steps took 500 ms, 20x what this machine's calibration predicts (25 ms)")
     assert "the target's 2 threads wait" in note and "--threads N, with N no more than the idle cores" in note
-    transformers = busy_machine_note(_generation(33, 32 / 4.0), calibration, SimpleNamespace(runtime="transformers"))
-    assert "torch's threads wait" in transformers and "OMP_NUM_THREADS=N" in transformers
-    assert busy_machine_note(_generation(33, 32 / 20.0), calibration, llama) is None  # exactly 4x slower
-    assert busy_machine_note(_generation(33, 32 / 19.9), calibration, llama) is not None
-    assert busy_machine_note(_generation(8, 7 / 0.1), calibration, llama) is None  # 7 decoded tokens
-    assert busy_machine_note(_generation(9, 8 / 0.1), calibration, llama) is not None
-    assert busy_machine_note(_generation(33, 32 / 4.0), None, llama) is None
+    cpu = SimpleNamespace(runtime="transformers", device=torch.device("cpu"))
+    transformers = busy_machine_note(_generation(10, 10 * 0.5), calibration, cpu)
+    assert f"torch's {torch.get_num_threads()} threads wait" in transformers and "OMP_NUM_THREADS=N" in transformers
+    assert busy_machine_note(_generation(10, 10 * 0.25), calibration, llama) is None  # exactly 10x
+    assert busy_machine_note(_generation(10, 10 * 0.2501), calibration, llama) is not None
+    assert busy_machine_note(_generation(7, 7 * 0.5), calibration, llama) is None  # 7 verifications
+    assert busy_machine_note(_generation(8, 8 * 0.5), calibration, llama) is not None
+    assert busy_machine_note(_generation(10, 10 * 0.5), None, llama) is None
+    offloaded = SimpleNamespace(runtime="llama.cpp", threads=2, weights=SimpleNamespace(gpu_layers=30))
+    assert busy_machine_note(_generation(10, 10 * 0.5), calibration, offloaded) is None
+    gpu = SimpleNamespace(runtime="transformers", device=torch.device("cuda"))
+    assert busy_machine_note(_generation(10, 10 * 0.5), calibration, gpu) is None

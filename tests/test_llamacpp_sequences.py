@@ -16,6 +16,7 @@ from llamacpp_helpers import one_token, plain_decode, require_exact_trees
 
 from moaspec.errors import MoaspecError
 from moaspec.targets.llamacpp import MAX_LEAVES, MAX_TREE_NODES, LlamaCppTarget
+from moaspec.targets.llamacpp_exactness import EXACTNESS_STEPS
 from moaspec.tree import DraftTree, leaf_groups
 from moaspec.verify import verify_greedy
 
@@ -153,7 +154,7 @@ def test_the_exactness_check_finds_kernels_that_round_otherwise_outside_the_tree
 
     if rounds_otherwise == "a kept start":
         monkeypatch.setattr(LlamaCppTarget, "set_context", kept_start)
-        expected = 8  # EXACTNESS_STEPS: every chain is exact
+        expected = EXACTNESS_STEPS  # every chain is exact
     else:
         monkeypatch.setattr(LlamaCppTarget, "commit", recorded_commit)
         monkeypatch.setattr(LlamaCppTarget, "verify", after_a_path)

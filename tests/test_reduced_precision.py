@@ -100,7 +100,9 @@ def test_a_float32_drafter_runs_against_a_bfloat16_target(tmp_path: Path) -> Non
     float32 on float32 features, and its drafts are verified and accepted. Not compared with plain
     decoding: a bfloat16 tree's rows may round differently from one-token steps (README)."""
     _, reduced = _saved_pair(tmp_path, torch.bfloat16)
-    plain = Engine(reduced, NoDrafter()).generate(PROMPT.tolist(), generation=GenerationConfig(max_new_tokens=24))
+    plain = Engine(reduced, NoDrafter()).generate(
+        PROMPT.tolist(), generation=GenerationConfig(max_new_tokens=24), stop_ids=frozenset()
+    )
     net = make_random_drafter_net(EagleDrafterNet, EagleConfig.for_target(reduced.config), reduced).float()
     overfit(net, reduced, PROMPT.tolist() + plain.token_ids)  # so that drafts are accepted
     drafter = EagleDrafter(net, reduced, TreeConfig(depth=3, top_k=2, budget=6))

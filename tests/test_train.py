@@ -855,10 +855,11 @@ def test_mixed_precision_training_runs_the_gpu_code_path_on_the_cpu(tmp_path, me
         )
         losses.append(state.history[0]["loss"])
         assert "acc_depth1" in state.history[-1] and "val_tau" in state.history[-1]
-    # measured: bfloat16 moves the first loss by 1e-5-5e-5 of it, padded micro-batches alone by 2e-8,
-    # so autocast did engage, and stayed within bfloat16's error (the bound was 5 %, an audit's)
+    # measured (AVX2 EPYC): bfloat16 moves the first loss by 1e-5-5e-5 of it, padded micro-batches
+    # alone by 2e-8, so autocast did engage, and stayed within bfloat16's error (the bound was 5 %,
+    # an audit's)
     assert math.isfinite(losses[1]) and losses[1] == pytest.approx(losses[0], rel=1e-3)
-    assert losses[1] != pytest.approx(losses[0], rel=1e-6)
+    assert losses[1] != pytest.approx(losses[0], rel=1e-7)
 
 
 def test_train_device_flag_is_checked_before_loading(tmp_path, capsys) -> None:

@@ -175,6 +175,7 @@ def generate_remote(
     try:
         load_library_held()  # torch's first import: an interrupt half-way was swallowed or left it half-imported
         from moaspec.split.client import SplitClient
+        from moaspec.split.generator import SplitResult  # before the client: an interrupt's record reads it
 
         client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
         target, lm, prompt_ids, generator = _split_generator(args, client, tree_overrides, target_options)
@@ -185,7 +186,6 @@ def generate_remote(
     import torch
 
     from moaspec.config import GenerationConfig, SamplingConfig
-    from moaspec.split.generator import SplitResult
 
     streamer = None
     if not args.json:
