@@ -30,6 +30,6 @@ def test_each_case_times_the_path_it_names_and_restores_the_thresholds() -> None
 def test_value_caches_are_checked_with_a_usage_message() -> None:
     script = load_bench_script("prompt_context_gain")
     assert script.value_cache_list("q8_0, f16") == ["q8_0", "f16"]
-    for text, says in (("q4_0", "unknown value cache q4_0 \\(known: f16, q8_0\\)"), (",", "unknown value cache \\(none\\)")):
+    for text, says in (("q4_0", "unknown value cache q4_0 \\(known: f16, q8_0\\)"), (",", "the list has an empty item: ','"), ("", "the list is empty")):
         with pytest.raises(argparse.ArgumentTypeError, match=says):
             script.value_cache_list(text)
