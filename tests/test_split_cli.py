@@ -224,8 +224,8 @@ def test_an_interrupted_split_json_generation_prints_the_tokens_verified_before(
     monkeypatch.setattr(moaspec.api, "load_target",
                         lambda target, **kwargs: SimpleNamespace(name="smollm2-135m", stop_ids=frozenset()))
     monkeypatch.setattr(moaspec.drafters, "make_drafter", lambda name, target, overrides: SimpleNamespace(accept_context=None))
-    monkeypatch.setattr(moaspec.api, "SpeculativeLM",
-                        lambda target, drafter: SimpleNamespace(tokenizer=tokenizer, encode_prompt=lambda prompt, raw: [1, 2]))
+    monkeypatch.setattr(moaspec.api, "SpeculativeLM", lambda target, drafter: SimpleNamespace(
+        target=target, tokenizer=tokenizer, encode_prompt=lambda prompt, raw: [1, 2]))
     monkeypatch.setattr(moaspec.split.client, "SplitClient", lambda *args, **kwargs: SimpleNamespace(
         stats=SimpleNamespace(calls=2, bytes_sent=300, bytes_received=100)))
     monkeypatch.setattr(moaspec.split.generator, "SplitGenerator", InterruptedGenerator)

@@ -178,7 +178,7 @@ def generate_remote(
         from moaspec.split.generator import SplitResult  # before the client: an interrupt's record reads it
 
         client = SplitClient(args.server, key, timeout_s=args.timeout, cafile=args.cafile)
-        target, lm, prompt_ids, generator = _split_generator(args, client, tree_overrides, target_options)
+        lm, prompt_ids, generator = _split_generator(args, client, tree_overrides, target_options)
     except KeyboardInterrupt:  # importing, loading or connecting: --json says nothing was verified
         if args.json:
             print(json.dumps(_interrupted_before_the_start(args, client)))
@@ -196,9 +196,9 @@ def generate_remote(
     result = SplitResult()
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     generation = GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
-    head = {"target": target.name, "runtime": generator.info.get("runtime"), "drafter": args.drafter}
+    head = {"target": lm.target.name, "runtime": generator.info.get("runtime"), "drafter": args.drafter}
     try:
-        for event in generator.stream(prompt_ids, sampling, generation, target.stop_ids, result):
+        for event in generator.stream(prompt_ids, sampling, generation, lm.target.stop_ids, result):
             if streamer is not None and event.kind in ("verified", "confirm", "kept") and event.token_ids:
                 streamer.put(torch.tensor(event.token_ids))
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: --json still prints the tokens verified before it
@@ -216,9 +216,9 @@ def generate_remote(
 
 def _split_generator(
     args: argparse.Namespace, client, tree_overrides: dict | None, target_options: dict | None
-) -> tuple[Target, SpeculativeLM, list[int], SplitGenerator]:
-    """The client side of a split generation: the target (its tokenizer and frozen parts), the
-    drafter's SpeculativeLM, the prompt's ids and the generator (which waits for a server that
+) -> tuple[SpeculativeLM, list[int], SplitGenerator]:
+    """The client side of a split generation: the SpeculativeLM of the target (its tokenizer and
+    frozen parts) and the drafter, the prompt's ids and the generator (which waits for a server that
     is down, up to 120 s)."""
     from moaspec.api import SpeculativeLM, load_target
     from moaspec.drafters import make_drafter
@@ -239,7 +239,7 @@ def _split_generator(
         raise MoaspecError(f"drafter '{args.drafter}' cannot run split")
     lm = SpeculativeLM(target, drafter)
     prompt_ids = lm.encode_prompt(args.prompt, args.raw)
-    return target, lm, prompt_ids, SplitGenerator(client, drafter, options)
+    return lm, prompt_ids, SplitGenerator(client, drafter, options)
 
 
 def _report_remote(args: argparse.Namespace, text: str, result: SplitResult, head: dict, client) -> None:
