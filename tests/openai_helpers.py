@@ -72,12 +72,15 @@ class SlowDrafter:
         return self.inner.propose(root_id, sampling, generator)
 
 
-def start_server(method: str = "ngram", delay_s: float = 0.0, max_waiting: int = 8, limits: ServerLimits | None = None) -> ServerThread:
+def start_server(
+    method: str = "ngram", delay_s: float = 0.0, max_waiting: int = 8, limits: ServerLimits | None = None, calibration=None,
+) -> ServerThread:
     target = tiny_chat_target()
     drafter = make_drafter(method, target)
     if delay_s:
         drafter = SlowDrafter(drafter, delay_s)
-    server = SplitServer(target, drafter, [KEY], limits or ServerLimits(), OpenAILimits(max_waiting=max_waiting))
+    server = SplitServer(target, drafter, [KEY], limits or ServerLimits(), OpenAILimits(max_waiting=max_waiting),
+                         openai_calibration=calibration)
     return ServerThread(server).start()
 
 

@@ -545,7 +545,8 @@ def test_serve_generates_openai_requests_with_the_calibrated_choice(llama_target
     """`moaspec serve` with no drafter named: split sessions get the default model drafter's
     context encoder (MoA, capturing keys/values), while the OpenAI routes generate as `moaspec
     generate` would, with the machine calibration's choice, in a session that captures only what
-    that choice reads (it used to decode with `moa+ngram`: 0.7x plain decoding on 2 cores)."""
+    that choice reads (it used to decode with `moa+ngram`: 0.7x plain decoding on 2 cores). Its
+    routes hold the calibration that chose their drafter, the named one's too."""
     from moaspec.calibration.plan import drafter_for
     from moaspec.cli import _build_parser
     from moaspec.drafters.moa import MoADrafter
@@ -563,6 +564,12 @@ def test_serve_generates_openai_requests_with_the_calibrated_choice(llama_target
     reads_layers = isinstance(server.openai_drafter, MoADrafter)  # what the calibration chose here
     assert (server.openai_target.capture is not None) == reads_layers
     assert server.openai_drafter is not server.drafter
+    assert server.openai_calibration.chosen == calibration.chosen  # for the busy-machine note in the log
+    args = _build_parser().parse_args(["serve", "--drafter", "moa+ngram"])  # named: the split's drafter decodes
+    args.runtime_options = {}
+    named, _ = build_server(args, ["k" * 16])
+    assert named.openai_drafter is named.drafter and named.openai_calibration is not None
+    assert named.openai_calibration.chosen.drafter.startswith("moa")
 
 
 @pytest.mark.parametrize("trees_exact", [True, False])

@@ -522,6 +522,46 @@ def test_health_and_prometheus_metrics(ngram_server) -> None:
     assert httpx.get(url(ngram_server, "/metrics"), timeout=TIMEOUT_S).status_code == 401
 
 
+def test_generations_far_slower_than_the_calibration_predicts_are_logged_at_most_every_ten_minutes(caplog) -> None:
+    """serve's log gets the note `generate` prints on a busy machine (calibration/busy_machine.py):
+    with a calibration predicting a 1 ns cycle, the first generation logs it as a warning, the next
+    within BUSY_NOTE_EVERY_S does not, and one after it does again. A server without a calibration
+    logs none (the ngram_server fixture's generations)."""
+    from types import SimpleNamespace
+
+    from moaspec.calibration.predict import Option
+    from moaspec.openai_api import routes
+
+    calibration = SimpleNamespace(chosen=Option("moa", "row", 1e9, expected_tau=1.0))
+    started = start_server("moa", calibration=calibration)
+    messages = [{"role": "user", "content": "tell me more"}]
+
+    def notes_after_a_generation() -> list[str]:
+        """A non-streamed response is sent after its generation's log line."""
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="moaspec.serve"):
+            client(started).chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        return [r.getMessage() for r in caplog.records if r.name == "moaspec.serve"]
+
+    try:
+        first = notes_after_a_generation()
+        assert len(first) == 1 and "x what this machine's calibration predicts (0 ms)" in first[0], first
+        assert "torch's" in first[0] and "OMP_NUM_THREADS=N" in first[0]
+        assert notes_after_a_generation() == []
+        started.server.openai.busy_logged_at -= routes.BUSY_NOTE_EVERY_S
+        assert len(notes_after_a_generation()) == 1
+    finally:
+        started.stop()
+    with caplog.at_level("WARNING", logger="moaspec.serve"):
+        caplog.clear()
+        unlogged = start_server("moa")
+        try:
+            client(unlogged).chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+        finally:
+            unlogged.stop()
+    assert [r for r in caplog.records if r.name == "moaspec.serve"] == []
+
+
 def test_serve_flags() -> None:
     import argparse
 

@@ -29,9 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from moaspec.calibration.busy_machine import busy_machine_note
 from moaspec.chat import encode_chat_messages
 from moaspec.drafters.base import Drafter
 from moaspec.engine import Engine, GenerationResult
@@ -47,10 +49,15 @@ from moaspec.serving.identity import drafter_fingerprint, drafter_form
 from moaspec.serving.limits import OpenAILimits, ServerLimits
 from moaspec.targets.base import PrefillCancelled, Target
 
+if TYPE_CHECKING:
+    from moaspec.calibration.plan import Calibration
+    from moaspec.metrics import SpecStats
+
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged and counted, never seen by the client
 # set on a request whose stream was cut by its client leaving: counted as CLIENT_CLOSED, not 200
 STREAM_LEFT = web.RequestKey("stream_left", bool)
 CLIENT_POLL_S = 0.1  # while a step runs (a long prefill), how often the client's connection is checked
+BUSY_NOTE_EVERY_S = 600.0  # the busy-machine note is logged at most this often while it holds
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 logger = logging.getLogger("moaspec.serve")
 
@@ -63,12 +70,15 @@ def add_openai_routes(
     max_new_tokens: int,
     limits: OpenAILimits | None = None,
     body_timeout_s: float = ServerLimits.body_timeout_s,
+    calibration: Calibration | None = None,
 ) -> OpenAIRoutes:
     """Register the OpenAI routes and a request-metrics middleware on `app` (before it starts).
 
     worker: the single thread that runs all model work; max_new_tokens: per-request cap;
-    body_timeout_s: how long a request body may take to arrive."""
-    routes = OpenAIRoutes(target, drafter, worker, max_new_tokens, limits or OpenAILimits(), body_timeout_s)
+    body_timeout_s: how long a request body may take to arrive; calibration: the machine
+    calibration that chose `drafter`, if one did (a generation far slower than it predicts is
+    logged: calibration/busy_machine.py)."""
+    routes = OpenAIRoutes(target, drafter, worker, max_new_tokens, limits or OpenAILimits(), body_timeout_s, calibration)
     routes.register(app)
     return routes
 
@@ -76,7 +86,7 @@ def add_openai_routes(
 class OpenAIRoutes:
     def __init__(
         self, target: Target, drafter: Drafter, worker: ThreadPoolExecutor, max_new_tokens: int, limits: OpenAILimits,
-        body_timeout_s: float = ServerLimits.body_timeout_s,
+        body_timeout_s: float = ServerLimits.body_timeout_s, calibration: Calibration | None = None,
     ) -> None:
         # Own cache over the shared weights, as split sessions have; the drafter is the server's.
         self.target = target.new_session()
@@ -91,6 +101,8 @@ class OpenAIRoutes:
         self.created = int(time.time())
         self.queue = AdmissionQueue(limits.max_waiting)
         self.metrics = ServerMetrics(lambda: self.queue.waiting, lambda: self.queue.active, limits.max_waiting)
+        self.calibration = calibration
+        self.busy_logged_at: float | None = None  # time.monotonic() of the last busy-machine note
 
     def register(self, app: web.Application) -> None:
         app.middlewares.insert(0, self._count)  # outermost: sees every final status, 401s included
@@ -230,6 +242,16 @@ class OpenAIRoutes:
             self.metrics.generations.labels(endpoint, finish).inc()
             self.metrics.record_stats(generation.result.stats)
             self.metrics.generation_s.observe(time.perf_counter() - queued - wait_s)
+            self._log_a_busy_machine(generation.result.stats)
+
+    def _log_a_busy_machine(self, stats: SpecStats) -> None:
+        """Logs the busy-machine note of a generation that has one, at most every BUSY_NOTE_EVERY_S."""
+        note = busy_machine_note(stats, self.calibration, self.target)
+        now = time.monotonic()
+        if note is None or (self.busy_logged_at is not None and now - self.busy_logged_at < BUSY_NOTE_EVERY_S):
+            return
+        self.busy_logged_at = now
+        logger.warning("%s", note)
 
     async def _complete(self, request: web.Request, job: GenerationJob, generation: _Generation, wait_s: float) -> web.StreamResponse:
         started = time.perf_counter()

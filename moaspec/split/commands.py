@@ -120,19 +120,19 @@ def build_server(args: argparse.Namespace, keys: list[str]) -> tuple[SplitServer
     split_form = args.drafter or default_drafter(target.name)
     decoding_target = None if args.drafter else target.new_session()
     try:
-        drafter, _ = drafter_for(target, split_form)
+        drafter, calibration = drafter_for(target, split_form)
     except MoaspecError as exc:  # trees not exact here (calibration/plan.py): the OpenAI routes still decode
         if args.drafter or target.runtime != "llama.cpp" or target.trees_exact:
             raise
         print(f"moaspec: warning: {exc}: split clients verify one token per request", file=sys.stderr)
-        drafter = make_drafter(split_form, target)
+        drafter, calibration = make_drafter(split_form, target), None
     limits = _within_runtime(limits, target, args)
     openai, decoding = None, split_form
     if decoding_target is not None:
         decoding_drafter, calibration = drafter_for(decoding_target, None)
         openai = (decoding_target, decoding_drafter)
         decoding = calibration.chosen.drafter if calibration is not None else drafter_form(decoding_drafter)
-    server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai)
+    server = SplitServer(target, drafter, keys, limits, openai_limits_from_args(args), openai, calibration)
     encoder = "" if split_form in MODEL_FREE else " context encoder"  # n-gram clients draft alone
     return server, f"{target.name} + {split_form}{encoder} (OpenAI API: {decoding})"
 

@@ -55,6 +55,8 @@ from moaspec.tree import depths
 if TYPE_CHECKING:
     import ssl
 
+    from moaspec.calibration.plan import Calibration
+
 REAPER = web.AppKey("reaper", asyncio.Task)
 KEY_INDEX = web.RequestKey("key_index", int)
 logger = logging.getLogger("moaspec.serve")
@@ -119,15 +121,19 @@ class SplitServer:
     def __init__(
         self, target: Target, drafter: Drafter, api_keys: list[str], limits: ServerLimits = ServerLimits(),
         openai_limits: OpenAILimits | None = None, openai: tuple[Target, Drafter] | None = None,
+        openai_calibration: Calibration | None = None,
     ) -> None:
         """openai: the target (the OpenAI routes decode in a session of it) and the drafter the
-        OpenAI routes generate with (issue 7); default: the split's own `target` and `drafter`."""
+        OpenAI routes generate with (issue 7); default: the split's own `target` and `drafter`.
+        openai_calibration: the machine calibration that chose the OpenAI routes' drafter, if one
+        did (their generations far slower than it predicts are logged)."""
         if not api_keys or not all(api_keys):
             raise MoaspecError("the server needs at least one non-empty API key")
         self.target = target
         self.drafter = drafter
         self.openai_target, self.openai_drafter = openai if openai is not None else (target, drafter)
         self.openai_limits = openai_limits
+        self.openai_calibration = openai_calibration
         self.encoder = getattr(drafter, "context_encoder", None)
         if self.encoder is None:
             raise MoaspecError(f"drafter {drafter_form(drafter)} cannot be split (it has no context encoder)")
@@ -171,7 +177,7 @@ class SplitServer:
         app.router.add_delete("/v1/split/sessions/{session_id}", self._close)
         self.openai = add_openai_routes(
             app, self.openai_target, self.openai_drafter, self.worker, self.limits.max_new_tokens, self.openai_limits,
-            self.limits.body_timeout_s,
+            self.limits.body_timeout_s, self.openai_calibration,
         )
         self.openai.metrics.add_server_gauges(lambda: self.connections.num_open, lambda: len(self.sessions), lambda: self.budget.num_tokens)
         self.connections.on_refusal = self.openai.metrics.count_refusal
