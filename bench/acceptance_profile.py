@@ -28,7 +28,7 @@ from tqdm import tqdm
 from moaspec.api import load_target
 from moaspec.bench.calibration_prompts import CALIBRATION_PROMPTS
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import positive_int, run_script, script_parser
+from moaspec.bench.script_args import known_names, positive_int, run_script, script_parser
 from moaspec.bench.tune import calibrate
 from moaspec.calibration.profile import PROFILE_FILE, LookupSequence, sequences_to_json, weights_digest
 from moaspec.chat import encode_chat_prompt
@@ -82,14 +82,11 @@ def main() -> int:
     )
     parser.add_argument("--lookup-only", action="store_true", help="write the target's lookup profile only")
     parser.add_argument(
-        "--drafters", default=None,
+        "--drafters", type=lambda text: known_names(text, SHIPPED, "shipped drafter"), default=None,
         help="comma-separated shipped drafters to recalibrate, nothing else (default all + the lookup profile)",
     )
     args = parser.parse_args()
-    chosen = SHIPPED if args.drafters is None else tuple(args.drafters.split(","))
-    unknown = sorted(set(chosen) - set(SHIPPED))
-    if unknown:
-        parser.error(f"not shipped drafters: {', '.join(unknown)}")
+    chosen = SHIPPED if args.drafters is None else tuple(args.drafters)
     if args.lookup_only and args.drafters is not None:
         parser.error("--lookup-only writes the lookup profile alone: leave out --drafters")
     if args.sharegpt_prompts < 0:

@@ -30,7 +30,7 @@ import mtbench_top1  # noqa: E402
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import non_negative_ints, output_directory, run_script, script_parser
+from moaspec.bench.script_args import non_negative_ints, output_directory, run_script, script_parser, text_items
 
 
 def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
@@ -47,7 +47,7 @@ def head_ms(head: torch.Tensor, rows: int, repeats: int = 200) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_directory, required=True, help="output directory")
-    parser.add_argument("--drafters", default="eagle,moa", help="comma-separated NAME or LABEL=DIR")
+    parser.add_argument("--drafters", type=text_items, default="eagle,moa", help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--sizes", type=non_negative_ints, default="8192,16384,32768,0", help="vocabulary sizes, 0 = full")
     parser.add_argument("--data", nargs="+", required=True, help="training data directories (token frequencies)")
     parser.add_argument("--target", default="smollm2-135m")
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     full = target.parts(0).lm_head_weight
     sizes = args.sizes
     rows = []
-    for item in args.drafters.split(","):
+    for item in args.drafters:
         label, _, spec = item.partition("=") if "=" in item else (item, "", item)
         directory = checkpoint_directory(spec, target.name)
         method = json.loads((directory / "config.json").read_text())["method"]

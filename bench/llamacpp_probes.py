@@ -36,10 +36,11 @@ import time
 import torch
 
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import output_file, positive_int, run_script, script_parser
+from moaspec.bench.script_args import known_names, output_file, positive_int, run_script, script_parser
 from moaspec.targets.llamacpp import MAX_BATCH
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_TYPES
 
+PROBE_ITEMS = ("1", "2", "3", "4", "5", "6")  # --items: the probes of the docstring
 PROBE_CELLS = 4096  # each probe context's cells: its longest decode
 # ggml types: 0 f32, 1 f16, 8 q8_0. Only a quantized key cache keeps the per-query kernel (exact
 # with trees); an f32 side is cast to f16, so every other pair takes the tiled and split-KV kernels.
@@ -189,12 +190,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=positive_int, default=3, help="bench prompts per category for item 1 (default 3)")
     parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds for items 2-3 (default 4)")
-    parser.add_argument("--items", default="1,2,3,4,5,6", help="comma-separated items to run (default all)")
+    parser.add_argument("--items", type=lambda text: known_names(text, PROBE_ITEMS, "item"), default=",".join(PROBE_ITEMS),
+                        help="comma-separated items to run (default all)")
     parser.add_argument("--out", type=output_file, default=None)
     args = parser.parse_args()
-    wanted = set(args.items.split(","))
-    if not wanted <= {"1", "2", "3", "4", "5", "6"}:
-        parser.error(f"--items takes a comma-separated subset of 1,2,3,4,5,6, not {args.items!r}")
+    wanted = set(args.items)
 
     from moaspec.api import load_target
     from moaspec.bench.prompts import CATEGORIES, load_prompts

@@ -39,7 +39,7 @@ import torch
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import output_directory, positive_int, run_script, script_parser
+from moaspec.bench.script_args import output_directory, positive_int, run_script, script_parser, text_items
 from moaspec.errors import MoaspecError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,12 +260,12 @@ def _lookup_summary(counts: dict) -> tuple[dict, dict]:
     return {"depth1": counts["hits"] / positions}, lookup
 
 
-def check_drafters(parser: argparse.ArgumentParser, drafters: str) -> None:
+def check_drafters(parser: argparse.ArgumentParser, drafters: list[str]) -> None:
     """Every NAME or LABEL=DIR of --drafters names a drafter (argparse's error otherwise), before
     the features are computed (minutes)."""
     from moaspec.drafters import MODEL_FREE, check_drafter_spec
 
-    for item in drafters.split(","):
+    for item in drafters:
         spec = item.partition("=")[2] if "=" in item else item
         try:
             check_drafter_spec(spec)
@@ -285,7 +285,7 @@ def feature_cache_dir(given: str | None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--out", type=output_directory, required=True, help="output directory")
-    parser.add_argument("--drafters", required=True, help="comma-separated NAME or LABEL=DIR")
+    parser.add_argument("--drafters", type=text_items, required=True, help="comma-separated NAME or LABEL=DIR")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128, help="greedy tokens per answer (default 128)")
     parser.add_argument(
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shuffle_memory:
         source = ShuffledInputs(source)
     results = []
-    for item in args.drafters.split(","):
+    for item in args.drafters:
         label, _, spec = item.partition("=") if "=" in item else (item, "", item)
         results.append(evaluate(label, spec, target, source, samples, categories))
     out = Path(args.out)

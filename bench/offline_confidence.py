@@ -34,6 +34,7 @@ from moaspec.bench.script_args import (
     positive_int,
     run_script,
     script_parser,
+    text_items,
 )
 
 THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--categories", type=category_list, default="mt_bench,humaneval")
     parser.add_argument("--limit", type=positive_int, default=25)
     parser.add_argument("--skip", type=non_negative_int, default=10)
-    parser.add_argument("--drafters", default="ngram,moa,moa+ngram")
+    parser.add_argument("--drafters", type=text_items, default="ngram,moa,moa+ngram")
     parser.add_argument("--cut-after", type=positive_int, default=16)
     parser.add_argument("--offline-tokens", type=positive_int, default=24)
     parser.add_argument("--report-only", action="store_true", help="rewrite DIR/results.md from DIR/results.json")
@@ -150,7 +151,7 @@ def main() -> None:
     target = moaspec.api.load_target("smollm2-135m", runtime="transformers")
     items = [item for group in load_prompts(args.categories, args.limit).values() for item in group[args.skip:]]
     results = {"command": " ".join(["bench/offline_confidence.py", *__import__("sys").argv[1:]]), "drafters": {}}
-    for spec in args.drafters.split(","):
+    for spec in args.drafters:
         generations = {}
         for item in items:
             prompt_ids = encode_chat_messages(target.tokenizer, [*item.history, {"role": "user", "content": item.turns[0]}])

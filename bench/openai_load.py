@@ -35,7 +35,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from moaspec.bench.output import write_json
 from moaspec.bench.prompts import load_prompts  # noqa: E402
-from moaspec.bench.script_args import output_file, run_script, script_parser
+from moaspec.bench.script_args import output_file, positive_int, positive_ints, run_script, script_parser, text_items
 
 PROMPT_CATEGORIES = ("mt_bench", "translation", "summarization", "math")
 
@@ -170,7 +170,7 @@ def bench_in_process(args: argparse.Namespace, client_counts: list[int]) -> list
     target = load_target(args.target, runtime="transformers")
     key = secrets.token_urlsafe(16)
     rows = []
-    for spec in args.drafters.split(","):
+    for spec in args.drafters:
         server = SplitServer(target, make_drafter(spec, target), [key], openai_limits=OpenAILimits(max_waiting=max(client_counts)))
         thread = ServerThread(server).start()
         try:
@@ -197,26 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=None, help="a running `moaspec serve` (default: start in-process servers)")
     parser.add_argument("--api-key-file", default=None, help="key for --url (default $MOASPEC_API_KEY)")
     parser.add_argument("--target", default="smollm2-135m", help="in-process target: built-in name or HF directory (default smollm2-135m)")
-    parser.add_argument("--drafters", default="ngram,none", help="in-process drafters, comma-separated; `none` = plain decoding (default ngram,none)")
-    parser.add_argument("--clients", default="1,2,4", help="concurrent clients, comma-separated (default 1,2,4)")
-    parser.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default 64)")
+    parser.add_argument("--drafters", type=text_items, default="ngram,none", help="in-process drafters, comma-separated; `none` = plain decoding (default ngram,none)")
+    parser.add_argument("--clients", type=positive_ints, default="1,2,4", help="concurrent clients, comma-separated (default 1,2,4)")
+    parser.add_argument("--requests", type=positive_int, default=16, help="requests per run (default 16)")
+    parser.add_argument("--max-tokens", type=positive_int, default=64, help="max_tokens per request (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 2), help="torch threads in-process (default 2)")
     parser.add_argument("--out", type=output_file, default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
-    try:
-        client_counts = [int(n) for n in args.clients.split(",")]
-    except ValueError:
-        parser.error(f"--clients takes comma-separated counts, got {args.clients!r}")
-    if args.requests < 1 or args.max_tokens < 1 or min(client_counts) < 1:
-        parser.error("--requests, --max-tokens and --clients must be >= 1")
     if not args.url:  # named before the table's header, not after it
         from moaspec.drafters import check_drafter_spec
         from moaspec.errors import MoaspecError
 
-        for spec in args.drafters.split(","):
+        for spec in args.drafters:
             try:
                 check_drafter_spec(spec)
             except MoaspecError as exc:
@@ -224,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("| drafter | clients | requests | errors | req/s | tok/s | latency p50 / p90 / p99 s | TTFT p50 / p99 s | mean τ |", file=sys.stderr)
     print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
-    rows = bench_url(args, client_counts) if args.url else bench_in_process(args, client_counts)
+    rows = bench_url(args, args.clients) if args.url else bench_in_process(args, args.clients)
     if args.url:
         for row in rows:
             print(_row(row), file=sys.stderr)

@@ -19,7 +19,15 @@ import sys
 import torch
 
 from moaspec.bench.runner import first_divergence
-from moaspec.bench.script_args import category_list, dtype_list, output_file, positive_int, run_script, script_parser
+from moaspec.bench.script_args import (
+    category_list,
+    dtype_list,
+    output_file,
+    positive_int,
+    run_script,
+    script_parser,
+    text_items,
+)
 
 
 def main() -> int:
@@ -28,14 +36,14 @@ def main() -> int:
     parser.add_argument(
         "--dtypes", type=dtype_list, default="float32,bfloat16", help="comma-separated; float32 first (the reference)"
     )
-    parser.add_argument("--methods", default="none,eagle,moa,moa+ngram", help="drafters; `none` first (the reference)")
+    parser.add_argument("--methods", type=text_items, default="none,eagle,moa,moa+ngram", help="drafters; `none` first (the reference)")
     parser.add_argument("--categories", type=category_list, default="mt_bench")
     parser.add_argument("--limit", type=positive_int, default=8, help="prompts per category (default 8)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=output_file, required=True, help="results JSON")
     args = parser.parse_args()
-    dtypes, methods = args.dtypes, args.methods.split(",")
+    dtypes, methods = args.dtypes, args.methods
     if dtypes[0] != "float32" or methods[0] != "none":
         parser.error("--dtypes must start with float32 and --methods with none (the references)")
 

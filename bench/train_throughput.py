@@ -28,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 from moaspec.atomic_files import write_file_atomically
 from moaspec.bench.machine import machine_info
 from moaspec.bench.output import write_json
-from moaspec.bench.script_args import output_file, run_script, script_parser
+from moaspec.bench.script_args import int_at_least, output_file, positive_int, positive_ints, run_script, script_parser
 from moaspec.cli import main as moaspec_main
 
 OWN_FLAGS = ("--out", "--steps", "--micro-batch", "--val-every")
@@ -57,20 +57,15 @@ def write_profile(path: Path, profiler: profile, train_args: list[str], sizes: l
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__, usage="%(prog)s [options] -- TRAIN_FLAGS")
-    parser.add_argument("--micro-batches", default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
-    parser.add_argument("--steps", type=int, default=5, help="steps per run, the first not counted (default 5)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the sizes (default 2)")
+    parser.add_argument("--micro-batches", type=positive_ints, default="1,4,8", help="sizes to compare, comma-separated (default 1,4,8)")
+    parser.add_argument("--steps", type=int_at_least(2), default=5, help="steps per run, the first not counted (default 5)")
+    parser.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds over the sizes (default 2)")
     parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     parser.add_argument("--profile", type=output_file, default=None,
                         help="profile the runs with torch.profiler and write its operator tables here")
     args, train_args = parser.parse_known_args(argv)
     train_args = [arg for arg in train_args if arg != "--"]
-    try:
-        sizes = [int(size) for size in args.micro_batches.split(",")]
-    except ValueError:
-        parser.error("--micro-batches takes integers, e.g. 1,4,8")
-    if not sizes or min(sizes) < 1 or args.steps < 2 or args.rounds < 1:
-        parser.error("--micro-batches must be >= 1, --steps >= 2 and --rounds >= 1")
+    sizes = args.micro_batches
     if not train_args or any(arg.split("=")[0] in OWN_FLAGS for arg in train_args):
         parser.error(f"give `moaspec train` flags after --, without {', '.join(OWN_FLAGS)}")
     per_size: dict[int, list[float]] = {size: [] for size in sizes}

@@ -10,6 +10,7 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from moaspec.atomic_files import new_hidden_directory
@@ -55,6 +56,17 @@ def comma_items(value: str, what: str) -> list[str]:
     if "" in items:
         raise MoaspecError(f"{what} has an empty item: '{value}'")
     return items
+
+
+def known_items(value: str, what: str, known: Sequence[str], noun: str) -> list[str]:
+    """A comma-separated flag value -> names in the given order (duplicates dropped), each one of
+    `known`; an empty list or item (comma_items), or an unknown name, is a one-line MoaspecError:
+    `unknown <noun> X, Y (known: ...)`."""
+    names = list(dict.fromkeys(comma_items(value, what)))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise MoaspecError(f"unknown {noun} {', '.join(unknown)} (known: {', '.join(known)})")
+    return names
 
 
 def command_line(args: argparse.Namespace) -> str:

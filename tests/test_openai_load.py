@@ -10,8 +10,11 @@ from conftest import load_bench_script
     ("argv", "message"),
     [
         (["--drafters", "ngram,no-such-drafter"], "no-such-drafter"),
-        (["--clients", "1,two"], "--clients takes comma-separated counts, got '1,two'"),
-        (["--clients", "0"], "must be >= 1"),
+        (["--clients", "1,two"], "argument --clients: not an integer: 'two'"),
+        (["--clients", "0"], "argument --clients: must be >= 1, got 0"),
+        (["--clients", "1,,2"], "argument --clients: the list has an empty item: '1,,2'"),
+        (["--drafters", "ngram,"], "argument --drafters: the list has an empty item: 'ngram,'"),
+        (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_refused_before_the_table(argv: list[str], message: str, capsys) -> None:

@@ -95,3 +95,31 @@ def test_a_bad_argument_ends_a_script_in_one_line_without_the_usage(capsys, monk
     assert capsys.readouterr().err == "draft_cost.py: error: argument --rounds: must be >= 1, got 0\n"
     scripts = sorted(Path(__file__).parents[1].joinpath("bench").glob("*.py"))
     assert scripts and all("argparse.ArgumentParser(" not in script.read_text() for script in scripts)
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "says"),
+    [
+        ("acceptance_profile", ["--drafters", "moa,nosuch"], "argument --drafters: unknown shipped drafter nosuch (known: "),
+        ("draft_vocab_size", ["--drafters", "eagle,,moa"], "argument --drafters: the list has an empty item: 'eagle,,moa'"),
+        ("llamacpp_probes", ["--items", "1,7"], "argument --items: unknown item 7 (known: 1, 2, 3, 4, 5, 6)"),
+        ("mtbench_top1", ["--drafters", "moa,"], "argument --drafters: the list has an empty item: 'moa,'"),
+        ("offline_confidence", ["--drafters", ""], "argument --drafters: the list is empty"),
+        ("reduced_precision", ["--methods", "none,,moa"], "argument --methods: the list has an empty item"),
+        ("train_throughput", ["--micro-batches", "1,0", "--", "--method", "moa"], "argument --micro-batches: must be >= 1, got 0"),
+        ("train_throughput", ["--steps", "1", "--", "--method", "moa"], "argument --steps: must be >= 2, got 1"),
+    ],
+)
+def test_the_scripts_lists_refuse_an_empty_or_unknown_item(script: str, argv: list[str], says: str, monkeypatch, capsys) -> None:
+    """Their comma-separated flags were split by hand, each its own way: an empty item went on as a
+    drafter named '' (found once the target had loaded, or not at all), and each script worded its
+    own refusals. Each is argparse's one-line usage error now, before anything loads, in the words
+    of script_args."""
+    from conftest import load_bench_script
+
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        load_bench_script(script).main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: ") and says in err and err.count("\n") == 1, err

@@ -114,10 +114,10 @@ def check_client_server_flags(args: argparse.Namespace) -> None:
 
 def parse_network(value: str | None) -> tuple[str, ...]:
     """`--network a,b` -> profile names in order (default all)."""
-    from moaspec.bench.prompts import parse_names
+    from moaspec.cli_support import known_items
     from moaspec.split.netem import PROFILES
 
-    return parse_names(",".join(PROFILES) if value is None else value, "--network", tuple(PROFILES), "network profile")
+    return tuple(known_items(",".join(PROFILES) if value is None else value, "--network", tuple(PROFILES), "network profile"))
 
 
 def client_server_methods(value: str | None, target_name: str) -> tuple[MethodSpec, ...]:

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moaspec.cli_support import comma_items
+from moaspec.cli_support import known_items
 from moaspec.errors import MoaspecError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -148,19 +148,9 @@ LOADERS = {
 CATEGORIES = tuple(LOADERS)
 
 
-def parse_names(value: str, flag: str, known: tuple[str, ...], noun: str) -> tuple[str, ...]:
-    """A comma-separated flag value -> names in the given order (duplicates dropped), each one of
-    `known`; an empty list or item, or an unknown name, is a one-line MoaspecError."""
-    names = tuple(dict.fromkeys(comma_items(value, flag)))
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise MoaspecError(f"unknown {noun} {', '.join(unknown)} (known: {', '.join(known)})")
-    return names
-
-
 def parse_categories(value: str) -> tuple[str, ...]:
     """`--categories a,b,...` -> category ids in the given order (duplicates dropped)."""
-    return parse_names(value, "--categories", CATEGORIES, "category")
+    return tuple(known_items(value, "--categories", CATEGORIES, "category"))
 
 
 def spread(prompts: list[BenchPrompt], limit: int | None) -> list[BenchPrompt]:

@@ -7,10 +7,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
-from moaspec.cli_support import comma_items
+from moaspec.cli_support import comma_items, known_items
 from moaspec.errors import MoaspecError
+
+Parsed = TypeVar("Parsed")
 
 
 def positive_int(text: str) -> int:
@@ -39,34 +41,34 @@ def non_negative_ints(text: str) -> list[int]:
 
 
 def _int_list(text: str, parse: Callable[[str], int]) -> list[int]:
-    return [parse(part) for part in _items(text)]
+    return [parse(part) for part in text_items(text)]
 
 
-def _items(text: str) -> list[str]:
-    """A list flag's comma-separated items; an empty list or item is argparse's usage error."""
-    try:
-        return comma_items(text, "the list")
-    except MoaspecError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def text_items(text: str) -> list[str]:
+    """A list flag's comma-separated items ("ngram,moa"); an empty list or item is argparse's
+    usage error."""
+    return _usage_error(comma_items, text, "the list")
 
 
 def category_list(text: str) -> tuple[str, ...]:
     """Benchmark category names, as `moaspec bench --categories` takes them."""
     from moaspec.bench.prompts import parse_categories
 
-    try:
-        return parse_categories(text)
-    except MoaspecError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return _usage_error(parse_categories, text)
 
 
 def known_names(text: str, known: Sequence[str], what: str) -> list[str]:
-    """Comma-separated names, each one of `known` ("a,b"); `what` names one in the error."""
-    names = _items(text)
-    unknown = [name for name in names if name not in known]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown)} (known: {', '.join(known)})")
-    return names
+    """Comma-separated names ("a,b"; duplicates dropped), each one of `known`; `what` names one
+    in the error."""
+    return _usage_error(known_items, text, "the list", known, what)
+
+
+def _usage_error(parse: Callable[..., Parsed], *args: Any) -> Parsed:
+    """parse(*args), its MoaspecError as argparse's usage error (the same one line)."""
+    try:
+        return parse(*args)
+    except MoaspecError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def dtype_list(text: str) -> list[str]:
