@@ -214,38 +214,12 @@ def _prompt_from_stdin() -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from moaspec.chat import check_prompt_text
-    from moaspec.config import GenerationConfig, SamplingConfig
-
-    # Validate everything cheap before the model loads.
-    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
-    if args.prompt == "-":
-        args.prompt = _prompt_from_stdin()
-    check_prompt_text(args.prompt)
-    _check_named(args, "--drafter", "--target")
-    if args.server is None:
-        _refuse_split_flags(args)
-    from moaspec.drafters import check_drafter_spec, default_drafter, tree_settings_given
-    from moaspec.model_store import check_target_exists, target_name
-    from moaspec.tuned import tree_overrides
-
-    if args.drafter is not None:
-        check_drafter_spec(args.drafter)
-    overrides = tree_overrides(args)
-    # before resolve_target, which may convert the target first (~30 s)
-    api_key = _split_client_key(args) if args.server is not None else None
-    from moaspec.targets.options import runtime_options
-
-    check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
-    options = runtime_options(args, args.target)
-    name = target_name(args.target)
-    named = args.drafter or default_drafter(name)
-    _check_tree_flags(args, name, named, tree_settings_given(overrides))
+    overrides, options, name, api_key = _checked_generate_flags(args)
     if args.server is not None:
+        from moaspec.drafters import default_drafter
         from moaspec.split.commands import generate_remote
 
-        args.drafter = named
+        args.drafter = args.drafter or default_drafter(name)
         return generate_remote(args, api_key, overrides, options)
 
     from moaspec.api import load_for_prompt
@@ -282,19 +256,56 @@ def _generate(args: argparse.Namespace) -> int:
             text = lm.tokenizer.decode(streamer.token_ids, skip_special_tokens=True)
             print(json.dumps({**head, "text": text, "token_ids": streamer.token_ids, "stop_reason": "interrupted"}))
         raise
+    _report_generation(args, lm, out, head, len(prompt_ids))
+    return 0
+
+
+def _report_generation(args: argparse.Namespace, lm, out, head: dict, prompt_tokens: int) -> None:
+    """A finished local generation: --json's object on stdout, else the speed line on stderr
+    (the text was streamed); then the busy-machine note, if there is one."""
     if args.json:
         print(json.dumps({**head, **out.to_dict()}))
     else:
         sys.stdout.flush()
         print(
             f"[moaspec] {out.stats.new_tokens} tokens, tau {out.stats.tau:.2f}, "
-            f"{out.stats.tokens_per_s:.1f} tok/s{_background_note(lm.drafter, len(prompt_ids))}",
+            f"{out.stats.tokens_per_s:.1f} tok/s{_background_note(lm.drafter, prompt_tokens)}",
             file=sys.stderr,
         )
     busy = busy_machine_note(out.stats, lm.calibration, lm.target)
     if busy is not None:
         print(f"moaspec: note: {busy}", file=sys.stderr)
-    return 0
+
+
+def _checked_generate_flags(args: argparse.Namespace) -> tuple[dict, dict, str, str | None]:
+    """generate's flags checked before the model loads, the prompt read (`-`: stdin) ->
+    (tree overrides, load_target's runtime options, the target's name, the split client's API key
+    or None). --drafter is left as named (None: the calibration chooses)."""
+    from moaspec.chat import check_prompt_text
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.drafters import check_drafter_spec, default_drafter, tree_settings_given
+    from moaspec.model_store import check_target_exists, target_name
+    from moaspec.targets.options import runtime_options
+    from moaspec.tuned import tree_overrides
+
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    if args.prompt == "-":
+        args.prompt = _prompt_from_stdin()
+    check_prompt_text(args.prompt)
+    _check_named(args, "--drafter", "--target")
+    if args.server is None:
+        _refuse_split_flags(args)
+    if args.drafter is not None:
+        check_drafter_spec(args.drafter)
+    overrides = tree_overrides(args)
+    # before resolve_target, which may convert the target first (~30 s)
+    api_key = _split_client_key(args) if args.server is not None else None
+    check_target_exists(args.target)  # before the flags, whose checks depend on the target's runtime
+    options = runtime_options(args, args.target)
+    name = target_name(args.target)
+    _check_tree_flags(args, name, args.drafter or default_drafter(name), tree_settings_given(overrides))
+    return overrides, options, name, api_key
 
 
 def _split_client_key(args: argparse.Namespace) -> str:

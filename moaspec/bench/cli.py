@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from moaspec.bench.runner import BenchData
+    from moaspec.config import SamplingConfig
 
 
 def add_bench_parser(commands: argparse._SubParsersAction, default_target: str) -> None:
@@ -80,39 +81,13 @@ def add_bench_parser(commands: argparse._SubParsersAction, default_target: str) 
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from moaspec import model_store
-    from moaspec.bench.client_server import check_client_server_flags, run_client_server_bench
+    from moaspec.bench.client_server import run_client_server_bench
     from moaspec.bench.methods import check_available, check_tree_flags, default_methods, parse_methods
-    from moaspec.bench.plots import check_plotting
-    from moaspec.bench.prompts import load_prompts, parse_categories
+    from moaspec.bench.prompts import load_prompts
     from moaspec.bench.report import render_markdown, timing_warning
-    from moaspec.bench.schema import check_validation
-    from moaspec.config import GenerationConfig, SamplingConfig
 
     # 1. everything cheap, before torch and the target load (or its first conversion)
-    check_validation()
-    if not args.no_plots:
-        check_plotting()
-    if args.client_server:  # it runs split servers and clients
-        from moaspec.extras import SERVE_MODULES, require_modules
-
-        require_modules("serve", SERVE_MODULES, "bench --client-server")
-    check_client_server_flags(args)
-    categories = parse_categories(args.categories)
-    if args.limit is not None and args.limit < 1:
-        raise MoaspecError("--limit must be >= 1")
-    sampling = SamplingConfig(temperature=args.temperature)
-    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
-    from moaspec.tuned import tree_overrides
-
-    overrides = tree_overrides(args)
-    from moaspec.bench.plots import ALL_PLOT_FILES
-
-    out = output_dir(args.out, files=("results.json", "results.md", *ALL_PLOT_FILES))
-    target_name = model_store.target_name(args.target)
-    from moaspec.targets.options import runtime_options
-
-    options = runtime_options(args, args.target)
+    categories, sampling, overrides, out, target_name, options = _checked_flags(args)
     if args.client_server:
         if args.ignore_eos:
             raise MoaspecError("--ignore-eos applies to the single-device bench, not --client-server")
@@ -155,6 +130,37 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
+
+
+def _checked_flags(args: argparse.Namespace) -> tuple[tuple[str, ...], SamplingConfig, dict, Path, str, dict]:
+    """bench's flags checked, and what the run reads from them: (categories, SamplingConfig, tree
+    overrides, the output directory, the target's name, load_target's runtime options). A missing
+    extra, a bad value or an unwritable --out is a MoaspecError here, before anything loads."""
+    from moaspec import model_store
+    from moaspec.bench.client_server import check_client_server_flags
+    from moaspec.bench.plots import ALL_PLOT_FILES, check_plotting
+    from moaspec.bench.prompts import parse_categories
+    from moaspec.bench.schema import check_validation
+    from moaspec.config import GenerationConfig, SamplingConfig
+    from moaspec.targets.options import runtime_options
+    from moaspec.tuned import tree_overrides
+
+    check_validation()
+    if not args.no_plots:
+        check_plotting()
+    if args.client_server:  # it runs split servers and clients
+        from moaspec.extras import SERVE_MODULES, require_modules
+
+        require_modules("serve", SERVE_MODULES, "bench --client-server")
+    check_client_server_flags(args)
+    categories = parse_categories(args.categories)
+    if args.limit is not None and args.limit < 1:
+        raise MoaspecError("--limit must be >= 1")
+    sampling = SamplingConfig(temperature=args.temperature)
+    GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed)
+    overrides = tree_overrides(args)
+    out = output_dir(args.out, files=("results.json", "results.md", *ALL_PLOT_FILES))
+    return categories, sampling, overrides, out, model_store.target_name(args.target), runtime_options(args, args.target)
 
 
 def _run_config(

@@ -239,17 +239,7 @@ def calibrated_drafter(
         return _plain_decoding(target, requested, base)
     limit = TreeLimit.of(target)
     sequences, lookup_source = load_lookup_profile(target.name)
-    begin = time.perf_counter()
-    try:
-        verify_costs, lookup_s, drafter_costs, measured = _costs(
-            target, model, layouts, sequences, cpu, runtime, say
-        )
-    except DrafterUnavailable as exc:  # the named drafter itself cannot be made: that is the error
-        raise MoaspecError(str(exc)) from exc
-    except MoaspecError as exc:  # raised by the measurement
-        raise CalibrationUnavailable(str(exc)) from exc
-    measure_s = time.perf_counter() - begin if measured else 0.0
-
+    verify_costs, lookup_s, drafter_costs, measure_s = _measured_costs(target, model, layouts, sequences, cpu, runtime, say)
     lookups = []  # the lookup tries as the model drafter's first guess (no gate: the model answers otherwise)
     if sequences and with_lookup:
         lookups = costs_store.simulated_lookups(target.name, sequences, limit.lookups(), simulate_lookup)
@@ -271,20 +261,29 @@ def calibrated_drafter(
             )
         options += _options(requested, base, with_lookup, trees, layout, costs, lookups, gated, lookup_s)
     chosen = choose(options)
-    plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
     drafter = _apply(target, chosen, model, spec, gates.get(chosen.layout), background)
+    tree_source = None if model is None or chosen.tree is None else drafter.tree_source
+    calibration = _calibration(requested, chosen, options, cpu, runtime, measure_s, lookup_source, rates_source, tree_source)
+    if measure_s is not None:
+        say(f"done: {_summary(chosen, calibration.plain, target.runtime)}")
+    return drafter, calibration
+
+
+def _calibration(
+    requested: str, chosen: Option, options: list[Option], cpu: str, runtime: str, measure_s: float | None,
+    lookup_source: str, rates_source: str | None, tree_source: str | None,
+) -> Calibration:
+    """The record of a choice among `options`: the best `none` beside it, and the best option of
+    every other form and layout as runners-up; measure_s: None when the costs were cached."""
+    plain = max((o for o in options if o.drafter == "none"), key=lambda o: o.tokens_per_s, default=None)
     best_per_form: dict[tuple[str, str], Option] = {}
     for option in sorted(options, key=lambda o: -o.tokens_per_s):
         best_per_form.setdefault((option.drafter, option.layout), option)
-    calibration = Calibration(
-        requested, chosen, plain, cpu, runtime, "measured" if measured else "cached", measure_s,
-        lookup_source, rates_source,
-        None if model is None or chosen.tree is None else drafter.tree_source,
+    source = "cached" if measure_s is None else "measured"
+    return Calibration(
+        requested, chosen, plain, cpu, runtime, source, measure_s or 0.0, lookup_source, rates_source, tree_source,
         [o for o in best_per_form.values() if o is not chosen],
     )
-    if measured:
-        say(f"done: {_summary(chosen, plain, target.runtime)}")
-    return drafter, calibration
 
 
 def _options(
@@ -456,6 +455,19 @@ def _plain_decoding(target, requested: str, base: str):
         raise MoaspecError(f"{reason}: use --drafter none or --runtime transformers")
     target.use_layout("row")
     return NoDrafter.for_target(target), None
+
+
+def _measured_costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
+    """_costs, and the seconds it measured for (None when every cost was cached). The named
+    drafter's own failure is a MoaspecError; the measurement's, CalibrationUnavailable."""
+    begin = time.perf_counter()
+    try:
+        verify, lookup_s, drafter, measured = _costs(target, model, layouts, sequences, cpu, runtime, say)
+    except DrafterUnavailable as exc:  # the named drafter itself cannot be made: that is the error
+        raise MoaspecError(str(exc)) from exc
+    except MoaspecError as exc:  # raised by the measurement
+        raise CalibrationUnavailable(str(exc)) from exc
+    return verify, lookup_s, drafter, time.perf_counter() - begin if measured else None
 
 
 def _costs(target, model, layouts, sequences, cpu: str, runtime: str, say):
