@@ -201,6 +201,37 @@ def test_a_prompt_after_a_generation_gets_the_bits_of_a_fresh_prefill(k_quant_ta
     assert np.array_equal(target.set_context(torch.tensor(longer)).logits[0], fresh)
 
 
+def test_a_session_of_a_target_that_keeps_final_hidden_states_keeps_them_through_exact_batches(
+    k_quant_target, prompts
+) -> None:
+    """new_session carries keep_final_hidden (a drafter built in the background reads every
+    verified token's final hidden state when it joins) as it carries the key/value capture: a
+    mutation audit found a session that kept none untested. The session keeps them unasked for a
+    prompt, for tokens appended after it (decoded in the short batches one-token decoding agrees
+    with here, each batch's rows in place) and for a committed chain, equal to those asked for."""
+    target = k_quant_target
+    parent = target.new_session()
+    parent.keep_final_hidden()
+    kept, asked = parent.new_session(), target.new_session()
+    last = (target.num_layers,)
+    prompt = torch.tensor(prompts["humaneval"][:60])
+    n = len(prompt)
+    wanted = asked.set_context(prompt, last)
+    assert np.array_equal(kept.set_context(prompt).logits, wanted.logits)
+    appended = torch.tensor([7, 8, 9, 10, 11, 12, 13])  # more than one batch where chains are short
+    kept.prefill(appended)
+    more = asked.prefill(appended, last)
+    chain = DraftTree.chain([int(more.logits.argmax()), 5, 6][: target.max_tree_nodes])
+    kept.verify(chain)
+    verified = asked.verify(chain, last)
+    path = list(range(chain.num_nodes))
+    kept.commit(path)
+    asked.commit(path)
+    assert kept.num_cached == n + len(appended) + len(path)
+    want = torch.cat([wanted.hidden, more.hidden, verified.hidden])
+    assert torch.equal(kept.verified_hidden(0, kept.num_cached), want)
+
+
 @pytest.mark.parametrize(("gguf", "prompt_tokens", "cut"), [
     ("k_quant", 120, 16),  # batches of more than the exact chain round otherwise
     ("q4_1", 340, 50),  # prompt + answer past 384 tokens: prefilled with the prompt context's attention kernel

@@ -2,9 +2,10 @@
 on the real SmolLM2-135M GGUF, where test_llamacpp.py's random trees do not reach: a path whose
 last accepted node has rejected children, a kept leaf sequence followed by a rollback, an
 uncommitted tree followed by another, a tree that needs exactly one cell more than the cache has
-free, and the exactness check's two other conditions. Each test was written against a hand
-mutation of the runtime that every other llama.cpp test let through (a mutation audit); the
-logits are compared bit for bit with one-token decoding (test_llamacpp.py's module docstring).
+free, the exactness check's two other conditions, and a next turn asking for final hidden states
+past the rows held. Each test was written against a hand mutation of the runtime that every other
+llama.cpp test let through (a mutation audit); the logits are compared bit for bit with one-token
+decoding (test_llamacpp.py's module docstring).
 """
 
 from __future__ import annotations
@@ -208,3 +209,24 @@ def test_a_long_prompt_past_the_first_allocation_grows_the_context_before_its_ce
     assert target._moved == len(prompt) and target._allocated == 1024
     token = int(want.argmax())
     assert np.array_equal(target.verify(one_token(token)).logits, large.verify(one_token(token)).logits)
+
+
+def test_hidden_states_asked_for_past_the_rows_held_come_from_a_kept_start_no_later_than_they_end(
+    llama_target, category_prompts
+) -> None:
+    """The start set_context keeps is bounded by the final hidden states held, not only by the
+    tokens: a prompt decoded with them, its answer appended without (rows 0..n-1 held of n + 2
+    tokens), then a next turn that asks for them. Kept up to the shared n + 2 tokens, the rows of
+    the new tokens would land past a gap and be dropped, and the turn's hidden states refused;
+    from n they are all there, equal to a fresh context's, as are the logits."""
+    warm, fresh = llama_target.new_session(), llama_target.new_session()
+    last = (warm.num_layers,)
+    prompt = category_prompts["qa"][:80]
+    n = len(prompt)
+    warm.set_context(torch.tensor(prompt), last)
+    warm.prefill(torch.tensor([11, 12]))  # appended without hidden states
+    assert warm.num_cached == n + 2 and warm._hidden.valid == n
+    follow_up = prompt + [11, 12, 13, 14]
+    got, want = warm.set_context(torch.tensor(follow_up), last), fresh.set_context(torch.tensor(follow_up), last)
+    assert np.array_equal(got.logits, want.logits)
+    assert torch.equal(got.hidden, want.hidden)
