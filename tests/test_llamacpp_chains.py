@@ -40,9 +40,13 @@ def k_quant_target(tmp_path_factory):
     params.ftype, params.allow_requantize, params.nthread = LLAMA_FTYPE_MOSTLY_Q4_K_S, True, 2
     path = tmp_path_factory.mktemp("gguf") / "smollm2-q4_k_s.gguf"
     assert lib.llama_model_quantize(str(builtin_gguf_path("smollm2-135m")).encode(), str(path).encode(), ctypes.byref(params)) == 0
-    with pytest.MonkeyPatch.context() as patch:  # its float32 copy (517 MB) goes with the test's files, not the user's cache
+    # Its float32 copy (517 MB) and its exactness record go with the test's files, not the user's
+    # cache (the record is keyed by this temporary path: one more file there every run).
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MOASPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return load_target(str(path), runtime="llama.cpp", threads=2)
+        target = load_target(str(path), runtime="llama.cpp", threads=2)
+        assert target.exact_tree_nodes >= 1  # measured now (~35 s), kept on its weights for the module
+    return target
 
 
 @pytest.fixture(scope="module")
