@@ -827,3 +827,88 @@ def test_completions_default_to_16_tokens(ngram_server) -> None:
     """OpenAI's default for /v1/completions: max_tokens 16 (chat: up to the context)."""
     reply = client(ngram_server).completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
     assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
+
+
+# -- the mutation audit of validation.py / schemas.py (session openai-audit) -----------------------
+def _job(body: dict, chat: bool = False, max_new_tokens: int = 10, room: int = 100):
+    """validation.parse_job on a body (a 3-token prompt), as the routes call it."""
+    from moaspec.openai_api import validation
+
+    base = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    request = validation.parse_request({"model": MODEL, **base, **body}, chat)
+    return validation.parse_job(request, [1, 2, 3], max_new_tokens, room)
+
+
+def _refused(body: dict, chat: bool = False):
+    from moaspec.serving.errors import APIError
+
+    with pytest.raises(APIError) as caught:
+        _job(body, chat)
+    return caught.value
+
+
+def test_every_range_is_closed_where_the_docs_say_so() -> None:
+    """Mutations that survived: a `<` for `<=` refusing max_tokens equal to --max-new-tokens,
+    temperature 2, 4 stop sequences, a 256-character stop, seed -2**63 or 2**64 - 1; and top_k -1
+    (vLLM's "off") refused once its special case was dropped. Each edge is accepted, as documented."""
+    assert _job({"max_tokens": 10}).generation.max_new_tokens == 10
+    assert _job({"max_completion_tokens": 10}, chat=True).generation.max_new_tokens == 10
+    assert _job({"temperature": 2}).sampling.temperature == 2.0
+    assert _job({"temperature": 0}).sampling.greedy
+    assert _job({"top_k": -1}).sampling.top_k == 0
+    assert _job({"stop": ["a", "b", "c", "d"]}).stop == ("a", "b", "c", "d")
+    assert _job({"stop": "y" * 256}).stop == ("y" * 256,)
+    assert _job({"seed": -(2**63)}).generation.seed == -(2**63)
+    assert _job({"seed": 2**64 - 1}).generation.seed == 2**64 - 1
+
+
+def test_n_other_than_one_and_options_asking_for_something_are_refused() -> None:
+    """Mutations that survived: `n != 1` as `n > 1` let n = 0 through (OpenAI refuses it);
+    `top_logprobs` dropped from the refused fields was silently ignored; `tool_choice` "auto"
+    (neutral without tools) refused once only "none" counted as neutral."""
+    assert _refused({"n": 0}).param == "n"
+    assert _refused({"top_logprobs": 5}, chat=True).param == "top_logprobs"
+    assert _refused({"echo": True}).param == "echo"
+    assert _job({"tool_choice": "auto", "n": 1, "top_logprobs": 0}, chat=True).chat
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_and_only_text_parts_pass() -> None:
+    """Mutations that survived: without the batch-of-one case `prompt: ["text"]` and
+    `prompt: [[ids]]` (batches of one, which the docstring and OpenAI accept) were refused as batches; a content
+    part of another type carrying a `text` was joined in when only `text` was checked."""
+    from moaspec.openai_api import validation
+
+    def prompt(value):
+        return validation.completion_prompt(validation.parse_request({"model": MODEL, "prompt": value}, False), TINY_VOCAB)
+
+    assert prompt(["ab"]) == "ab" and prompt([[1, 2]]) == [1, 2]
+    with pytest.raises(validation.APIError):
+        validation.chat_messages(validation.parse_request(
+            {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, True))
+
+
+def test_response_bodies_name_their_object_id_and_choice_as_openai_does() -> None:
+    """Mutations that survived (the openai client checks none of these): a chat id without its
+    `chatcmpl-` prefix, `chat.completion` misnamed, streamed chat chunks or the usage chunk named as
+    whole responses, a choice index other than 0, the usage chunk without its `moaspec` object, a
+    closing chat chunk whose delta carries `content: null`, a `created` overwritten with 0."""
+    from moaspec.openai_api import schemas
+
+    chat, text = _job({"stream": True, "stream_options": {"include_usage": True}}, chat=True), _job({})
+    use = schemas.usage(3, 4)
+    assert use == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert schemas.new_id(True).startswith("chatcmpl-") and schemas.new_id(False).startswith("cmpl-")
+    before = int(time.time())
+    whole = schemas.response_body(chat, "r", MODEL, "fp", "hi", "stop", use, {"x": 1})
+    assert before <= whole["created"] <= int(time.time())  # a Unix time, not a constant
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["index"] == 0
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"} and whole["usage"] == use
+    plain = schemas.response_body(text, "r", MODEL, "fp", "hi", "length", use, {"x": 1})
+    assert plain["object"] == "text_completion" and plain["choices"][0] == {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}
+    for job, name in ((chat, "chat.completion.chunk"), (text, "text_completion")):
+        chunks = [schemas.chunk_body(job, "r", MODEL, "fp", "a", None), schemas.chunk_body(job, "r", MODEL, "fp", None, "stop"),
+                  schemas.usage_chunk(job, "r", MODEL, "fp", use, {"x": 1})]
+        assert [c["object"] for c in chunks] == [name] * 3 and chunks[0]["choices"][0]["index"] == 0
+        assert chunks[1]["choices"][0]["finish_reason"] == "stop" and chunks[2]["moaspec"] == {"x": 1}
+    assert schemas.chunk_body(chat, "r", MODEL, "fp", None, "stop")["choices"][0]["delta"] == {}
+    assert schemas.chunk_body(text, "r", MODEL, "fp", None, "stop")["choices"][0]["text"] == ""
