@@ -19,13 +19,20 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     """
     if sampling.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    scores = logits / sampling.temperature
+    scores = tempered(logits, sampling.temperature)
     if sampling.top_k > 0 and sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if sampling.top_p < 1.0:
         scores = _top_p_filter(scores, sampling.top_p)
     return torch.softmax(scores, dim=-1)
+
+
+def tempered(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """scores / temperature, each row shifted to a maximum of 0 first: the same softmax, and a
+    temperature so small that scores / temperature overflow (1e-320: the request's range is
+    [0, 2]) gives the point mass on the row's maxima instead of NaN.  scores: [..., V] -> [..., V]"""
+    return (scores - scores.amax(-1, keepdim=True)) / temperature
 
 
 def _top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -163,3 +163,18 @@ def test_a_sampled_tree_takes_as_many_first_tokens_as_the_drafter_can_draw() -> 
     assert tree.parents.tolist() == [-1, 0, 0, 1, 2] and sorted(tree.token_ids[1:3].tolist()) == [1, 2]
     for node in range(1, tree.num_nodes):
         assert tree.draft_probs[node][tree.token_ids[node]] > 0
+
+
+def test_a_sampled_tree_at_a_vanishing_temperature_follows_the_drafters_argmax() -> None:
+    """temperature 1e-320 (in the OpenAI API's range): the drafter's log-probabilities / 1e-320
+    overflowed, every row was NaN and the draw raised. Now each law is the point mass on the
+    argmax: one chain (the only first token with mass), its nodes the argmax at each depth."""
+    from moaspec.drafters.dynamic_tree import build_sampled_tree
+
+    model = FixedLogProbs(5)
+    tree = build_sampled_tree(0, model.start, model.expand, TreeConfig(depth=3, top_k=2), VOCAB, 1e-320,
+                              torch.Generator().manual_seed(0), None)
+    assert tree.parents.tolist() == [-1, 0, 1, 2]
+    laws = tree.draft_probs[1:]
+    assert torch.equal(laws.sum(-1), torch.ones(3, dtype=torch.float64)) and set(laws.flatten().tolist()) == {0.0, 1.0}
+    assert tree.token_ids[1] == int(model.table(()).argmax())

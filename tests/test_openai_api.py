@@ -118,6 +118,17 @@ def test_seeded_sampling_equals_in_process(ngram_server) -> None:
     assert make().choices[0].message.content == expected.text == make().choices[0].message.content
 
 
+def test_a_vanishing_temperature_decodes_as_greedy_not_a_500(server) -> None:
+    """Bug (the OpenAI API's mutation audit): `temperature` 1e-320, inside [0, 2], overflowed the
+    logits / temperature to inf, and the NaN probabilities made the draw raise: 500 `internal`
+    (in a stream, an error event). The limit is greedy decoding, with either drafter."""
+    greedy = client(server).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 1e-320, "seed": 1}
+    reply = _post(server, "/v1/completions", body=body)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == greedy.choices[0].text
+
+
 def test_multi_turn_chat_goes_through_the_template(ngram_server) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},

@@ -47,6 +47,30 @@ def test_temperature_divides_log_odds(temperature: float) -> None:
     assert torch.allclose(log_odds, (logits - logits[:, :1]) / temperature, atol=1e-9)
 
 
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 1e-40])
+def test_a_temperature_too_small_for_the_division_gives_the_point_mass_on_the_maxima(temperature: float) -> None:
+    """Bug (an audit of the OpenAI API): `temperature` 1e-320 is in the request's range [0, 2],
+    but logits / 1e-320 overflow to +-inf in float64, softmax made NaN, and the draw raised: a 500.
+    Each row is shifted to a maximum of 0 before the division (the same softmax): the limit, the
+    point mass on the row's maximum (shared among equal maxima), as greedy is. The draft paths
+    (a drafter's own pick, the sampled tree) divide the same way."""
+    from moaspec.drafters.base import pick_alone
+
+    logits = torch.tensor([[1.0, 3.0, 3.0 - 1e-3, -math.inf], [2.0, 2.0, -1.0, 0.0]], dtype=torch.float64)
+    probs = target_probs(logits, SamplingConfig(temperature=temperature))
+    expected = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.equal(probs, expected)
+    log_probs = torch.log_softmax(logits[0], -1)  # a drafter's, its maximum below 0
+    assert pick_alone(log_probs, SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0)) == 1
+
+
+def test_the_shift_before_the_temperature_leaves_ordinary_temperatures_as_they_were() -> None:
+    logits = random_logits(6, 50, seed=4, scale=8.0)
+    for temperature in (0.01, 0.7, 2.0):
+        probs = target_probs(logits, SamplingConfig(temperature=temperature))
+        torch.testing.assert_close(probs, torch.softmax(logits / temperature, -1), rtol=1e-12, atol=1e-300)
+
+
 def test_temperature_one_is_plain_softmax() -> None:
     logits = random_logits(3, 7, seed=2)
     probs = target_probs(logits, SamplingConfig(temperature=1.0))

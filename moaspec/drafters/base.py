@@ -120,4 +120,6 @@ def pick_alone(log_probs: torch.Tensor, sampling: SamplingConfig, generator: tor
         return int(log_probs.argmax())
     import torch  # a model drafter's: torch is loaded
 
-    return int(torch.multinomial(torch.softmax(log_probs.double() / sampling.temperature, -1), 1, generator=generator))
+    from moaspec.sampling import tempered
+
+    return int(torch.multinomial(torch.softmax(tempered(log_probs.double(), sampling.temperature), -1), 1, generator=generator))

@@ -25,6 +25,7 @@ import torch
 
 from moaspec.config import TreeConfig
 from moaspec.drafters.vocab import target_token_ids
+from moaspec.sampling import tempered
 from moaspec.tree import DraftTree
 
 
@@ -115,7 +116,7 @@ def build_sampled_tree(
             return draft_probs
         return torch.zeros(draft_probs.shape[0], vocab_size, dtype=draft_probs.dtype).index_copy_(1, draft_vocab_ids, draft_probs)
 
-    q_root = torch.softmax(start().double() / temperature, dim=-1)  # [Vd]
+    q_root = torch.softmax(tempered(start().double(), temperature), dim=-1)  # [Vd]
     k = min(config.top_k, int((q_root > 0).sum()))
     remaining, firsts, rows = q_root.clone(), [], []
     for _ in range(k):  # sequential draws without replacement, recording each conditional law
@@ -126,7 +127,7 @@ def build_sampled_tree(
     token_ids, parents, prob_rows = [to_target(level_ids)], [torch.zeros(k, dtype=torch.long)], [full_rows(torch.stack(rows))]
     parent = torch.full((k,), -1, dtype=torch.long)
     for depth in range(2, config.depth + 1):
-        q = torch.softmax(expand(to_target(level_ids), parent, depth - 1).double() / temperature, dim=-1)  # [k, Vd]
+        q = torch.softmax(tempered(expand(to_target(level_ids), parent, depth - 1).double(), temperature), dim=-1)  # [k, Vd]
         level_ids = torch.multinomial(q, 1, generator=generator).flatten()
         parents.append(torch.arange(1 + (depth - 2) * k, 1 + (depth - 1) * k))
         token_ids.append(to_target(level_ids))
