@@ -840,7 +840,7 @@ def test_completions_default_to_16_tokens(ngram_server) -> None:
     assert reply.usage.completion_tokens == 16 and reply.choices[0].finish_reason == "length"
 
 
-# -- the mutation audit of validation.py / schemas.py (session openai-audit) -----------------------
+# -- the mutation audit of validation.py / schemas.py (session 52) --------------------------------
 def _job(body: dict, chat: bool = False, max_new_tokens: int = 10, room: int = 100):
     """validation.parse_job on a body (a 3-token prompt), as the routes call it."""
     from moaspec.openai_api import validation
