@@ -363,6 +363,7 @@ def test_requests_without_max_tokens_fit_the_context_and_completions_ignore_max_
     near_end = _post(ngram_server, "/v1/completions", body={"model": MODEL, "prompt": "x" * 500, "temperature": 0})
     assert near_end.status_code == 200, near_end.text
     assert near_end.json()["usage"]["completion_tokens"] == 512 - 500
+    assert near_end.json()["moaspec"]["stop_reason"] == "length", near_end.json()["moaspec"]
     ignored = _post(ngram_server, "/v1/completions", body={"model": MODEL, "prompt": "x", "max_tokens": 3, "max_completion_tokens": 10**6})
     assert ignored.status_code == 200 and ignored.json()["usage"]["completion_tokens"] == 3
 
@@ -387,6 +388,8 @@ def test_max_tokens_limit_follows_the_split_limits() -> None:
         assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
         chat = client(started).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=0)
         assert chat.usage.completion_tokens == 10  # chat default: as many as allowed
+        completion = _post(started, "/v1/completions", body={"model": MODEL, "prompt": "x", "temperature": 0})
+        assert completion.json()["usage"]["completion_tokens"] == 10, completion.text  # 16, bounded by the limit
     finally:
         started.stop()
 
@@ -871,6 +874,19 @@ def test_every_range_is_closed_where_the_docs_say_so() -> None:
     assert _job({"stop": "y" * 256}).stop == ("y" * 256,)
     assert _job({"seed": -(2**63)}).generation.seed == -(2**63)
     assert _job({"seed": 2**64 - 1}).generation.seed == 2**64 - 1
+
+
+def test_a_default_max_tokens_is_cut_to_the_room_the_prompt_leaves() -> None:
+    """The mutation that survived session 52's audit: the default max_tokens not cut to the
+    context left let the engine stop at the context's end (stop_reason "context", not "length").
+    The cut holds on both routes; with more room, the defaults are 16 and --max-new-tokens.
+    Bug: /v1/completions' default 16 ran past a server's --max-new-tokens below 16, which an
+    explicit max_tokens 16 gets a 400 for."""
+    assert _job({}, room=5).generation.max_new_tokens == 5
+    assert _job({}, chat=True, room=5).generation.max_new_tokens == 5
+    assert _job({}, max_new_tokens=100).generation.max_new_tokens == 16
+    assert _job({}, chat=True).generation.max_new_tokens == 10
+    assert _job({}, max_new_tokens=10).generation.max_new_tokens == 10
 
 
 def test_n_other_than_one_and_options_asking_for_something_are_refused() -> None:

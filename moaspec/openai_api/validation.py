@@ -10,8 +10,8 @@ Options that would change the output or its form in ways the engine does not imp
 (penalties, logit_bias, logprobs, echo, best_of > 1, tools and tool_choice, audio output, vLLM's
 repetition_penalty / min_p / min_tokens / ignore_eos) are refused with 400 instead of being
 silently ignored; other unknown fields are ignored. Defaults follow OpenAI: temperature 1, top_p 1,
-max_tokens 16 for /v1/completions and "up to the context" (bounded by the server's max new
-tokens) for chat; a max_tokens given beyond the context left after the prompt is a 400
+max_tokens 16 for /v1/completions and "up to the context" for chat, both bounded by the server's
+max new tokens; a max_tokens given beyond the context left after the prompt is a 400
 (`context_length_exceeded`), as OpenAI answers.
 """
 
@@ -252,7 +252,7 @@ def parse_job(
     name = given[0] if given else "max_tokens"
     max_tokens = getattr(request, name)
     if max_tokens is None:
-        max_tokens = min(max_new_tokens, room) if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
+        max_tokens = min(max_new_tokens, room) if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, max_new_tokens, room)
     elif max_tokens > room:
         context = room + len(prompt_ids)
         raise APIError(
