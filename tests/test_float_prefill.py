@@ -49,18 +49,44 @@ def test_the_float_forward_is_transformers_llama(tmp_path) -> None:
 
 
 @torch.inference_mode()
-def test_a_kept_chunk_gives_a_fresh_prefills_bits(tmp_path) -> None:
+def test_bfloat16_products_stay_within_their_rounding_of_float32s_but_the_cache_is_float32s(tmp_path) -> None:
+    """compute "bfloat16": the hidden states, keys and values move by bfloat16's rounding (2^-8 a
+    product) from the float32 forward's, not more (a product left in bfloat16, or inputs not
+    rounded back, would be far off), and not less (the products do run in bfloat16); the key and
+    value projections stay float32 products (FLOAT32_ALWAYS), so the first layer's keys and
+    values, which read only the embedding, are float32's bit for bit."""
+    _, config = saved_tiny_llama(tmp_path)
+    model = FloatLlama(tmp_path, config)
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    float32, bfloat16 = FloatPrefillCache(model, 16), FloatPrefillCache(model, 16, "bfloat16")
+    float32.prefill(ids)
+    bfloat16.prefill(ids)
+
+    def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.float() - want.float()).norm() / want.float().norm())
+
+    assert 1e-4 < relative(bfloat16.hidden[:40], float32.hidden[:40]) < 0.01
+    assert 1e-4 < relative(bfloat16.keys[1:, :40], float32.keys[1:, :40]) < 0.01
+    assert 1e-4 < relative(bfloat16.values[1:, :40], float32.values[1:, :40]) < 0.01
+    assert torch.equal(bfloat16.keys[0, :40], float32.keys[0, :40]) and torch.equal(bfloat16.values[0, :40], float32.values[0, :40])
+    with pytest.raises(ValueError, match="compute must be one of"):
+        FloatPrefillCache(model, 16, "float16").prefill(ids)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_a_kept_chunk_gives_a_fresh_prefills_bits(tmp_path, compute) -> None:
     """A second prompt keeps the whole chunks it shares with the one held and computes the rest;
     its keys, values and hidden states equal a fresh cache's bit for bit, a partial shared chunk
-    included (computed again)."""
+    included (computed again), with either product type."""
     _, config = saved_tiny_llama(tmp_path)
     model = FloatLlama(tmp_path, config)
     first = list(range(10, 60))
     second = first[:37] + [5, 6, 7, 8, 9]
-    warm = FloatPrefillCache(model, chunk_size=16)
+    warm = FloatPrefillCache(model, chunk_size=16, compute=compute)
     assert warm.prefill(first) == 0
     assert warm.prefill(second) == 32  # 37 shared tokens: two whole chunks kept
-    fresh = FloatPrefillCache(model, chunk_size=16)
+    fresh = FloatPrefillCache(model, chunk_size=16, compute=compute)
     fresh.prefill(second)
     count = len(second)
     assert warm.tokens == fresh.tokens == second
@@ -75,15 +101,16 @@ def test_a_kept_chunk_gives_a_fresh_prefills_bits(tmp_path) -> None:
 
 
 @torch.inference_mode()
-def test_chunks_computed_together_give_the_bits_of_chunks_computed_one_by_one(tmp_path) -> None:
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_chunks_computed_together_give_the_bits_of_chunks_computed_one_by_one(tmp_path, compute) -> None:
     """The forward runs every chunk through a layer before the next layer (its weights widened
     once); each chunk gets the bits it gets computed alone after the chunks before it."""
     _, config = saved_tiny_llama(tmp_path)
     model = FloatLlama(tmp_path, config)
     ids = list(range(3, 43))
-    one_by_one = FloatPrefillCache(model, chunk_size=16)
+    one_by_one = FloatPrefillCache(model, chunk_size=16, compute=compute)
     assert [one_by_one.prefill(ids[:end]) for end in (16, 32, 40)] == [0, 16, 32]  # each call computes one chunk
-    together = FloatPrefillCache(model, chunk_size=16)
+    together = FloatPrefillCache(model, chunk_size=16, compute=compute)
     assert together.prefill(ids) == 0
     assert torch.equal(one_by_one.keys[:, :40], together.keys[:, :40])
     assert torch.equal(one_by_one.values[:, :40], together.values[:, :40])

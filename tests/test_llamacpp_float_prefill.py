@@ -33,18 +33,19 @@ def sibling(target: LlamaCppTarget) -> LlamaCppTarget:
     )
 
 
-@pytest.mark.parametrize("values", ["f16", "q8_0"])
-def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts, monkeypatch, values) -> None:
-    """MOASPEC_LLAMA_PREFILL=float: a prompt of FLOAT_PREFILL_MIN_TOKENS or more is prefilled in
-    float32 torch, all but its last token moved in (keys, and q8_0 values, rotated and quantized as
-    llama.cpp holds them); decoding after it stays close to llama.cpp's own prefill, and the
-    accepted nodes of random trees have one-token decoding's logits bit for bit."""
+@pytest.mark.parametrize(("values", "path"), [("f16", "float"), ("q8_0", "float"), ("f16", "bfloat16")])
+def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts, monkeypatch, values, path) -> None:
+    """MOASPEC_LLAMA_PREFILL=float (or bfloat16): a prompt of FLOAT_PREFILL_MIN_TOKENS or more is
+    prefilled in float torch, all but its last token moved in (keys, and q8_0 values, rotated and
+    quantized as llama.cpp holds them); decoding after it stays close to llama.cpp's own prefill,
+    and the accepted nodes of random trees have one-token decoding's logits bit for bit."""
     monkeypatch.setenv(VALUE_CACHE_ENV, values)
-    monkeypatch.setenv(PREFILL_ENV, "float")
+    monkeypatch.setenv(PREFILL_ENV, path)
     target = sibling(llama_target)
     require_exact_trees(target)
     prompt = category_prompts["summarization"]
     assert len(prompt) >= FLOAT_PREFILL_MIN_TOKENS and target.uses_float_prefill
+    assert target.float_compute == {"float": "float32", "bfloat16": "bfloat16"}[path]
     tokens, logits = plain_decode(target, prompt, 40)
     assert target._moved == len(prompt) - 1 and target._prompt_ctx is None
     monkeypatch.setenv(PREFILL_ENV, "llama.cpp")
@@ -58,12 +59,14 @@ def test_float_prefilled_prompts_keep_trees_exact(llama_target, category_prompts
     check_oracle_trees(target, tokens, logits)
 
 
+@pytest.mark.parametrize("path", ["float", "bfloat16"])
 def test_greedy_output_with_drafters_equals_plain_decoding_after_a_float_prefill(
-    llama_target, category_prompts, monkeypatch
+    llama_target, category_prompts, monkeypatch, path
 ) -> None:
-    """Every category's prompt (those of FLOAT_PREFILL_MIN_TOKENS or more through the float path),
-    every kind of drafter input: lookup, captured keys/values (MoA), hidden states (EAGLE-2)."""
-    monkeypatch.setenv(PREFILL_ENV, "float")
+    """Every category's prompt (those of FLOAT_PREFILL_MIN_TOKENS or more through the float path,
+    with either product type), every kind of drafter input: lookup, captured keys/values (MoA),
+    hidden states (EAGLE-2)."""
+    monkeypatch.setenv(PREFILL_ENV, path)
     target = sibling(llama_target)
     require_exact_trees(target)
     assert any(len(prompt) >= FLOAT_PREFILL_MIN_TOKENS for prompt in category_prompts.values())
@@ -80,20 +83,22 @@ def test_what_drafters_read_of_a_float_prefilled_prompt_is_close_to_llama_cpps(
     llama_target, category_prompts, monkeypatch
 ) -> None:
     """The keys/values a drafter captures (transformers' layout) and the final hidden states of a
-    float-prefilled prompt are within llama.cpp's own activation rounding of its prefill's."""
+    float-prefilled prompt (either product type) are within llama.cpp's own activation rounding of
+    its prefill's."""
     prompt = torch.tensor(category_prompts["summarization"])
     hidden_layers = (llama_target.num_layers,)
     rows = {}
-    for path in ("float", "llama.cpp"):
+    for path in ("float", "bfloat16", "llama.cpp"):
         monkeypatch.setenv(PREFILL_ENV, path)
         target = sibling(llama_target)
         target.keep_layer_kv(range(26, 30))
         out = target.set_context(prompt, hidden_layers)
         rows[path] = (target.layer_kv(0, len(prompt)), out.hidden[:, 0])
-        assert target._moved == (len(prompt) - 1 if path == "float" else 0)
-    for got, want in zip(rows["float"], rows["llama.cpp"]):
-        assert got.shape == want.shape
-        assert float((got - want).norm() / want.norm()) < 0.05  # keys with halves interleaved: ~1.0
+        assert target._moved == (0 if path == "llama.cpp" else len(prompt) - 1)
+    for path in ("float", "bfloat16"):
+        for got, want in zip(rows[path], rows["llama.cpp"]):
+            assert got.shape == want.shape
+            assert float((got - want).norm() / want.norm()) < 0.05, path  # keys with halves interleaved: ~1.0
 
 
 @pytest.mark.parametrize(("path", "name", "length"), [
@@ -225,39 +230,52 @@ def _shared_start_of(held: list[int], ids: list[int]) -> int:
 def test_the_prefill_start_is_measured_once_per_machine_where_the_calibration_is_on(
     llama_target, category_prompts, tmp_path, monkeypatch
 ) -> None:
-    """With the calibration on, the first prompt long enough is preceded by timing both paths; the
-    start found is saved and read by later targets. The variable fixes it, the calibration off means
-    llama.cpp unmeasured, a bad name is one line, and the exactness probe never takes the float path."""
+    """With the calibration on, the first prompt long enough is preceded by timing the float
+    forward's two product types, then both paths; the answers are saved and read by later targets.
+    The variable fixes them, the calibration off means llama.cpp unmeasured, a bad name is one
+    line, and the exactness probe never takes the float path."""
     from moaspec.targets import llamacpp_prefill
 
     monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MOASPEC_NO_CALIBRATION", raising=False)
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     monkeypatch.setenv(VALUE_CACHE_ENV, "f16")
-    measured = []
+    measured, computes = [], []
     measure = llamacpp_prefill.measure_float_prefill_start
     monkeypatch.setattr(
         llamacpp_prefill, "measure_float_prefill_start", lambda target: measured.append(1) or measure(target)
     )
+    measure_compute = llamacpp_prefill.measure_float_compute
+    monkeypatch.setattr(
+        llamacpp_prefill, "measure_float_compute", lambda target: computes.append(1) or measure_compute(target)
+    )
     first = sibling(llama_target)
     first.set_context(torch.tensor(category_prompts["mt_bench"][: FLOAT_PREFILL_MIN_TOKENS - 1]))
-    assert not measured  # a short prompt: nothing to decide
+    assert not measured and not computes  # a short prompt: nothing to decide
     prompt = category_prompts["summarization"]
     first.set_context(torch.tensor(prompt))
-    assert len(measured) == 1
-    [record] = (tmp_path / "cache" / "calibration" / llama_target.name).glob("prefill-*.json")
+    assert len(measured) == 1 and len(computes) == 1
+    records = tmp_path / "cache" / "calibration" / llama_target.name
+    [record] = records.glob("prefill-*.json")
     start = json.loads(record.read_text())["float_prefill_start"]
-    assert llamacpp_prefill.valid_start(start)
+    [compute_record] = records.glob("float-compute-*.json")
+    compute = json.loads(compute_record.read_text())["float_compute"]
+    assert llamacpp_prefill.valid_start(start) and first.float_compute == compute in ("float32", "bfloat16")
     assert first._moved == (len(prompt) - 1) * (start != NEVER and len(prompt) >= start)
-    assert sibling(llama_target).float_prefill_start == start and len(measured) == 1  # read, not measured
-    for setting, fixed in (("float", FLOAT_PREFILL_MIN_TOKENS), ("llama.cpp", NEVER)):
+    again = sibling(llama_target)
+    assert again.float_prefill_start == start and again.float_compute == compute
+    assert len(measured) == 1 and len(computes) == 1  # read, not measured
+    for setting, fixed, products in (
+        ("float", FLOAT_PREFILL_MIN_TOKENS, "float32"), ("bfloat16", FLOAT_PREFILL_MIN_TOKENS, "bfloat16"),
+        ("llama.cpp", NEVER, "float32"),
+    ):
         monkeypatch.setenv(PREFILL_ENV, setting)
-        assert sibling(llama_target).float_prefill_start == fixed
+        assert (sibling(llama_target).float_prefill_start, sibling(llama_target).float_compute) == (fixed, products)
     monkeypatch.delenv(PREFILL_ENV)
     monkeypatch.setenv("MOASPEC_NO_CALIBRATION", "1")
     assert not sibling(llama_target).uses_float_prefill and len(measured) == 1
     monkeypatch.setenv(PREFILL_ENV, "torch")
-    with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_PREFILL must be float or llama.cpp, not 'torch'"):
+    with pytest.raises(MoaspecError, match="MOASPEC_LLAMA_PREFILL must be float, bfloat16 or llama.cpp, not 'torch'"):
         sibling(llama_target)  # when the target is made (an audit's: a short prompt never asked, and ran)
     monkeypatch.setenv(PREFILL_ENV, "float")
     probe = sibling(llama_target)
@@ -268,7 +286,7 @@ def test_the_prefill_start_is_measured_once_per_machine_where_the_calibration_is
 def test_the_float_path_takes_first_turns_from_the_machine_s_start(llama_target, category_prompts, monkeypatch) -> None:
     """A start measured above FLOAT_PREFILL_MIN_TOKENS (a CPU where float pays only for longer
     prompts): a first turn of exactly that many tokens takes the float path, one token fewer does
-    not, and a new session keeps its parent's start."""
+    not, and a new session keeps its parent's start and product type."""
     monkeypatch.setenv(VALUE_CACHE_ENV, "f16")
     monkeypatch.delenv(PREFILL_ENV, raising=False)
     prompt = category_prompts["summarization"]
@@ -277,8 +295,9 @@ def test_the_float_path_takes_first_turns_from_the_machine_s_start(llama_target,
         target = LlamaCppTarget(
             llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, threads=2,
             parts_loader=llama_target._parts_loader, parts=llama_target._parts, float_llama=llama_target._float,
-            float_prefill_start=start,
+            float_prefill_start=start, float_compute="bfloat16",
         )
         target.set_context(torch.tensor(prompt))
         assert target._moved == moved
-        assert target.new_session().float_prefill_start == start
+        session = target.new_session()
+        assert session.float_prefill_start == start and session.float_compute == "bfloat16"

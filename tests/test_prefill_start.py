@@ -8,13 +8,18 @@ import pytest
 
 from moaspec.targets import llamacpp_prefill
 from moaspec.targets.llamacpp_prefill import (
+    BFLOAT16_MARGIN,
+    COMPUTE_TOKENS,
     FLOAT_MARGIN,
     FLOAT_PREFILL_LONG_TOKENS,
     FLOAT_PREFILL_MIN_TOKENS,
     MEASURE_ROUNDS,
     NEVER,
+    compute_from_timings,
+    measure_float_compute,
     measure_float_prefill_start,
     start_from_timings,
+    valid_compute,
     valid_start,
 )
 
@@ -144,3 +149,39 @@ def test_a_context_llama_cpp_cannot_make_means_never(fake_clock) -> None:
     target = ShortContext(fixed_float_s=0.0)
     fake_clock(target)
     assert measure_float_prefill_start(target) == NEVER and target.freed == 0
+
+
+def test_bfloat16_products_are_taken_only_where_they_save_the_margin() -> None:
+    """bfloat16 rounds more than float32: taken where it takes at most BFLOAT16_MARGIN of float32's
+    time (exactly at the margin included), else float32; a saved answer is read only if it is one
+    of the two."""
+    assert compute_from_timings(1.0, BFLOAT16_MARGIN) == "bfloat16"
+    assert compute_from_timings(1.0, BFLOAT16_MARGIN + 1e-9) == "float32"
+    assert compute_from_timings(1.0, 3.0) == "float32"  # a CPU without native bfloat16 products
+    assert valid_compute("bfloat16") and valid_compute("float32")
+    assert not valid_compute("float16") and not valid_compute(None) and not valid_compute(1)
+
+
+class FakeForwards:
+    """What measure_float_compute uses of a LlamaCppTarget: each float forward advances `clock` by
+    its product type's seconds (the first of each 10 s more, as a cold start would)."""
+
+    vocab_size = 1000
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds, self.clock, self.calls = seconds, 0.0, []
+
+    def measure_float_forward(self, prompt: list[int], compute: str) -> None:
+        self.clock += self.seconds[compute] + (10.0 if compute not in [c for _, c in self.calls] else 0.0)
+        self.calls.append((len(prompt), compute))
+
+
+@pytest.mark.parametrize(("bfloat16_s", "chosen"), [(0.6, "bfloat16"), (0.85, "float32"), (2.5, "float32")])
+def test_measuring_the_products_times_both_in_turns_after_a_warm_up(monkeypatch, bfloat16_s, chosen) -> None:
+    """COMPUTE_TOKENS-token prompts, the two types taking turns over MEASURE_ROUNDS counted rounds
+    after an uncounted one, whose cold start (10 s on the fake clock) must not decide."""
+    target = FakeForwards({"float32": 1.0, "bfloat16": bfloat16_s})
+    monkeypatch.setattr(llamacpp_prefill.time, "perf_counter", lambda: target.clock)
+    monkeypatch.setattr(llamacpp_prefill, "load_library_held", lambda: None)
+    assert measure_float_compute(target) == chosen
+    assert target.calls == [(COMPUTE_TOKENS, "float32"), (COMPUTE_TOKENS, "bfloat16")] * (MEASURE_ROUNDS + 1)

@@ -89,7 +89,7 @@ from moaspec.targets.llamacpp_contexts import (
 from moaspec.targets.llamacpp_exactness import exact_tree_nodes, saved_or_measured
 from moaspec.targets.llamacpp_features import DrafterFeatures, VerifiedRows
 from moaspec.targets.llamacpp_model import LlamaCppModel
-from moaspec.targets.llamacpp_prefill import SharedFloatLlama, fixed_float_prefill_start
+from moaspec.targets.llamacpp_prefill import SharedFloatLlama, fixed_float_compute, fixed_float_prefill_start
 from moaspec.targets.llamacpp_prompt_paths import PromptPaths, shared_start
 from moaspec.targets.llamacpp_value_cache import VALUE_CACHE_NAMES, fixed_value_cache_type, value_cache_type
 from moaspec.tree import DraftTree, depths, leaf_groups
@@ -129,6 +129,7 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
         value_cache: int | None = None,
         float_llama: SharedFloatLlama | None = None,
         float_prefill_start: int | None = None,
+        float_compute: str | None = None,
         embedding_file: tuple[Path, str] | None = None,
     ) -> None:
         self.weights = model
@@ -147,6 +148,8 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
             float_prefill_start = fixed_float_prefill_start()  # a bad MOASPEC_LLAMA_PREFILL fails now
         # from which first-turn length this machine prefills in float (NEVER: not at all; None: decided on first need)
         self._float_start = float_prefill_start
+        # the float forward's products (float32 or bfloat16; None: decided on first need)
+        self._float_compute = float_compute if float_compute is not None else fixed_float_compute()
         self._generation_prompt: tuple[int, ...] | None = None  # the chat template's (_float_boundary)
         self._float_cache: FloatPrefillCache | None = None  # the float path's keys/values of the last prompt
         self._probing_exactness = False  # set on exact_tree_nodes_here's own probe: it verifies any tree
@@ -293,6 +296,7 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
             cells=cells, threads=self.threads, parts_loader=self._parts_loader, parts=self._parts,
             value_cache=self.value_cache_type,  # the same tokens as this one's
             float_llama=self._float, float_prefill_start=self._float_start,  # prompts prefilled as this one's
+            float_compute=self._float_compute,
             embedding_file=self.embedding_file,
         )
         other.key_cache_type = self.key_cache_type  # set before its context is made
@@ -311,7 +315,7 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
         if self._float_cache is not None:
             self._float_cache.reset()
         self._moved = 0  # leading verified positions whose cells and rows came from another computation:
-        self._moved_from: str | None = None  # "prompt context" or "float" (float32 torch)
+        self._moved_from: str | None = None  # "prompt context" or "float" (float torch)
         self._tokens: list[int] = []  # the verified tokens (num_cached)
         self._parked = 0  # cells held in sequence PARKED
         self._pending: tuple[list[int], list[int], list[int], int] | None = None  # after verify

@@ -1,4 +1,4 @@
-"""Where the llama.cpp runtime prefills prompts on this machine: in llama.cpp, or in float32 torch
+"""Where the llama.cpp runtime prefills prompts on this machine: in llama.cpp, or in float torch
 with the keys and values moved into llama.cpp's cache (float_prefill.py), from which prompt length.
 
 Which is faster depends on the CPU, the GGUF and the prompt's length: llama.cpp's quantized
@@ -19,10 +19,18 @@ never), is saved per machine, llama.cpp build, GGUF, offloaded layers, thread co
 as the value cache is (llamacpp_value_cache.py), so every process on the machine prefills the same
 way, hence gives the same tokens.
 
-MOASPEC_LLAMA_PREFILL=float|llama.cpp fixes the choice (float: from FLOAT_PREFILL_MIN_TOKENS);
-with the calibration off (MOASPEC_NO_CALIBRATION=1) it is llama.cpp, unmeasured. The two round
-differently (a prompt's cells differ by llama.cpp's 8-bit activations), so plain decoding's tokens
-are those of the path chosen; trees stay exact on either (llamacpp.py).
+The float path's products are float32 or bfloat16 (float_prefill.py). Before the start is
+measured, the float forward of a COMPUTE_TOKENS-token prompt is timed both ways, taking turns over
+MEASURE_ROUNDS rounds after an uncounted one (~1 s): bfloat16 where it takes at most
+BFLOAT16_MARGIN of float32's time (CPUs with native bfloat16 products: 0.6 on an AVX-512 BF16
+EPYC), else float32. That answer is saved per machine like the start, and the start is then
+measured and saved for it.
+
+MOASPEC_LLAMA_PREFILL=float|bfloat16|llama.cpp fixes the choice (float: float32 products,
+bfloat16: bfloat16 products, each from FLOAT_PREFILL_MIN_TOKENS); with the calibration off
+(MOASPEC_NO_CALIBRATION=1) it is llama.cpp, unmeasured. The paths round differently (a prompt's
+cells differ by llama.cpp's 8-bit activations or bfloat16's), so plain decoding's tokens are
+those of the path chosen; trees stay exact on any (llamacpp.py).
 """
 
 from __future__ import annotations
@@ -44,13 +52,17 @@ if TYPE_CHECKING:
     from moaspec.targets.llamacpp import LlamaCppTarget
 
 PREFILL_ENV = "MOASPEC_LLAMA_PREFILL"
-PREFILL_PATHS = ("float", "llama.cpp")
+PREFILL_PATHS = ("float", "bfloat16", "llama.cpp")
+PATH_COMPUTES = {"float": "float32", "bfloat16": "bfloat16", "llama.cpp": "float32"}  # the float forward's products
 FLOAT_PREFILL_MIN_TOKENS = 64  # the shortest prompt (first turn, its last token included) the float path may take
 FLOAT_PREFILL_LONG_TOKENS = 256  # timed too where the float path does not pay at the shortest
 NEVER = 0  # a start that means: no prompt is prefilled in float
 MEASURE_VERSION = 3  # 1 saved a path (float from 64 tokens, or llama.cpp), not a start; 2 timed the unfused attention
 MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
+COMPUTE_TOKENS = 128  # the prompt the float forward's products are timed on, both ways
+COMPUTE_VERSION = 1
+BFLOAT16_MARGIN = 0.8  # bfloat16 products only where they take at most this much of float32's time
 
 
 def float_prefill_unsupported(config: Any) -> str | None:
@@ -86,26 +98,84 @@ class SharedFloatLlama:
         return self._model
 
 
-def fixed_float_prefill_start() -> int | None:
-    """The start MOASPEC_LLAMA_PREFILL names (float: FLOAT_PREFILL_MIN_TOKENS, llama.cpp: NEVER),
-    else NEVER where the calibration is off, else None (to be measured). MoaspecError for
-    another name."""
+def _fixed_path() -> str | None:
+    """The path MOASPEC_LLAMA_PREFILL names, or None; MoaspecError for another name."""
     name = os.environ.get(PREFILL_ENV, "").strip()
+    if name and name not in PREFILL_PATHS:
+        raise MoaspecError(f"{PREFILL_ENV} must be float, bfloat16 or llama.cpp, not {name!r}")
+    return name or None
+
+
+def fixed_float_prefill_start() -> int | None:
+    """The start MOASPEC_LLAMA_PREFILL names (float or bfloat16: FLOAT_PREFILL_MIN_TOKENS,
+    llama.cpp: NEVER), else NEVER where the calibration is off, else None (to be measured).
+    MoaspecError for another name."""
+    name = _fixed_path()
     if name:
-        if name not in PREFILL_PATHS:
-            raise MoaspecError(f"{PREFILL_ENV} must be float or llama.cpp, not {name!r}")
-        return FLOAT_PREFILL_MIN_TOKENS if name == "float" else NEVER
+        return NEVER if name == "llama.cpp" else FLOAT_PREFILL_MIN_TOKENS
     return NEVER if env_flag(NO_CALIBRATION_ENV) else None
+
+
+def fixed_float_compute() -> str | None:
+    """The float forward's products MOASPEC_LLAMA_PREFILL names (PATH_COMPUTES), else float32
+    where the calibration is off, else None (to be measured). MoaspecError for another name."""
+    name = _fixed_path()
+    if name:
+        return PATH_COMPUTES[name]
+    return "float32" if env_flag(NO_CALIBRATION_ENV) else None
+
+
+def float_prefill_compute(target: LlamaCppTarget) -> str:
+    """The float forward's products for `target` (float_prefill.COMPUTES): fixed
+    (fixed_float_compute), else saved or measured here (module docstring)."""
+    fixed = fixed_float_compute()
+    if fixed is not None:
+        return fixed
+    path = machine_record_path(target, "float-compute", str(COMPUTE_VERSION))
+    return saved_or_measured_record(
+        path, "float_compute", target, lambda: measure_float_compute(target), valid=valid_compute
+    )
+
+
+def valid_compute(value: object) -> bool:
+    """Whether a saved compute is one the float forward takes."""
+    return value in PATH_COMPUTES.values()
+
+
+def compute_from_timings(float32_s: float, bfloat16_s: float) -> str:
+    """The float forward's products from its seconds for one prompt with each (module docstring)."""
+    return "bfloat16" if bfloat16_s <= BFLOAT16_MARGIN * float32_s else "float32"
+
+
+def measure_float_compute(target: LlamaCppTarget) -> str:
+    """Time the float forward of a COMPUTE_TOKENS-token prompt with each product type (module
+    docstring); -> the faster, as compute_from_timings decides."""
+    load_library_held()  # the float path's torch: measured only where this machine may prefill in it
+    import torch
+
+    generator = torch.Generator().manual_seed(COMPUTE_TOKENS)
+    prompt = torch.randint(0, target.vocab_size, (COMPUTE_TOKENS,), generator=generator).tolist()
+    seconds: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for round_ in range(MEASURE_ROUNDS + 1):
+        for compute, spent in seconds.items():
+            started = time.perf_counter()
+            target.measure_float_forward(prompt, compute)
+            if round_:
+                spent.append(time.perf_counter() - started)
+    return compute_from_timings(statistics.median(seconds["float32"]), statistics.median(seconds["bfloat16"]))
 
 
 def float_prefill_start(target: LlamaCppTarget) -> int:
     """The fewest tokens of a prompt's first turn (its last included) that `target` (a
-    LlamaCppTarget whose model the float path supports) prefills in float32 torch, or NEVER:
-    fixed (fixed_float_prefill_start), else saved or measured here (module docstring)."""
+    LlamaCppTarget whose model the float path supports) prefills in float torch, or NEVER:
+    fixed (fixed_float_prefill_start), else saved or measured here for its products
+    (`target.float_compute`; module docstring)."""
     fixed = fixed_float_prefill_start()
     if fixed is not None:
         return fixed
-    path = machine_record_path(target, "prefill", str(MEASURE_VERSION), f"values {target.value_cache_name}")
+    path = machine_record_path(
+        target, "prefill", str(MEASURE_VERSION), f"values {target.value_cache_name}", f"compute {target.float_compute}"
+    )
     return saved_or_measured_record(
         path, "float_prefill_start", target, lambda: measure_float_prefill_start(target), valid=valid_start
     )

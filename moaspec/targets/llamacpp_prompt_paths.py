@@ -1,5 +1,5 @@
 """How the llama.cpp runtime prefills long prompts outside its verified context (a part of
-`LlamaCppTarget`, llamacpp.py): in the prompt context, or in float32 torch.
+`LlamaCppTarget`, llamacpp.py): in the prompt context, or in float torch.
 
 Long prompts (PROMPT_CONTEXT_MIN_TOKENS or more, llamacpp.py) of models without sliding-window
 layers (whose sequence state holds a second cache: Gemma-3) are prefilled in a second context, the
@@ -19,12 +19,12 @@ turn equals a fresh prefill bit for bit on either path. Verified tokens appended
 (`prefill`: a split session resumed after a cut rebuilds prompt and answer) are decoded in the
 verified context in batches one-token decoding agrees with, never as part of a prompt.
 
-Where this machine prefills faster in float32 torch (llamacpp_prefill.py: from a first-turn length
+Where this machine prefills faster in float torch (llamacpp_prefill.py: from a first-turn length
 measured once, or MOASPEC_LLAMA_PREFILL), a Llama-architecture model's prompt takes the float path
 instead (float_prefill.py) for its first turn: the tokens up to the chat template's first
 generation prompt (the whole prompt without one), but the last of them, when there are at least
-that length - 1 (FLOAT_PREFILL_MIN_TOKENS - 1 or more). They go through float32 products over the
-GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of the previous
+that length - 1 (FLOAT_PREFILL_MIN_TOKENS - 1 or more). They go through float32 (or, where this
+machine measured them faster, bfloat16) products over the GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of the previous
 such prompt kept), their keys and values are moved in as the prompt context's are, and the rest is
 decoded in the verified context (every logit comes from llama.cpp). Where the turn ends is a
 function of the tokens and the same for a conversation and its next turns, so a chat's next turn
@@ -43,7 +43,13 @@ from moaspec.targets.base import PrefillCancelled, TargetOutput
 from moaspec.targets.llamacpp_cells import STATE_HEADER, SequenceState
 from moaspec.targets.llamacpp_contexts import MAX_BATCH, cells_for
 from moaspec.targets.llamacpp_features import transformers_head_order
-from moaspec.targets.llamacpp_prefill import FLOAT_PREFILL_MIN_TOKENS, NEVER, float_prefill_start
+from moaspec.targets.llamacpp_prefill import (
+    FLOAT_PREFILL_MIN_TOKENS,
+    NEVER,
+    fixed_float_compute,
+    float_prefill_compute,
+    float_prefill_start,
+)
 
 if TYPE_CHECKING:
     import llama_cpp
@@ -70,7 +76,7 @@ class PromptPaths:
     @property
     def float_prefill_start(self) -> int:
         """The fewest tokens of a prompt's first turn (its last included) that are prefilled in
-        float32 torch here (module docstring), or NEVER (0): a model the float forward supports, no
+        float torch here (module docstring), or NEVER (0): a model the float forward supports, no
         sliding window, no GPU layers (llama.cpp prefills faster there), and this machine's choice
         (llamacpp_prefill.py, at least FLOAT_PREFILL_MIN_TOKENS). Never in the exactness probe,
         which checks llama.cpp's own kernels."""
@@ -83,8 +89,22 @@ class PromptPaths:
         return self._float_start
 
     @property
+    def float_compute(self) -> str:
+        """The float forward's products here (float32 or bfloat16; llamacpp_prefill.py): fixed,
+        saved or measured on first need, and kept by this target's sessions."""
+        if self._float_compute is None:
+            self._float_compute = fixed_float_compute() or float_prefill_compute(self)
+        return self._float_compute
+
+    def measure_float_forward(self, prompt: list[int], compute: str) -> None:
+        """The float forward of `prompt` alone with `compute`'s products, from a fresh cache."""
+        from moaspec.targets.float_prefill import FloatPrefillCache
+
+        FloatPrefillCache(self._float.model, FLOAT_CHUNK, compute).prefill(prompt)
+
+    @property
     def uses_float_prefill(self) -> bool:
-        """Whether some prompts are prefilled in float32 torch here (`float_prefill_start`)."""
+        """Whether some prompts are prefilled in float torch here (`float_prefill_start`)."""
         return self.float_prefill_start != NEVER
 
     def measure_prefill(self, ctx: llama_cpp.llama_context_p, prompt: list[int], through_float: bool) -> None:
@@ -94,7 +114,7 @@ class PromptPaths:
         if through_float:
             from moaspec.targets.float_prefill import FloatPrefillCache
 
-            cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
+            cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK, self.float_compute)
             cache.prefill(prompt[:-1])
             self._load_cells(ctx, self._float_cells(ctx, cache, len(prompt) - 1))
             first = len(prompt) - 1
@@ -165,8 +185,8 @@ class PromptPaths:
         return boundary if boundary >= start - 1 else None
 
     def _prefill_in_float(self, ids: list[int], boundary: int, hidden_layers: tuple[int, ...]) -> TargetOutput:
-        """Prefill ids[:boundary] in float32 torch (float_prefill.py: FLOAT_CHUNK chunks from
-        position 0, whole chunks of the last such prompt kept), move their keys and values into
+        """Prefill ids[:boundary] in float torch (float_prefill.py, products as `float_compute`:
+        FLOAT_CHUNK chunks from position 0, whole chunks of the last such prompt kept), move their keys and values into
         the verified context, and decode the rest there (its logits, as every token's, come from
         llama.cpp)."""
         body = ids[:boundary]
@@ -178,7 +198,7 @@ class PromptPaths:
         if self._float_cache is None:
             from moaspec.targets.float_prefill import FloatPrefillCache
 
-            self._float_cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK)
+            self._float_cache = FloatPrefillCache(self._float.model, FLOAT_CHUNK, self.float_compute)
         cache = self._float_cache
         cache.prefill(body, cancelled=lambda: self._cancel is not None and self._cancel.is_set())
         if len(cache.tokens) < len(body):
