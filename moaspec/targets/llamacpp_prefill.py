@@ -21,10 +21,11 @@ way, hence gives the same tokens.
 
 The float path's products are float32 or bfloat16 (float_prefill.py). Before the start is
 measured, the float forward of a COMPUTE_TOKENS-token prompt is timed both ways, taking turns over
-MEASURE_ROUNDS rounds after an uncounted one (~1 s): bfloat16 where it takes at most
-BFLOAT16_MARGIN of float32's time (CPUs with native bfloat16 products: 0.6 on an AVX-512 BF16
-EPYC), else float32. That answer is saved per machine like the start, and the start is then
-measured and saved for it.
+MEASURE_ROUNDS rounds after an uncounted one (~3.5 s on 2 cores): bfloat16 where it takes at most
+BFLOAT16_MARGIN of float32's time, else float32 (CPUs with native bfloat16 products gain, more
+with longer prompts: on an AVX-512 BF16 EPYC bfloat16 took 0.85 / 0.76 / 0.62 / 0.65 of float32's
+time for 64 / 128 / 256 / 512 tokens). That answer is saved per machine like the start, and the
+start is then measured and saved for it.
 
 MOASPEC_LLAMA_PREFILL=float|bfloat16|llama.cpp fixes the choice (float: float32 products,
 bfloat16: bfloat16 products, each from FLOAT_PREFILL_MIN_TOKENS); with the calibration off
@@ -60,7 +61,7 @@ NEVER = 0  # a start that means: no prompt is prefilled in float
 MEASURE_VERSION = 3  # 1 saved a path (float from 64 tokens, or llama.cpp), not a start; 2 timed the unfused attention
 MEASURE_ROUNDS = 3
 FLOAT_MARGIN = 0.9  # the float path only where it takes at most this much of llama.cpp's time
-COMPUTE_TOKENS = 128  # the prompt the float forward's products are timed on, both ways
+COMPUTE_TOKENS = 256  # the prompt the float forward's products are timed on, both ways (the gain grows with it)
 COMPUTE_VERSION = 1
 BFLOAT16_MARGIN = 0.8  # bfloat16 products only where they take at most this much of float32's time
 
