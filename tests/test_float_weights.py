@@ -55,6 +55,35 @@ def test_the_first_load_writes_the_file_and_later_ones_map_it(saved) -> None:
     assert torch.equal(narrowed.hidden[:37], mapped.hidden[:37])
 
 
+def test_the_bfloat16_forward_maps_its_own_file_once_written(saved) -> None:
+    """Products in bfloat16: the first forward narrows the float32 matrices to bfloat16 (all but
+    the key and value projections) and writes them to their own file; a second model maps that
+    file, with the same values, and prefills the same bits. The float16 file is not rewritten."""
+    from moaspec.targets.float_prefill import FLOAT32_ALWAYS
+    from moaspec.targets.float_weights import FILE_NAMES
+
+    model_dir, config, names, _ = saved
+    prefill(model_dir, config)
+    float16_written = (model_dir / FILE_NAME).stat().st_mtime_ns
+    path = model_dir / FILE_NAMES[torch.bfloat16]
+
+    def bfloat16_prefill() -> FloatPrefillCache:
+        cache = FloatPrefillCache(FloatLlama(model_dir, config), chunk_size=16, compute="bfloat16")
+        cache.prefill(list(range(3, 40)))
+        return cache
+
+    narrowed = bfloat16_prefill()
+    assert path.is_file() and str(path) not in mapped_files()
+    mapped = bfloat16_prefill()
+    assert str(path) in mapped_files() and (model_dir / FILE_NAME).stat().st_mtime_ns == float16_written
+    float32 = dict(make_tiny_target("llama", seed=5, dtype=torch.float32).model.state_dict())
+    for cache in (narrowed, mapped):
+        held = {name: matrix for layer in cache.model._bfloat16 for name, matrix in layer.items()}
+        assert sorted(held) == sorted(n for n in names if not n.endswith(tuple(f"{k}.weight" for k in FLOAT32_ALWAYS)))
+        assert all(matrix.dtype == torch.bfloat16 and torch.equal(matrix, float32[name].bfloat16()) for name, matrix in held.items())
+    assert torch.equal(narrowed.keys, mapped.keys) and torch.equal(narrowed.hidden[:37], mapped.hidden[:37])
+
+
 def test_writing_into_a_mapped_matrix_does_not_reach_the_file(saved) -> None:
     model_dir, _, names, want = saved
     float16_matrices(model_dir, names)

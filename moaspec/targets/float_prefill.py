@@ -18,7 +18,8 @@ chunks then gives the same bits whether an earlier chunk was computed now or kep
 prompt (`FloatPrefillCache`).
 
 With compute "bfloat16" the products but the key and value projections take bfloat16 inputs and
-weights (float32 accumulation, rounded to bfloat16 and widened again): faster where the CPU has
+weights (float32 accumulation, rounded to bfloat16 and widened again), the weights mapped as
+they are from a bfloat16 file (float_weights.py; nothing to widen per prompt): faster where the CPU has
 native bfloat16 products (an AVX-512 BF16 EPYC: a 256-token prompt 0.32 s against 0.52 s), not
 where it has none, so llamacpp_prefill.py measures which a machine takes. The keys and values the
 cache holds stay float32 products of the (bfloat16-rounded) activations. On 32 bench prompts of
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from moaspec.nn.layers import RMSNorm, apply_rope
 from moaspec.nn.target_config import target_norm_eps, target_rope_theta
-from moaspec.targets.float_weights import float16_matrices
+from moaspec.targets.float_weights import float16_matrices, narrowed_matrices
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -81,6 +82,7 @@ class FloatLlama:
             return module
 
         names = [[f"model.layers.{i}.{name}.weight" for name in LAYER_MATRICES] for i in range(self.num_layers)]
+        self._model_dir, self._names = Path(model_dir), names
         matrices = float16_matrices(model_dir, [name for layer in names for name in layer])
         with SafetensorsWeights(model_dir) as weights:
             self.embedding = weights.rows("model.embed_tokens.weight")
@@ -93,20 +95,27 @@ class FloatLlama:
                 for i in range(self.num_layers)
             ]
             self.final_norm = norm(weights, "model.norm.weight")
-        # per compute, one buffer per matrix of a layer, refilled layer by layer (fresh tensors of
-        # this size would each be mapped and zeroed by the allocator: twice the widening's own time)
-        self._widened: dict[str, list[torch.Tensor]] = {}
+        # one float32 buffer per matrix of a layer, refilled layer by layer (fresh tensors of this
+        # size would each be mapped and zeroed by the allocator: twice the widening's own time)
+        self._widened = [torch.empty(matrix.shape) for matrix in self.layers[0].matrices]
+        self._bfloat16: list[dict[str, torch.Tensor]] | None = None  # per layer, mapped on first use
 
-    def _buffers(self, compute: str) -> list[torch.Tensor]:
-        """The widened weights' buffers of a layer for `compute` (COMPUTES), made on first use."""
+    def _layer_weights(self, index: int, compute: str) -> list[torch.Tensor]:
+        """Layer `index`'s matrices (LAYER_MATRICES) for `compute` (COMPUTES): widened to float32
+        into the layer buffers; under bfloat16 the mapped bfloat16 matrices, but FLOAT32_ALWAYS's."""
         if compute not in COMPUTES:
             raise ValueError(f"compute must be one of {COMPUTES}, not {compute!r}")
-        if compute not in self._widened:
-            self._widened[compute] = [
-                torch.empty(matrix.shape, dtype=torch.float32 if compute == "float32" or name in FLOAT32_ALWAYS else torch.bfloat16)
-                for name, matrix in zip(LAYER_MATRICES, self.layers[0].matrices)
-            ]
-        return self._widened[compute]
+        matrices = self.layers[index].matrices
+        if compute == "float32":
+            return [wide.copy_(matrix) for wide, matrix in zip(self._widened, matrices)]
+        if self._bfloat16 is None:
+            narrow = [name for layer in self._names for short, name in zip(LAYER_MATRICES, layer) if short not in FLOAT32_ALWAYS]
+            mapped = narrowed_matrices(self._model_dir, narrow, torch.bfloat16)
+            self._bfloat16 = [{name: mapped[name] for name in layer if name in mapped} for layer in self._names]
+        return [
+            wide.copy_(matrix) if short in FLOAT32_ALWAYS else self._bfloat16[index][name]
+            for wide, matrix, short, name in zip(self._widened, matrices, LAYER_MATRICES, self._names[index])
+        ]
 
     @torch.inference_mode()
     def forward(
@@ -129,12 +138,11 @@ class FloatLlama:
         angles = torch.arange(start, end, dtype=torch.float32)[:, None] * self.inv_freq[None]
         angles = torch.cat([angles, angles], dim=-1)  # [T, head_dim]
         cos, sin = angles.cos(), angles.sin()
-        buffers = self._buffers(compute)
         xs = [self.embedding.rows(ids[first - start : last - start]) for first, last in bounds]  # [c, D] each
         for index, layer in enumerate(self.layers):
             if cancelled():
                 return None
-            weights = [wide.copy_(matrix) for wide, matrix in zip(buffers, layer.matrices)]
+            weights = self._layer_weights(index, compute)
             for number, (first, last) in enumerate(bounds):
                 rows = slice(first - start, last - start)
                 xs[number] = self._layer(
