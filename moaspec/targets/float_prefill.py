@@ -20,12 +20,12 @@ prompt (`FloatPrefillCache`).
 With compute "bfloat16" the products but the key and value projections take bfloat16 inputs and
 weights (float32 accumulation, rounded to bfloat16 and widened again), the weights mapped as
 they are from a bfloat16 file (float_weights.py; nothing to widen per prompt): faster where the CPU has
-native bfloat16 products (an AVX-512 BF16 EPYC: a 256-token prompt 0.32 s against 0.52 s), not
+native bfloat16 products (an AVX-512 BF16 EPYC: a 256-token prompt 0.28 s against 0.52 s), not
 where it has none, so llamacpp_prefill.py measures which a machine takes. The keys and values the
 cache holds stay float32 products of the (bfloat16-rounded) activations. On 32 bench prompts of
-64+ tokens the next token's logits stayed as close to the transformers runtime's as float32's
-(largest difference 0.54 median, 1.05 at most, against 0.57 and 0.82; llama.cpp's own prefill:
-0.74 and 1.46), with the same argmax in all 32.
+64+ tokens the next token's logits stayed about as close to the transformers runtime's as
+float32's (largest difference 0.58 median, 0.91 at most, against 0.57 and 0.82; llama.cpp's own
+prefill: 0.74 and 1.46), with the same argmax in all 32.
 """
 
 from __future__ import annotations
