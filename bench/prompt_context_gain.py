@@ -1,4 +1,4 @@
-"""What the llama.cpp runtime's prompt context and its float32 prefill save on a prompt's prefill,
+"""What the llama.cpp runtime's prompt context and its float prefill save on a prompt's prefill,
 their moves included, by value cache and prompt length: the measurements behind
 PROMPT_CONTEXT_MIN_TOKENS and FLOAT_PREFILL_MIN_TOKENS (README, *Target runtimes*, *Long prompts*
 and *Prompts prefilled in float32*).
@@ -7,8 +7,9 @@ and *Prompts prefilled in float32*).
         [--value-caches f16,q8_0] [--out FILE.json]
 
 Times the runtime's own `set_context` of a prompt in the verified context (the per-query kernel),
-through the prompt context (f16 / f16, tiled kernel, then the move) and through float32 torch (the
-forward, the move, the last token decoded), on one target per value cache (2 threads), every case
+through the prompt context (f16 / f16, tiled kernel, then the move) and through float torch with
+float32 and with bfloat16 products (the forward, the move, the last token decoded; the bfloat16
+weights' file written in the warm-up round), on one target per value cache (2 threads), every case
 interleaved per round after a warm-up round; each call gets tokens sharing no start with the one
 before, so nothing is reused. Prints the medians in ms and their ratios to the verified context's
 (above 1: faster than it). Run it on an idle machine.
@@ -24,7 +25,8 @@ from moaspec.bench.output import write_json
 from moaspec.bench.script_args import known_names, output_file, positive_int, positive_ints, run_script, script_parser
 
 VALUE_CACHES = ("f16", "q8_0")
-PATHS = ("verified context", "prompt context", "float32 torch")
+PATHS = ("verified context", "prompt context", "float32 torch", "bfloat16 torch")
+TORCH_COMPUTES = {"float32 torch": "float32", "bfloat16 torch": "bfloat16"}
 
 
 def value_cache_list(text: str) -> list[str]:
@@ -43,7 +45,9 @@ def set_context_ms(target, length: int, path: str, generator: random.Random) -> 
     thresholds = llamacpp.PROMPT_CONTEXT_MIN_TOKENS, prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start
     llamacpp.PROMPT_CONTEXT_MIN_TOKENS = 1 if path == "prompt context" else length + 1
     prompt_paths.FLOAT_PREFILL_MIN_TOKENS = 2  # the float path needs a token besides the last
-    target._float_start = 2 if path == "float32 torch" else prompt_paths.NEVER
+    target._float_start = 2 if path in TORCH_COMPUTES else prompt_paths.NEVER
+    if path in TORCH_COMPUTES and target._float_compute != TORCH_COMPUTES[path]:
+        target._float_compute, target._float_cache = TORCH_COMPUTES[path], None  # a cache computes one way
     try:
         started = time.perf_counter()
         target.set_context(ids)
@@ -86,17 +90,19 @@ def main() -> int:
                         times.setdefault((name, length, path), []).append(spent)
     medians = {key: statistics.median(values) for key, values in times.items()}
     print(f"CPU: {cpu_description()}; 2 threads; medians of {args.rounds} rounds, ms")
-    print("| value cache | prompt tokens | verified context | prompt context | ratio | float32 torch | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| value cache | prompt tokens | verified context | prompt context | ratio | float32 torch | ratio "
+          "| bfloat16 torch | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in args.value_caches:
         for length in args.lengths:
-            verified, prompt, floats = (medians[(name, length, path)] for path in PATHS)
+            verified, prompt, floats, bfloats = (medians[(name, length, path)] for path in PATHS)
             print(f"| {name} | {length} | {verified:.0f} | {prompt:.0f} | {verified / prompt:.2f} "
-                  f"| {floats:.0f} | {verified / floats:.2f} |")
+                  f"| {floats:.0f} | {verified / floats:.2f} | {bfloats:.0f} | {verified / bfloats:.2f} |")
             rows.append({"value_cache": name, "prompt_tokens": length, "verified_context_ms": round(verified, 1),
                          "prompt_context_ms": round(prompt, 1), "ratio": round(verified / prompt, 3),
-                         "float_ms": round(floats, 1), "float_ratio": round(verified / floats, 3)})
+                         "float_ms": round(floats, 1), "float_ratio": round(verified / floats, 3),
+                         "bfloat16_ms": round(bfloats, 1), "bfloat16_ratio": round(verified / bfloats, 3)})
     if args.out is not None:
         record = {"cpu": cpu_description(), "threads": 2, "rounds": args.rounds, "rows": rows}
         write_json(args.out, record)

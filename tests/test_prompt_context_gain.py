@@ -23,7 +23,9 @@ def test_each_case_times_the_path_it_names_and_restores_the_thresholds() -> None
     assert script.set_context_ms(target, 40, "verified context", generator) > 0
     assert target._moved == 0 and target.num_cached == 40
     assert script.set_context_ms(target, 40, "float32 torch", generator) > 0
-    assert target._moved == 39 and len(target._float_cache.tokens) == 39
+    assert target._moved == 39 and len(target._float_cache.tokens) == 39 and target._float_cache.compute == "float32"
+    assert script.set_context_ms(target, 40, "bfloat16 torch", generator) > 0
+    assert target._moved == 39 and len(target._float_cache.tokens) == 39 and target._float_cache.compute == "bfloat16"
     assert (llamacpp.PROMPT_CONTEXT_MIN_TOKENS, llamacpp_prompt_paths.FLOAT_PREFILL_MIN_TOKENS, target._float_start) == thresholds
 
 
