@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
+from drafter_checks import check_beams_against_their_paths, favour_row
 
 from moaspec.config import SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
@@ -167,18 +168,15 @@ def test_moa_tree_nodes_see_only_their_own_path(tli: int) -> None:
     target.prefill(PROMPT)
     drafter = moa_after_prompt(net, target)
     drafter.start(ROOT)
-    # level 1: a, b under the root; level 2: c under b, d under a, e under b; level 3: f under e
-    levels = [([11, 12], [-1, -1]), ([13, 14, 15], [1, 0, 1]), ([16], [2])]
-    paths: list[list[int]] = [[]]  # per beam of the previous level
-    for depth, (level_tokens, parents) in enumerate(levels, start=1):
-        log_probs = drafter.expand(torch.tensor(level_tokens), torch.tensor(parents), depth)
-        paths = [paths[max(p, 0)] + [t] for t, p in zip(level_tokens, parents)]
-        for beam, path in enumerate(paths):
-            chain = moa_after_prompt(net, target)
-            chain.start(ROOT)
-            for step, token in enumerate(path, start=1):
-                along = chain.expand(torch.tensor([token]), torch.tensor([-1 if step == 1 else 0]), step)[0]
-            torch.testing.assert_close(log_probs[beam], along, rtol=0, atol=1e-10)
+
+    def along(path: list[int]) -> torch.Tensor:
+        chain = moa_after_prompt(net, target)
+        chain.start(ROOT)
+        for step, token in enumerate(path, start=1):
+            drafted = chain.expand(torch.tensor([token]), torch.tensor([-1 if step == 1 else 0]), step)[0]
+        return drafted
+
+    check_beams_against_their_paths(drafter, along)
 
 
 @torch.no_grad()
@@ -279,15 +277,7 @@ def test_a_copy_drafted_alone_is_compared_with_the_models_token_not_its_row(mode
     drafter.enable_lookup()
     drafter.accept(VerifiedUpdate(prompt, 0, None, target))
     root = 6  # ..., 5, 6 as at the start: the lookup copies 8
-    favoured = 4 if model_agrees else 8
-    model_start = drafter.start
-
-    def forced_start(root_id: int) -> torch.Tensor:
-        log_probs = model_start(root_id).clone()
-        log_probs[0, favoured] = log_probs[0].max() + 5.0
-        return torch.log_softmax(log_probs, dim=-1)
-
-    drafter.start = forced_start
+    favour_row(drafter, 4 if model_agrees else 8)
     draft = drafter.draft_alone(root, SamplingConfig(), None)
     expected = (LOOKUP_PRECISION_AGREED, "lookup+model") if model_agrees else (LOOKUP_PRECISION_DISPUTED, "lookup")
     assert draft == (8, *expected)

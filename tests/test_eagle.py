@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
+from drafter_checks import check_beams_against_their_paths
 
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
 from moaspec.drafters import make_drafter
@@ -139,15 +140,7 @@ def test_tree_nodes_see_only_their_own_path() -> None:
     tokens = torch.cat([prompt, torch.tensor([root])])
     hidden = out.hidden[:, 0]
     drafter.start(root)
-    # level 1: a, b under the root; level 2: c under b, d under a, e under b; level 3: f under e
-    levels = [([11, 12], [-1, -1]), ([13, 14, 15], [1, 0, 1]), ([16], [2])]
-    paths: list[list[int]] = [[]]  # per beam of the previous level
-    for depth, (level_tokens, parents) in enumerate(levels, start=1):
-        log_probs = drafter.expand(torch.tensor(level_tokens), torch.tensor(parents), depth)
-        paths = [paths[max(p, 0)] + [t] for t, p in zip(level_tokens, parents)]
-        for beam, path in enumerate(paths):
-            by_hand = drafted_by_hand(net, parts, tokens, hidden, 6, path)[-1]
-            torch.testing.assert_close(log_probs[beam], by_hand, rtol=0, atol=1e-10)
+    check_beams_against_their_paths(drafter, lambda path: drafted_by_hand(net, parts, tokens, hidden, 6, path)[-1])
     assert drafter.sa_kv[0].shape[1] == len(prompt) + 6  # true pairs + one entry per drafted node
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_random_drafter_net, make_tiny_target
+from drafter_checks import favour_row
 
 from moaspec.config import GenerationConfig, SamplingConfig, TreeConfig
 from moaspec.drafters.eagle import EagleDrafter
@@ -287,15 +288,7 @@ def test_a_copy_drafted_alone_reports_whether_the_model_agrees(model_agrees: boo
     copy = int(probe._lookup_proposal(root, SamplingConfig(), None).token_ids[1])
     ids = drafter.draft_vocab_ids  # rows of the model's distribution -> token ids
     vocab = list(range(target.vocab_size)) if ids is None else ids.tolist()
-    favoured = vocab.index(copy) if model_agrees else next(row for row, token in enumerate(vocab) if token != copy)
-    model_start = drafter.start
-
-    def forced_start(root_id: int):
-        log_probs = model_start(root_id).clone()
-        log_probs[0, favoured] = log_probs[0].max() + 5.0
-        return torch.log_softmax(log_probs, dim=-1)
-
-    drafter.start = forced_start
+    favour_row(drafter, vocab.index(copy) if model_agrees else next(row for row, token in enumerate(vocab) if token != copy))
     draft = drafter.draft_alone(root, SamplingConfig(), None)
     expected = (LOOKUP_PRECISION_AGREED, "lookup+model") if model_agrees else (LOOKUP_PRECISION_DISPUTED, "lookup")
     assert draft == (copy, *expected)
