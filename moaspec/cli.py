@@ -55,10 +55,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER, MODEL_FREE, SHIPPED
+    from moaspec.drafters import DEFAULT_DRAFTER, FALLBACK_DRAFTER
     from moaspec.model_store import DEFAULT_TARGET
-    from moaspec.targets.options import add_runtime_arguments
-    from moaspec.tuned import add_tree_arguments
 
     default_drafter = (
         f"{DEFAULT_DRAFTER} for targets with a shipped MoA drafter, else {FALLBACK_DRAFTER}"
@@ -66,11 +64,29 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="moaspec", description="Lossless speculative decoding with Mixture of Attentions.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_generate_parser(commands, DEFAULT_TARGET)
+    _add_serve_parser(commands, DEFAULT_TARGET, default_drafter)
+    from moaspec.train.cli import add_data_parser, add_train_parser
+
+    add_data_parser(commands, DEFAULT_TARGET)
+    add_train_parser(commands, DEFAULT_TARGET)
+    from moaspec.bench.cli import add_bench_parser, add_tune_parser
+
+    add_bench_parser(commands, DEFAULT_TARGET)
+    add_tune_parser(commands, DEFAULT_TARGET)
+    return parser
+
+
+def _add_generate_parser(commands, default_target: str) -> None:
+    from moaspec.drafters import DEFAULT_DRAFTER, MODEL_FREE, SHIPPED
+    from moaspec.targets.options import add_runtime_arguments
+    from moaspec.tuned import add_tree_arguments
+
     gen = commands.add_parser("generate", help="generate text from a prompt")
     gen.add_argument(
         "--prompt", required=True, help="the user message (or raw text with --raw); - reads it from stdin"
     )
-    gen.add_argument("--target", default=DEFAULT_TARGET, help=f"built-in name, HF directory or .gguf (default {DEFAULT_TARGET})")
+    gen.add_argument("--target", default=default_target, help=f"built-in name, HF directory or .gguf (default {default_target})")
     gen.add_argument(
         "--drafter",
         default=None,
@@ -107,16 +123,6 @@ def _build_parser() -> argparse.ArgumentParser:
         "before giving up (default 120)",
     )
     split.add_argument("--cafile", default=None, help="CA bundle to verify an https server")
-    _add_serve_parser(commands, DEFAULT_TARGET, default_drafter)
-    from moaspec.train.cli import add_data_parser, add_train_parser
-
-    add_data_parser(commands, DEFAULT_TARGET)
-    add_train_parser(commands, DEFAULT_TARGET)
-    from moaspec.bench.cli import add_bench_parser, add_tune_parser
-
-    add_bench_parser(commands, DEFAULT_TARGET)
-    add_tune_parser(commands, DEFAULT_TARGET)
-    return parser
 
 
 def _add_serve_parser(commands, default_target: str, default_drafter: str) -> None:
