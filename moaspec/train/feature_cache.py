@@ -192,20 +192,11 @@ def build_feature_cache(
     is: call `FeatureCache.check` to see that it fits."""
     from tqdm import tqdm
 
-    key = data_key(samples)
     index_path = directory / INDEX
-    lengths = [sample.input_ids.numel() for sample in samples]
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
-    config = target.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_layers, hidden_size = target.num_layers, target.hidden_size
-    stored = sorted(set(kv_layers) | set(tli_kv_layers(num_layers, tli_max)))
-    index = {
-        "version": CACHE_VERSION, "data_key": key, "target_fingerprint": fingerprint, "num_records": len(samples),
-        "offsets": offsets, "tli_max": tli_max, "kv_layers": stored, "num_layers": num_layers,
-        "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
-        "done": 0, "complete": False, "build_wall_s": 0.0,
-    }
+    index = _new_index(target, samples, fingerprint, tli_max, kv_layers)
+    offsets, num_layers, hidden_size = index["offsets"], index["num_layers"], target.hidden_size
+    kv_width = 2 * index["num_kv_heads"] * index["head_dim"]
+    stored = index["kv_layers"]
     previous = _previous_build(directory, index)
     if previous is not None and previous["complete"]:
         return FeatureCache(directory)
@@ -215,7 +206,7 @@ def build_feature_cache(
     else:
         directory.mkdir(parents=True, exist_ok=True)
     shapes = {
-        "layer_kv": ((offsets[-1], len(stored), 2 * config.num_key_value_heads * head_dim), np.float16),
+        "layer_kv": ((offsets[-1], len(stored), kv_width), np.float16),
         "hidden": ((offsets[-1], tli_max + 1, hidden_size), np.float16),
         "lse": ((offsets[-1],), np.float32),
         "argmax": ((offsets[-1],), np.int32),
@@ -245,3 +236,21 @@ def build_feature_cache(
     target.reset()
     del arrays
     return FeatureCache(directory)
+
+
+def _new_index(
+    target: HFTarget, samples: list[TrainSample], fingerprint: str, tli_max: int, kv_layers: tuple[int, ...]
+) -> dict:
+    """The index (INDEX) a fresh build of `samples` starts from: where each record's tokens start,
+    the layers whose keys/values it stores (`kv_layers` and those of TLI up to `tli_max`), nothing
+    done yet."""
+    lengths = [sample.input_ids.numel() for sample in samples]
+    config = target.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "version": CACHE_VERSION, "data_key": data_key(samples), "target_fingerprint": fingerprint,
+        "num_records": len(samples), "offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist(),
+        "tli_max": tli_max, "kv_layers": sorted(set(kv_layers) | set(tli_kv_layers(target.num_layers, tli_max))),
+        "num_layers": target.num_layers, "num_kv_heads": config.num_key_value_heads, "head_dim": head_dim,
+        "done": 0, "complete": False, "build_wall_s": 0.0,
+    }
