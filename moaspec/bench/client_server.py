@@ -144,9 +144,8 @@ def run_client_server_bench(
     runtime: load_target's runtime keywords from the flags (targets/options.py): the servers'
     target runs where `serve` would run it."""
     # 1. the remaining cheap checks, before torch and the target load
-    from moaspec.bench.output import write_results
     from moaspec.bench.prompts import load_prompts
-    from moaspec.cli_support import EXIT_MISMATCH, command_line
+    from moaspec.cli_support import command_line
 
     profiles = parse_network(args.network)
     specs = client_server_methods(args.methods, target_name)
@@ -188,11 +187,18 @@ def run_client_server_bench(
 
     # 3. report
     results = build_results(data, disconnection, [*skipped, *data.skipped], config, command_line(args))
-    markdown = render_markdown(results)
-    from moaspec.bench.plots import ALL_PLOT_FILES, render_client_server_plots
+    return _report(results, out, plots=not args.no_plots)
 
-    plots = None if args.no_plots else render_client_server_plots(results)
-    write_results(out, results, markdown, plots, ALL_PLOT_FILES)
+
+def _report(results: dict, out: Path, plots: bool) -> int:
+    """Write `results` (json, markdown, and the plots where asked) to `out` and print the markdown;
+    -> the exit status: EXIT_MISMATCH where a greedy output differed from the baseline's."""
+    from moaspec.bench.output import write_results
+    from moaspec.bench.plots import ALL_PLOT_FILES, render_client_server_plots
+    from moaspec.cli_support import EXIT_MISMATCH
+
+    markdown = render_markdown(results)
+    write_results(out, results, markdown, render_client_server_plots(results) if plots else None, ALL_PLOT_FILES)
     print(markdown, end="")
     if results["mismatches"]:
         print(f"moaspec: {len(results['mismatches'])} greedy MISMATCHES (see {out / 'results.json'})", file=sys.stderr)
