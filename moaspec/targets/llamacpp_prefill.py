@@ -21,7 +21,7 @@ way, hence gives the same tokens.
 
 The float path's products are float32 or bfloat16 (float_prefill.py). Before the start is
 measured, the float forward of a COMPUTE_TOKENS-token prompt is timed both ways, taking turns over
-MEASURE_ROUNDS rounds after an uncounted one (~3.5 s on 2 cores): bfloat16 where it takes at most
+MEASURE_ROUNDS rounds after an uncounted one (~3 s on 2 cores): bfloat16 where it takes at most
 BFLOAT16_MARGIN of float32's time, else float32 (CPUs with native bfloat16 products gain, more
 with longer prompts: on an AVX-512 BF16 EPYC bfloat16 took 0.60 / 0.52 / 0.53 / 0.58 of float32's
 time for 64 / 128 / 256 / 512 tokens). That answer is saved per machine like the start, and the

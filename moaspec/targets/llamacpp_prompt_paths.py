@@ -24,13 +24,14 @@ measured once, or MOASPEC_LLAMA_PREFILL), a Llama-architecture model's prompt ta
 instead (float_prefill.py) for its first turn: the tokens up to the chat template's first
 generation prompt (the whole prompt without one), but the last of them, when there are at least
 that length - 1 (FLOAT_PREFILL_MIN_TOKENS - 1 or more). They go through float32 (or, where this
-machine measured them faster, bfloat16) products over the GGUF's converted weights, in FLOAT_CHUNK chunks aligned to position 0 (whole chunks of the previous
-such prompt kept), their keys and values are moved in as the prompt context's are, and the rest is
-decoded in the verified context (every logit comes from llama.cpp). Where the turn ends is a
-function of the tokens and the same for a conversation and its next turns, so a chat's next turn
-keeps the moved cells and the answer and decodes only its new tokens, and still equals a fresh
-prefill bit for bit; trees read the moved cells with the per-query kernel: exact. The drafters'
-keys/values and hidden states of the moved positions come from the float forward.
+machine measured them faster, bfloat16) products over the GGUF's converted weights, in FLOAT_CHUNK
+chunks aligned to position 0 (whole chunks of the previous such prompt kept), their keys and
+values are moved in as the prompt context's are, and the rest is decoded in the verified context
+(every logit comes from llama.cpp). Where the turn ends is a function of the tokens and the same
+for a conversation and its next turns, so a chat's next turn keeps the moved cells and the answer
+and decodes only its new tokens, and still equals a fresh prefill bit for bit; trees read the
+moved cells with the per-query kernel: exact. The drafters' keys/values and hidden states of the
+moved positions come from the float forward.
 """
 
 from __future__ import annotations
