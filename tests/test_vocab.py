@@ -9,7 +9,8 @@ from moaspec.drafters.vocab import coverage, most_frequent_token_ids
 
 def test_most_frequent_with_forced_ids_and_ties() -> None:
     sequences = [[5, 5, 5, 7, 7, 9], [7, 3, 3, 11]]
-    assert most_frequent_token_ids(sequences, 2).tolist() == [5, 7]  # 5 and 7 both thrice: id order
+    assert most_frequent_token_ids(sequences, 2).tolist() == [5, 7]  # 5 and 7 both thrice: returned in id order
+    assert most_frequent_token_ids(sequences, 1).tolist() == [5]  # ... and the tie goes to the lower id
     assert most_frequent_token_ids(sequences, 3).tolist() == [3, 5, 7]
     assert most_frequent_token_ids(sequences, 3, always_include=[2]).tolist() == [2, 5, 7]
     assert most_frequent_token_ids(sequences, 10).tolist() == [3, 5, 7, 9, 11]
