@@ -47,7 +47,6 @@ from moaspec.targets.llamacpp_features import transformers_head_order
 from moaspec.targets.llamacpp_prefill import (
     FLOAT_PREFILL_MIN_TOKENS,
     NEVER,
-    fixed_float_compute,
     float_prefill_compute,
     float_prefill_start,
 )
@@ -94,7 +93,7 @@ class PromptPaths:
         """The float forward's products here (float32 or bfloat16; llamacpp_prefill.py): fixed,
         saved or measured on first need, and kept by this target's sessions."""
         if self._float_compute is None:
-            self._float_compute = fixed_float_compute() or float_prefill_compute(self)
+            self._float_compute = float_prefill_compute(self)
         return self._float_compute
 
     def measure_float_forward(self, prompt: list[int], compute: str) -> None:
