@@ -56,25 +56,6 @@ def test_a_tree_is_irregular_only_beyond_three_times_a_larger_ones_time() -> Non
     assert "1 nodes took 40.0 ms, 2 nodes 10.0 ms" in VerifyCosts({1: 0.040, 2: 0.010}, 0.010, 0.0).irregularity()
 
 
-def test_interleaved_rounds_leave_the_warm_up_out_and_rotate_the_order() -> None:
-    clock = {"now": 0.0}
-    calls: list[str] = []
-
-    def job(name: str, seconds: float, first_seconds: float):
-        def run() -> None:
-            clock["now"] += first_seconds if name not in calls else seconds
-            calls.append(name)
-        return run
-
-    measured = costs_module._interleaved(
-        {"a": job("a", 1.0, 100.0), "b": job("b", 2.0, 2.0)}, repeats=1, clock=lambda: clock["now"]
-    )
-    assert measured == {"a": 1.0, "b": 2.0}  # the 100 s first call was the warm-up
-    calls.clear()
-    costs_module._interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=2)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
-
-
 def test_the_accept_fit_splits_fixed_and_per_token_seconds(monkeypatch) -> None:
     """A drafter whose accept of n tokens takes 3 + 0.5 n seconds on the fake clock: fixed 3 s,
     0.5 s a token (from n = 1 and n = 4)."""

@@ -172,6 +172,7 @@ def test_the_value_cache_measurement_chooses_the_faster_cache(faster: str, monke
     whose decodes cost less is chosen (by more than the margin), whichever it is."""
     from types import SimpleNamespace
 
+    from moaspec import timing
     from moaspec.targets import llamacpp_value_cache
 
     cost = {VALUE_CACHE_TYPES[name]: (1.0 if name == faster else 2.0) for name in ("f16", "q8_0")}
@@ -184,7 +185,7 @@ def test_the_value_cache_measurement_chooses_the_faster_cache(faster: str, monke
     fake = SimpleNamespace(vocab_size=16, new_measuring_context=lambda cells, kind: kind,
                            free_measuring_context=lambda ctx: None)
     monkeypatch.setattr(llamacpp_value_cache, "_decode", timed_decode)
-    monkeypatch.setattr(llamacpp_value_cache.time, "perf_counter", lambda: clock["now"])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["now"])
     assert llamacpp_value_cache.measure_value_cache_type(fake) == VALUE_CACHE_TYPES[faster]
 
 

@@ -178,10 +178,12 @@ class FakeForwards:
 
 @pytest.mark.parametrize(("bfloat16_s", "chosen"), [(0.6, "bfloat16"), (0.85, "float32"), (2.5, "float32")])
 def test_measuring_the_products_times_both_in_turns_after_a_warm_up(monkeypatch, bfloat16_s, chosen) -> None:
-    """COMPUTE_TOKENS-token prompts, the two types taking turns over MEASURE_ROUNDS counted rounds
-    after an uncounted one, whose cold start (10 s on the fake clock) must not decide."""
+    """COMPUTE_TOKENS-token prompts, the two types taking turns (the order rotated each round) over
+    MEASURE_ROUNDS counted rounds after an uncounted one, whose cold start (10 s on the fake clock)
+    must not decide."""
     target = FakeForwards({"float32": 1.0, "bfloat16": bfloat16_s})
     monkeypatch.setattr(llamacpp_prefill.time, "perf_counter", lambda: target.clock)
     monkeypatch.setattr(llamacpp_prefill, "load_library_held", lambda: None)
     assert measure_float_compute(target) == chosen
-    assert target.calls == [(COMPUTE_TOKENS, "float32"), (COMPUTE_TOKENS, "bfloat16")] * (MEASURE_ROUNDS + 1)
+    pair = [(COMPUTE_TOKENS, "float32"), (COMPUTE_TOKENS, "bfloat16")]
+    assert target.calls == [call for round_ in range(MEASURE_ROUNDS + 1) for call in (pair[::-1] if round_ % 2 else pair)]

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from moaspec.config import MAX_TREE_BUDGET, SamplingConfig, TreeConfig
 from moaspec.drafters.base import VerifiedUpdate
+from moaspec.timing import interleaved_medians
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def measure_verify(
     plain_jobs = len(penalty_sizes or [None]) if target.reuses_graphs else 0
     for size in (penalty_sizes or [None])[:plain_jobs]:
         jobs[("plain", size)] = lambda size=size: plain_job(size)
-    measured = _interleaved(jobs, repeats, progress=progress)
+    measured = interleaved_medians(jobs, repeats, progress=progress)
     for key in list(measured):
         if isinstance(key, tuple):
             del measured[key]
@@ -271,31 +272,9 @@ def measure_drafter(
         return time.perf_counter() - begin
 
     try:
-        propose_s = _interleaved(
+        propose_s = interleaved_medians(
             {shape: (lambda shape=shape: propose(*shape)) for shape in shapes}, rounds, progress=progress
         )
     finally:
         drafter.tree_config = saved
     return propose_s, (max(0.0, one - per_token), per_token)
-
-
-def _interleaved(
-    jobs: dict, repeats: int, clock: Callable[[], float] = time.perf_counter, progress: Progress | None = None
-) -> dict:
-    """Run every job once per round (order rotated each round), one untimed warm-up round;
-    -> {key: median seconds}. A job that returns a float reports the duration of its timed part
-    itself (its set-up excluded). progress(done, total) follows every job, warm-up included."""
-    keys = list(jobs)
-    samples: dict = {key: [] for key in keys}
-    done, total = 0, len(keys) * (repeats + 1)
-    for round_index in range(repeats + 1):
-        shift = round_index % len(keys)
-        for key in keys[shift:] + keys[:shift]:
-            begin = clock()
-            reported = jobs[key]()
-            if round_index > 0:
-                samples[key].append(reported if isinstance(reported, float) else clock() - begin)
-            done += 1
-            if progress is not None:
-                progress(done, total)
-    return {key: statistics.median(values) for key, values in samples.items()}

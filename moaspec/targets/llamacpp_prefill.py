@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
+from moaspec.timing import interleaved_medians
 
 if TYPE_CHECKING:
     from moaspec.targets.float_prefill import FloatLlama
@@ -156,14 +156,11 @@ def measure_float_compute(target: LlamaCppTarget) -> str:
 
     generator = torch.Generator().manual_seed(COMPUTE_TOKENS)
     prompt = torch.randint(0, target.vocab_size, (COMPUTE_TOKENS,), generator=generator).tolist()
-    seconds: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-    for round_ in range(MEASURE_ROUNDS + 1):
-        for compute, spent in seconds.items():
-            started = time.perf_counter()
-            target.measure_float_forward(prompt, compute)
-            if round_:
-                spent.append(time.perf_counter() - started)
-    return compute_from_timings(statistics.median(seconds["float32"]), statistics.median(seconds["bfloat16"]))
+    seconds = interleaved_medians(
+        {compute: (lambda compute=compute: target.measure_float_forward(prompt, compute)) for compute in ("float32", "bfloat16")},
+        MEASURE_ROUNDS,
+    )
+    return compute_from_timings(seconds["float32"], seconds["bfloat16"])
 
 
 def float_prefill_start(target: LlamaCppTarget) -> int:
@@ -233,12 +230,14 @@ def _median_prefill_s(target, ctx, length: int, warm_up: bool = False) -> tuple[
 
     generator = torch.Generator().manual_seed(length)
     prompt = torch.randint(0, target.vocab_size, (length,), generator=generator).tolist()
-    seconds: dict[str, list[float]] = {"llama.cpp": [], "float": []}
-    for round_ in range(MEASURE_ROUNDS + warm_up):
-        for name, spent in seconds.items():
-            target.clear_measuring_context(ctx)
-            started = time.perf_counter()
-            target.measure_prefill(ctx, prompt, through_float=name == "float")
-            if round_ or not warm_up:
-                spent.append(time.perf_counter() - started)
-    return statistics.median(seconds["llama.cpp"]), statistics.median(seconds["float"])
+
+    def prefill(through_float: bool) -> float:
+        target.clear_measuring_context(ctx)  # not timed
+        started = time.perf_counter()
+        target.measure_prefill(ctx, prompt, through_float=through_float)
+        return time.perf_counter() - started
+
+    seconds = interleaved_medians(
+        {"llama.cpp": lambda: prefill(False), "float": lambda: prefill(True)}, MEASURE_ROUNDS, warm_up_rounds=int(warm_up)
+    )
+    return seconds["llama.cpp"], seconds["float"]

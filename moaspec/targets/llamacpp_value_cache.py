@@ -19,8 +19,6 @@ tokens are those of the cache chosen.
 from __future__ import annotations
 
 import os
-import statistics
-import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +27,7 @@ from moaspec.env_flags import NO_CALIBRATION_ENV, env_flag
 from moaspec.errors import MoaspecError
 from moaspec.signals import load_library_held
 from moaspec.targets.llamacpp_exactness import machine_record_path, saved_or_measured_record
+from moaspec.timing import interleaved_medians
 
 if TYPE_CHECKING:
     from moaspec.targets.llamacpp import LlamaCppTarget
@@ -85,20 +84,18 @@ def measure_value_cache_type(target: LlamaCppTarget) -> int:
         for kind in VALUE_CACHE_TYPES.values():
             contexts[kind] = target.new_measuring_context(MEASURE_CELLS, kind)
         last = {kind: _decode(target, ctx, context) for kind, ctx in contexts.items()}
-        seconds: dict[int, list[float]] = {kind: [] for kind in contexts}
-        for _ in range(MEASURE_ROUNDS):
-            for kind, ctx in contexts.items():
-                started = time.perf_counter()
-                for _ in range(MEASURE_STEPS):
-                    last[kind] = _decode(target, ctx, [last[kind]])
-                seconds[kind].append((time.perf_counter() - started) / MEASURE_STEPS)
+
+        def steps(kind: int) -> None:
+            for _ in range(MEASURE_STEPS):
+                last[kind] = _decode(target, contexts[kind], [last[kind]])
+
+        seconds = interleaved_medians({kind: (lambda kind=kind: steps(kind)) for kind in contexts}, MEASURE_ROUNDS, warm_up_rounds=0)
     except MoaspecError:  # a model llama.cpp cannot time this way (too short a context): the default
         return VALUE_CACHE_TYPES[DEFAULT_VALUE_CACHE]
     finally:
         for ctx in contexts.values():
             target.free_measuring_context(ctx)
-    f16, q8_0 = (statistics.median(seconds[VALUE_CACHE_TYPES[name]]) for name in ("f16", "q8_0"))
-    return faster_value_cache(f16, q8_0)
+    return faster_value_cache(seconds[VALUE_CACHE_TYPES["f16"]], seconds[VALUE_CACHE_TYPES["q8_0"]])
 
 
 def _decode(target, ctx, tokens: list[int]) -> int:
