@@ -120,19 +120,21 @@ def test_loss_falls_when_overfitting_one_batch(tmp_path, method: str, tli: int, 
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
-def test_resume_continues_from_the_same_state(tmp_path) -> None:
+@pytest.mark.parametrize("method", ["moa", "eagle"])
+def test_resume_continues_from_the_same_state(tmp_path, method: str) -> None:
+    """Bit for bit, EAGLE's feature noise included (its generator's state is saved)."""
     target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
     data, val = samples(4, 1), samples(1, 2)
-    config = TrainConfig(method="moa", steps=6, batch_size=2, warmup_steps=2, val_every=3, ckpt_every=3)
+    config = TrainConfig(method=method, steps=6, batch_size=2, warmup_steps=2, val_every=3, ckpt_every=3)
     torch.manual_seed(0)
-    straight = make_net("moa", target)
+    straight = make_net(method, target)
     train(straight, target, data, val, config, tmp_path / "straight", progress=False)
 
     torch.manual_seed(0)
-    interrupted = make_net("moa", target)
+    interrupted = make_net(method, target)
     train(interrupted, target, data, val, config, tmp_path / "resumed", progress=False, stop_at_step=4)
     torch.manual_seed(123)  # resume must not depend on the global RNG
-    resumed = make_net("moa", target)
+    resumed = make_net(method, target)
     state = train(resumed, target, data, val, config, tmp_path / "resumed", progress=False)
     assert state.step == 6
     for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
