@@ -286,6 +286,7 @@ def load_for_prompt(
     background_drafter: as `speculative_lm` (the CLI's `generate`)."""
     _check_drafter_request(drafter, tree_overrides)
     loaded = load_target(target, dtype, DEFAULT_ATTN_IMPLEMENTATION, runtime, device, threads, gpu_layers, light_tokenizer)
+    loaded.serve_one_prompt()
     prompt_ids = prompt_token_ids(loaded, prompt, raw)
     check_prompt_length(len(prompt_ids), loaded)
     return speculative_lm(loaded, drafter, tree_overrides, calibrate, background_drafter), prompt_ids

@@ -432,7 +432,7 @@ def test_an_interrupted_json_generation_prints_the_tokens_verified_before(termin
     import moaspec.cli as cli
     import moaspec.model_store
 
-    loaded = SimpleNamespace(name="smollm2-135m", runtime="llama.cpp", max_positions=8192)
+    loaded = SimpleNamespace(name="smollm2-135m", runtime="llama.cpp", max_positions=8192, serve_one_prompt=lambda: None)
 
     class InterruptedLM:
         target = loaded

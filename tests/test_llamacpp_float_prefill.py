@@ -184,6 +184,44 @@ def test_a_chats_next_turn_after_a_float_prefill_equals_a_fresh_prefill(llama_ta
     assert np.array_equal(warm.set_context(torch.tensor(follow_up)).logits, fresh.set_context(torch.tensor(follow_up)).logits)
 
 
+@pytest.mark.parametrize("path", ["float", "bfloat16"])
+def test_a_target_serving_one_prompt_releases_the_float_weights_and_prefills_the_same_bits(
+    llama_target, category_prompts, monkeypatch, path
+) -> None:
+    """`serve_one_prompt` (what a one-shot command's load says) makes the float prefill drop each
+    layer's weights once used; the logits and the keys and values drafters read stay those of a
+    target that keeps them, for a first prompt and a next one (its pages read again)."""
+    from moaspec.targets.llamacpp_prefill import SharedFloatLlama
+
+    monkeypatch.setenv(PREFILL_ENV, path)
+    shared = llama_target._float
+    one_shot = LlamaCppTarget(
+        llama_target.weights, llama_target.tokenizer, llama_target.config, llama_target.name, threads=2,
+        parts_loader=llama_target._parts_loader, parts=llama_target._parts,
+        float_llama=SharedFloatLlama(shared.model_dir, shared.config),
+    )
+    keeping = sibling(llama_target)
+    one_shot.serve_one_prompt()
+    assert one_shot._float.release_weights and not keeping._float.release_weights
+    for target in (one_shot, keeping):
+        target.keep_layer_kv(range(26, 30))
+    for name in ("summarization", "qa"):
+        prompt = torch.tensor(category_prompts[name])
+        got, want = one_shot.set_context(prompt), keeping.set_context(prompt)
+        assert np.array_equal(got.logits, want.logits), name
+        assert torch.equal(one_shot.layer_kv(0, len(prompt)), keeping.layer_kv(0, len(prompt))), name
+    assert one_shot._float.model.release_weights and one_shot._moved_from == "float"
+
+
+def test_a_load_for_one_prompt_tells_the_target(monkeypatch) -> None:
+    """The one-shot path (`moaspec generate`, `moaspec.generate()`) loads the target serving one prompt."""
+    from moaspec.api import load_for_prompt
+
+    monkeypatch.setenv(PREFILL_ENV, "float")
+    lm, _ = load_for_prompt("Name three colours.", drafter="none", calibrate=False, runtime="llama.cpp", threads=2)
+    assert lm.target._float.release_weights
+
+
 def test_a_conversation_keeps_its_float_prefilled_first_turn(llama_target, category_prompts, monkeypatch) -> None:
     """The float path covers a prompt's first turn only (through the chat template's first
     generation prompt), so a chat's next turn keeps the cells held (first turn, answer) and decodes

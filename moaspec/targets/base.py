@@ -117,6 +117,12 @@ class Target(Protocol):
 
     def use_layout(self, layout: str) -> None: ...
 
+    def serve_one_prompt(self) -> None:
+        """Told by a process that prefills one prompt and exits (a one-shot command): the runtime
+        may keep less in memory for later prompts (llama.cpp: the float prefill drops each
+        layer's weights once used). The output is the same either way."""
+        ...
+
     def new_session(self, positions: int | None = None) -> Target:
         """A target sharing these weights with an empty context of its own (one per client);
         positions: the most tokens it will hold (a runtime that allocates its cache ahead of

@@ -16,6 +16,11 @@ the mapped matrices as they are.
 A file records the float32 files it came from (name, size, modification time); one that does
 not match them, cannot be parsed or lacks a matrix is written again; where it cannot be written
 (a read-only cache) the narrowed copies are held, as before this file existed.
+
+A process that prefills one prompt (a one-shot command) need not keep the pages it has read:
+`MappedMatrices.release` drops named matrices' pages from the process (madvise DONTNEED; they stay
+in the page cache, and a later read faults them in again as the file holds them), so the forward
+holds about one layer's weights at a time. Held copies are not released.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -34,13 +40,38 @@ STORED_TYPES = {torch.float16: "F16", torch.bfloat16: "BF16"}  # safetensors' na
 FORMAT_VERSION = "1"
 
 
-def float16_matrices(model_dir: Path, names: list[str]) -> dict[str, torch.Tensor]:
+class MappedMatrices(dict):
+    """{name: matrix} as `narrowed_matrices` gives them, with the mapping they were read from
+    (None: held copies)."""
+
+    def __init__(self, matrices: dict[str, torch.Tensor], mapping: mmap.mmap | None = None,
+                 spans: dict[str, tuple[int, int]] | None = None) -> None:
+        super().__init__(matrices)
+        self._mapping, self._spans = mapping, spans or {}
+
+    @property
+    def is_mapped(self) -> bool:
+        return self._mapping is not None
+
+    def release(self, names: Iterable[str]) -> None:
+        """Drop these mapped matrices' pages from the process's memory (module docstring); the
+        pages around a matrix's first and last bytes go too (read again where needed). Nothing
+        for held copies."""
+        if self._mapping is None:
+            return
+        for name in names:
+            begin, end = self._spans[name]
+            first = begin - begin % mmap.PAGESIZE
+            self._mapping.madvise(mmap.MADV_DONTNEED, first, end - first)
+
+
+def float16_matrices(model_dir: Path, names: list[str]) -> MappedMatrices:
     """{name: float16 [out, in]} for `names` (2-D tensors of model_dir's safetensors weights):
     `narrowed_matrices` in float16."""
     return narrowed_matrices(model_dir, names, torch.float16)
 
 
-def narrowed_matrices(model_dir: Path, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def narrowed_matrices(model_dir: Path, names: list[str], dtype: torch.dtype) -> MappedMatrices:
     """{name: `dtype` [out, in]} for `names` (2-D tensors of model_dir's safetensors weights;
     dtype float16 or bfloat16): mapped from that type's file (FILE_NAMES) where it holds them for
     these weights, else narrowed from them (and that file written for the next process)."""
@@ -55,7 +86,7 @@ def narrowed_matrices(model_dir: Path, names: list[str], dtype: torch.dtype) -> 
             return mapped
         narrowed = {name: weights.rows(name, dtype).full() for name in names}
     _write(path, narrowed, source)
-    return narrowed
+    return MappedMatrices(narrowed)
 
 
 def _source_identity(model_dir: Path, files: list[str]) -> str:
@@ -67,7 +98,7 @@ def _source_identity(model_dir: Path, files: list[str]) -> str:
     return json.dumps(identity, sort_keys=True)
 
 
-def _mapped(path: Path, names: list[str], source: str, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+def _mapped(path: Path, names: list[str], source: str, dtype: torch.dtype) -> MappedMatrices | None:
     """The `dtype` matrices mapped from `path`, or None where it is missing, unreadable, from
     other weights or without one of them."""
     try:
@@ -86,7 +117,7 @@ def _mapped(path: Path, names: list[str], source: str, dtype: torch.dtype) -> di
         metadata = header.get("__metadata__", {})
         if metadata.get("version") != FORMAT_VERSION or metadata.get("source") != source:
             return None
-        matrices = {}
+        matrices, spans = {}, {}
         for name in names:
             info = header[name]
             begin, end = (8 + header_size + offset for offset in info["data_offsets"])
@@ -94,7 +125,8 @@ def _mapped(path: Path, names: list[str], source: str, dtype: torch.dtype) -> di
             if info["dtype"] != STORED_TYPES[dtype] or end - begin != 2 * rows * columns or end > len(mapping):
                 return None
             matrices[name] = torch.frombuffer(mapping, dtype=dtype, count=rows * columns, offset=begin).view(rows, columns)
-        return matrices
+            spans[name] = (begin, end)
+        return MappedMatrices(matrices, mapping, spans)
     except (struct.error, ValueError, KeyError, TypeError, AttributeError):  # json's errors are ValueErrors
         return None
 

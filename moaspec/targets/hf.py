@@ -107,6 +107,9 @@ class HFTarget:
         """Store the Linear weights in `layout` (same values; few-row product speed differs by CPU)."""
         use_layout(self.model, layout)
 
+    def serve_one_prompt(self) -> None:
+        """Nothing here: the model's weights serve every forward."""
+
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers

@@ -248,6 +248,13 @@ class LlamaCppTarget(PromptPaths, DrafterFeatures, ContextCells):
         check_layout(layout)
         self.weight_layout = layout
 
+    def serve_one_prompt(self) -> None:
+        """The float prefill (where this target has one) drops each layer's weights from the
+        process once used: ~190 MB less at the peak (SmolLM2-135M), ~8 ms more for each later
+        130-token prompt, which reads them from the page cache again."""
+        if self._float is not None:
+            self._float.release_weights = True
+
     @property
     def num_layers(self) -> int:
         return self.weights.num_layers

@@ -88,6 +88,7 @@ class SharedFloatLlama:
         self.model_dir, self.config = Path(model_dir), config
         self.unsupported = float_prefill_unsupported(config)  # None: this forward computes it
         self._model: FloatLlama | None = None
+        self._release_weights = False
 
     @property
     def model(self) -> FloatLlama:
@@ -96,7 +97,19 @@ class SharedFloatLlama:
             from moaspec.targets.float_prefill import FloatLlama
 
             self._model = FloatLlama(self.model_dir, self.config)
+            self._model.release_weights = self._release_weights
         return self._model
+
+    @property
+    def release_weights(self) -> bool:
+        """Whether the forward drops each layer's weights once used (FloatLlama.release_weights)."""
+        return self._release_weights
+
+    @release_weights.setter
+    def release_weights(self, release: bool) -> None:
+        self._release_weights = release
+        if self._model is not None:
+            self._model.release_weights = release
 
 
 def _fixed_path() -> str | None:
