@@ -5,6 +5,8 @@ moaspec's compiled bytecode as a user's installation holds it; PYTHONDONTWRITEBY
 machines, is left out of the runs' environment, since it makes every start compile ~70 modules).
 
     .venv/bin/python bench/startup.py --out bench/results/startup.json
+    .venv/bin/python bench/startup.py --bench-prompt summarization --max-new-tokens 32 \
+        --cases default llama.cpp-prefill      # a long prompt: the float prefill against llama.cpp's
 
 Run it on an idle machine: every process competes for the same cores. Prints a markdown table.
 """
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from moaspec.bench.prompts import CATEGORIES, load_prompts
 from moaspec.bench.script_args import output_file, run_script, script_parser
 
 PROMPT = "Name three colours."
@@ -32,19 +35,21 @@ CASES = {  # label -> extra arguments of `moaspec generate`
     "moa+ngram-built-first": ["--drafter", "moa+ngram"],
     "eagle": ["--drafter", "eagle"],
     "eagle-built-first": ["--drafter", "eagle"],
+    "llama.cpp-prefill": [],  # the default, every prompt prefilled by llama.cpp (no torch on that path)
 }
 CASE_ENV = {  # label -> environment variables of its runs
     # on llama.cpp a shipped model drafter is built in the background (drafters/background.py); these build it first
     "moa+ngram-built-first": {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"},
     "eagle-built-first": {"MOASPEC_NO_BACKGROUND_DRAFTER": "1"},
+    "llama.cpp-prefill": {"MOASPEC_LLAMA_PREFILL": "llama.cpp"},
 }
 DEFAULT_CASES = ("default", "none", "ngram")
 RUN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
-def run_once(moaspec: str, case: str, max_new_tokens: int) -> dict[str, float]:
+def run_once(moaspec: str, case: str, max_new_tokens: int, prompt: str = PROMPT) -> dict[str, float]:
     """One `moaspec generate` of `case`: {first_byte_s, exit_s, peak_rss_mb}; raises when it fails."""
-    command = [moaspec, "generate", "--prompt", PROMPT, "--max-new-tokens", str(max_new_tokens), *CASES[case]]
+    command = [moaspec, "generate", "--prompt", prompt, "--max-new-tokens", str(max_new_tokens), *CASES[case]]
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: stderr can never block the child
         begin = time.perf_counter()
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, env={**RUN_ENV, **CASE_ENV.get(case, {})})
@@ -65,6 +70,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the cases (default 5)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per run (default 8)")
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))
+    prompts = parser.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", default=PROMPT, help=f"the prompt (default {PROMPT!r})")
+    prompts.add_argument("--bench-prompt", metavar="CATEGORY", choices=list(CATEGORIES),
+                         help="the first prompt of this benchmark category instead (e.g. summarization: 149 tokens)")
     parser.add_argument("--out", type=output_file, default=None, help="write the results here as JSON")
     args = parser.parse_args()
     if args.rounds < 1 or args.max_new_tokens < 1:
@@ -76,11 +85,13 @@ def main() -> int:
     from moaspec.bench.output import write_json
     from moaspec.calibration.machine import cpu_description
 
-    run_once(moaspec, args.cases[0], args.max_new_tokens)  # warm the page cache and calibration
+    prompt = args.prompt if args.bench_prompt is None else load_prompts((args.bench_prompt,), 1)[args.bench_prompt][0].turns[0]
+    for case in dict.fromkeys(args.cases):  # warm the page cache and each setting's saved choices
+        run_once(moaspec, case, args.max_new_tokens, prompt)
     samples: dict[str, list[dict[str, float]]] = {case: [] for case in args.cases}
     for round_index in range(args.rounds):
         for case in args.cases:
-            samples[case].append(run_once(moaspec, case, args.max_new_tokens))
+            samples[case].append(run_once(moaspec, case, args.max_new_tokens, prompt))
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     fields = ("first_byte_s", "exit_s", "peak_rss_mb")
     summary = {
@@ -95,7 +106,7 @@ def main() -> int:
         "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "cpu": cpu_description(),
         "moaspec": moaspec,
-        "prompt": PROMPT,
+        "prompt": prompt,
         "max_new_tokens": args.max_new_tokens,
         "cases": {case: CASES[case] for case in args.cases},
         "case_env": {case: CASE_ENV[case] for case in args.cases if case in CASE_ENV},

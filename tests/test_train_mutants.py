@@ -274,6 +274,24 @@ def test_validation_loss_is_the_loss_on_the_grid_accuracy_is_measured_on() -> No
     assert counts.sequences == 1 and counts.loss_sum == on_grid != off_grid
 
 
+def test_eagle_validation_loss_reads_true_features_as_inference_does() -> None:
+    """EAGLE trains on noisy features but drafts from true ones: its validation loss is the loss on
+    true features (a loss on noisy ones measured the training objective, not the drafter)."""
+    target = make_tiny_target("llama", num_hidden_layers=3, dtype=torch.float32)
+    torch.manual_seed(0)
+    net = make_net("eagle", target)
+    config = TrainConfig(method="eagle", eagle_noise=0.5)
+    parts, source = target.parts(0), OnlineFeatures(target)
+    counts = trainer.validation_counts(net, parts, source, [CONVERSATION], config, max_depth=2)
+    features = source.features(CONVERSATION, 0, kv_layers_read(net, config))
+    noise = trainer.feature_noise(config, CONVERSATION, net.config.hidden_size, torch.Generator().manual_seed(0))
+    net.eval()
+    with torch.no_grad():
+        clean = float(batch_loss(net, parts, [Draw(CONVERSATION, 3)], [features], config).total)
+        noisy = float(batch_loss(net, parts, [Draw(CONVERSATION, 3, noise=noise)], [features], config).total)
+    assert counts.sequences == 1 and counts.loss_sum == clean != noisy
+
+
 # ---------------------------------------------------------------------------------------------
 # the training loop: learning rate, clipping, validated and saved steps, resume
 

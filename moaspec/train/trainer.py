@@ -182,8 +182,10 @@ def batch_loss(
             out.pre_tli, batch.tli_hidden, tli_mask, config.tli_rms_scaled, wanted,
             ce_weight=config.ce_weight, feature_weight=config.feature_weight,
         )
-    noise = padded_stack([draw.noise for draw in draws], length).to(device=device, dtype=batch.final_hidden.dtype)
-    predicted = net.forward_train(parts, ids, batch.final_hidden + noise)  # [B, T-1, D]
+    inputs = batch.final_hidden  # [B, T, D]; validation's draws carry no noise
+    if draws[0].noise is not None:
+        inputs = inputs + padded_stack([draw.noise for draw in draws], length).to(device=device, dtype=inputs.dtype)
+    predicted = net.forward_train(parts, ids, inputs)  # [B, T-1, D]
     return drafter_loss(
         predicted, batch.final_hidden[:, 1:], head, batch.target_logsumexp[:, 1:], mask[:, 1:], wanted_ids=wanted[:, 1:],
         ce_weight=config.ce_weight, feature_weight=config.feature_weight,
@@ -269,17 +271,17 @@ def validation_counts(
 ) -> ValidationCounts:
     """Top-1 agreement with the target's own next token (its argmax, full vocabulary: a choice
     outside the draft vocabulary counts as a miss) per draft depth (MoA: depth = i - s(i) + 1 on a
-    fixed anchor grid of max_depth + 1, as `scored_positions` says; EAGLE: depth 1, true features), and the losses.
+    fixed anchor grid of max_depth + 1, as `scored_positions` says; EAGLE: depth 1, true features), and the losses
+    (EAGLE's on true features too: validation draws none of its training noise).
     on_first_guesses(sample, roots [R], guesses [R], target_next [T]): called per sample with its
     draft-depth-1 guesses (`first_guesses`' view), for a caller that splits them further (by turn)."""
     net.eval()
     totals = ValidationCounts(torch.zeros(max_depth + 1), torch.zeros(max_depth + 1))
-    generator = torch.Generator().manual_seed(0)
     device = torch.device(device)
     for sample in samples:
         length = sample.input_ids.numel()
         features = features_on(source.features(sample, config.tli_layers, kv_layers_read(net, config)), device)
-        draw = Draw(sample, max_depth + 1, noise=feature_noise(config, sample, net.config.hidden_size, generator))
+        draw = Draw(sample, max_depth + 1)  # EAGLE without its training noise: true features, as inference reads them
         with mixed_precision(device, autocast):
             parts_loss = batch_loss(net, parts, [draw], [features], config)
             totals.loss_sum += float(parts_loss.total)
