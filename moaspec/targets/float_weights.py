@@ -49,10 +49,6 @@ class MappedMatrices(dict):
         super().__init__(matrices)
         self._mapping, self._spans = mapping, spans or {}
 
-    @property
-    def is_mapped(self) -> bool:
-        return self._mapping is not None
-
     def release(self, names: Iterable[str]) -> None:
         """Drop these mapped matrices' pages from the process's memory (module docstring); the
         pages around a matrix's first and last bytes go too (read again where needed). Nothing
