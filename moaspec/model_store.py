@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moaspec.atomic_files import write_file_atomically
 from moaspec.errors import MoaspecError, first_line
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -162,6 +163,31 @@ def gguf_key(gguf: Path) -> str:
     stat = gguf.stat()
     raw = f"{Path(gguf).resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()
     return hashlib.sha256(raw).hexdigest()[:16]
+
+
+GGUF_DIGESTS = "gguf-digests"  # in the cache root: one file per gguf_key, holding that file's content digest
+
+
+def gguf_digest(gguf: Path) -> str:
+    """Identify a GGUF file by its content (sha256, 16 hex digits): one model installed at two
+    paths (two virtual environments, a clone's CI) is one key, so what a machine measured for it
+    (the value cache, the float prefill, the calibration) holds for both and they decode alike.
+    Hashed once per file (~0.1 s for 100 MB), then read from `<cache root>/gguf-digests/<gguf_key>`
+    (a changed file has another gguf_key, so it is hashed again)."""
+    memo = cache_root() / GGUF_DIGESTS / gguf_key(gguf)
+    try:
+        saved = memo.read_text().strip()
+    except OSError:
+        saved = ""
+    if len(saved) == 16 and all(c in "0123456789abcdef" for c in saved):
+        return saved
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    try:
+        write_file_atomically(memo, digest + "\n")
+    except OSError:
+        pass  # a cache that cannot be written costs a hash next time, not an error
+    return digest
 
 
 def converted_path(gguf: Path) -> Path:

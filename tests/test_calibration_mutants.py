@@ -307,8 +307,8 @@ def test_hit_rates_of_other_weights_and_tunes_without_a_calibration_are_not_used
 
 def test_the_runtime_names_its_threads_and_device(monkeypatch) -> None:
     """Mutants: the runtime description (part of every cost record's key) left out torch's or
-    llama.cpp's thread count, or the GPU the transformers runtime runs on: costs measured with 2
-    threads were reused with 1, and a GPU's with a CPU's."""
+    llama.cpp's thread count, the GPU the transformers runtime runs on, or whether llama.cpp's
+    weights are repacked: costs measured with 2 threads were reused with 1, a GPU's with a CPU's."""
     import sys
 
     import torch
@@ -326,12 +326,17 @@ def test_the_runtime_names_its_threads_and_device(monkeypatch) -> None:
     assert runtime_description(transformers_on("cuda")) == cpu + " on NVIDIA H200"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert runtime_description(transformers_on("cpu")) != cpu
-    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(__version__="0.3.0"))
+    features = {"info": b"CPU : AVX2 = 1 | REPACK = 1 | "}
+    monkeypatch.setitem(sys.modules, "llama_cpp", SimpleNamespace(
+        __version__="0.3.0", llama_print_system_info=lambda: features["info"]))
 
     def llama(threads: int):
         return runtime_description(SimpleNamespace(runtime="llama.cpp", value_cache_name="f16", threads=threads))
 
     assert llama(2).endswith(" 2 threads") and llama(2) != llama(1)
+    plain = llama(2)  # a build with AMX kernels loads its weights unrepacked: other costs
+    features["info"] = b"CPU : AVX2 = 1 | AMX_INT8 = 1 | REPACK = 1 | "
+    assert llama(2) != plain and "unrepacked weights" in llama(2)
 
 
 def test_each_kernel_flag_tells_cpus_apart() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -170,8 +171,6 @@ def test_a_q8_0_value_cache_stays_exact_and_takes_long_prompts_from_the_prompt_c
 def test_the_value_cache_measurement_chooses_the_faster_cache(faster: str, monkeypatch) -> None:
     """A fake clock that charges each one-token decode by its context's value cache: the cache
     whose decodes cost less is chosen (by more than the margin), whichever it is."""
-    from types import SimpleNamespace
-
     from moaspec import timing
     from moaspec.targets import llamacpp_value_cache
 
@@ -485,6 +484,43 @@ def test_gpu_layers_on_a_build_without_gpu_offload_are_said_to_be_ignored(llama_
     assert model.gpu_layers == (3 if offloads else 0)
     note = capsys.readouterr().err
     assert ("--n-gpu-layers 3 (gpu_layers) is ignored" in note) != offloads and len(note.splitlines()) == (0 if offloads else 1)
+
+
+AMX_BUILD_INFO = b"CPU : AVX2 = 1 | AVX512 = 1 | AVX512_BF16 = 1 | AMX_INT8 = 1 | REPACK = 1 | "
+PLAIN_BUILD_INFO = b"CPU : AVX2 = 1 | AVX512 = 1 | AVX512_BF16 = 1 | REPACK = 1 | "
+
+
+@pytest.mark.parametrize("info, repacked", [(AMX_BUILD_INFO, False), (PLAIN_BUILD_INFO, True)])
+def test_a_build_with_amx_kernels_loads_weights_unrepacked(info, repacked) -> None:
+    """Bug (session 56, an AMX Xeon): llama.cpp built natively there repacks weights for its AMX
+    kernels, whose first product crashed the process (SIGSEGV in ggml_backend_amx_mul_mat), so
+    `moaspec generate` died on its first decode. Such a build now loads weights without extra
+    buffer types (plain CPU kernels); any other keeps them."""
+    import llama_cpp
+
+    from moaspec.targets.llamacpp_model import model_params
+
+    lib = SimpleNamespace(
+        llama_model_default_params=llama_cpp.llama_model_default_params, llama_print_system_info=lambda: info
+    )
+    params = model_params(lib, 2)
+    assert params.use_extra_bufts is repacked and params.n_gpu_layers == 2
+
+
+@pytest.mark.parametrize("info, repacked", [(AMX_BUILD_INFO, False), (PLAIN_BUILD_INFO, True)])
+def test_the_llama_cpp_baselines_load_their_weights_as_the_runtime_does(monkeypatch, info, repacked) -> None:
+    """llama-cpp-python's `Llama` (the bench's `llama.cpp` methods) takes its model parameters from
+    llama_model_default_params: while one is built that answers as our runtime loads (no AMX
+    kernels, which crash), and the library's own function is back afterwards."""
+    import llama_cpp.llama_cpp as bindings
+
+    from moaspec.bench.llamacpp_methods import _loaded_as_the_runtime_loads
+
+    monkeypatch.setattr(bindings, "llama_print_system_info", lambda: info)
+    defaults = bindings.llama_model_default_params
+    with _loaded_as_the_runtime_loads():
+        assert bindings.llama_model_default_params().use_extra_bufts is repacked
+    assert bindings.llama_model_default_params is defaults and defaults().use_extra_bufts is True
 
 
 def test_hf_methods_run_beside_a_llama_cpp_target(tmp_path, capsys) -> None:
@@ -969,8 +1005,6 @@ def test_a_gpu_target_gets_the_same_default_drafter_as_a_cpu_target(monkeypatch)
     """generate, load() and bench pick the default drafter by the target's name, not its device:
     the shipped `moa+ngram` on a GPU too (faster than `ngram` in every category on an H200,
     session 29), and the bench's default methods list the shipped drafters there."""
-    from types import SimpleNamespace
-
     from moaspec.bench.methods import default_methods
     from moaspec.calibration import plan
 
@@ -1059,12 +1093,11 @@ def test_plain_decoding_measures_no_exact_tree_size_and_small_contexts_are_check
     assert llamacpp.exact_tree_nodes_here(llama_target) == exact
 
 
-def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp_path, monkeypatch) -> None:
+def test_the_exact_tree_size_is_saved_per_machine_gguf_and_thread_count(tmp_path, monkeypatch) -> None:
     """Every process that verified trees on llama.cpp measured the exact tree size again (~6 s:
-    4 minutes of the test suite): it is saved, and measured again only for another CPU, GGUF file,
-    thread count, value cache type or an unreadable record."""
+    4 minutes of the test suite): it is saved, and measured again only for another CPU, GGUF
+    content, thread count, value cache type or an unreadable record."""
     import os
-    from types import SimpleNamespace
 
     from moaspec.targets import llamacpp_exactness
     from moaspec.targets.llamacpp_exactness import saved_exact_tree_nodes, saved_or_measured
@@ -1090,7 +1123,9 @@ def test_the_exact_tree_size_is_saved_per_machine_gguf_file_and_thread_count(tmp
     assert saved_or_measured(target, measure(5)) == 5 and measured == [128, 7, 5]
     target.value_cache_name = "f16"
     assert saved_or_measured(target, measure(9)) == 128
-    os.utime(gguf, ns=(1, 1))  # the file replaced
+    os.utime(gguf, ns=(1, 1))  # the same bytes touched (or installed again): the same model
+    assert saved_or_measured(target, measure(4)) == 128
+    gguf.write_bytes(b"GGUF" + bytes(15) + b"\1")  # the file replaced by another model
     assert saved_or_measured(target, measure(3)) == 3
     monkeypatch.setattr(llamacpp_exactness, "cpu_description", lambda: "another CPU [avx2]")
     assert saved_exact_tree_nodes(target) is None and saved_or_measured(target, measure(1)) == 1
@@ -1138,12 +1173,12 @@ def test_where_trees_are_not_exact_the_default_decodes_plainly_and_named_drafter
     assert "ngram, moa, moa-tli1, eagle, moa+ngram left out" in capsys.readouterr().err
 
 
-def test_the_calibration_keys_a_gguf_by_its_file_and_offloaded_layers(tmp_path) -> None:
+def test_the_calibration_keys_a_gguf_by_its_file_and_offloaded_layers(tmp_path, monkeypatch) -> None:
     """Bug: the cached costs and the exact tree size were keyed by the target's name (a GGUF's file
     name) and the CPU: two different `model.gguf` files, or the same one with --n-gpu-layers, shared
-    them, and a cached exactness could let a file whose trees are not exact speculate."""
+    them, and a cached exactness could let a file whose trees are not exact speculate. The same
+    file installed at another path (another virtual environment) shares them."""
     from pathlib import Path
-    from types import SimpleNamespace
 
     from moaspec.calibration.plan import target_identity
 
@@ -1151,14 +1186,39 @@ def test_the_calibration_keys_a_gguf_by_its_file_and_offloaded_layers(tmp_path) 
         weights = SimpleNamespace(path=path, gpu_layers=gpu_layers)
         return SimpleNamespace(runtime="llama.cpp", name=path.name, weights=weights)
 
-    first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
-    for path, size in ((first, 10), (second, 20)):
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    first, second, twin = (tmp_path / name / "model.gguf" for name in "abc")
+    for path, size in ((first, 10), (second, 20), (twin, 10)):
         path.parent.mkdir()
         path.write_bytes(b"GGUF" + bytes(size))
     identities = {target_identity(llama_target_at(first)), target_identity(llama_target_at(second)),
                   target_identity(llama_target_at(first, gpu_layers=8))}
     assert len(identities) == 3 and target_identity(llama_target_at(first)) in identities
+    assert target_identity(llama_target_at(twin)) == target_identity(llama_target_at(first))
     assert target_identity(SimpleNamespace(runtime="transformers", name="smollm2-135m")) == "smollm2-135m"
+
+
+def test_the_machine_records_of_one_gguf_installed_twice_are_one(tmp_path, monkeypatch) -> None:
+    """Bug: the value cache, float prefill and exactness records were keyed by the GGUF's path, so a
+    second virtual environment measured again and could choose another value cache: the same
+    machine and model then gave two different (each lossless) texts."""
+    from moaspec.targets import llamacpp_exactness
+    from moaspec.targets.llamacpp_exactness import machine_record_path
+
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    first, twin, other = (tmp_path / name / "model.gguf" for name in "abc")
+    for path, payload in ((first, b"one"), (twin, b"one"), (other, b"two")):
+        path.parent.mkdir()
+        path.write_bytes(b"GGUF" + payload)
+
+    def record(path):
+        weights = SimpleNamespace(path=path, gpu_layers=0)
+        return machine_record_path(SimpleNamespace(name="model", weights=weights, threads=2), "value-cache", "1")
+
+    assert record(twin) == record(first) != record(other)
+    before = record(first)  # another build of llama.cpp (other kernels: AMX, repacking) measures again
+    monkeypatch.setattr(llamacpp_exactness, "build_features", lambda lib: "CPU : AVX2 = 1 | AMX_INT8 = 1 | ")
+    assert record(first) != before
 
 
 def test_an_interrupt_inside_the_capture_callback_is_raised_after_the_decode(llama_target, category_prompts) -> None:

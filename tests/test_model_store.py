@@ -408,6 +408,39 @@ def test_one_gguf_reached_by_two_paths_is_one_key(gguf: Path, tmp_path: Path) ->
     assert model_store.gguf_key(copy) != model_store.gguf_key(gguf)
 
 
+def test_one_gguf_installed_at_two_paths_has_one_digest(gguf: Path, cache: Path, tmp_path: Path) -> None:
+    """Bug: what a machine measured for a GGUF (its value cache, float prefill and calibration) was
+    keyed by the file's path, so each virtual environment measured again, and on a CPU where f16
+    and q8_0 values are close the README's prompt gave one text in one clone and another in a
+    fresh one. A byte-identical copy now shares the digest, any changed byte does not."""
+    copy = tmp_path / "elsewhere" / gguf.name
+    copy.parent.mkdir()
+    copy.write_bytes(gguf.read_bytes())
+    assert model_store.gguf_digest(copy) == model_store.gguf_digest(gguf)
+    changed = bytearray(GGUF_BYTES)
+    changed[-1] ^= 1
+    copy.write_bytes(bytes(changed))
+    assert model_store.gguf_digest(copy) != model_store.gguf_digest(gguf)
+
+
+def test_a_gguf_digest_is_hashed_once_per_file(
+    gguf: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest is remembered per gguf_key (path, size, modification time): later processes read
+    it instead of hashing the file, an unreadable memo is hashed again, a changed file has a new key."""
+    first = model_store.gguf_digest(gguf)
+    memo = cache / model_store.GGUF_DIGESTS / model_store.gguf_key(gguf)
+    assert memo.read_text().strip() == first
+    hashed = []
+    real_digest = model_store.hashlib.file_digest
+    monkeypatch.setattr(model_store.hashlib, "file_digest", lambda *a: hashed.append(1) or real_digest(*a))
+    assert model_store.gguf_digest(gguf) == first and hashed == []
+    memo.write_text("not a digest\n")
+    assert model_store.gguf_digest(gguf) == first and len(hashed) == 1
+    gguf.write_bytes(GGUF_BYTES + b"\0")
+    assert model_store.gguf_digest(gguf) != first and len(hashed) == 2
+
+
 def test_a_folder_without_a_tokenizer_is_refused_in_one_whole_line(tmp_path: Path) -> None:
     """Bug: the error stopped at the library message's first line, "Couldn't instantiate the
     backend tokenizer from one of:", cutting off what the list after it said."""

@@ -13,6 +13,8 @@ False).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +25,30 @@ if TYPE_CHECKING:
     from moaspec.config import SamplingConfig
 
 LLAMA_CPP_PLD_TOKENS = 10  # llama-cpp-python's documented example value
+
+
+@contextmanager
+def _loaded_as_the_runtime_loads() -> Iterator[None]:
+    """While a `Llama` is built, llama_model_default_params answers with the extra buffer types
+    our runtime loads its models with (llamacpp_model.repacks_weights: none in a build with AMX
+    kernels, which crash), so the baseline runs the kernels the target does (`Llama` takes its
+    model parameters from that function and has no argument for them)."""
+    import llama_cpp.llama_cpp as bindings
+
+    from moaspec.targets.llamacpp_model import repacks_weights
+
+    defaults = bindings.llama_model_default_params
+
+    def runtime_params():
+        params = defaults()
+        params.use_extra_bufts = repacks_weights(bindings)
+        return params
+
+    bindings.llama_model_default_params = runtime_params
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 class LlamaCppGenerateMethod:
@@ -41,10 +67,11 @@ class LlamaCppGenerateMethod:
         draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
         # logits_all with a draft model: llama-cpp-python keeps every position's logits then, and
         # sizes that buffer by this flag, not by draft_model (0.3.36)
-        self.llm = Llama(
-            model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-            draft_model=draft, logits_all=draft is not None, verbose=False,
-        )
+        with _loaded_as_the_runtime_loads():
+            self.llm = Llama(
+                model_path=str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                draft_model=draft, logits_all=draft is not None, verbose=False,
+            )
         self.context = context
         self.evals = 0
         evaluate = self.llm.eval

@@ -49,15 +49,19 @@ def cpu_description(cpuinfo: str | None = None) -> str:
 
 def runtime_description(target: Target) -> str:
     """'transformers <ver> torch <ver> <dtype> <attention> <n> threads[ on <GPU name>]', or
-    'llama.cpp (llama-cpp-python <ver>) <KV cache> torch <ver> <n> threads' (torch's version, which
-    the drafters' costs depend on, read from its installed metadata: a generation that needs no
-    model drafter does not import torch)."""
+    'llama.cpp (llama-cpp-python <ver>) <KV cache>[ unrepacked weights] torch <ver> <n> threads'
+    (unrepacked: a build whose AMX kernels are avoided, llamacpp_model.repacks_weights; torch's
+    version, which the drafters' costs depend on, read from its installed metadata: a generation
+    that needs no model drafter does not import torch)."""
     if target.runtime == "llama.cpp":
         import llama_cpp
 
+        from moaspec.targets.llamacpp_model import repacks_weights
+
+        weights = "" if repacks_weights(llama_cpp) else " unrepacked weights"
         return (
-            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0/{target.value_cache_name} KV flash-attention "
-            f"torch {importlib.metadata.version('torch')} {target.threads} threads"
+            f"llama.cpp (llama-cpp-python {llama_cpp.__version__}) q8_0/{target.value_cache_name} KV flash-attention"
+            f"{weights} torch {importlib.metadata.version('torch')} {target.threads} threads"
         )
     import torch
     import transformers

@@ -411,13 +411,13 @@ def _recost(trees, costs):
 
 def target_identity(target: Target) -> str:
     """What the measured costs belong to besides the CPU and runtime: the target's name, and for
-    a llama.cpp target its file (path, size, modification time: two different `model.gguf` files
-    share a name) and the layers it offloads to a GPU."""
+    a llama.cpp target its file's content (gguf_digest: two different `model.gguf` files share a
+    name, one file installed at two paths shares its costs) and the layers it offloads to a GPU."""
     if target.runtime != "llama.cpp":
         return target.name
-    from moaspec.model_store import gguf_key
+    from moaspec.model_store import gguf_digest
 
-    return f"{target.name}|{gguf_key(target.weights.path)}|ngl {target.weights.gpu_layers}"
+    return f"{target.name}|{gguf_digest(target.weights.path)}|ngl {target.weights.gpu_layers}"
 
 
 def _verify_record(target, cpu: str, runtime: str, layouts) -> tuple[Path, str, dict]:

@@ -1,11 +1,12 @@
 """How large a verified tree stays exact on this machine's llama.cpp kernels (llamacpp.py's module
 docstring: a tree's logits must equal one-token decoding's bit for bit), and the answer saved per
-machine, llama.cpp build, GGUF file and thread count (`saved_or_measured`): every process that
+machine, llama.cpp build, GGUF content and thread count (`saved_or_measured`): every process that
 verifies trees needs it, and measuring takes ~6 s.
 
 The answer is saved as `<cache root>/calibration/<target name>/exactness-<key>.json` (cache root
-as in model_store.py); a change of the CPU, llama-cpp-python's version, the GGUF file (path, size,
-modification time), the layers offloaded to a GPU, the thread count, a q8_0 value cache
+as in model_store.py); a change of the CPU, llama-cpp-python's version or compiled features, the
+GGUF's content (the same file installed at another path, as in another virtual environment,
+shares the record), the layers offloaded to a GPU, the thread count, a q8_0 value cache
 (llamacpp_value_cache.py) or the check itself (EXACTNESS_VERSION) is a new key, hence a new
 measurement. An unreadable record is measured again. The value cache's own choice is saved the
 same way (`saved_or_measured_record`, `machine_record_path`).
@@ -22,8 +23,9 @@ import numpy as np
 
 from moaspec.atomic_files import write_file_atomically
 from moaspec.calibration.machine import cpu_description, key_of
-from moaspec.model_store import cache_root, gguf_key
+from moaspec.model_store import cache_root, gguf_digest
 from moaspec.targets.base import Target
+from moaspec.targets.llamacpp_model import build_features
 from moaspec.tree import DraftTree
 
 if TYPE_CHECKING:
@@ -86,13 +88,14 @@ def _read_saved(path: Path, field: str, valid: Callable[[Any], bool] | None = No
 
 def machine_record_path(target: LlamaCppTarget, kind: str, *parts: str) -> Path:
     """`<cache root>/calibration/<target>/<kind>-<key>.json`, the key naming this CPU, llama.cpp's
-    build, the GGUF file, the layers offloaded, the thread count and `parts`."""
+    version and compiled features, the GGUF's content (gguf_digest: the same file at another path
+    shares the record), the layers offloaded, the thread count and `parts`."""
     import llama_cpp
 
     weights = target.weights
     key = key_of(
-        *parts, cpu_description(), f"llama-cpp-python {llama_cpp.__version__}",
-        gguf_key(weights.path), f"ngl {weights.gpu_layers}", f"{target.threads} threads",
+        *parts, cpu_description(), f"llama-cpp-python {llama_cpp.__version__}", build_features(llama_cpp),
+        gguf_digest(weights.path), f"ngl {weights.gpu_layers}", f"{target.threads} threads",
     )
     return cache_root() / "calibration" / target.name / f"{kind}-{key}.json"
 

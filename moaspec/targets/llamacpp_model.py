@@ -43,6 +43,32 @@ def _quiet_logs(llama_cpp) -> None:
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
+AMX_BUILD_FEATURE = "AMX_INT8 = 1"  # in llama_print_system_info: a build with ggml's AMX kernels
+
+
+def build_features(lib: ModuleType) -> str:
+    """The CPU features llama.cpp was compiled with, as it prints them ('AVX2 = 1 | ... |')."""
+    return lib.llama_print_system_info().decode(errors="replace")
+
+
+def repacks_weights(lib: ModuleType) -> bool:
+    """Whether models are loaded with llama.cpp's extra buffer types (weights repacked for the AMX
+    or CPU_REPACK kernels): not in a build with AMX kernels, whose matrix products crash the
+    process (SIGSEGV in ggml_backend_amx_mul_mat at the first decode, llama.cpp issue #20824; seen
+    with SmolLM2's Q4_1 on a 2-core AMX Xeon, session 56, where llama-cpp-python's own `Llama`
+    crashed too). Without them llama.cpp runs its plain CPU kernels."""
+    return AMX_BUILD_FEATURE not in build_features(lib)
+
+
+def model_params(lib: ModuleType, n_gpu_layers: int = 0):
+    """llama.cpp's model parameters as every model of this runtime (and the bench's llama.cpp
+    baselines) is loaded with: `n_gpu_layers` offloaded, extra buffer types where repacks_weights."""
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = repacks_weights(lib)
+    return params
+
+
 class LlamaCppModel:
     """Weights of one GGUF file loaded by llama.cpp, shared by every context made from them."""
 
@@ -50,7 +76,6 @@ class LlamaCppModel:
         lib = load_bindings()
         _quiet_logs(lib)
         lib.llama_backend_init()
-        params = lib.llama_model_default_params()
         if n_gpu_layers and not lib.llama_supports_gpu_offload():
             # a CPU-only build: the layers would stay on the CPU anyway; as 0, the float prefill and
             # the machine's saved choices (keyed by offloaded layers) stay those of a CPU run
@@ -59,7 +84,7 @@ class LlamaCppModel:
                 f"--n-gpu-layers {n_gpu_layers} (gpu_layers) is ignored", file=sys.stderr,
             )
             n_gpu_layers = 0
-        params.n_gpu_layers = n_gpu_layers
+        params = model_params(lib, n_gpu_layers)
         self.lib = lib
         self.path = gguf
         self.gpu_layers = n_gpu_layers

@@ -7,9 +7,10 @@ q8_0 values are 25-42 % faster (README, *Target runtimes*). So where the machine
 the first context the target needs on a machine is preceded by a measurement (~3 s on 2 cores):
 one-token decoding after MEASURE_CONTEXT tokens with each value cache (raw llama_decode loops in two
 contexts prefilled once, taking turns over MEASURE_ROUNDS rounds, medians), q8_0 kept only where
-it is faster by the margin Q8_0_MARGIN. The answer is saved per machine, llama.cpp build, GGUF file, offloaded layers
-and thread count, as the exact tree size is (llamacpp_exactness.py), so every later process on the
-machine decodes with the same cache, hence the same tokens.
+it is faster by the margin Q8_0_MARGIN. The answer is saved per machine, llama.cpp build, GGUF
+content, offloaded layers and thread count, as the exact tree size is (llamacpp_exactness.py), so
+every later process on the machine, whatever path its GGUF is installed at, decodes with the same
+cache, hence the same tokens.
 
 MOASPEC_LLAMA_VALUE_CACHE=f16|q8_0 fixes the choice; with the calibration off
 (MOASPEC_NO_CALIBRATION=1) it is f16, unmeasured. The two round differently, so plain decoding's
