@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_files_atomically(out_dir: Path, files: dict[str, bytes | str]) -> list[Path]:
@@ -41,6 +44,25 @@ def write_files_atomically(out_dir: Path, files: dict[str, bytes | str]) -> list
     finally:
         for _, temporary in staged:
             temporary.unlink(missing_ok=True)
+
+
+@contextmanager
+def file_written_atomically(path: Path) -> Iterator[BinaryIO]:
+    """A binary stream whose content becomes `path` (its folder created if needed) once the block
+    completes, for a file too large to hold in memory first; a failure leaves no new file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(21, "Is a directory", str(path))
+    handle, temporary = _new_hidden_file(path.parent, path.name)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def write_file_atomically(path: Path, content: bytes | str) -> Path:

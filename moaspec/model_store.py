@@ -1,8 +1,8 @@
 """Where target models come from: built-in names, local HF directories, `.gguf` files.
 
-GGUF files are dequantized by transformers on load, which takes ~25 s for SmolLM2-135M. The first
-load therefore writes a float32 safetensors copy (model + tokenizer) into the user's cache dir,
-and later loads read that copy in well under a second. The copy is written into a temporary
+De-quantizing a GGUF file takes ~20 s for SmolLM2-135M, so the first load writes a float32
+safetensors copy (model + tokenizer; gguf_conversion.py, one tensor at a time) into the user's
+cache dir, and later loads read that copy in well under a second. The copy is written into a temporary
 directory beside its final place and renamed into place, so an interrupted first run never
 leaves a broken cache behind.
 
@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -258,23 +259,12 @@ def _remove_stale_copies(targets_dir: Path) -> None:
 
 
 def _write_dequantized(gguf: Path, out_dir: Path) -> None:
-    """transformers reads the GGUF (its de-quantizing bar is the conversion's progress) and writes
-    safetensors; its own loading and saving bars, a line each, are turned off meanwhile."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as transformers_logging
-
-    bars_were_on = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # transformers refuses to save a model it loaded from GGUF; the weights are plain fp32 now.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
-    finally:
-        if bars_were_on:
-            transformers_logging.enable_progress_bar()
+    """gguf_conversion writes the float32 copy in a child process (`python -m
+    moaspec.gguf_conversion`; its de-quantizing bar, on stderr, is the conversion's progress): the
+    ~0.75 GB it peaks at for SmolLM2 goes back to the system when it ends, and this process, which
+    decodes next (or serves for days), imports no transformers for it. RuntimeError with the
+    child's one-line reason where it fails."""
+    command = [sys.executable, "-m", "moaspec.gguf_conversion", str(gguf), str(out_dir)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, errors="replace")
+    if done.returncode:
+        raise RuntimeError(done.stdout.strip() or f"the conversion ended with exit status {done.returncode}")

@@ -1,7 +1,8 @@
 """model_store: cache location, the atomic one-time GGUF conversion, and target resolution.
 
-The conversion itself (`_write_dequantized`, ~25 s of transformers work) is replaced by fakes, so
-these tests only exercise the bookkeeping around it: staging, rename, reuse, cleanup, errors.
+The conversion itself (`_write_dequantized`, ~20 s in a child process; tests/test_gguf_conversion.py)
+is replaced by fakes, so these tests only exercise the bookkeeping around it: staging, rename,
+reuse, cleanup, errors.
 """
 
 from __future__ import annotations
@@ -105,43 +106,6 @@ def test_conversion_runs_once_then_is_reused(
     assert _leftovers(cache) == [first.name]
     assert "first use of tiny" in notice and notice.count("\n") == 1
     assert capsys.readouterr().err == ""  # the reuse is silent
-
-
-def test_conversion_shows_no_transformers_loading_or_saving_bars(
-    gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """transformers' "Loading weights" and "Writing model shards" bars (a line each on stderr)
-    are off while converting, and back on after it, also after a failure."""
-    import transformers
-    from transformers.utils import logging as transformers_logging
-
-    class Loaded:
-        def __init__(self) -> None:
-            self.config = type("Config", (), {})()
-
-        def save_pretrained(self, out_dir) -> None:
-            for _ in transformers_logging.tqdm(range(3), desc="Writing model shards"):
-                pass
-
-    def from_pretrained(*args, **kwargs) -> Loaded:
-        for _ in transformers_logging.tqdm(range(3), desc="Loading weights"):
-            pass
-        return Loaded()
-
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
-        monkeypatch.setattr(auto, "from_pretrained", from_pretrained)
-    transformers_logging.enable_progress_bar()
-    model_store._write_dequantized(gguf, tmp_path)
-    assert "Loading weights" not in capsys.readouterr().err
-    assert transformers_logging.is_progress_bar_enabled()
-
-    monkeypatch.setattr(Loaded, "save_pretrained", lambda self, out_dir: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        model_store._write_dequantized(gguf, tmp_path)
-    assert transformers_logging.is_progress_bar_enabled()
-    for _ in transformers_logging.tqdm(range(3), desc="Loading weights"):  # the check can see a bar
-        pass
-    assert "Loading weights" in capsys.readouterr().err
 
 
 def test_changed_gguf_is_converted_again(cache: Path, gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,10 +3,11 @@ bfloat16), kept in a file per type beside the target's float32 copy and mapped b
 that prefills in float (float_prefill.py).
 
 Narrowed from the float32 copy, they cost a process 0.3-0.6 s at its first float prefill (425 MB
-read into fresh memory, then narrowed to 212 MB on SmolLM2-135M): about what a one-shot command's
-only prompt gains on that path. Mapped from a float16 file, written once (atomically) by the first
-process that narrows them, they load in ~0.02 s, and their pages come from the page cache as the
-forward first reads them; they count in the process's RSS as the held copies did. The mapping is
+read, narrowed to 212 MB on SmolLM2-135M): about what a one-shot command's only prompt gains on
+that path. So the first process narrows them once into a float16 file, a matrix at a time
+(atomically; holding them all and their serialized copy took ~0.4 GB more at the machine's first
+run, session 56), and maps that file as every later process does: they load in ~0.02 s, and their
+pages come from the page cache as the forward first reads them. The mapping is
 copy-on-write (nothing reaches the file) and is never closed: the tensors hold it.
 
 The bfloat16 file spares the bfloat16 forward the per-prompt narrowing of every layer's weights
@@ -15,7 +16,7 @@ the mapped matrices as they are.
 
 A file records the float32 files it came from (name, size, modification time); one that does
 not match them, cannot be parsed or lacks a matrix is written again; where it cannot be written
-(a read-only cache) the narrowed copies are held, as before this file existed.
+(a read-only or full cache) each process holds narrowed copies of its own.
 
 A process that prefills one prompt (a one-shot command) need not keep the pages it has read:
 `MappedMatrices.release` drops named matrices' pages from the process (madvise DONTNEED; they stay
@@ -78,11 +79,11 @@ def narrowed_matrices(model_dir: Path, names: list[str], dtype: torch.dtype) -> 
     with SafetensorsWeights(model_dir) as weights:
         source = _source_identity(model_dir, sorted({weights.file_of(name) for name in names}))
         mapped = _mapped(path, names, source, dtype)
+        if mapped is None and _written(path, weights, names, dtype, source):
+            mapped = _mapped(path, names, source, dtype)
         if mapped is not None:
             return mapped
-        narrowed = {name: weights.rows(name, dtype).full() for name in names}
-    _write(path, narrowed, source)
-    return MappedMatrices(narrowed)
+        return MappedMatrices({name: weights.rows(name, dtype).full() for name in names})
 
 
 def _source_identity(model_dir: Path, files: list[str]) -> str:
@@ -127,13 +128,24 @@ def _mapped(path: Path, names: list[str], source: str, dtype: torch.dtype) -> Ma
         return None
 
 
-def _write(path: Path, matrices: dict[str, torch.Tensor], source: str) -> None:
-    """Write the matrices to `path` for the next process, where the folder allows it."""
-    from safetensors.torch import save
+def _written(path: Path, weights, names: list[str], dtype: torch.dtype, source: str) -> bool:
+    """Narrow the matrices (of `weights`, a SafetensorsWeights) into `path` one at a time, so that
+    no process holds them all (the first process maps the file as later ones do); False where the
+    folder does not allow it (a read-only or full cache: each process then narrows its own copies)."""
+    from moaspec.atomic_files import file_written_atomically
+    from moaspec.safetensors_header import safetensors_header
 
-    from moaspec.atomic_files import write_file_atomically
-
+    size = torch.tensor([], dtype=dtype).element_size()
+    shapes = {name: list(weights.rows(name, dtype).shape) for name in names}
+    header = safetensors_header(
+        [(name, STORED_TYPES[dtype], shape, shape[0] * shape[1] * size) for name, shape in shapes.items()],
+        {"version": FORMAT_VERSION, "source": source},
+    )
     try:
-        write_file_atomically(path, save(matrices, metadata={"version": FORMAT_VERSION, "source": source}))
+        with file_written_atomically(path) as stream:
+            stream.write(header)
+            for name in names:
+                stream.write(weights.rows(name, dtype).full().view(torch.uint8).numpy().data)
     except OSError:
-        pass  # a read-only or full cache: each process narrows its own copies, as before
+        return False
+    return True
