@@ -8,8 +8,8 @@ config and tokenizer come from the GGUF's metadata as transformers reads them, t
 its GGUF-to-transformers map (built on a weightless model), and each tensor is de-quantized and
 put through transformers' tensor processor (e.g. Llama's query/key permutation undone), then
 appended to a raw file; the safetensors file is its header (safetensors_header.py) followed by
-that raw data. The
-tensors are those transformers' loading would give, bit for bit (tests/test_gguf_conversion.py).
+that raw data. The tensors are those transformers' loading would give, bit for bit
+(tests/test_gguf_conversion.py).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def write_dequantized(gguf: Path, out_dir: Path) -> None:
 
 
 def _write_folder(gguf: Path, out_dir: Path) -> None:
+    """write_dequantized's work: the tensors first, then the config, generation config and tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -118,7 +119,10 @@ def _dequantized(tensor, dequantize) -> np.ndarray:
     rows = tensor.data  # quantized: (rows, bytes per row); float: the values
     if rows.ndim < 2 or len(rows) <= DEQUANTIZE_ROWS:
         return dequantize(rows, tensor.tensor_type)
-    parts = (dequantize(rows[start:start + DEQUANTIZE_ROWS], tensor.tensor_type) for start in range(0, len(rows), DEQUANTIZE_ROWS))
+    parts = (
+        dequantize(rows[start:start + DEQUANTIZE_ROWS], tensor.tensor_type)
+        for start in range(0, len(rows), DEQUANTIZE_ROWS)
+    )
     first = next(parts)
     out = np.empty((len(rows), *first.shape[1:]), dtype=first.dtype)
     out[: len(first)] = first

@@ -1,10 +1,10 @@
 """Where target models come from: built-in names, local HF directories, `.gguf` files.
 
 De-quantizing a GGUF file takes ~20 s for SmolLM2-135M, so the first load writes a float32
-safetensors copy (model + tokenizer; gguf_conversion.py, one tensor at a time) into the user's
-cache dir, and later loads read that copy in well under a second. The copy is written into a temporary
-directory beside its final place and renamed into place, so an interrupted first run never
-leaves a broken cache behind.
+safetensors copy (model + tokenizer; gguf_conversion.py, one tensor at a time, in a child
+process) into the user's cache dir, and later loads read that copy in well under a second. The
+copy is written into a temporary directory beside its final place and renamed into place, so an
+interrupted first run never leaves a broken cache behind.
 
 Cache root: $MOASPEC_CACHE, else $XDG_CACHE_HOME/moaspec, else ~/.cache/moaspec.
 """
@@ -265,6 +265,11 @@ def _write_dequantized(gguf: Path, out_dir: Path) -> None:
     decodes next (or serves for days), imports no transformers for it. RuntimeError with the
     child's one-line reason where it fails."""
     command = [sys.executable, "-m", "moaspec.gguf_conversion", str(gguf), str(out_dir)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, errors="replace")
+    package_root = str(Path(__file__).resolve().parent.parent)  # importable as this process found it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
+    if done.returncode < 0:
+        raise RuntimeError(f"the conversion process was killed (signal {-done.returncode}; out of memory?)")
     if done.returncode:
-        raise RuntimeError(done.stdout.strip() or f"the conversion ended with exit status {done.returncode}")
+        reason = done.stdout.strip().splitlines()
+        raise RuntimeError(reason[-1] if reason else f"the conversion ended with exit status {done.returncode}")

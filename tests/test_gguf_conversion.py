@@ -117,3 +117,27 @@ def test_conversion_shows_no_transformers_loading_or_saving_bars(tmp_path, monke
     for _ in transformers_logging.tqdm(range(3), desc="Loading weights"):  # the check can see a bar
         pass
     assert "Loading weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("returncode, stdout, reason", [
+    (-9, "", "the conversion process was killed (signal 9; out of memory?)"),
+    (1, "a library's chatter\nunsupported architecture\n", "unsupported architecture"),
+    (3, "", "the conversion ended with exit status 3"),
+])
+def test_a_failed_conversion_process_is_one_line_with_its_reason(tmp_path, monkeypatch, returncode, stdout, reason) -> None:
+    """The child's last line is its reason (main prints it last); a child the system killed (the
+    out-of-memory killer) is said to be killed, not a corrupt file's exit status."""
+    import subprocess
+
+    from moaspec import model_store
+    from moaspec.errors import MoaspecError
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    monkeypatch.setenv("MOASPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_store.subprocess, "run",
+                        lambda command, **kwargs: subprocess.CompletedProcess(command, returncode, stdout))
+    with pytest.raises(MoaspecError) as failed:
+        ensure_converted(gguf, "model")
+    assert str(failed.value).endswith(f"GGUF file?): {reason}") and "\n" not in str(failed.value)
+    assert [p.name for p in (tmp_path / "cache" / "targets").iterdir()] == []
