@@ -267,7 +267,7 @@ def _write_dequantized(gguf: Path, out_dir: Path) -> None:
     command = [sys.executable, "-m", "moaspec.gguf_conversion", str(gguf), str(out_dir)]
     package_root = str(Path(__file__).resolve().parent.parent)  # importable as this process found it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
+    done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True, errors="replace", env=env)
     if done.returncode < 0:
         raise RuntimeError(f"the conversion process was killed (signal {-done.returncode}; out of memory?)")
     if done.returncode:
