@@ -89,23 +89,30 @@ def write_tensors(gguf: Path, model, path: Path) -> None:
     )
 
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    parsed["tensors"] = {}  # where some processors put tensors themselves (GPT-2's output, MoE experts)
     reader = GGUFReader(gguf)
     architecture = read_field(reader, "general.architecture")[0]  # transformers' processor key
+    reader.fields.clear()  # the metadata is read: its ~100k tokenizer entries (~0.1 GB) go; tensors keep theirs
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
     names = get_gguf_hf_weights_map(model, processor)
     written: list[tuple[str, str, list[int], int]] = []
     raw = path.with_name(path.name + ".raw")
     with open(raw, "wb") as out:
+
+        def append(name: str, weights) -> None:
+            weights = np.ascontiguousarray(weights, dtype=np.float32)
+            out.write(weights.data)
+            written.append((name, "F32", list(weights.shape), weights.nbytes))
+
         for tensor in tqdm(reader.tensors, desc="Converting and de-quantizing GGUF tensors"):
             result = processor.process(
                 weights=_dequantized(tensor, dequantize), name=tensor.name,
                 tensor_key_mapping=names, parsed_parameters=parsed,
             )
-            if result.name not in names:
-                continue
-            weights = np.ascontiguousarray(result.weights, dtype=np.float32)
-            out.write(weights.data)
-            written.append((names[result.name], "F32", list(weights.shape), weights.nbytes))
+            if result.name in names:
+                append(names[result.name], result.weights)
+        for name, tensor in parsed["tensors"].items():
+            append(name, tensor.float().numpy())
     with open(path, "wb") as out, open(raw, "rb") as data:
         out.write(safetensors_header(written, {"format": "pt"}))
         shutil.copyfileobj(data, out, COPY_CHUNK)

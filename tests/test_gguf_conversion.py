@@ -119,6 +119,31 @@ def test_conversion_shows_no_transformers_loading_or_saving_bars(tmp_path, monke
     assert "Loading weights" in capsys.readouterr().err
 
 
+def test_tensors_a_processor_puts_aside_are_written_too(smollm2_gguf, tmp_path, monkeypatch) -> None:
+    """Some of transformers' tensor processors store a tensor themselves and skip it (GPT-2's
+    output, MoE experts merged across tensors): those are written too, under their names. Here
+    Llama's processor, made to put the final norm aside that way, gives the same file's tensors."""
+    from safetensors import safe_open
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, GGUFTensor
+
+    class PutsNormAside(TENSOR_PROCESSORS["llama"]):
+        def process(self, weights, name, **kwargs):
+            if name == "output_norm.weight":
+                kwargs["parsed_parameters"]["tensors"]["model.norm.weight"] = torch.from_numpy(np.copy(weights))
+                return GGUFTensor(weights, None, {})
+            return super().process(weights, name, **kwargs)
+
+    plain, aside = tmp_path / "plain", tmp_path / "aside"
+    plain.mkdir()
+    aside.mkdir()
+    gguf_conversion.write_dequantized(smollm2_gguf, plain)
+    monkeypatch.setitem(TENSOR_PROCESSORS, "llama", PutsNormAside)
+    gguf_conversion.write_dequantized(smollm2_gguf, aside)
+    with safe_open(plain / "model.safetensors", "pt") as a, safe_open(aside / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys()) and "model.norm.weight" in set(b.keys())
+        assert all(torch.equal(a.get_tensor(name), b.get_tensor(name)) for name in a.keys())
+
+
 @pytest.mark.parametrize("returncode, stdout, reason", [
     (-9, "", "the conversion process was killed (signal 9; out of memory?)"),
     (1, "a library's chatter\nunsupported architecture\n", "unsupported architecture"),
